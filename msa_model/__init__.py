@@ -1,0 +1,1 @@
+"""MSA: MiniMax Sparse Attention MoE pretraining on megatron-core."""

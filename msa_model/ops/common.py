@@ -1,0 +1,99 @@
+"""Shared helpers of the MSA ops: backend choice and input checks.
+
+Legend used across the ops: B = batch, T = tokens, Hq = query heads, Hkv = key/value heads (GQA
+groups), G = Hq // Hkv heads per group, D = head dim, Di = index head dim, K = top-k blocks,
+N = key blocks of `block_size` tokens.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+
+import torch
+
+BACKENDS = ("auto", "reference", "triton")
+
+
+def resolve_backend(backend: str, *tensors: torch.Tensor) -> str:
+    """"auto" picks the fused Triton kernels when every input is on CUDA, the reference otherwise."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if all(t.is_cuda for t in tensors if t is not None) else "reference"
+    return backend
+
+
+def load_triton(op: str):
+    """Import `msa_model.ops.<op>.triton` lazily so CPU-only use never imports Triton kernels."""
+    try:
+        return importlib.import_module(f"msa_model.ops.{op}.triton")
+    except ImportError as e:
+        raise RuntimeError(f"the Triton backend of {op} is unavailable: {e}") from e
+
+
+def num_blocks(T: int, block_size: int) -> int:
+    return (T + block_size - 1) // block_size
+
+
+def check_block_size(block_size: int, topk: int | None = None) -> None:
+    if not isinstance(block_size, int) or block_size <= 0:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    if topk is not None and (not isinstance(topk, int) or topk <= 0):
+        raise ValueError(f"topk must be a positive int, got {topk!r}")
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -> tuple[int, ...]:
+    """Validate q [B,T,Hq,D], k/v [B,T,Hkv,D]; returns (B, T, Hq, Hkv, D)."""
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError(f"q and k must be [B, T, H, D]; got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    B, T, Hq, D = q.shape
+    if k.shape[0] != B or k.shape[1] != T or k.shape[3] != D:
+        raise ValueError(f"k {tuple(k.shape)} does not match q {tuple(q.shape)} in batch, tokens or head dim")
+    Hkv = k.shape[2]
+    if Hq % Hkv != 0:
+        raise ValueError(f"query heads ({Hq}) must be divisible by key/value heads ({Hkv})")
+    if v is not None and v.shape != k.shape:
+        raise ValueError(f"v {tuple(v.shape)} must have the shape of k {tuple(k.shape)}")
+    for name, t in (("k", k), ("v", v)):
+        if t is not None and t.dtype != q.dtype:
+            raise TypeError(f"{name} dtype {t.dtype} differs from q dtype {q.dtype}")
+    if not q.is_floating_point():
+        raise TypeError(f"q must be a floating tensor, got {q.dtype}")
+    return B, T, Hq, Hkv, D
+
+
+def check_index(iq: torch.Tensor, ik: torch.Tensor, B: int | None = None, T: int | None = None,
+                Hkv: int | None = None) -> tuple[int, int, int, int]:
+    """Validate iq [B,T,Hkv,Di], ik [B,T,Di]; returns (B, T, Hkv, Di)."""
+    if iq.dim() != 4 or ik.dim() != 3:
+        raise ValueError(f"iq must be [B, T, Hkv, Di] and ik [B, T, Di]; got {tuple(iq.shape)}, {tuple(ik.shape)}")
+    b, t, hkv, di = iq.shape
+    if ik.shape != (b, t, di):
+        raise ValueError(f"ik {tuple(ik.shape)} does not match iq {tuple(iq.shape)} (expected {(b, t, di)})")
+    if ik.dtype != iq.dtype:
+        raise TypeError(f"ik dtype {ik.dtype} differs from iq dtype {iq.dtype}")
+    if (B is not None and b != B) or (T is not None and t != T):
+        raise ValueError(f"index tensors cover batch {b} x tokens {t}, attention inputs {B} x {T}")
+    if Hkv is not None and hkv != Hkv:
+        raise ValueError(f"iq has {hkv} index heads; it needs one per key/value head ({Hkv})")
+    return b, t, hkv, di
+
+
+def check_block_idx(block_idx: torch.Tensor, B: int, T: int, Hkv: int, block_size: int) -> None:
+    if block_idx.dim() != 4 or tuple(block_idx.shape[:3]) != (B, T, Hkv):
+        raise ValueError(f"block_idx must be [B, T, Hkv, K] = [{B}, {T}, {Hkv}, K], got {tuple(block_idx.shape)}")
+    if block_idx.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"block_idx must be int32 or int64, got {block_idx.dtype}")
+    n = num_blocks(T, block_size)
+    if block_idx.numel() and (int(block_idx.min()) < -1 or int(block_idx.max()) >= n):
+        raise ValueError(f"block_idx holds ids outside [-1, {n - 1}] for T={T}, block_size={block_size}")
+
+
+def default_scale(d: int, scale: float | None) -> float:
+    return 1.0 / math.sqrt(d) if scale is None else float(scale)
+
+
+def query_chunk(T: int, per_query: int, budget: int = 1 << 24) -> int:
+    """Queries per chunk so that a chunk's [chunk, ..., T] working tensors hold about `budget` elements."""
+    return max(1, min(T, budget // max(1, per_query * T)))

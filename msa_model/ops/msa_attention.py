@@ -1,0 +1,33 @@
+"""msa_attention: the whole MSA layer core (select -> sparse attention -> KL) as one call."""
+
+from __future__ import annotations
+
+import torch
+
+from .indexer_kl import indexer_kl_loss
+from .select_blocks import select_blocks
+from .sparse_attention import sparse_attention
+
+
+def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iq: torch.Tensor, ik: torch.Tensor,
+                  block_size: int = 128, topk: int = 16, dense: bool = False, scale: float | None = None,
+                  index_scale: float | None = None, force_sink: bool = False, backend: str = "auto",
+                  return_block_idx: bool = False):
+    """MSA attention: o [B, T, Hq, D] and the indexer KL (fp32 scalar, no coefficient applied).
+
+    q [B, T, Hq, D], k/v [B, T, Hkv, D], iq [B, T, Hkv, Di], ik [B, T, Di].
+    dense=True is the indexer warmup: dense causal attention and a KL over all causal keys.
+    Gradients: o reaches q, k, v only; kl reaches iq, ik only (teacher and index inputs are
+    stop-gradient). With `return_block_idx` also returns the int32 [B, T, Hkv, topk] selection
+    (None when dense).
+    """
+    block_idx = None
+    if not dense:
+        block_idx = select_blocks(iq.detach(), ik.detach(), block_size=block_size, topk=topk,
+                                  force_sink=force_sink, backend=backend)
+    o, lse = sparse_attention(q, k, v, block_idx, block_size=block_size, scale=scale, backend=backend)
+    kl = indexer_kl_loss(q.detach(), k.detach(), iq, ik, block_idx, lse.detach(), block_size=block_size,
+                         scale=scale, index_scale=index_scale, backend=backend)
+    if return_block_idx:
+        return o, kl, block_idx
+    return o, kl

@@ -1,0 +1,33 @@
+"""sparse_attention: the main branch, exact softmax attention over each group's selected blocks."""
+
+from __future__ import annotations
+
+import torch
+
+from ..common import check_block_idx, check_block_size, check_qkv, default_scale, load_triton, resolve_backend
+from .reference import sparse_attention_reference
+
+
+def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor | None,
+                     block_size: int = 128, scale: float | None = None,
+                     backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of every query head over the key blocks its GQA group selected.
+
+    q: [B, T, Hq, D]; k, v: [B, T, Hkv, D] (same dtype); block_idx: int [B, T, Hkv, K] block ids,
+    -1 = empty slot, or None for dense causal attention (indexer warmup). A key j is read by
+    query t of group g iff j <= t and block(j) is among block_idx[b, t, g].
+    Returns o [B, T, Hq, D] in q's dtype and lse float32 [B, T, Hq], the natural-log
+    normaliser over the support (-inf where the support is empty, and then o = 0).
+    Differentiable in q, k, v. `scale` defaults to 1/sqrt(D).
+    """
+    check_block_size(block_size)
+    B, T, _, Hkv, D = check_qkv(q, k, v)
+    if block_idx is not None:
+        check_block_idx(block_idx, B, T, Hkv, block_size)
+    scale = default_scale(D, scale)
+    if resolve_backend(backend, q, k, v) == "triton":
+        return load_triton("sparse_attention").sparse_attention_triton(q, k, v, block_idx, block_size, scale)
+    return sparse_attention_reference(q, k, v, block_idx, block_size, scale)
+
+
+__all__ = ["sparse_attention", "sparse_attention_reference"]

@@ -1,0 +1,102 @@
+"""Readable PyTorch reference of the main branch: exact softmax attention over the selected blocks.
+
+Memory-bounded: queries are processed in chunks, so no [T, T] tensor ever exists, and the
+backward recomputes probabilities chunk by chunk from the saved log-sum-exp (as flash attention
+does) instead of keeping them.
+
+B = batch, T = tokens, C = queries in a chunk, G = groups (Hkv), H = heads per group, D = head
+dim, J = keys of the chunk's causal range, K = top-k blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..common import query_chunk
+from ..support import support_mask
+
+
+def _chunks(T: int, heads: int):
+    step = query_chunk(T, heads)
+    for t0 in range(0, T, step):
+        yield t0, min(T, t0 + step)
+
+
+def _probs(q_BCGHD, k_BJGD, mask_BCGJ, scale, lse_BCGH, cdt):
+    """Softmax probabilities [B, C, G, H, J] (fp32, fp64 for fp64 inputs) from the saved lse; zero off the support."""
+    acc = torch.promote_types(cdt, torch.float32)
+    s = torch.einsum("bcghd,bjgd->bcghj", q_BCGHD.to(cdt), k_BJGD.to(cdt)).to(acc) * scale
+    s = s.masked_fill(~mask_BCGJ[:, :, :, None, :], float("-inf"))
+    lse = torch.where(torch.isinf(lse_BCGH), torch.zeros_like(lse_BCGH), lse_BCGH)
+    return torch.exp(s - lse[..., None])
+
+
+def sparse_attention_forward(q, k, v, block_idx, block_size, scale, upcast=True):
+    """Returns o [B,T,Hq,D] (q.dtype) and lse [B,T,Hq] (fp32; fp64 for fp64 inputs)."""
+    B, T, Hq, D = q.shape
+    G = k.shape[2]
+    H = Hq // G
+    acc = torch.promote_types(q.dtype, torch.float32)
+    cdt = acc if upcast else q.dtype
+    o = torch.empty_like(q)
+    lse = torch.empty(B, T, Hq, dtype=acc, device=q.device)
+    q5 = q.view(B, T, G, H, D)
+    for t0, t1 in _chunks(T, Hq):
+        mask = support_mask(block_idx, t0, t1, t1, block_size, G, B, q.device)
+        s = torch.einsum("bcghd,bjgd->bcghj", q5[:, t0:t1].to(cdt), k[:, :t1].to(cdt)).to(acc) * scale
+        s = s.masked_fill(~mask[:, :, :, None, :], float("-inf"))
+        lse_c = torch.logsumexp(s, dim=-1)
+        p = torch.exp(s - torch.where(torch.isinf(lse_c), torch.zeros_like(lse_c), lse_c)[..., None])
+        o_c = torch.einsum("bcghj,bjgd->bcghd", p.to(cdt), v[:, :t1].to(cdt))
+        o[:, t0:t1] = o_c.reshape(B, t1 - t0, Hq, D).to(q.dtype)
+        lse[:, t0:t1] = lse_c.reshape(B, t1 - t0, Hq)
+    return o, lse
+
+
+def sparse_attention_backward(do, q, k, v, o, lse, block_idx, block_size, scale, upcast=True):
+    """Gradients (dq, dk, dv) of `sparse_attention_forward`, recomputing probabilities per chunk."""
+    B, T, Hq, D = q.shape
+    G = k.shape[2]
+    H = Hq // G
+    acc = torch.promote_types(q.dtype, torch.float32)
+    cdt = acc if upcast else q.dtype
+    dq = torch.empty_like(q)
+    dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+    q5, do5 = q.view(B, T, G, H, D), do.view(B, T, G, H, D)
+    # delta = rowsum(dO * O): the softmax backward's correction term, per query head
+    delta = (do.to(acc) * o.to(acc)).sum(-1).view(B, T, G, H)
+    lse5 = lse.view(B, T, G, H)
+    for t0, t1 in _chunks(T, Hq):
+        mask = support_mask(block_idx, t0, t1, t1, block_size, G, B, q.device)
+        p = _probs(q5[:, t0:t1], k[:, :t1], mask, scale, lse5[:, t0:t1], cdt)
+        do_c = do5[:, t0:t1].to(cdt)
+        dp = torch.einsum("bcghd,bjgd->bcghj", do_c, v[:, :t1].to(cdt)).to(acc)
+        ds = p * (dp - delta[:, t0:t1, ..., None])
+        dq_c = torch.einsum("bcghj,bjgd->bcghd", ds.to(cdt), k[:, :t1].to(cdt)).to(acc) * scale
+        dq[:, t0:t1] = dq_c.reshape(B, t1 - t0, Hq, D).to(q.dtype)
+        dk[:, :t1] += torch.einsum("bcghj,bcghd->bjgd", ds.to(cdt), q5[:, t0:t1].to(cdt)).to(acc) * scale
+        dv[:, :t1] += torch.einsum("bcghj,bcghd->bjgd", p.to(cdt), do_c).to(acc)
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+
+class SparseAttentionReference(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, block_idx, block_size, scale, upcast):
+        o, lse = sparse_attention_forward(q, k, v, block_idx, block_size, scale, upcast)
+        ctx.save_for_backward(q, k, v, o, lse, block_idx)
+        ctx.args = (block_size, scale, upcast)
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        q, k, v, o, lse, block_idx = ctx.saved_tensors
+        dq, dk, dv = sparse_attention_backward(do.contiguous(), q, k, v, o, lse, block_idx, *ctx.args)
+        return dq, dk, dv, None, None, None, None
+
+
+def sparse_attention_reference(q, k, v, block_idx, block_size, scale, upcast=True):
+    """Autograd entry of the reference. `upcast=False` does the matmuls in the input dtype, as
+    plain PyTorch code in bf16 would (the yardstick for kernel error budgets)."""
+    return SparseAttentionReference.apply(q, k, v, block_idx, block_size, scale, upcast)
