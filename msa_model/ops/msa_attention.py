@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .common import check_index, check_qkv
 from .indexer_kl import indexer_kl_loss
 from .select_blocks import select_blocks
 from .sparse_attention import sparse_attention
@@ -21,6 +22,8 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iq: torch.T
     stop-gradient). With `return_block_idx` also returns the int32 [B, T, Hkv, topk] selection
     (None when dense).
     """
+    _, T, _, Hkv, _ = check_qkv(q, k, v)
+    check_index(iq, ik, q.shape[0], T, Hkv)
     block_idx = None
     if not dense:
         block_idx = select_blocks(iq.detach(), ik.detach(), block_size=block_size, topk=topk,
