@@ -1,0 +1,255 @@
+"""Fused Triton path of sparse_attention: the inverse block -> queries index, launchers and autograd.
+
+B = batch, T = tokens, C = queries of a chunk, G = key/value heads (groups), H = query heads per
+group, K = top-k slots, N = key blocks, D = head dim, E = entries (B*C*G*K triples).
+
+The inverse index is plain torch (a stable sort of the entries by (batch, group, block)) and
+needs no host synchronisation: tile lists are sized by an upper bound, and spare programs exit.
+Partial buffers (forward o/lse, backward dq) are per entry, so queries are processed in chunks
+that keep them under `PARTIAL_BYTES`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from .triton_dense import dense_bwd_dkdv_kernel, dense_bwd_dq_kernel, dense_fwd_kernel
+from .triton_sparse import (LOG2E, sparse_bwd_kernel, sparse_bwd_reduce_kernel, sparse_dq_combine_kernel,
+                            sparse_fwd_combine_kernel, sparse_fwd_kernel)
+
+# bytes allowed for one chunk's per-entry partial buffers
+PARTIAL_BYTES = 4 << 30
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def clean_block_idx(block_idx_BTGK: torch.Tensor, block_size: int) -> torch.Tensor:
+    """int32 [B, T, G, K] with set semantics made explicit: slots that repeat a block, name a block
+    after the query's own (no causal key) or hold -1 become -1; the rest are sorted ascending."""
+    B, T = block_idx_BTGK.shape[:2]
+    idx = block_idx_BTGK.to(torch.int32)
+    local_T = (torch.arange(T, device=idx.device, dtype=torch.int32) // block_size)[None, :, None, None]
+    idx = torch.where((idx < 0) | (idx > local_T), -1, idx)
+    idx, _ = idx.sort(dim=-1)
+    dup = torch.zeros_like(idx, dtype=torch.bool)
+    dup[..., 1:] = idx[..., 1:] == idx[..., :-1]
+    return torch.where(dup, -1, idx).contiguous()
+
+
+@dataclass
+class InverseIndex:
+    """Entries of a query chunk grouped by bucket (b, g, n), bucket id = (b*G + g)*N + n.
+
+    entry: int32 [E] triple ids ((b*C + c)*G + g)*K + slot, sorted by bucket, then by query.
+    start, count: int64 [B*G*N] each bucket's range in `entry`.
+    """
+
+    entry: torch.Tensor
+    start: torch.Tensor
+    count: torch.Tensor
+    n_blocks: int
+
+
+def build_inverse_index(idx_BCGK: torch.Tensor, n_blocks: int) -> InverseIndex:
+    """Inverse (block -> queries) index of a cleaned chunk of block_idx (see `clean_block_idx`)."""
+    B, _, G, _ = idx_BCGK.shape
+    nb = B * G * n_blocks
+    bg = (torch.arange(B, device=idx_BCGK.device)[:, None] * G
+          + torch.arange(G, device=idx_BCGK.device)[None, :])[:, None, :, None]
+    key = torch.where(idx_BCGK >= 0, bg * n_blocks + idx_BCGK, nb).flatten()
+    # stable: the flat order is query-major, so each bucket lists its queries in order
+    _, entry = torch.sort(key, stable=True)
+    count = torch.bincount(key, minlength=nb + 1)[:nb]
+    start = torch.cumsum(count, 0) - count
+    return InverseIndex(entry.to(torch.int32), start, count, n_blocks)
+
+
+def schedule(index: InverseIndex, per_program: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split every bucket into runs of at most `per_program` entries, one per program.
+
+    Returns int32 (bucket, start, count), each of an upper-bound length; bucket = -1 for spare
+    programs. Runs of one bucket are consecutive.
+    """
+    nb = index.count.numel()
+    runs = (index.count + per_program - 1) // per_program
+    ends = torch.cumsum(runs, 0)
+    total_max = (index.entry.numel() + per_program - 1) // per_program + nb
+    i = torch.arange(total_max, device=runs.device)
+    bucket = torch.searchsorted(ends, i, right=True)
+    ok = bucket < nb
+    bc = bucket.clamp(max=nb - 1)
+    within = i - (ends[bc] - runs[bc])
+    start = index.start[bc] + within * per_program
+    count = (index.count[bc] - within * per_program).clamp(0, per_program)
+    return (torch.where(ok, bc, -1).to(torch.int32), start.to(torch.int32), count.to(torch.int32))
+
+
+def _geometry(q, k, block_size):
+    B, T, Hq, D = q.shape
+    G = k.shape[2]
+    H = Hq // G
+    HP = triton.next_power_of_2(H)
+    if D not in (16, 32, 64, 128, 256):
+        raise ValueError(f"the Triton sparse_attention supports head dims 16..256 (powers of two), got {D}")
+    if block_size < 16 or block_size & (block_size - 1):
+        raise ValueError(f"the Triton sparse_attention needs a power-of-two block_size >= 16, got {block_size}")
+    return B, T, Hq, G, H, HP, D
+
+
+def _chunk(T: int, per_query_bytes: int) -> int:
+    return max(1, min(T, PARTIAL_BYTES // max(1, per_query_bytes)))
+
+
+def _fwd_rows(HP: int) -> int:
+    return max(128, HP)
+
+
+def _bwd_rows(HP: int) -> int:
+    return max(64, HP)
+
+
+def sparse_forward(q, k, v, idx, block_size, scale):
+    """o [B, T, Hq, D] (q dtype), lse fp32 [B, T, Hq]; idx cleaned int32 [B, T, G, K]."""
+    B, T, Hq, G, H, HP, D = _geometry(q, k, block_size)
+    K = idx.shape[-1]
+    N = triton.cdiv(T, block_size)
+    part_dtype = q.dtype
+    o = torch.empty_like(q)
+    lse = torch.empty(B, T, Hq, dtype=torch.float32, device=q.device)
+    QT = _fwd_rows(HP) // HP
+    BN = min(block_size, 128)
+    C = _chunk(T, B * G * K * H * (D * part_dtype.itemsize + 4))
+    for t0 in range(0, T, C):
+        t1 = min(T, t0 + C)
+        idx_c = idx[:, t0:t1].contiguous()
+        index = build_inverse_index(idx_c, N)
+        tb, ts, tc = schedule(index, QT)
+        E = idx_c.numel()
+        po = torch.empty(E * H, D, dtype=part_dtype, device=q.device)
+        plse = torch.empty(E * H, dtype=torch.float32, device=q.device)
+        sparse_fwd_kernel[(tb.numel(),)](
+            q, k, v, po, plse, index.entry, tb, ts, tc, T, t1 - t0, t0, N, scale * LOG2E,
+            HQ=Hq, HKV=G, SLOTS=K, H=H, HP=HP, QT=QT, BS=block_size, BN=BN, D=D,
+            num_warps=8 if QT * HP >= 128 else 4, num_stages=1)
+        sparse_fwd_combine_kernel[(B * (t1 - t0) * G,)](
+            po, plse, idx_c, o, lse, T, t1 - t0, t0,
+            HQ=Hq, HKV=G, SLOTS=K, KP=triton.next_power_of_2(K), H=H, HP=HP, D=D, num_warps=4)
+    return o, lse
+
+
+def sparse_backward(do, q, k, v, o, lse, idx, block_size, scale):
+    """(dq, dk, dv) of `sparse_forward`, in the input dtype."""
+    B, T, Hq, G, H, HP, D = _geometry(q, k, block_size)
+    K = idx.shape[-1]
+    N = triton.cdiv(T, block_size)
+    delta = (do.float() * o.float()).sum(-1)
+    dq = torch.empty_like(q)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    QT = _bwd_rows(HP) // HP
+    # entries per work item: enough tiles to amortise the dK/dV partial, few enough to spread
+    # a popular block (the sink, the local block) over many programs
+    per_item = QT * 16
+    C = _chunk(T, B * G * K * H * D * 4)
+    rb = min(32, block_size)
+    for t0 in range(0, T, C):
+        t1 = min(T, t0 + C)
+        idx_c = idx[:, t0:t1].contiguous()
+        index = build_inverse_index(idx_c, N)
+        ib, istart, icount = schedule(index, per_item)
+        E = idx_c.numel()
+        dqp = torch.empty(E * H, D, dtype=torch.float32, device=q.device)
+        dkp = torch.empty(ib.numel(), block_size, D, dtype=torch.float32, device=q.device)
+        dvp = torch.empty_like(dkp)
+        sparse_bwd_kernel[(ib.numel(),)](
+            q, k, v, do, lse, delta, dqp, dkp, dvp, index.entry, ib, istart, icount,
+            T, t1 - t0, t0, N, scale * LOG2E, scale,
+            HQ=Hq, HKV=G, SLOTS=K, H=H, HP=HP, QT=QT, BS=block_size, D=D, num_warps=8, num_stages=1)
+        runs = (index.count + per_item - 1) // per_item
+        first = (torch.cumsum(runs, 0) - runs).to(torch.int32)
+        sparse_bwd_reduce_kernel[(runs.numel(), block_size // rb)](
+            dkp, dvp, dk, dv, first, runs.to(torch.int32), T, N,
+            HKV=G, BS=block_size, RB=rb, D=D, num_warps=4)
+        sparse_dq_combine_kernel[(B * (t1 - t0) * G,)](
+            dqp, idx_c, dq, T, t1 - t0, t0, HQ=Hq, HKV=G, SLOTS=K, H=H, HP=HP, D=D, num_warps=4)
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _dense_tiles(D: int) -> tuple[int, int]:
+    if _interpreting():
+        return 32, 16
+    return 128, 64
+
+
+def dense_forward(q, k, v, scale):
+    B, T, Hq, G, H, _, D = _geometry(q, k, 16)
+    o = torch.empty_like(q)
+    lse = torch.empty(B, T, Hq, dtype=torch.float32, device=q.device)
+    BM, BN = _dense_tiles(D)
+    dense_fwd_kernel[(triton.cdiv(T, BM), B * Hq)](
+        q, k, v, o, lse, T, scale * LOG2E, HQ=Hq, HKV=G, H=H, BM=BM, BN=BN, D=D, FOR_LOOPS=not _interpreting(),
+        num_warps=8, num_stages=3)
+    return o, lse
+
+
+def dense_backward(do, q, k, v, o, lse, scale):
+    B, T, Hq, G, H, _, D = _geometry(q, k, 16)
+    delta = (do.float() * o.float()).sum(-1)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    BM, BN = (16, 32) if _interpreting() else (64, 128)
+    dense_bwd_dkdv_kernel[(triton.cdiv(T, BN), B * G)](
+        q, k, v, do, lse, delta, dk, dv, T, scale * LOG2E, scale,
+        HQ=Hq, HKV=G, H=H, BM=BM, BN=BN, D=D, FOR_LOOPS=not _interpreting(),
+        num_warps=8, num_stages=2)
+    BM, BN = (32, 16) if _interpreting() else (128, 64)
+    dense_bwd_dq_kernel[(triton.cdiv(T, BM), B * Hq)](
+        q, k, v, do, lse, delta, dq, T, scale * LOG2E, scale,
+        HQ=Hq, HKV=G, H=H, BM=BM, BN=BN, D=D, FOR_LOOPS=not _interpreting(),
+        num_warps=8, num_stages=2)
+    return dq, dk, dv
+
+
+class SparseAttentionTriton(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, block_idx, block_size, scale):
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        idx = None if block_idx is None else clean_block_idx(block_idx, block_size)
+        if idx is None:
+            o, lse = dense_forward(q, k, v, scale)
+        else:
+            o, lse = sparse_forward(q, k, v, idx, block_size, scale)
+        ctx.save_for_backward(q, k, v, o, lse, idx)
+        ctx.args = (block_size, scale)
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        q, k, v, o, lse, idx = ctx.saved_tensors
+        block_size, scale = ctx.args
+        do = do.contiguous()
+        if idx is None:
+            dq, dk, dv = dense_backward(do, q, k, v, o, lse, scale)
+        else:
+            dq, dk, dv = sparse_backward(do, q, k, v, o, lse, idx, block_size, scale)
+        return dq, dk, dv, None, None, None
+
+
+def sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor | None,
+                            block_size: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused sparse (or, with block_idx None, dense causal) attention.
+
+    q [B, T, Hq, D], k/v [B, T, Hkv, D] in bf16, fp16 or fp32 (fp32 matmuls run as tf32 on GPUs);
+    block_idx int [B, T, Hkv, K] or None. Returns o [B, T, Hq, D] (q dtype) and lse fp32 [B, T, Hq]
+    (not differentiable). Inputs are made contiguous.
+    """
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"the Triton sparse_attention supports bf16, fp16 and fp32, got {q.dtype}")
+    return SparseAttentionTriton.apply(q, k, v, block_idx, block_size, scale)

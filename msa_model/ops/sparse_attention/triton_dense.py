@@ -1,0 +1,179 @@
+"""Triton kernels of dense causal attention (block_idx=None, the indexer warmup), query-tile outer.
+
+Forward: one program per (query tile of BM, query head), online softmax over key tiles of BN.
+Backward: dK/dV per (key tile, group), looping over the group's heads and the query tiles at or
+after the key tile (register accumulation, no atomics); dQ per (query tile, head).
+
+B = batch, T = tokens, HQ = query heads, HKV = key/value heads, H = heads per group, D = head dim.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .triton_sparse import mm
+
+
+@triton.jit
+def _fwd_step(q, K, V, b, g, k0, tq, T, m, l, acc, qk_scale, HKV: tl.constexpr, BN: tl.constexpr,
+              D: tl.constexpr, MASK: tl.constexpr):
+    d = tl.arange(0, D)
+    j = k0 + tl.arange(0, BN)
+    kv = ((b * T + j) * HKV + g) * D
+    if MASK:
+        kmask = j < T
+        kt = tl.load(K + kv[:, None] + d[None, :], mask=kmask[:, None], other=0.0)
+        vt = tl.load(V + kv[:, None] + d[None, :], mask=kmask[:, None], other=0.0)
+    else:
+        kt = tl.load(K + kv[:, None] + d[None, :])
+        vt = tl.load(V + kv[:, None] + d[None, :])
+    s = mm(q, tl.trans(kt)) * qk_scale
+    if MASK:
+        s = tl.where(j[None, :] <= tq[:, None], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + mm(p.to(vt.dtype), vt)
+    return m_new, l, acc
+
+
+@triton.jit
+def dense_fwd_kernel(Q, K, V, O, LSE, T, qk_scale,
+                     HQ: tl.constexpr, HKV: tl.constexpr, H: tl.constexpr,
+                     BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, FOR_LOOPS: tl.constexpr):
+    """o [B, T, HQ, D] (q dtype) and lse [B, T, HQ] (fp32, natural log)."""
+    mid = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // HQ).to(tl.int64)
+    h = bh % HQ
+    g = h // H
+    tq = mid * BM + tl.arange(0, BM)
+    qmask = tq < T
+    d = tl.arange(0, D)
+    row = (b * T + tq) * HQ + h
+    q = tl.load(Q + row[:, None] * D + d[None, :], mask=qmask[:, None], other=0.0)
+    m = tl.full([BM], float("-inf"), tl.float32)
+    l = tl.zeros([BM], tl.float32)
+    acc = tl.zeros([BM, D], tl.float32)
+    # key tiles strictly below the diagonal need no mask; BM is a multiple of BN
+    lo = mid * BM
+    hi = tl.minimum((mid + 1) * BM, T)
+    if FOR_LOOPS:
+        for k0 in range(0, lo, BN):
+            m, l, acc = _fwd_step(q, K, V, b, g, k0, tq, T, m, l, acc, qk_scale, HKV, BN, D, False)
+        for k0 in range(lo, hi, BN):
+            m, l, acc = _fwd_step(q, K, V, b, g, k0, tq, T, m, l, acc, qk_scale, HKV, BN, D, True)
+    else:
+        k0 = lo * 0
+        while k0 < lo:
+            m, l, acc = _fwd_step(q, K, V, b, g, k0, tq, T, m, l, acc, qk_scale, HKV, BN, D, False)
+            k0 += BN
+        while k0 < hi:
+            m, l, acc = _fwd_step(q, K, V, b, g, k0, tq, T, m, l, acc, qk_scale, HKV, BN, D, True)
+            k0 += BN
+    tl.store(O + row[:, None] * D + d[None, :], (acc / l[:, None]).to(O.dtype.element_ty), mask=qmask[:, None])
+    tl.store(LSE + row, (m + tl.log2(l)) * 0.6931471805599453, mask=qmask)
+
+
+@triton.jit
+def _dkdv_step(Q, DO, LSE, DELTA, kt, vt, dk, dv, b, h, m0, j, T, qk_scale, HQ: tl.constexpr,
+               BM: tl.constexpr, D: tl.constexpr):
+    d = tl.arange(0, D)
+    tq = m0 + tl.arange(0, BM)
+    qmask = tq < T
+    row = (b * T + tq) * HQ + h
+    q = tl.load(Q + row[:, None] * D + d[None, :], mask=qmask[:, None], other=0.0)
+    do = tl.load(DO + row[:, None] * D + d[None, :], mask=qmask[:, None], other=0.0)
+    lse2 = tl.load(LSE + row, mask=qmask, other=0.0) * 1.4426950408889634
+    delta = tl.load(DELTA + row, mask=qmask, other=0.0)
+    s = mm(q, tl.trans(kt)) * qk_scale
+    vis = (j[None, :] <= tq[:, None]) & qmask[:, None]
+    p = tl.where(vis, tl.exp2(s - lse2[:, None]), 0.0)
+    dv += mm(tl.trans(p.to(do.dtype)), do)
+    dp = mm(do, tl.trans(vt))
+    ds = p * (dp - delta[:, None])
+    dk += mm(tl.trans(ds.to(q.dtype)), q)
+    return dk, dv
+
+
+@triton.jit
+def dense_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, T, qk_scale, sm_scale,
+                          HQ: tl.constexpr, HKV: tl.constexpr, H: tl.constexpr,
+                          BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, FOR_LOOPS: tl.constexpr):
+    """dk, dv [B, T, HKV, D] for one key tile of BN and one group, summed over the group's heads."""
+    nid = tl.program_id(0)
+    bg = tl.program_id(1)
+    b = (bg // HKV).to(tl.int64)
+    g = bg % HKV
+    d = tl.arange(0, D)
+    j = nid * BN + tl.arange(0, BN)
+    kmask = j < T
+    kv = ((b * T + j) * HKV + g) * D
+    kt = tl.load(K + kv[:, None] + d[None, :], mask=kmask[:, None], other=0.0)
+    vt = tl.load(V + kv[:, None] + d[None, :], mask=kmask[:, None], other=0.0)
+    dk = tl.zeros([BN, D], tl.float32)
+    dv = tl.zeros([BN, D], tl.float32)
+    m_lo = (nid * BN // BM) * BM
+    for hh in range(H):
+        h = g * H + hh
+        if FOR_LOOPS:
+            for m0 in range(m_lo, T, BM):
+                dk, dv = _dkdv_step(Q, DO, LSE, DELTA, kt, vt, dk, dv, b, h, m0, j, T, qk_scale, HQ, BM, D)
+        else:
+            m0 = m_lo
+            while m0 < T:
+                dk, dv = _dkdv_step(Q, DO, LSE, DELTA, kt, vt, dk, dv, b, h, m0, j, T, qk_scale, HQ, BM, D)
+                m0 += BM
+    tl.store(DK + kv[:, None] + d[None, :], (dk * sm_scale).to(DK.dtype.element_ty), mask=kmask[:, None])
+    tl.store(DV + kv[:, None] + d[None, :], dv.to(DV.dtype.element_ty), mask=kmask[:, None])
+
+
+@triton.jit
+def _dq_step(K, V, q, do, lse2, delta, dq, b, g, k0, tq, qmask, T, qk_scale, HKV: tl.constexpr,
+             BN: tl.constexpr, D: tl.constexpr):
+    d = tl.arange(0, D)
+    j = k0 + tl.arange(0, BN)
+    kmask = j < T
+    kv = ((b * T + j) * HKV + g) * D
+    kt = tl.load(K + kv[:, None] + d[None, :], mask=kmask[:, None], other=0.0)
+    vt = tl.load(V + kv[:, None] + d[None, :], mask=kmask[:, None], other=0.0)
+    s = mm(q, tl.trans(kt)) * qk_scale
+    vis = (j[None, :] <= tq[:, None]) & qmask[:, None]
+    p = tl.where(vis, tl.exp2(s - lse2[:, None]), 0.0)
+    dp = mm(do, tl.trans(vt))
+    ds = p * (dp - delta[:, None])
+    dq += mm(ds.to(kt.dtype), kt)
+    return dq
+
+
+@triton.jit
+def dense_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, T, qk_scale, sm_scale,
+                        HQ: tl.constexpr, HKV: tl.constexpr, H: tl.constexpr,
+                        BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, FOR_LOOPS: tl.constexpr):
+    """dq [B, T, HQ, D] for one query tile of BM and one head."""
+    mid = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // HQ).to(tl.int64)
+    h = bh % HQ
+    g = h // H
+    tq = mid * BM + tl.arange(0, BM)
+    qmask = tq < T
+    d = tl.arange(0, D)
+    row = (b * T + tq) * HQ + h
+    q = tl.load(Q + row[:, None] * D + d[None, :], mask=qmask[:, None], other=0.0)
+    do = tl.load(DO + row[:, None] * D + d[None, :], mask=qmask[:, None], other=0.0)
+    lse2 = tl.load(LSE + row, mask=qmask, other=0.0) * 1.4426950408889634
+    delta = tl.load(DELTA + row, mask=qmask, other=0.0)
+    dq = tl.zeros([BM, D], tl.float32)
+    hi = tl.minimum((mid + 1) * BM, T)
+    if FOR_LOOPS:
+        for k0 in range(0, hi, BN):
+            dq = _dq_step(K, V, q, do, lse2, delta, dq, b, g, k0, tq, qmask, T, qk_scale, HKV, BN, D)
+    else:
+        k0 = hi * 0
+        while k0 < hi:
+            dq = _dq_step(K, V, q, do, lse2, delta, dq, b, g, k0, tq, qmask, T, qk_scale, HKV, BN, D)
+            k0 += BN
+    tl.store(DQ + row[:, None] * D + d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty), mask=qmask[:, None])

@@ -1,0 +1,236 @@
+"""Triton kernels of sparse attention over selected key blocks, KV-outer with query gathering.
+
+Every (query, group, slot) triple that names a key block is one *entry*. Entries are sorted by
+(batch, group, block) into *buckets* (the inverse block -> queries index), so one program loads a
+key/value block once and multiplies it against QT gathered queries x H heads = R matrix rows.
+Forward programs write a normalised partial output and a partial lse per entry, and a combine
+kernel merges each query's K partials (no atomics, any block popularity). The backward walks the
+same buckets: dK/dV accumulate in registers over a run of tiles (a *work item*), dQ partials are
+written per entry and summed per query; everything is deterministic.
+
+B = batch, T = tokens, C = queries of the current chunk, G = key/value heads (groups),
+H = query heads per group (HP: next power of two), K = top-k slots, N = key blocks,
+BS = block size, D = head dim, E = entries of a chunk (B*C*G*K), R = matrix rows of a tile.
+Triple id of (b, c, g, slot) = ((b*C + c)*G + g)*K + slot, the flat index into [B, C, G, K].
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+# Triton's interpreter multiplies bf16 tiles wrongly (it reads them as raw 16-bit integers), so
+# there bf16 operands are widened to fp32 first; compiled kernels multiply bf16 natively
+INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+@triton.jit
+def mm(a, b):
+    """tl.dot(a, b) with an fp32 accumulator."""
+    if INTERPRET:
+        if a.dtype == tl.bfloat16:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32))
+        else:
+            return tl.dot(a, b)
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _tile_rows(ENTRY, start, i0, count, C, t0, HKV: tl.constexpr, SLOTS: tl.constexpr,
+               H: tl.constexpr, HP: tl.constexpr, QT: tl.constexpr):
+    """Rows of a tile: entries start+i0 .. start+i0+QT-1, each as HP head rows."""
+    r = tl.arange(0, QT * HP)
+    qi = i0 + r // HP
+    hh = r % HP
+    row_ok = (qi < count) & (hh < H)
+    trip = tl.load(ENTRY + start + qi, mask=row_ok, other=0).to(tl.int64)
+    t = t0 + (trip // (SLOTS * HKV)) % C
+    return hh, row_ok, trip, t
+
+
+@triton.jit
+def sparse_fwd_kernel(Q, K, V, PO, PLSE, ENTRY, TILE_BUCKET, TILE_START, TILE_COUNT,
+                      T, C, t0, NBLK, qk_scale,
+                      HQ: tl.constexpr, HKV: tl.constexpr, SLOTS: tl.constexpr, H: tl.constexpr,
+                      HP: tl.constexpr, QT: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
+                      D: tl.constexpr):
+    """One tile of one bucket: partial o (normalised, PO [E, H, D]) and lse (PLSE [E, H], natural log)."""
+    pid = tl.program_id(0)
+    bucket = tl.load(TILE_BUCKET + pid)
+    if bucket < 0:
+        return
+    start = tl.load(TILE_START + pid)
+    count = tl.load(TILE_COUNT + pid)
+    n = bucket % NBLK
+    g = (bucket // NBLK) % HKV
+    b = (bucket // (NBLK * HKV)).to(tl.int64)
+    hh, row_ok, trip, t = _tile_rows(ENTRY, start, 0, count, C, t0, HKV, SLOTS, H, HP, QT)
+    d = tl.arange(0, D)
+    row = (b * T + t) * HQ + g * H + hh
+    q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+
+    R: tl.constexpr = QT * HP
+    m = tl.full([R], float("-inf"), tl.float32)
+    l = tl.zeros([R], tl.float32)
+    acc = tl.zeros([R, D], tl.float32)
+    for c0 in tl.static_range(0, BS, BN):
+        j = n * BS + c0 + tl.arange(0, BN)
+        kv = ((b * T + j) * HKV + g) * D
+        kmask = j < T
+        kt = tl.load(K + kv[:, None] + d[None, :], mask=kmask[:, None], other=0.0)
+        vt = tl.load(V + kv[:, None] + d[None, :], mask=kmask[:, None], other=0.0)
+        s = mm(q, tl.trans(kt)) * qk_scale
+        # j <= t also keeps j < T; rows past `count` see nothing
+        vis = (j[None, :] <= t[:, None]) & row_ok[:, None]
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + mm(p.to(vt.dtype), vt)
+        m = m_new
+    l_safe = tl.where(l == 0.0, 1.0, l)
+    part = trip * H + hh
+    tl.store(PO + part[:, None] * D + d[None, :], (acc / l_safe[:, None]).to(PO.dtype.element_ty),
+             mask=row_ok[:, None])
+    tl.store(PLSE + part, (m + tl.log2(l_safe)) * 0.6931471805599453, mask=row_ok)
+
+
+@triton.jit
+def sparse_fwd_combine_kernel(PO, PLSE, IDX, O, LSE, T, C, t0,
+                              HQ: tl.constexpr, HKV: tl.constexpr, SLOTS: tl.constexpr, KP: tl.constexpr,
+                              H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr):
+    """Merge the K partials of one (b, c, g): o [H, D] and lse [H]; empty support gives o = 0, lse = -inf."""
+    pid = tl.program_id(0).to(tl.int64)  # (b*C + c)*G + g
+    g = pid % HKV
+    c = (pid // HKV) % C
+    b = pid // (HKV * C)
+    h = tl.arange(0, HP)
+    hmask = h < H
+    d = tl.arange(0, D)
+    slot = tl.arange(0, KP)
+    idx = tl.load(IDX + pid * SLOTS + slot, mask=slot < SLOTS, other=-1)
+    trip0 = pid * SLOTS
+    plse = tl.load(PLSE + (trip0 + slot)[:, None] * H + h[None, :],
+                   mask=(idx >= 0)[:, None] & hmask[None, :], other=float("-inf"))
+    mx = tl.max(plse, 0)
+    mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
+    wsum = tl.sum(tl.exp(plse - mx_safe[None, :]), 0)
+    lse = tl.where(wsum == 0.0, float("-inf"), mx_safe + tl.log(tl.where(wsum == 0.0, 1.0, wsum)))
+    lse_safe = tl.where(wsum == 0.0, 0.0, lse)
+    acc = tl.zeros([HP, D], tl.float32)
+    for s in range(SLOTS):
+        if tl.load(IDX + trip0 + s) >= 0:
+            part = (trip0 + s) * H + h
+            w = tl.exp(tl.load(PLSE + part, mask=hmask, other=float("-inf")) - lse_safe)
+            po = tl.load(PO + part[:, None] * D + d[None, :], mask=hmask[:, None], other=0.0)
+            acc += w[:, None] * po.to(tl.float32)
+    row = (b * T + t0 + c) * HQ + g * H + h
+    tl.store(O + row[:, None] * D + d[None, :], acc.to(O.dtype.element_ty), mask=hmask[:, None])
+    tl.store(LSE + row, lse, mask=hmask)
+
+
+@triton.jit
+def sparse_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQP, DKP, DVP, ENTRY, ITEM_BUCKET, ITEM_START, ITEM_COUNT,
+                      T, C, t0, NBLK, qk_scale, sm_scale,
+                      HQ: tl.constexpr, HKV: tl.constexpr, SLOTS: tl.constexpr, H: tl.constexpr,
+                      HP: tl.constexpr, QT: tl.constexpr, BS: tl.constexpr, D: tl.constexpr):
+    """One work item (a run of tiles of one bucket): dK/dV partials [items, BS, D] (fp32), dQ partials
+    per entry (DQP [E, H, D], fp32, scaled)."""
+    pid = tl.program_id(0)
+    bucket = tl.load(ITEM_BUCKET + pid)
+    if bucket < 0:
+        return
+    start = tl.load(ITEM_START + pid)
+    count = tl.load(ITEM_COUNT + pid)
+    n = bucket % NBLK
+    g = (bucket // NBLK) % HKV
+    b = (bucket // (NBLK * HKV)).to(tl.int64)
+    d = tl.arange(0, D)
+    j = n * BS + tl.arange(0, BS)
+    kv = ((b * T + j) * HKV + g) * D
+    kmask = j < T
+    kt = tl.load(K + kv[:, None] + d[None, :], mask=kmask[:, None], other=0.0)
+    vt = tl.load(V + kv[:, None] + d[None, :], mask=kmask[:, None], other=0.0)
+    dk = tl.zeros([BS, D], tl.float32)
+    dv = tl.zeros([BS, D], tl.float32)
+    # a while loop: Triton's interpreter cannot take a loaded bound in range()
+    i0 = count * 0
+    while i0 < count:
+        hh, row_ok, trip, t = _tile_rows(ENTRY, start, i0, count, C, t0, HKV, SLOTS, H, HP, QT)
+        row = (b * T + t) * HQ + g * H + hh
+        q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+        do = tl.load(DO + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+        lse2 = tl.load(LSE + row, mask=row_ok, other=0.0) * 1.4426950408889634
+        delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
+        s = mm(q, tl.trans(kt)) * qk_scale
+        vis = (j[None, :] <= t[:, None]) & row_ok[:, None]
+        p = tl.where(vis, tl.exp2(s - lse2[:, None]), 0.0)
+        dv += mm(tl.trans(p.to(do.dtype)), do)
+        dp = mm(do, tl.trans(vt))
+        ds = p * (dp - delta[:, None])
+        dk += mm(tl.trans(ds.to(q.dtype)), q)
+        dq = mm(ds.to(kt.dtype), kt) * sm_scale
+        part = trip * H + hh
+        tl.store(DQP + part[:, None] * D + d[None, :], dq, mask=row_ok[:, None])
+        i0 += QT
+    out = pid.to(tl.int64) * BS * D + tl.arange(0, BS)[:, None] * D + d[None, :]
+    tl.store(DKP + out, dk * sm_scale)
+    tl.store(DVP + out, dv)
+
+
+@triton.jit
+def sparse_bwd_reduce_kernel(DKP, DVP, DK, DV, ITEM_FIRST, ITEM_NUM, T, NBLK,
+                             HKV: tl.constexpr, BS: tl.constexpr, RB: tl.constexpr, D: tl.constexpr):
+    """dK/dV (fp32 [B, T, G, D], accumulated across query chunks) += the work items of one bucket,
+    in order (deterministic)."""
+    bucket = tl.program_id(0)
+    nitem = tl.load(ITEM_NUM + bucket)
+    if nitem == 0:
+        return
+    first = tl.load(ITEM_FIRST + bucket)
+    n = bucket % NBLK
+    g = (bucket // NBLK) % HKV
+    b = (bucket // (NBLK * HKV)).to(tl.int64)
+    rr = tl.program_id(1) * RB + tl.arange(0, RB)
+    d = tl.arange(0, D)
+    j = n * BS + rr
+    dst = ((b * T + j) * HKV + g)[:, None] * D + d[None, :]
+    jmask = (j < T)[:, None]
+    acc_k = tl.load(DK + dst, mask=jmask, other=0.0)
+    acc_v = tl.load(DV + dst, mask=jmask, other=0.0)
+    it = first.to(tl.int64)
+    while it < first + nitem:
+        src = it * BS * D + rr[:, None] * D + d[None, :]
+        acc_k += tl.load(DKP + src)
+        acc_v += tl.load(DVP + src)
+        it += 1
+    tl.store(DK + dst, acc_k, mask=jmask)
+    tl.store(DV + dst, acc_v, mask=jmask)
+
+
+@triton.jit
+def sparse_dq_combine_kernel(DQP, IDX, DQ, T, C, t0,
+                             HQ: tl.constexpr, HKV: tl.constexpr, SLOTS: tl.constexpr,
+                             H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr):
+    """dq of one (b, c, g) [H, D] = sum of its valid slots' partials (zero on empty support)."""
+    pid = tl.program_id(0).to(tl.int64)
+    g = pid % HKV
+    c = (pid // HKV) % C
+    b = pid // (HKV * C)
+    h = tl.arange(0, HP)
+    hmask = h < H
+    d = tl.arange(0, D)
+    acc = tl.zeros([HP, D], tl.float32)
+    trip0 = pid * SLOTS
+    for s in range(SLOTS):
+        if tl.load(IDX + trip0 + s) >= 0:
+            part = (trip0 + s) * H + h
+            acc += tl.load(DQP + part[:, None] * D + d[None, :], mask=hmask[:, None], other=0.0)
+    row = (b * T + t0 + c) * HQ + g * H + h
+    tl.store(DQ + row[:, None] * D + d[None, :], acc.to(DQ.dtype.element_ty), mask=hmask[:, None])
