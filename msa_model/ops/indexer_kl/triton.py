@@ -1,0 +1,497 @@
+"""Fused Triton kernels of the indexer KL loss, sparse (top-k blocks) and dense (warmup) modes.
+
+Legend: B = batch, T = tokens, G = groups (= Hkv), H = heads per group, D = head dim, Di = index
+head dim, K = top-k slots, N = key blocks, E = B*T*G*K (query, group, slot) entries,
+M = queries in a tile, R = M*HS teacher rows (HS heads of each query), J = keys in a tile.
+
+Per (query t, group g) with support S, teacher p[j] = mean_h exp(q_h.k_j*scale - lse_h) (left
+unnormalised, its sum is s_sum), student z[j] = (iq.ik_j)*index_scale. The loss row
+
+    KL = sum_j (p/s_sum)(log(p/s_sum) - z + lse_z)
+       = a/s_sum - log s_sum - bz/s_sum + lse_z,  a = sum p log p, bz = sum p z,
+
+is a function of five running sums over the support, so one pass over the keys gives it, with
+lse_z kept online. Its gradient in z is dz = exp(z - lse_z) - p/s_sum (times grad*index_scale/count).
+
+- dense: forward is query-outer (a tile of queries against every causal key block), one pass,
+  and also yields d iq = sum_j dz_j ik_j with a flash-style rescaled accumulator. Backward is
+  key-outer for d ik. Memory O(T).
+- sparse: every selection differs per query, so query-outer would re-read a key block (k and ik,
+  J*(D+Di) values) for each (t, g, slot) while key-outer reads q's G*D values: key-outer it is, on
+  an inverse index (for each (b, g, n): the entries that selected block n). The forward writes the
+  five sums per entry, a combine reduces them over the K slots. The backward recomputes teacher
+  and student, keeps d ik in registers and adds d iq with atomics (fp32, order not fixed).
+d ik is written per group and summed over groups afterwards (ik is shared by all groups).
+"""
+
+from __future__ import annotations
+
+import os
+
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+# Triton's interpreter (CPU tests) cannot take tensors as range() bounds and multiplies bf16
+# as raw integers; the kernels work around both when it runs them
+_INTERP = os.environ.get("TRITON_INTERPRET", "0") == "1"
+INTERPRETING = tl.constexpr(_INTERP)
+
+
+@triton.jit
+def _dot(a, b, PREC: tl.constexpr):
+    if INTERPRETING:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
+def _teacher_student(q_ptr, lse_ptr, iq_ptr, b, g, t_M, t_R, row_M, row_R, kT_DJ, ikT_IJ, kpos_J,
+                     sq_b, sq_t, sq_h, sl_b, sl_t, sl_h, si_b, si_t, si_h, scale_log2, index_scale,
+                     H: tl.constexpr, HS: tl.constexpr, M: tl.constexpr, D: tl.constexpr,
+                     DI: tl.constexpr, J: tl.constexpr, PREC: tl.constexpr):
+    """Teacher p [M, J] (unnormalised group mean), student z [M, J] (-inf off the support),
+    the support mask [M, J] and the iq tile [M, Di] for queries t_M against keys kpos_J.
+
+    t_R / row_R repeat t_M / row_M HS times (row r is query r // HS), because Triton cannot
+    gather a register tensor; kpos_J holds a huge value where a key column does not exist.
+    """
+    offs_d = tl.arange(0, D)
+    offs_i = tl.arange(0, DI)
+    t_M64 = t_M.to(tl.int64)
+    valid_MJ = row_M[:, None] & (kpos_J[None, :] <= t_M[:, None])
+    iq_MI = tl.load(iq_ptr + b * si_b + t_M64[:, None] * si_t + g * si_h + offs_i[None, :],
+                    mask=row_M[:, None], other=0.0)
+    z_MJ = _dot(iq_MI, ikT_IJ, PREC) * index_scale
+    z_MJ = tl.where(valid_MJ, z_MJ, float("-inf"))
+
+    t_R64 = t_R.to(tl.int64)
+    valid_RJ = row_R[:, None] & (kpos_J[None, :] <= t_R[:, None])
+    hl_R = tl.arange(0, M * HS) % HS
+    p_MJ = tl.zeros((M, J), dtype=tl.float32)
+    for hs in tl.static_range(H // HS):
+        head_R = g * H + hs * HS + hl_R
+        q_RD = tl.load(q_ptr + b * sq_b + t_R64[:, None] * sq_t + head_R[:, None] * sq_h + offs_d[None, :],
+                       mask=row_R[:, None], other=0.0)
+        lse_R = tl.load(lse_ptr + b * sl_b + t_R64 * sl_t + head_R * sl_h, mask=row_R, other=0.0)
+        # an empty support has lse = -inf; its row is all masked, any finite stand-in will do
+        lse_R = tl.where(lse_R == float("-inf"), 0.0, lse_R)
+        s_RJ = _dot(q_RD, kT_DJ, PREC)
+        e_RJ = tl.exp2(s_RJ * scale_log2 - lse_R[:, None] * 1.4426950408889634)
+        e_RJ = tl.where(valid_RJ, e_RJ, 0.0)
+        p_MJ += tl.sum(tl.reshape(e_RJ, (M, HS, J)), axis=1)
+    return p_MJ * (1.0 / H), z_MJ, valid_MJ, iq_MI
+
+
+@triton.jit
+def _dense_fwd_step(j0, acc, q_ptr, k_ptr, lse_ptr, iq_ptr, ik_ptr, b, g, T, t_M, t_R, row_M, row_R,
+                    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sl_b, sl_t, sl_h, si_b, si_t, si_h, sik_b, sik_t,
+                    scale_log2, index_scale, H: tl.constexpr, HS: tl.constexpr, M: tl.constexpr,
+                    J: tl.constexpr, D: tl.constexpr, DI: tl.constexpr, PREC: tl.constexpr):
+    """One key tile of the dense forward: folds keys j0..j0+J-1 into the running sums."""
+    m_M, l_M, s_M, a_M, bz_M, acc_z, acc_p = acc
+    dt = iq_ptr.dtype.element_ty
+    offs_d = tl.arange(0, D)
+    offs_i = tl.arange(0, DI)
+    kpos_J = j0 + tl.arange(0, J)
+    kin_J = kpos_J < T
+    kpos64 = kpos_J.to(tl.int64)
+    kT_DJ = tl.load(k_ptr + b * sk_b + kpos64[None, :] * sk_t + g * sk_h + offs_d[:, None],
+                    mask=kin_J[None, :], other=0.0)
+    ik_JI = tl.load(ik_ptr + b * sik_b + kpos64[:, None] * sik_t + offs_i[None, :],
+                    mask=kin_J[:, None], other=0.0)
+    p_MJ, z_MJ, valid_MJ, iq_MI = _teacher_student(
+        q_ptr, lse_ptr, iq_ptr, b, g, t_M, t_R, row_M, row_R, kT_DJ, tl.trans(ik_JI), kpos_J,
+        sq_b, sq_t, sq_h, sl_b, sl_t, sl_h, si_b, si_t, si_h, scale_log2, index_scale,
+        H, HS, M, D, DI, J, PREC)
+    m_new = tl.maximum(m_M, tl.max(z_MJ, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_M - m_safe)
+    ez_MJ = tl.exp(z_MJ - m_safe[:, None])
+    l_M = l_M * alpha + tl.sum(ez_MJ, axis=1)
+    acc_z = acc_z * alpha[:, None] + _dot(ez_MJ.to(dt), ik_JI, PREC)
+    acc_p += _dot(p_MJ.to(dt), ik_JI, PREC)
+    s_M += tl.sum(p_MJ, axis=1)
+    a_M += tl.sum(p_MJ * tl.log(tl.maximum(p_MJ, 1.1754943508222875e-38)), axis=1)
+    bz_M += tl.sum(tl.where(valid_MJ, p_MJ * z_MJ, 0.0), axis=1)
+    return m_new, l_M, s_M, a_M, bz_M, acc_z, acc_p
+
+
+@triton.jit
+def _dense_fwd_kernel(q_ptr, k_ptr, lse_ptr, iq_ptr, ik_ptr, kl_ptr, lsez_ptr, invs_ptr, diq_ptr, T,
+                      sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sl_b, sl_t, sl_h, si_b, si_t, si_h, sik_b, sik_t,
+                      scale_log2, index_scale, G: tl.constexpr, H: tl.constexpr, HS: tl.constexpr,
+                      M: tl.constexpr, J: tl.constexpr, D: tl.constexpr, DI: tl.constexpr,
+                      PREC: tl.constexpr):
+    """Query-outer pass over all causal keys; writes kl, lse_z, 1/s_sum [B, T, G] and the
+    unscaled d iq [B, T, G, Di] (fp32)."""
+    pid_m = tl.program_id(0)
+    pid_bg = tl.program_id(1)
+    b = pid_bg // G
+    g = pid_bg % G
+    t_M = pid_m * M + tl.arange(0, M)
+    t_R = pid_m * M + tl.arange(0, M * HS) // HS
+    row_M = t_M < T
+    row_R = t_R < T
+    offs_i = tl.arange(0, DI)
+    acc = (tl.full((M,), float("-inf"), tl.float32), tl.zeros((M,), tl.float32), tl.zeros((M,), tl.float32),
+           tl.zeros((M,), tl.float32), tl.zeros((M,), tl.float32), tl.zeros((M, DI), tl.float32),
+           tl.zeros((M, DI), tl.float32))
+    hi = tl.minimum((pid_m + 1) * M, T)
+    if INTERPRETING:
+        j0 = 0
+        while j0 < hi:
+            acc = _dense_fwd_step(j0, acc, q_ptr, k_ptr, lse_ptr, iq_ptr, ik_ptr, b, g, T, t_M, t_R, row_M, row_R,
+                                  sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sl_b, sl_t, sl_h, si_b, si_t, si_h, sik_b,
+                                  sik_t, scale_log2, index_scale, H, HS, M, J, D, DI, PREC)
+            j0 += J
+    else:
+        for j0 in range(0, hi, J):
+            acc = _dense_fwd_step(j0, acc, q_ptr, k_ptr, lse_ptr, iq_ptr, ik_ptr, b, g, T, t_M, t_R, row_M, row_R,
+                                  sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sl_b, sl_t, sl_h, si_b, si_t, si_h, sik_b,
+                                  sik_t, scale_log2, index_scale, H, HS, M, J, D, DI, PREC)
+    m_M, l_M, s_M, a_M, bz_M, acc_z, acc_p = acc
+
+    m_safe = tl.where(m_M == float("-inf"), 0.0, m_M)
+    lse_z = m_safe + tl.log(l_M)
+    s_safe = tl.maximum(s_M, 1.1754943508222875e-38)
+    inv_s = 1.0 / s_safe
+    kl = tl.where(s_M > 0, (a_M - bz_M) * inv_s - tl.log(s_safe) + lse_z, 0.0)
+    diq = acc_z / tl.maximum(l_M, 1.1754943508222875e-38)[:, None] - acc_p * inv_s[:, None]
+    o_M = (b * T + t_M.to(tl.int64)) * G + g
+    tl.store(kl_ptr + o_M, kl, mask=row_M)
+    tl.store(lsez_ptr + o_M, lse_z, mask=row_M)
+    tl.store(invs_ptr + o_M, inv_s, mask=row_M)
+    tl.store(diq_ptr + o_M[:, None] * DI + offs_i[None, :], diq, mask=row_M[:, None])
+
+
+@triton.jit
+def _sparse_fwd_step(start, hi, q_ptr, lse_ptr, iq_ptr, ent_ptr, part_ptr, b, g, T, E, kT_DJ, ikT_IJ, kpos_J,
+                     sq_b, sq_t, sq_h, sl_b, sl_t, sl_h, si_b, si_t, si_h, scale_log2, index_scale,
+                     G: tl.constexpr, K: tl.constexpr, H: tl.constexpr, HS: tl.constexpr, M: tl.constexpr,
+                     J: tl.constexpr, D: tl.constexpr, DI: tl.constexpr, PREC: tl.constexpr):
+    """M entries of one key block's list: writes their five sums."""
+    idx_M = start + tl.arange(0, M)
+    row_M = idx_M < hi
+    e_M = tl.load(ent_ptr + idx_M, mask=row_M, other=0)
+    t_M = e_M // (G * K) - b * T
+    idx_R = start + tl.arange(0, M * HS) // HS
+    row_R = idx_R < hi
+    t_R = tl.load(ent_ptr + idx_R, mask=row_R, other=0) // (G * K) - b * T
+    p_MJ, z_MJ, valid_MJ, iq_MI = _teacher_student(
+        q_ptr, lse_ptr, iq_ptr, b, g, t_M, t_R, row_M, row_R, kT_DJ, ikT_IJ, kpos_J,
+        sq_b, sq_t, sq_h, sl_b, sl_t, sl_h, si_b, si_t, si_h, scale_log2, index_scale,
+        H, HS, M, D, DI, J, PREC)
+    mz = tl.max(z_MJ, axis=1)
+    mz_safe = tl.where(mz == float("-inf"), 0.0, mz)
+    lz = tl.sum(tl.exp(z_MJ - mz_safe[:, None]), axis=1)
+    s = tl.sum(p_MJ, axis=1)
+    a = tl.sum(p_MJ * tl.log(tl.maximum(p_MJ, 1.1754943508222875e-38)), axis=1)
+    bz = tl.sum(tl.where(valid_MJ, p_MJ * z_MJ, 0.0), axis=1)
+    e64 = e_M.to(tl.int64)
+    tl.store(part_ptr + e64, mz, mask=row_M)
+    tl.store(part_ptr + E + e64, lz, mask=row_M)
+    tl.store(part_ptr + 2 * E + e64, s, mask=row_M)
+    tl.store(part_ptr + 3 * E + e64, a, mask=row_M)
+    tl.store(part_ptr + 4 * E + e64, bz, mask=row_M)
+
+
+@triton.jit
+def _sparse_fwd_kernel(q_ptr, k_ptr, lse_ptr, iq_ptr, ik_ptr, ent_ptr, off_ptr, part_ptr, T, E, N,
+                       sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sl_b, sl_t, sl_h, si_b, si_t, si_h, sik_b, sik_t,
+                       scale_log2, index_scale, BLOCK: tl.constexpr, G: tl.constexpr, K: tl.constexpr,
+                       H: tl.constexpr, HS: tl.constexpr, M: tl.constexpr, J: tl.constexpr, D: tl.constexpr,
+                       DI: tl.constexpr, PREC: tl.constexpr):
+    """Key-outer: program (n, b*G+g) visits the entries that selected block n and writes their
+    five sums (max z, sum exp(z - max z), s_sum, a, bz) to part [5, E] at the entry's index."""
+    n = tl.program_id(0)
+    pid_bg = tl.program_id(1)
+    b = pid_bg // G
+    g = pid_bg % G
+    lo = tl.load(off_ptr + pid_bg * N + n)
+    hi = tl.load(off_ptr + pid_bg * N + n + 1)
+    if hi > lo:
+        offs_j = tl.arange(0, J)
+        offs_d = tl.arange(0, D)
+        offs_i = tl.arange(0, DI)
+        kin_J = (offs_j < BLOCK) & (n * BLOCK + offs_j < T)
+        kpos_J = tl.where(kin_J, n * BLOCK + offs_j, 2147483647)
+        kpos64 = (n * BLOCK + offs_j).to(tl.int64)
+        kT_DJ = tl.load(k_ptr + b * sk_b + kpos64[None, :] * sk_t + g * sk_h + offs_d[:, None],
+                        mask=kin_J[None, :], other=0.0)
+        ikT_IJ = tl.load(ik_ptr + b * sik_b + kpos64[None, :] * sik_t + offs_i[:, None],
+                         mask=kin_J[None, :], other=0.0)
+        if INTERPRETING:
+            start = lo
+            while start < hi:
+                _sparse_fwd_step(start, hi, q_ptr, lse_ptr, iq_ptr, ent_ptr, part_ptr, b, g, T, E, kT_DJ, ikT_IJ,
+                                 kpos_J, sq_b, sq_t, sq_h, sl_b, sl_t, sl_h, si_b, si_t, si_h, scale_log2,
+                                 index_scale, G, K, H, HS, M, J, D, DI, PREC)
+                start += M
+        else:
+            for start in range(lo, hi, M):
+                _sparse_fwd_step(start, hi, q_ptr, lse_ptr, iq_ptr, ent_ptr, part_ptr, b, g, T, E, kT_DJ, ikT_IJ,
+                                 kpos_J, sq_b, sq_t, sq_h, sl_b, sl_t, sl_h, si_b, si_t, si_h, scale_log2,
+                                 index_scale, G, K, H, HS, M, J, D, DI, PREC)
+
+
+@triton.jit
+def _bwd_step(start, hi, dik_JI, q_ptr, lse_ptr, iq_ptr, lsez_ptr, invs_ptr, ent_ptr, diq_ptr, b, g, T,
+              kT_DJ, ikT_IJ, ik_JI, kpos_J, sq_b, sq_t, sq_h, sl_b, sl_t, sl_h, si_b, si_t, si_h, scale_log2,
+              index_scale, G: tl.constexpr, K: tl.constexpr, H: tl.constexpr, HS: tl.constexpr,
+              M: tl.constexpr, J: tl.constexpr, D: tl.constexpr, DI: tl.constexpr, SPARSE: tl.constexpr,
+              PREC: tl.constexpr):
+    """M queries (list entries when sparse, consecutive tokens when dense) against one key block."""
+    dt = iq_ptr.dtype.element_ty
+    offs_i = tl.arange(0, DI)
+    idx_M = start + tl.arange(0, M)
+    row_M = idx_M < hi
+    idx_R = start + tl.arange(0, M * HS) // HS
+    row_R = idx_R < hi
+    if SPARSE:
+        t_M = tl.load(ent_ptr + idx_M, mask=row_M, other=0) // (G * K) - b * T
+        t_R = tl.load(ent_ptr + idx_R, mask=row_R, other=0) // (G * K) - b * T
+    else:
+        t_M = idx_M
+        t_R = idx_R
+    p_MJ, z_MJ, valid_MJ, iq_MI = _teacher_student(
+        q_ptr, lse_ptr, iq_ptr, b, g, t_M, t_R, row_M, row_R, kT_DJ, ikT_IJ, kpos_J,
+        sq_b, sq_t, sq_h, sl_b, sl_t, sl_h, si_b, si_t, si_h, scale_log2, index_scale,
+        H, HS, M, D, DI, J, PREC)
+    o_M = (b * T + t_M.to(tl.int64)) * G + g
+    lse_z = tl.load(lsez_ptr + o_M, mask=row_M, other=0.0)
+    lse_z = tl.where(lse_z == float("-inf"), 0.0, lse_z)
+    inv_s = tl.load(invs_ptr + o_M, mask=row_M, other=0.0)
+    dz_MJ = tl.where(valid_MJ, tl.exp(z_MJ - lse_z[:, None]) - p_MJ * inv_s[:, None], 0.0).to(dt)
+    dik_JI += _dot(tl.trans(dz_MJ), iq_MI, PREC)
+    if SPARSE:
+        dq_MI = _dot(dz_MJ, ik_JI, PREC)
+        tl.atomic_add(diq_ptr + o_M[:, None] * DI + offs_i[None, :], dq_MI, mask=row_M[:, None], sem="relaxed")
+    return dik_JI
+
+
+@triton.jit
+def _bwd_kernel(q_ptr, k_ptr, lse_ptr, iq_ptr, ik_ptr, lsez_ptr, invs_ptr, ent_ptr, off_ptr, dik_ptr, diq_ptr,
+                B, T, N, sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sl_b, sl_t, sl_h, si_b, si_t, si_h, sik_b, sik_t,
+                scale_log2, index_scale, BLOCK: tl.constexpr, G: tl.constexpr, K: tl.constexpr,
+                H: tl.constexpr, HS: tl.constexpr, M: tl.constexpr, J: tl.constexpr, D: tl.constexpr,
+                DI: tl.constexpr, SPARSE: tl.constexpr, PREC: tl.constexpr):
+    """Key-outer backward: program (n, b*G+g) owns keys of block n (BLOCK keys) and writes the
+    unscaled d ik of group g to dik [G, B, T, Di]; sparse mode also adds d iq into diq
+    [B, T, G, Di] with atomics (dense mode got d iq in its forward)."""
+    n = tl.program_id(0)
+    pid_bg = tl.program_id(1)
+    b = pid_bg // G
+    g = pid_bg % G
+    offs_j = tl.arange(0, J)
+    offs_d = tl.arange(0, D)
+    offs_i = tl.arange(0, DI)
+    kin_J = (offs_j < BLOCK) & (n * BLOCK + offs_j < T)
+    kpos_J = tl.where(kin_J, n * BLOCK + offs_j, 2147483647)
+    kpos64 = (n * BLOCK + offs_j).to(tl.int64)
+    kT_DJ = tl.load(k_ptr + b * sk_b + kpos64[None, :] * sk_t + g * sk_h + offs_d[:, None],
+                    mask=kin_J[None, :], other=0.0)
+    ik_JI = tl.load(ik_ptr + b * sik_b + kpos64[:, None] * sik_t + offs_i[None, :],
+                    mask=kin_J[:, None], other=0.0)
+    ikT_IJ = tl.trans(ik_JI)
+    if SPARSE:
+        lo = tl.load(off_ptr + pid_bg * N + n)
+        hi = tl.load(off_ptr + pid_bg * N + n + 1)
+    else:
+        # queries before the block cannot see it
+        lo = n * BLOCK
+        hi = T
+    dik_JI = tl.zeros((J, DI), tl.float32)
+    if INTERPRETING:
+        start = lo
+        while start < hi:
+            dik_JI = _bwd_step(start, hi, dik_JI, q_ptr, lse_ptr, iq_ptr, lsez_ptr, invs_ptr, ent_ptr, diq_ptr, b,
+                               g, T, kT_DJ, ikT_IJ, ik_JI, kpos_J, sq_b, sq_t, sq_h, sl_b, sl_t, sl_h, si_b, si_t,
+                               si_h, scale_log2, index_scale, G, K, H, HS, M, J, D, DI, SPARSE, PREC)
+            start += M
+    else:
+        for start in range(lo, hi, M):
+            dik_JI = _bwd_step(start, hi, dik_JI, q_ptr, lse_ptr, iq_ptr, lsez_ptr, invs_ptr, ent_ptr, diq_ptr, b,
+                               g, T, kT_DJ, ikT_IJ, ik_JI, kpos_J, sq_b, sq_t, sq_h, sl_b, sl_t, sl_h, si_b, si_t,
+                               si_h, scale_log2, index_scale, G, K, H, HS, M, J, D, DI, SPARSE, PREC)
+    o_J = (g * B + b) * T + kpos64
+    tl.store(dik_ptr + o_J[:, None] * DI + offs_i[None, :], dik_JI, mask=kin_J[:, None])
+
+
+def _heads_per_dot(H: int, M: int, rows: int) -> int:
+    """Largest power of two dividing H with M * HS <= rows: the teacher's dot has M*HS rows."""
+    hs = 1
+    while H % (2 * hs) == 0 and M * 2 * hs <= rows:
+        hs *= 2
+    return hs
+
+
+def _check_dims(D: int, Di: int) -> None:
+    for name, d in (("head dim", D), ("index head dim", Di)):
+        if d < 16 or d & (d - 1):
+            raise ValueError(f"the Triton indexer KL needs a power-of-two {name} >= 16, got {d}")
+
+
+def _strides(q, k, lse, iq, ik):
+    return (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            lse.stride(0), lse.stride(1), lse.stride(2), iq.stride(0), iq.stride(1), iq.stride(2),
+            ik.stride(0), ik.stride(1))
+
+
+def _precision(q, iq) -> str:
+    # fp32 inputs get true fp32 dots (tf32 would cost ~3e-4 relative error); bf16/fp16 ignore this
+    return "ieee" if torch.float32 in (q.dtype, iq.dtype) else "tf32"
+
+
+def inverse_index(block_idx: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each (b, g, n): the entries e = ((b*T + t)*G + g)*K + slot whose slot selects block n.
+
+    block_idx int [B, T, G, K] (-1 = empty; duplicates in a row and blocks past the query are
+    dropped). Returns ent int32 [E_valid] (entries grouped by (b, g, n), t ascending within a
+    group) and offsets int32 [B*G*N + 1] into ent. Slots are renumbered (sorted per row).
+    """
+    B, T, G, K = block_idx.shape
+    N = triton.cdiv(T, block_size)
+    if B * T * G * K >= 2**31 or B * G * N >= 2**31:
+        raise ValueError("block_idx too large for int32 entry ids")
+    idx_BTGK = block_idx.long().sort(dim=-1).values
+    dup_BTGK = torch.zeros_like(idx_BTGK, dtype=torch.bool)
+    dup_BTGK[..., 1:] = idx_BTGK[..., 1:] == idx_BTGK[..., :-1]
+    t_T = torch.arange(T, device=block_idx.device)
+    valid_BTGK = (idx_BTGK >= 0) & (idx_BTGK <= (t_T // block_size)[None, :, None, None]) & ~dup_BTGK
+    bg_BG = torch.arange(B * G, device=block_idx.device).view(B, 1, G, 1)
+    key = torch.where(valid_BTGK, bg_BG * N + idx_BTGK, B * G * N).flatten()
+    ent = torch.argsort(key, stable=True).to(torch.int32)
+    counts = torch.bincount(key, minlength=B * G * N + 1)[: B * G * N]
+    offsets = torch.zeros(B * G * N + 1, dtype=torch.int32, device=block_idx.device)
+    offsets[1:] = torch.cumsum(counts, 0)
+    return ent, offsets
+
+
+class _Config:
+    """Tile sizes: M queries per tile, teacher dots of up to `rows` rows, J keys per dense tile."""
+    M = 16
+    rows = 128
+    dense_fwd_j = 64
+    dense_bwd_j = 128
+    warps = 8
+    stages = 1
+
+
+def _dense_forward(q, k, lse, iq, ik, scale, index_scale, cfg):
+    B, T, Hq, D = q.shape
+    G, Di = k.shape[2], iq.shape[3]
+    H = Hq // G
+    HS = _heads_per_dot(H, cfg.M, cfg.rows)
+    kl = torch.empty(B, T, G, dtype=torch.float32, device=q.device)
+    lse_z = torch.empty_like(kl)
+    inv_s = torch.empty_like(kl)
+    diq = torch.empty(B, T, G, Di, dtype=torch.float32, device=q.device)
+    grid = (triton.cdiv(T, cfg.M), B * G)
+    _dense_fwd_kernel[grid](q, k, lse, iq, ik, kl, lse_z, inv_s, diq, T, *_strides(q, k, lse, iq, ik),
+                            scale * LOG2E, index_scale, G=G, H=H, HS=HS, M=cfg.M, J=cfg.dense_fwd_j, D=D,
+                            DI=Di, PREC=_precision(q, iq), num_warps=cfg.warps, num_stages=cfg.stages)
+    return kl, lse_z, inv_s, diq
+
+
+def _combine(part, B, T, G, K):
+    """Reduce the per-slot sums [5, E] to kl, lse_z, 1/s_sum, each fp32 [B, T, G]."""
+    mz, lz, s, a, bz = part.view(5, B, T, G, K).unbind(0)
+    mx = mz.amax(-1)
+    mx = torch.where(torch.isinf(mx), torch.zeros_like(mx), mx)
+    lse_z = mx + torch.log((lz * torch.exp(mz - mx[..., None])).sum(-1))
+    s_sum = s.sum(-1)
+    s_safe = s_sum.clamp_min(torch.finfo(torch.float32).tiny)
+    inv_s = 1.0 / s_safe
+    kl = (a.sum(-1) - bz.sum(-1)) * inv_s - torch.log(s_safe) + lse_z
+    kl = torch.where(s_sum > 0, kl, torch.zeros_like(kl))
+    return kl, lse_z, inv_s
+
+
+def _sparse_forward(q, k, lse, iq, ik, ent, offsets, K, block_size, scale, index_scale, cfg):
+    B, T, Hq, D = q.shape
+    G, Di = k.shape[2], iq.shape[3]
+    H = Hq // G
+    N = triton.cdiv(T, block_size)
+    E = B * T * G * K
+    HS = _heads_per_dot(H, cfg.M, cfg.rows)
+    part = torch.zeros(5, E, dtype=torch.float32, device=q.device)
+    part[0].fill_(float("-inf"))
+    grid = (N, B * G)
+    _sparse_fwd_kernel[grid](q, k, lse, iq, ik, ent, offsets, part, T, E, N, *_strides(q, k, lse, iq, ik),
+                             scale * LOG2E, index_scale, BLOCK=block_size, G=G, K=K, H=H, HS=HS, M=cfg.M,
+                             J=triton.next_power_of_2(block_size), D=D, DI=Di, PREC=_precision(q, iq),
+                             num_warps=cfg.warps, num_stages=cfg.stages)
+    return _combine(part, B, T, G, K)
+
+
+def _backward(q, k, lse, iq, ik, lse_z, inv_s, ent, offsets, K, block_size, scale, index_scale, cfg):
+    """Unscaled d ik fp32 [B, T, Di] and, in sparse mode (ent given), d iq fp32 [B, T, G, Di]."""
+    B, T, Hq, D = q.shape
+    G, Di = k.shape[2], iq.shape[3]
+    H = Hq // G
+    sparse = ent is not None
+    block = block_size if sparse else cfg.dense_bwd_j
+    N = triton.cdiv(T, block)
+    HS = _heads_per_dot(H, cfg.M, cfg.rows)
+    dik = torch.empty(G, B, T, Di, dtype=torch.float32, device=q.device)
+    diq = torch.zeros(B, T, G, Di, dtype=torch.float32, device=q.device) if sparse else dik
+    if not sparse:
+        ent = offsets = lse_z  # placeholders, never read
+    grid = (N, B * G)
+    _bwd_kernel[grid](q, k, lse, iq, ik, lse_z, inv_s, ent, offsets, dik, diq, B, T, N,
+                      *_strides(q, k, lse, iq, ik), scale * LOG2E, index_scale, BLOCK=block, G=G, K=K, H=H,
+                      HS=HS, M=cfg.M, J=triton.next_power_of_2(block), D=D, DI=Di, SPARSE=sparse,
+                      PREC=_precision(q, iq), num_warps=cfg.warps, num_stages=cfg.stages)
+    return dik.sum(0), (diq if sparse else None)
+
+
+class IndexerKLTriton(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, iq, ik, block_idx, lse, block_size, scale, index_scale):
+        B, T, Hq, D = q.shape
+        G, Di = k.shape[2], iq.shape[3]
+        _check_dims(D, Di)
+        q, k, iq, ik = (x.contiguous() for x in (q, k, iq, ik))
+        lse = lse.float().contiguous()
+        cfg = _Config
+        if block_idx is None:
+            kl, lse_z, inv_s, diq = _dense_forward(q, k, lse, iq, ik, scale, index_scale, cfg)
+            ent = offsets = None
+            K = 1
+        else:
+            K = block_idx.shape[-1]
+            ent, offsets = inverse_index(block_idx, block_size)
+            kl, lse_z, inv_s = _sparse_forward(q, k, lse, iq, ik, ent, offsets, K, block_size, scale,
+                                               index_scale, cfg)
+            diq = None
+        ctx.save_for_backward(q, k, iq, ik, lse, lse_z, inv_s, diq, ent, offsets)
+        ctx.args = (K, block_size, scale, index_scale, cfg, iq.dtype, ik.dtype)
+        return (kl.sum(dtype=torch.float64) / (B * T * G)).float()
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, iq, ik, lse, lse_z, inv_s, diq, ent, offsets = ctx.saved_tensors
+        K, block_size, scale, index_scale, cfg, iq_dtype, ik_dtype = ctx.args
+        B, T, G = lse_z.shape
+        dik, diq_sparse = _backward(q, k, lse, iq, ik, lse_z, inv_s, ent, offsets, K, block_size, scale,
+                                    index_scale, cfg)
+        diq = diq_sparse if diq is None else diq
+        coef = grad.float() * (index_scale / (B * T * G))
+        d_iq = (diq * coef).to(iq_dtype) if ctx.needs_input_grad[2] else None
+        d_ik = (dik * coef).to(ik_dtype) if ctx.needs_input_grad[3] else None
+        return None, None, d_iq, d_ik, None, None, None, None, None
+
+
+def indexer_kl_loss_triton(q: torch.Tensor, k: torch.Tensor, iq: torch.Tensor, ik: torch.Tensor,
+                           block_idx: torch.Tensor | None, lse: torch.Tensor, block_size: int, scale: float,
+                           index_scale: float) -> torch.Tensor:
+    """Fused indexer KL: fp32 scalar, differentiable in iq [B, T, G, Di] and ik [B, T, Di] only.
+
+    q [B, T, Hq, D] and k [B, T, G, D] (same dtype), lse fp32 [B, T, Hq] are constants;
+    block_idx int [B, T, G, K] (-1 = empty) or None for the dense warmup support.
+    """
+    return IndexerKLTriton.apply(q.detach(), k.detach(), iq, ik, block_idx, lse.detach(), block_size,
+                                 float(scale), float(index_scale))
