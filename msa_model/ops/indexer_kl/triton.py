@@ -27,11 +27,14 @@ d ik is written per group and summed over groups afterwards (ik is shared by all
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 
 import torch
 import triton
 import triton.language as tl
+
+from ..sparse_attention.triton import InverseIndex, build_inverse_index, clean_block_idx, schedule
 
 LOG2E = 1.4426950408889634
 # Triton's interpreter (CPU tests) cannot take tensors as range() bounds and multiplies bf16
@@ -199,20 +202,23 @@ def _sparse_fwd_step(start, hi, q_ptr, lse_ptr, iq_ptr, ent_ptr, part_ptr, b, g,
 
 
 @triton.jit
-def _sparse_fwd_kernel(q_ptr, k_ptr, lse_ptr, iq_ptr, ik_ptr, ent_ptr, off_ptr, part_ptr, T, E, N,
+def _sparse_fwd_kernel(q_ptr, k_ptr, lse_ptr, iq_ptr, ik_ptr, ent_ptr, tb_ptr, ts_ptr, tc_ptr, part_ptr, T, E, N,
                        sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sl_b, sl_t, sl_h, si_b, si_t, si_h, sik_b, sik_t,
                        scale_log2, index_scale, BLOCK: tl.constexpr, G: tl.constexpr, K: tl.constexpr,
                        H: tl.constexpr, HS: tl.constexpr, M: tl.constexpr, J: tl.constexpr, D: tl.constexpr,
                        DI: tl.constexpr, PREC: tl.constexpr):
-    """Key-outer: program (n, b*G+g) visits the entries that selected block n and writes their
-    five sums (max z, sum exp(z - max z), s_sum, a, bz) to part [5, E] at the entry's index."""
-    n = tl.program_id(0)
-    pid_bg = tl.program_id(1)
-    b = pid_bg // G
-    g = pid_bg % G
-    lo = tl.load(off_ptr + pid_bg * N + n)
-    hi = tl.load(off_ptr + pid_bg * N + n + 1)
-    if hi > lo:
+    """Key-outer: program p takes a run of entries ent[ts[p] : ts[p] + tc[p]] that all selected
+    block n of bucket tb[p] = (b*G + g)*N + n (-1: spare program) and writes their five sums
+    (max z, sum exp(z - max z), s_sum, a, bz) to part [5, E] at each entry's index."""
+    pid = tl.program_id(0)
+    bucket = tl.load(tb_ptr + pid)
+    if bucket >= 0:
+        pid_bg = bucket // N
+        n = bucket % N
+        b = pid_bg // G
+        g = pid_bg % G
+        lo = tl.load(ts_ptr + pid)
+        hi = lo + tl.load(tc_ptr + pid)
         offs_j = tl.arange(0, J)
         offs_d = tl.arange(0, D)
         offs_i = tl.arange(0, DI)
@@ -273,16 +279,34 @@ def _bwd_step(start, hi, dik_JI, q_ptr, lse_ptr, iq_ptr, lsez_ptr, invs_ptr, ent
 
 
 @triton.jit
-def _bwd_kernel(q_ptr, k_ptr, lse_ptr, iq_ptr, ik_ptr, lsez_ptr, invs_ptr, ent_ptr, off_ptr, dik_ptr, diq_ptr,
-                B, T, N, sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sl_b, sl_t, sl_h, si_b, si_t, si_h, sik_b, sik_t,
-                scale_log2, index_scale, BLOCK: tl.constexpr, G: tl.constexpr, K: tl.constexpr,
+def _bwd_kernel(q_ptr, k_ptr, lse_ptr, iq_ptr, ik_ptr, lsez_ptr, invs_ptr, ent_ptr, tb_ptr, ts_ptr, tc_ptr, dik_ptr,
+                diq_ptr, B, T, N, sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sl_b, sl_t, sl_h, si_b, si_t, si_h, sik_b,
+                sik_t, scale_log2, index_scale, BLOCK: tl.constexpr, G: tl.constexpr, K: tl.constexpr,
                 H: tl.constexpr, HS: tl.constexpr, M: tl.constexpr, J: tl.constexpr, D: tl.constexpr,
                 DI: tl.constexpr, SPARSE: tl.constexpr, PREC: tl.constexpr):
-    """Key-outer backward: program (n, b*G+g) owns keys of block n (BLOCK keys) and writes the
-    unscaled d ik of group g to dik [G, B, T, Di]; sparse mode also adds d iq into diq
-    [B, T, G, Di] with atomics (dense mode got d iq in its forward)."""
-    n = tl.program_id(0)
-    pid_bg = tl.program_id(1)
+    """Key-outer backward over the keys of block n (BLOCK keys).
+
+    dense: program (n, b*G+g) streams every query after the block and stores group g's unscaled
+    d ik to dik [G, B, T, Di] (deterministic). sparse: program p takes a run of a bucket's
+    entries (as the forward) and adds its d ik into dik [B, T, Di] and d iq into diq [B, T, G, Di]
+    with fp32 atomics (a popular block is split over several programs).
+    """
+    if SPARSE:
+        pid = tl.program_id(0)
+        bucket = tl.load(tb_ptr + pid)
+        live = bucket >= 0
+        bucket = tl.maximum(bucket, 0)
+        pid_bg = bucket // N
+        n = bucket % N
+        lo = tl.load(ts_ptr + pid)
+        hi = tl.where(live, lo + tl.load(tc_ptr + pid), lo)
+    else:
+        n = tl.program_id(0)
+        pid_bg = tl.program_id(1)
+        live = True
+        # queries before the block cannot see it
+        lo = n * BLOCK
+        hi = T
     b = pid_bg // G
     g = pid_bg % G
     offs_j = tl.arange(0, J)
@@ -296,13 +320,6 @@ def _bwd_kernel(q_ptr, k_ptr, lse_ptr, iq_ptr, ik_ptr, lsez_ptr, invs_ptr, ent_p
     ik_JI = tl.load(ik_ptr + b * sik_b + kpos64[:, None] * sik_t + offs_i[None, :],
                     mask=kin_J[:, None], other=0.0)
     ikT_IJ = tl.trans(ik_JI)
-    if SPARSE:
-        lo = tl.load(off_ptr + pid_bg * N + n)
-        hi = tl.load(off_ptr + pid_bg * N + n + 1)
-    else:
-        # queries before the block cannot see it
-        lo = n * BLOCK
-        hi = T
     dik_JI = tl.zeros((J, DI), tl.float32)
     if INTERPRETING:
         start = lo
@@ -316,8 +333,13 @@ def _bwd_kernel(q_ptr, k_ptr, lse_ptr, iq_ptr, ik_ptr, lsez_ptr, invs_ptr, ent_p
             dik_JI = _bwd_step(start, hi, dik_JI, q_ptr, lse_ptr, iq_ptr, lsez_ptr, invs_ptr, ent_ptr, diq_ptr, b,
                                g, T, kT_DJ, ikT_IJ, ik_JI, kpos_J, sq_b, sq_t, sq_h, sl_b, sl_t, sl_h, si_b, si_t,
                                si_h, scale_log2, index_scale, G, K, H, HS, M, J, D, DI, SPARSE, PREC)
-    o_J = (g * B + b) * T + kpos64
-    tl.store(dik_ptr + o_J[:, None] * DI + offs_i[None, :], dik_JI, mask=kin_J[:, None])
+    if SPARSE:
+        o_J = b * T + kpos64
+        tl.atomic_add(dik_ptr + o_J[:, None] * DI + offs_i[None, :], dik_JI, mask=kin_J[:, None] & live,
+                      sem="relaxed")
+    else:
+        o_J = (g * B + b) * T + kpos64
+        tl.store(dik_ptr + o_J[:, None] * DI + offs_i[None, :], dik_JI, mask=kin_J[:, None])
 
 
 def _heads_per_dot(H: int, M: int, rows: int) -> int:
@@ -345,39 +367,35 @@ def _precision(q, iq) -> str:
     return "ieee" if torch.float32 in (q.dtype, iq.dtype) else "tf32"
 
 
-def inverse_index(block_idx: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """For each (b, g, n): the entries e = ((b*T + t)*G + g)*K + slot whose slot selects block n.
+def inverse_index(block_idx: torch.Tensor, block_size: int) -> InverseIndex:
+    """For each bucket (b, g, n): the entries e = ((b*T + t)*G + g)*K + slot whose slot selects
+    block n, t ascending (`InverseIndex` of sparse_attention's Triton path).
 
-    block_idx int [B, T, G, K] (-1 = empty; duplicates in a row and blocks past the query are
-    dropped). Returns ent int32 [E_valid] (entries grouped by (b, g, n), t ascending within a
-    group) and offsets int32 [B*G*N + 1] into ent. Slots are renumbered (sorted per row).
+    block_idx int [B, T, G, K] (-1 = empty; repeats in a row and blocks after the query's own
+    are dropped, as the reference's support does).
     """
     B, T, G, K = block_idx.shape
     N = triton.cdiv(T, block_size)
     if B * T * G * K >= 2**31 or B * G * N >= 2**31:
         raise ValueError("block_idx too large for int32 entry ids")
-    idx_BTGK = block_idx.long().sort(dim=-1).values
-    dup_BTGK = torch.zeros_like(idx_BTGK, dtype=torch.bool)
-    dup_BTGK[..., 1:] = idx_BTGK[..., 1:] == idx_BTGK[..., :-1]
-    t_T = torch.arange(T, device=block_idx.device)
-    valid_BTGK = (idx_BTGK >= 0) & (idx_BTGK <= (t_T // block_size)[None, :, None, None]) & ~dup_BTGK
-    bg_BG = torch.arange(B * G, device=block_idx.device).view(B, 1, G, 1)
-    key = torch.where(valid_BTGK, bg_BG * N + idx_BTGK, B * G * N).flatten()
-    ent = torch.argsort(key, stable=True).to(torch.int32)
-    counts = torch.bincount(key, minlength=B * G * N + 1)[: B * G * N]
-    offsets = torch.zeros(B * G * N + 1, dtype=torch.int32, device=block_idx.device)
-    offsets[1:] = torch.cumsum(counts, 0)
-    return ent, offsets
+    return build_inverse_index(clean_block_idx(block_idx, block_size), N)
 
 
-class _Config:
-    """Tile sizes: M queries per tile, teacher dots of up to `rows` rows, J keys per dense tile."""
-    M = 16
-    rows = 128
-    dense_fwd_j = 64
-    dense_bwd_j = 128
-    warps = 8
-    stages = 1
+@dataclass
+class Tuning:
+    """Tile sizes: M queries per tile, teacher dots of up to `rows` rows, J keys per dense tile,
+    `per_program` entries per sparse program (a popular block is split into such runs)."""
+    M: int = 16
+    rows: int = 128
+    dense_fwd_j: int = 64
+    dense_bwd_j: int = 128
+    fwd_per_program: int = 256
+    bwd_per_program: int = 512
+    warps: int = 8
+    stages: int = 1
+
+
+TUNING = Tuning()
 
 
 def _dense_forward(q, k, lse, iq, ik, scale, index_scale, cfg):
@@ -410,42 +428,48 @@ def _combine(part, B, T, G, K):
     return kl, lse_z, inv_s
 
 
-def _sparse_forward(q, k, lse, iq, ik, ent, offsets, K, block_size, scale, index_scale, cfg):
+def _sparse_forward(q, k, lse, iq, ik, index, K, block_size, scale, index_scale, cfg):
     B, T, Hq, D = q.shape
     G, Di = k.shape[2], iq.shape[3]
     H = Hq // G
-    N = triton.cdiv(T, block_size)
     E = B * T * G * K
     HS = _heads_per_dot(H, cfg.M, cfg.rows)
+    # entries no program visits (empty slots) keep sums that contribute nothing
     part = torch.zeros(5, E, dtype=torch.float32, device=q.device)
     part[0].fill_(float("-inf"))
-    grid = (N, B * G)
-    _sparse_fwd_kernel[grid](q, k, lse, iq, ik, ent, offsets, part, T, E, N, *_strides(q, k, lse, iq, ik),
-                             scale * LOG2E, index_scale, BLOCK=block_size, G=G, K=K, H=H, HS=HS, M=cfg.M,
-                             J=triton.next_power_of_2(block_size), D=D, DI=Di, PREC=_precision(q, iq),
-                             num_warps=cfg.warps, num_stages=cfg.stages)
+    tb, ts, tc = schedule(index, cfg.fwd_per_program)
+    _sparse_fwd_kernel[(tb.numel(),)](
+        q, k, lse, iq, ik, index.entry, tb, ts, tc, part, T, E, index.n_blocks, *_strides(q, k, lse, iq, ik),
+        scale * LOG2E, index_scale, BLOCK=block_size, G=G, K=K, H=H, HS=HS, M=cfg.M,
+        J=triton.next_power_of_2(block_size), D=D, DI=Di, PREC=_precision(q, iq), num_warps=cfg.warps,
+        num_stages=cfg.stages)
     return _combine(part, B, T, G, K)
 
 
-def _backward(q, k, lse, iq, ik, lse_z, inv_s, ent, offsets, K, block_size, scale, index_scale, cfg):
-    """Unscaled d ik fp32 [B, T, Di] and, in sparse mode (ent given), d iq fp32 [B, T, G, Di]."""
+def _backward(q, k, lse, iq, ik, lse_z, inv_s, index, K, block_size, scale, index_scale, cfg):
+    """Unscaled d ik fp32 [B, T, Di] and, in sparse mode (index given), d iq fp32 [B, T, G, Di]."""
     B, T, Hq, D = q.shape
     G, Di = k.shape[2], iq.shape[3]
     H = Hq // G
-    sparse = ent is not None
-    block = block_size if sparse else cfg.dense_bwd_j
-    N = triton.cdiv(T, block)
     HS = _heads_per_dot(H, cfg.M, cfg.rows)
-    dik = torch.empty(G, B, T, Di, dtype=torch.float32, device=q.device)
-    diq = torch.zeros(B, T, G, Di, dtype=torch.float32, device=q.device) if sparse else dik
-    if not sparse:
-        ent = offsets = lse_z  # placeholders, never read
-    grid = (N, B * G)
-    _bwd_kernel[grid](q, k, lse, iq, ik, lse_z, inv_s, ent, offsets, dik, diq, B, T, N,
-                      *_strides(q, k, lse, iq, ik), scale * LOG2E, index_scale, BLOCK=block, G=G, K=K, H=H,
-                      HS=HS, M=cfg.M, J=triton.next_power_of_2(block), D=D, DI=Di, SPARSE=sparse,
-                      PREC=_precision(q, iq), num_warps=cfg.warps, num_stages=cfg.stages)
-    return dik.sum(0), (diq if sparse else None)
+    common = dict(G=G, K=K, H=H, HS=HS, M=cfg.M, D=D, DI=Di, PREC=_precision(q, iq), num_warps=cfg.warps,
+                  num_stages=cfg.stages)
+    if index is None:
+        block = cfg.dense_bwd_j
+        N = triton.cdiv(T, block)
+        dik = torch.empty(G, B, T, Di, dtype=torch.float32, device=q.device)
+        unused = lse_z
+        _bwd_kernel[(N, B * G)](q, k, lse, iq, ik, lse_z, inv_s, unused, unused, unused, unused, dik, unused,
+                                B, T, N, *_strides(q, k, lse, iq, ik), scale * LOG2E, index_scale, BLOCK=block,
+                                J=triton.next_power_of_2(block), SPARSE=False, **common)
+        return dik.sum(0), None
+    dik = torch.zeros(B, T, Di, dtype=torch.float32, device=q.device)
+    diq = torch.zeros(B, T, G, Di, dtype=torch.float32, device=q.device)
+    tb, ts, tc = schedule(index, cfg.bwd_per_program)
+    _bwd_kernel[(tb.numel(),)](q, k, lse, iq, ik, lse_z, inv_s, index.entry, tb, ts, tc, dik, diq, B, T,
+                               index.n_blocks, *_strides(q, k, lse, iq, ik), scale * LOG2E, index_scale,
+                               BLOCK=block_size, J=triton.next_power_of_2(block_size), SPARSE=True, **common)
+    return dik, diq
 
 
 class IndexerKLTriton(torch.autograd.Function):
@@ -456,32 +480,33 @@ class IndexerKLTriton(torch.autograd.Function):
         _check_dims(D, Di)
         q, k, iq, ik = (x.contiguous() for x in (q, k, iq, ik))
         lse = lse.float().contiguous()
-        cfg = _Config
+        cfg = TUNING
+        index = None
+        K = 1
+        diq = None
         if block_idx is None:
             kl, lse_z, inv_s, diq = _dense_forward(q, k, lse, iq, ik, scale, index_scale, cfg)
-            ent = offsets = None
-            K = 1
         else:
             K = block_idx.shape[-1]
-            ent, offsets = inverse_index(block_idx, block_size)
-            kl, lse_z, inv_s = _sparse_forward(q, k, lse, iq, ik, ent, offsets, K, block_size, scale,
-                                               index_scale, cfg)
-            diq = None
-        ctx.save_for_backward(q, k, iq, ik, lse, lse_z, inv_s, diq, ent, offsets)
-        ctx.args = (K, block_size, scale, index_scale, cfg, iq.dtype, ik.dtype)
+            index = inverse_index(block_idx, block_size)
+            kl, lse_z, inv_s = _sparse_forward(q, k, lse, iq, ik, index, K, block_size, scale, index_scale, cfg)
+        ctx.save_for_backward(q, k, iq, ik, lse, lse_z, inv_s, diq)
+        ctx.index = index
+        ctx.args = (K, block_size, scale, index_scale, cfg)
         return (kl.sum(dtype=torch.float64) / (B * T * G)).float()
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, iq, ik, lse, lse_z, inv_s, diq, ent, offsets = ctx.saved_tensors
-        K, block_size, scale, index_scale, cfg, iq_dtype, ik_dtype = ctx.args
+        q, k, iq, ik, lse, lse_z, inv_s, diq = ctx.saved_tensors
+        K, block_size, scale, index_scale, cfg = ctx.args
         B, T, G = lse_z.shape
-        dik, diq_sparse = _backward(q, k, lse, iq, ik, lse_z, inv_s, ent, offsets, K, block_size, scale,
+        dik, diq_sparse = _backward(q, k, lse, iq, ik, lse_z, inv_s, ctx.index, K, block_size, scale,
                                     index_scale, cfg)
+        ctx.index = None
         diq = diq_sparse if diq is None else diq
         coef = grad.float() * (index_scale / (B * T * G))
-        d_iq = (diq * coef).to(iq_dtype) if ctx.needs_input_grad[2] else None
-        d_ik = (dik * coef).to(ik_dtype) if ctx.needs_input_grad[3] else None
+        d_iq = (diq * coef).to(iq.dtype) if ctx.needs_input_grad[2] else None
+        d_ik = (dik * coef).to(ik.dtype) if ctx.needs_input_grad[3] else None
         return None, None, d_iq, d_ik, None, None, None, None, None
 
 
