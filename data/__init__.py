@@ -1,0 +1,1 @@
+"""Corpus -> tokenizer -> megatron indexed dataset (.bin/.idx, cached) -> GPTDataset batches."""

@@ -1,0 +1,220 @@
+"""MiniMax Sparse Attention as a megatron-core self-attention module.
+
+`MSASelfAttention` is a `SelfAttention` (same linear_qkv, q/k norms, RoPE and linear_proj, so
+its main-branch weights are a plain GQA layer's) plus the index branch of MSA_SPEC.md:
+
+    x = normed hidden state, detached       (no gradient from the index branch to the backbone)
+    iq = index_q_layernorm(index_q_proj(x)) one index query per GQA group   [S, B, G, Di]
+    ik = index_k_layernorm(index_k_proj(x)) one index key shared by groups  [S, B, Di]
+    both get the same RoPE as the main q/k
+
+and computes attention + indexer KL with `msa_model.ops.msa_attention`. The KL joins the loss
+through megatron's MoE aux-loss auto-scaler (the pipeline schedule sets its scale), weighted by
+`kl_coeff`, and is recorded for logging in megatron's MoE metrics tracker as "msa_kl_loss".
+
+Phase: `sparse=False` (indexer warmup) runs dense causal attention with a dense KL; `sparse=True`
+selects the top-k key blocks per (query, group). The trainer flips it via `set_msa_phase`.
+
+With `attention="dense"` the layer is the full-attention GQA baseline: no index branch at all.
+
+Legend: S = tokens (sequence), B = batch, Hq = query heads, G = GQA groups (kv heads),
+D = head dim, Di = index head dim, K = top-k blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+from msa_model.ops import msa_attention
+
+KL_METRIC = "msa_kl_loss"
+KEYS_METRIC = "msa_keys_per_query"
+
+
+@dataclass
+class MSAOptions:
+    """What the layer needs beyond megatron's TransformerConfig (from ModelConfig)."""
+
+    attention: str = "msa"  # msa | dense
+    block_size: int = 128
+    topk: int = 16
+    index_head_dim: int = 128
+    kl_coeff: float = 1.0
+    force_sink: bool = False
+    backend: str = "auto"
+    rotary_base: int = 10000
+
+
+@dataclass
+class MSASelfAttentionSubmodules(SelfAttentionSubmodules):
+    index_q_proj: Any = None  # column-parallel: groups are split across TP like the kv heads
+    index_k_proj: Any = None  # duplicated on every TP rank (one head shared by all groups)
+    index_q_layernorm: Any = None
+    index_k_layernorm: Any = None
+
+
+class DuplicatedLinear(torch.nn.Module):
+    """A bias-free linear layer whose weight is replicated on every tensor-parallel rank.
+
+    Megatron-style interface: forward returns (output, None). Under sequence parallelism the
+    input arrives split along S and is gathered first. Gradients are averaged over the TP group
+    by megatron's finalize_model_grads (`average_gradients_across_tp_domain`).
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, config, init_method, tp_group=None):
+        super().__init__()
+        self.config = config
+        self.tp_group = tp_group
+        device = None if config.use_cpu_initialization else torch.cuda.current_device()
+        self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype, device=device))
+        if config.perform_initialization:
+            # the CPU generator draws the same numbers on every TP rank, keeping replicas equal
+            with torch.no_grad():
+                master = torch.empty(output_size, input_size, dtype=torch.float32)
+                init_method(master)
+                self.weight.copy_(master)
+        self.weight.average_gradients_across_tp_domain = True
+
+    def forward(self, x_SBH: torch.Tensor):
+        if self.config.sequence_parallel and self.tp_group is not None and self.tp_group.size() > 1:
+            x_SBH = gather_from_sequence_parallel_region(x_SBH, group=self.tp_group)
+        return F.linear(x_SBH, self.weight), None
+
+
+class MSASelfAttention(SelfAttention):
+    """Self-attention with MSA (or plain dense GQA). Input/output [S, B, hidden] like SelfAttention."""
+
+    def __init__(self, config, submodules: MSASelfAttentionSubmodules, layer_number: int,
+                 attn_mask_type=None, cp_comm_type: Optional[str] = None, pg_collection=None,
+                 pp_layer_offset: Optional[int] = None, name: Optional[str] = None,
+                 options: Optional[MSAOptions] = None):
+        super().__init__(config=config, submodules=submodules, layer_number=layer_number,
+                         attn_mask_type=attn_mask_type, cp_comm_type=cp_comm_type,
+                         pg_collection=pg_collection, pp_layer_offset=pp_layer_offset, name=name)
+        self.options = options or MSAOptions()
+        self.sparse = True
+        if self.options.attention == "dense":
+            return
+
+        di = self.options.index_head_dim
+        self.index_q_proj = submodules.index_q_proj(
+            config.hidden_size, config.num_query_groups * di, config=config,
+            init_method=config.init_method, gather_output=False, bias=False, skip_bias_add=False,
+            is_expert=False, tp_comm_buffer_name="index_q", tp_group=self.pg_collection.tp,
+        )
+        self.index_k_proj = submodules.index_k_proj(
+            config.hidden_size, di, config=config, init_method=config.init_method,
+            tp_group=self.pg_collection.tp,
+        )
+        self.index_q_layernorm = self.index_k_layernorm = None
+        if config.qk_layernorm:
+            self.index_q_layernorm = submodules.index_q_layernorm(hidden_size=di, config=config, eps=config.layernorm_epsilon)
+            self.index_k_layernorm = submodules.index_k_layernorm(hidden_size=di, config=config, eps=config.layernorm_epsilon)
+            for p in self.index_k_layernorm.parameters():
+                p.average_gradients_across_tp_domain = True
+        # the model's rotary table has the main head dim; a different Di needs its own table
+        self.index_rotary = None
+        if di != self.hidden_size_per_attention_head:
+            self.index_rotary = RotaryEmbedding(kv_channels=di, rotary_percent=1.0, rotary_base=self.options.rotary_base,
+                                                use_cpu_initialization=config.use_cpu_initialization)
+
+    def _rope(self, x, freqs):
+        if freqs is None:
+            return x
+        return apply_rotary_pos_emb(x, freqs, config=self.config, cp_group=self.pg_collection.cp)
+
+    def _index_branch(self, hidden_SBH: torch.Tensor, index_freqs):
+        """iq [S, B, G_local, Di], ik [S, B, Di] from the detached normed hidden state."""
+        x = hidden_SBH.detach()
+        di = self.options.index_head_dim
+        iq_SBGI, _ = self.index_q_proj(x)
+        iq_SBGI = iq_SBGI.view(iq_SBGI.shape[0], iq_SBGI.shape[1], -1, di)
+        ik_SB1I, _ = self.index_k_proj(x)
+        ik_SB1I = ik_SB1I.unsqueeze(2)
+        if self.index_q_layernorm is not None:
+            iq_SBGI = self.index_q_layernorm(iq_SBGI)
+            ik_SB1I = self.index_k_layernorm(ik_SB1I)
+        iq_SBGI = self._rope(iq_SBGI, index_freqs)
+        ik_SB1I = self._rope(ik_SB1I, index_freqs)
+        return iq_SBGI, ik_SB1I.squeeze(2)
+
+    def forward(self, hidden_states, attention_mask=None, key_value_states=None, inference_context=None,
+                rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None, rotary_pos_cos_sin=None,
+                attention_bias=None, packed_seq_params=None, sequence_len_offset=None, *, inference_params=None):
+        """hidden_states [S, B, hidden] (already normed by the layer) -> ([S, B, hidden], bias)."""
+        if inference_context is not None or inference_params is not None or packed_seq_params is not None:
+            raise NotImplementedError("MSASelfAttention: inference contexts and packed sequences are not supported yet")
+        q_SBHD, k_SBGD, v_SBGD = self.get_query_key_value_tensors(hidden_states)
+        if isinstance(rotary_pos_emb, tuple):
+            q_freqs, k_freqs = rotary_pos_emb
+        else:
+            q_freqs = k_freqs = rotary_pos_emb
+        q_SBHD = self._rope(q_SBHD, q_freqs)
+        k_SBGD = self._rope(k_SBGD, k_freqs)
+        # ops use [B, S, H, D]
+        q, k, v = (t.transpose(0, 1).contiguous() for t in (q_SBHD, k_SBGD, v_SBGD))
+        S = q.shape[1]
+
+        kl = None
+        if self.options.attention == "dense":
+            o_BSHD = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                scale=self.config.softmax_scale, enable_gqa=True,
+            ).transpose(1, 2)
+            keys = torch.tensor((S + 1) / 2, device=q.device)
+        else:
+            index_freqs = q_freqs
+            if self.index_rotary is not None and q_freqs is not None:
+                index_freqs = self.index_rotary(S * self.pg_collection.cp.size())
+            iq_SBGI, ik_SBI = self._index_branch(hidden_states, index_freqs)
+            o_BSHD, kl, block_idx_BSGK = msa_attention(
+                q, k, v, iq_SBGI.transpose(0, 1).contiguous(), ik_SBI.transpose(0, 1).contiguous(),
+                block_size=self.options.block_size, topk=self.options.topk, dense=not self.sparse,
+                scale=self.config.softmax_scale, force_sink=self.options.force_sink,
+                backend=self.options.backend, return_block_idx=True,
+            )
+            keys = (selected_keys_per_query(block_idx_BSGK, self.options.block_size)
+                    if block_idx_BSGK is not None else torch.tensor((S + 1) / 2, device=q.device))
+
+        context_SBX = o_BSHD.transpose(0, 1).reshape(S, o_BSHD.shape[0], -1)
+        output, bias = self.linear_proj(context_SBX)
+
+        tracker = get_moe_metrics_tracker()
+        tracker.record(KEYS_METRIC, keys.float(), self.layer_number, self.config.num_layers)
+        if kl is not None:
+            tracker.record(KL_METRIC, kl.detach(), self.layer_number, self.config.num_layers)
+            if self.training and self.options.kl_coeff > 0:
+                # the KL's gradient enters at this output during backward, scaled like the loss
+                output = MoEAuxLossAutoScaler.apply(output, kl * self.options.kl_coeff)
+        return output, bias
+
+
+def selected_keys_per_query(block_idx_BSGK: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Mean number of causally visible keys in the selected blocks, over (B, S, G). fp32 scalar."""
+    S = block_idx_BSGK.shape[1]
+    t = torch.arange(S, device=block_idx_BSGK.device).view(1, S, 1, 1)
+    visible = (t - block_idx_BSGK.long() * block_size + 1).clamp(0, block_size)
+    visible = torch.where(block_idx_BSGK >= 0, visible, torch.zeros_like(visible))
+    return visible.sum(-1).float().mean()
+
+
+def msa_layers(model: torch.nn.Module):
+    """Every MSASelfAttention inside `model` (a module or a list of model chunks)."""
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    return [m for chunk in chunks for m in chunk.modules() if isinstance(m, MSASelfAttention)]
+
+
+def set_msa_phase(model, sparse: bool) -> None:
+    """Switch every MSA layer between indexer warmup (dense) and top-k selection (sparse)."""
+    for layer in msa_layers(model):
+        layer.sparse = sparse

@@ -1,0 +1,252 @@
+"""Typed configuration schemas. The YAML files under configs/ only compose these.
+
+Every section is a dataclass registered with Hydra's ConfigStore as the `train_schema` node, so
+the composed config is in struct mode: a misspelled key in YAML or on the command line is an
+error, and values are type-checked. `validate` checks what types cannot (divisibility, geometry)
+and names the offending fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the fields involved."""
+
+
+@dataclass
+class MSAConfig:
+    """Geometry of MiniMax Sparse Attention (see MSA_SPEC.md)."""
+
+    block_size: int = 32  # Bk: tokens per key block
+    topk: int = 4  # k: blocks read per (query, group); topk * block_size keys per query
+    index_head_dim: int = 32  # Di
+    kl_coeff: float = 1.0  # weight of the indexer KL in the total loss
+    force_sink: bool = False  # always select the first block
+    backend: str = "auto"  # msa_model.ops backend: auto | reference | triton
+
+
+@dataclass
+class RopeScalingConfig:
+    """RoPE frequency scaling, as in Hugging Face `rope_parameters` (for converted models)."""
+
+    type: str = "none"  # none | linear (positions divided by factor) | llama3 (Llama 3.x per-band)
+    factor: float = 1.0
+    low_freq_factor: float = 1.0  # llama3 only
+    high_freq_factor: float = 4.0  # llama3 only
+    original_max_position_embeddings: int = 8192  # llama3 only
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"
+    attention: str = "msa"  # msa | dense (full-attention GQA baseline, no index branch)
+    num_layers: int = 4
+    hidden_size: int = 256
+    ffn_hidden_size: int = 512  # dense (non-MoE) layers
+    num_attention_heads: int = 4  # Hq
+    num_query_groups: int = 2  # Hkv
+    head_dim: int = 32  # D
+    qk_layernorm: bool = True
+    seq_length: int = 512
+    rotary_base: float = 10000.0
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
+    qkv_bias: bool = False  # bias on the q/k/v projections (Qwen2); no other linear has one
+    norm_eps: float = 1e-5  # epsilon of every RMSNorm (layer, QK and final norms)
+    num_experts: int = 4
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int = 256
+    first_dense_layers: int = 1  # leading layers with a dense MLP instead of experts
+    moe_aux_loss_coeff: float = 1e-2
+    moe_token_dispatcher: str = "alltoall"  # alltoall | allgather
+    # true: softmax over all experts, keep the top-k probabilities as they are (Qwen3-MoE with
+    # norm_topk_prob=false); false: softmax over the top-k logits (Mixtral, norm_topk_prob=true)
+    moe_router_pre_softmax: bool = False
+    init_method_std: float = 0.02
+    tie_embeddings: bool = False
+    # embedding rows before padding; None: the tokenizer's vocabulary. Set by checkpoint
+    # conversion to the source model's vocabulary (must be >= the tokenizer's)
+    vocab_size: Optional[int] = None
+    make_vocab_size_divisible_by: int = 64
+    params_dtype: str = "fp32"  # fp32 | bf16
+    msa: MSAConfig = field(default_factory=MSAConfig)
+
+
+@dataclass
+class DataConfig:
+    # "stdlib": the Python standard library sources shipped with the interpreter;
+    # otherwise a directory whose files matching `glob` form the corpus
+    source: str = "stdlib"
+    glob: str = "**/*.py"
+    max_bytes: int = 4_000_000  # corpus bound, files taken in sorted order
+    tokenizer: str = "byte"
+    cache_dir: str = ".cache/data"
+    seed: int = 1234
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 8
+    decay_style: str = "cosine"  # cosine | linear | constant
+    decay_steps: Optional[int] = None  # None: trainer.max_steps
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    clip_grad: float = 1.0
+    use_distributed_optimizer: bool = True
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel layout. dp is derived: world_size / (tp * pp * cp)."""
+
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    cp: int = 1
+    sequence_parallel: bool = False
+    micro_batch_size: int = 2
+    global_batch_size: int = 8
+    backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | gloo | nccl
+
+
+@dataclass
+class LoggingConfig:
+    log_interval: int = 10
+    progress_bar: bool = True
+    tensorboard: bool = True
+    jsonl: bool = True
+    wandb_mode: str = "offline"  # offline | online | disabled
+    wandb_project: str = "msa-moe"
+    wandb_entity: Optional[str] = None
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = 40  # steps between saves; 0 disables periodic saves
+    dir: Optional[str] = None  # None: <run_dir>/checkpoints
+    keep: int = 2  # most recent checkpoints kept on disk; 0 keeps all
+    save_at_end: bool = True
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 80
+    # stop (with a checkpoint) after this step although the schedules run to max_steps;
+    # used to split one run into several jobs
+    stop_at_step: Optional[int] = None
+    seed: int = 1234
+    # dense attention + dense KL for this many tokens, then top-k selection (MSA only)
+    indexer_warmup_tokens: int = 0
+    # on these signals: finish the step, save, exit cleanly; [] leaves signals alone
+    stop_signals: List[str] = field(default_factory=lambda: ["SIGUSR1", "SIGTERM"])
+    device: str = "auto"  # auto | cpu | cuda
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    name: str = MISSING  # set by the recipe
+    run_dir: str = "runs/${model.name}-${name}"
+    resume: str = "auto"  # auto: continue from <run_dir> if it has a checkpoint | never
+    init_from: Optional[str] = None  # checkpoint dir: load model weights only
+    dry_run: bool = False
+
+
+def register_configs() -> None:
+    """Register the schema so `defaults: [train_schema, ...]` in configs/train.yaml finds it."""
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+
+
+def _check(errors: list[str], ok: bool, message: str) -> None:
+    if not ok:
+        errors.append(message)
+
+
+def validate(cfg, world_size: Optional[int] = None) -> None:
+    """Raise ConfigError listing every problem found. `cfg` is a TrainConfig (or DictConfig).
+
+    Without `world_size` only the checks that do not depend on the launch are made.
+    """
+    errors: list[str] = []
+    m, msa, p, o, t = cfg.model, cfg.model.msa, cfg.parallel, cfg.optim, cfg.trainer
+    _check(errors, m.attention in ("msa", "dense"), f"model.attention must be msa or dense, got {m.attention!r}")
+    _check(errors, m.num_attention_heads % m.num_query_groups == 0,
+           f"model.num_attention_heads ({m.num_attention_heads}) must be a multiple of "
+           f"model.num_query_groups ({m.num_query_groups})")
+    _check(errors, m.params_dtype in ("fp32", "bf16"), f"model.params_dtype must be fp32 or bf16, got {m.params_dtype!r}")
+    _check(errors, m.moe_token_dispatcher in ("alltoall", "allgather"),
+           f"model.moe_token_dispatcher must be alltoall or allgather, got {m.moe_token_dispatcher!r}")
+    _check(errors, 0 <= m.first_dense_layers <= m.num_layers,
+           f"model.first_dense_layers ({m.first_dense_layers}) must be in [0, model.num_layers={m.num_layers}]")
+    if m.num_experts > 0:
+        _check(errors, 1 <= m.moe_router_topk <= m.num_experts,
+               f"model.moe_router_topk ({m.moe_router_topk}) must be in [1, model.num_experts={m.num_experts}]")
+        _check(errors, m.num_experts % p.ep == 0,
+               f"model.num_experts ({m.num_experts}) must be a multiple of parallel.ep ({p.ep})")
+    else:
+        _check(errors, p.ep == 1, "parallel.ep > 1 needs model.num_experts > 0")
+    _check(errors, m.rope_scaling.type in ("none", "linear", "llama3"),
+           f"model.rope_scaling.type must be none, linear or llama3, got {m.rope_scaling.type!r}")
+    _check(errors, m.rope_scaling.factor > 0, f"model.rope_scaling.factor must be positive, got {m.rope_scaling.factor}")
+    if m.attention == "msa":
+        # the index branch reuses the main rotary table only when Di == D; its own table is unscaled
+        _check(errors, m.rope_scaling.type == "none" or msa.index_head_dim == m.head_dim,
+               f"model.rope_scaling ({m.rope_scaling.type}) needs model.msa.index_head_dim == model.head_dim "
+               f"({msa.index_head_dim} != {m.head_dim})")
+        _check(errors, msa.block_size > 0 and msa.topk > 0, "model.msa.block_size and model.msa.topk must be positive")
+        # a sparse phase whose top-k covers the whole context is dense attention in disguise
+        sparse_steps_exist = t.indexer_warmup_tokens < t.max_steps * p.global_batch_size * m.seq_length
+        _check(errors, not sparse_steps_exist or msa.topk * msa.block_size < m.seq_length,
+               f"model.msa.topk * model.msa.block_size ({msa.topk} * {msa.block_size} = "
+               f"{msa.topk * msa.block_size}) must be < model.seq_length ({m.seq_length}) "
+               "for the sparse phase to select anything")
+        _check(errors, m.seq_length % msa.block_size == 0,
+               f"model.seq_length ({m.seq_length}) must be a multiple of model.msa.block_size ({msa.block_size})")
+    _check(errors, m.num_query_groups % p.tp == 0 or p.tp % m.num_query_groups == 0,
+           f"model.num_query_groups ({m.num_query_groups}) and parallel.tp ({p.tp}) must divide one another")
+    _check(errors, m.num_layers % p.pp == 0, f"model.num_layers ({m.num_layers}) must be a multiple of parallel.pp ({p.pp})")
+    _check(errors, m.seq_length % (2 * p.cp) == 0 or p.cp == 1,
+           f"model.seq_length ({m.seq_length}) must be a multiple of 2 * parallel.cp ({2 * p.cp})")
+    _check(errors, not (p.tp > 1 and m.num_experts > 0) or p.sequence_parallel,
+           "parallel.sequence_parallel must be true when parallel.tp > 1 with MoE layers")
+    _check(errors, p.global_batch_size % p.micro_batch_size == 0,
+           f"parallel.global_batch_size ({p.global_batch_size}) must be a multiple of "
+           f"parallel.micro_batch_size ({p.micro_batch_size})")
+    _check(errors, o.decay_style in ("cosine", "linear", "constant"),
+           f"optim.decay_style must be cosine, linear or constant, got {o.decay_style!r}")
+    _check(errors, o.warmup_steps < (o.decay_steps or t.max_steps),
+           f"optim.warmup_steps ({o.warmup_steps}) must be < optim.decay_steps or trainer.max_steps "
+           f"({o.decay_steps or t.max_steps})")
+    _check(errors, t.max_steps > 0, f"trainer.max_steps must be positive, got {t.max_steps}")
+    _check(errors, t.device in ("auto", "cpu", "cuda"), f"trainer.device must be auto, cpu or cuda, got {t.device!r}")
+    _check(errors, cfg.resume in ("auto", "never"), f"resume must be auto or never, got {cfg.resume!r}")
+    _check(errors, cfg.logging.wandb_mode in ("offline", "online", "disabled"),
+           f"logging.wandb_mode must be offline, online or disabled, got {cfg.logging.wandb_mode!r}")
+    if world_size is not None:
+        model_parallel = p.tp * p.pp * p.cp
+        _check(errors, world_size % model_parallel == 0,
+               f"world size {world_size} must be a multiple of parallel.tp * parallel.pp * parallel.cp ({model_parallel})")
+        if world_size % model_parallel == 0:
+            dp = world_size // model_parallel
+            _check(errors, p.global_batch_size % (p.micro_batch_size * dp) == 0,
+                   f"parallel.global_batch_size ({p.global_batch_size}) must be a multiple of "
+                   f"parallel.micro_batch_size * dp ({p.micro_batch_size} * {dp})")
+            _check(errors, (dp * p.tp) % p.ep == 0,
+                   f"parallel.ep ({p.ep}) must divide dp * tp ({dp} * {p.tp})")
+    if errors:
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))

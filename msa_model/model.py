@@ -1,0 +1,203 @@
+"""Build the MSA-MoE GPTModel from a ModelConfig: TransformerConfig, layer specs, model.
+
+Model code only: process groups and parallel sizes come in from msa_model.training.distributed
+through `parallel` (a ParallelConfig); nothing here initialises distributed state.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from msa_model.attention import DuplicatedLinear, MSAOptions, MSASelfAttention, MSASelfAttentionSubmodules
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def padded_vocab_size(vocab_size: int, model_cfg, tp: int = 1) -> int:
+    """Round the tokenizer's vocabulary up so the embedding splits evenly and aligns (x TP)."""
+    multiple = model_cfg.make_vocab_size_divisible_by * tp
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def transformer_config(model_cfg, parallel_cfg, on_cpu: bool) -> TransformerConfig:
+    """megatron TransformerConfig for the model and parallel layout (local, non-TE modules)."""
+    m, p = model_cfg, parallel_cfg
+    dtype = _DTYPES[m.params_dtype]
+    moe = m.num_experts > 0
+    return TransformerConfig(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        ffn_hidden_size=m.ffn_hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups,
+        kv_channels=m.head_dim,
+        qk_layernorm=m.qk_layernorm,
+        normalization="RMSNorm",
+        layernorm_epsilon=m.norm_eps,
+        add_qkv_bias=m.qkv_bias,
+        add_bias_linear=False,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=m.init_method_std,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        pipeline_dtype=dtype,
+        tensor_model_parallel_size=p.tp,
+        pipeline_model_parallel_size=p.pp,
+        expert_model_parallel_size=p.ep,
+        context_parallel_size=p.cp,
+        sequence_parallel=p.sequence_parallel,
+        num_moe_experts=m.num_experts if moe else None,
+        moe_ffn_hidden_size=m.moe_ffn_hidden_size if moe else None,
+        moe_router_topk=m.moe_router_topk,
+        moe_router_pre_softmax=m.moe_router_pre_softmax,
+        moe_layer_freq=[0] * m.first_dense_layers + [1] * (m.num_layers - m.first_dense_layers),
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=m.moe_aux_loss_coeff if moe else 0.0,
+        moe_token_dispatcher_type=m.moe_token_dispatcher,
+        moe_router_dtype="fp32",
+        moe_grouped_gemm=False,
+        moe_permute_fusion=False,
+        moe_router_fusion=False,
+        # the fused kernels below need CUDA (and some TE/apex); the unfused paths are exact
+        use_cpu_initialization=on_cpu,
+        gradient_accumulation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        # without MoE layers the schedule would never set the auto-scaler's loss scale for the
+        # indexer KL; register it as the attention variant's scale hook instead
+        experimental_attention_variant_loss_scale_func=None if moe else _kl_scale_hook(),
+    )
+
+
+def _kl_scale_hook():
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    return MoEAuxLossAutoScaler.set_loss_scale
+
+
+def msa_options(model_cfg) -> MSAOptions:
+    s = model_cfg.msa
+    return MSAOptions(attention=model_cfg.attention, block_size=s.block_size, topk=s.topk,
+                      index_head_dim=s.index_head_dim, kl_coeff=s.kl_coeff, force_sink=s.force_sink,
+                      backend=s.backend, rotary_base=model_cfg.rotary_base)
+
+
+def _with_msa_attention(layer_spec: ModuleSpec, options: MSAOptions) -> ModuleSpec:
+    """A copy of a local GPT layer spec whose self-attention is MSASelfAttention."""
+    layer_spec = copy.deepcopy(layer_spec)
+    base = layer_spec.submodules.self_attention.submodules
+    layer_spec.submodules.self_attention = ModuleSpec(
+        module=MSASelfAttention,
+        params={"attn_mask_type": AttnMaskType.causal, "options": options},
+        submodules=MSASelfAttentionSubmodules(
+            linear_qkv=base.linear_qkv,
+            core_attention=base.core_attention,
+            linear_proj=base.linear_proj,
+            q_layernorm=base.q_layernorm,
+            k_layernorm=base.k_layernorm,
+            index_q_proj=ColumnParallelLinear,
+            index_k_proj=DuplicatedLinear,
+            index_q_layernorm=base.q_layernorm,
+            index_k_layernorm=base.k_layernorm,
+        ),
+    )
+    return layer_spec
+
+
+def decoder_block_spec(config: TransformerConfig, model_cfg, vp_stage=None, pp_rank=None):
+    """megatron's local decoder block spec (dense first layers, MoE after) with MSA attention."""
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
+                                       vp_stage=vp_stage, pp_rank=pp_rank)
+    options = msa_options(model_cfg)
+    block.layer_specs = [_with_msa_attention(spec, options) for spec in block.layer_specs]
+    return block
+
+
+def build_model(model_cfg, parallel_cfg, vocab_size: int, *, on_cpu: bool,
+                pre_process: bool = True, post_process: bool = True, vp_stage=None) -> GPTModel:
+    """The MSA-MoE GPTModel for this pipeline stage. Needs megatron's parallel state initialised.
+
+    vocab_size is the tokenizer's; model_cfg.vocab_size (a converted checkpoint's), when set,
+    replaces it. It is padded here. Forward: GPTModel(tokens [B, S],
+    position_ids [B, S], attention_mask=None, labels [B, S]) -> per-token loss [B, S].
+    """
+    config = transformer_config(model_cfg, parallel_cfg, on_cpu)
+    vocab_size = model_vocab_size(model_cfg, vocab_size)
+    scaling = model_cfg.rope_scaling
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=decoder_block_spec(config, model_cfg, vp_stage=vp_stage),
+        vocab_size=padded_vocab_size(vocab_size, model_cfg, parallel_cfg.tp),
+        max_sequence_length=model_cfg.seq_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=model_cfg.tie_embeddings,
+        position_embedding_type="rope",
+        rotary_base=model_cfg.rotary_base,
+        seq_len_interpolation_factor=scaling.factor if scaling.type == "linear" else None,
+        vp_stage=vp_stage,
+    )
+    if scaling.type == "llama3" and hasattr(model, "rotary_pos_emb"):
+        model.rotary_pos_emb.inv_freq = llama3_inv_freq(model.rotary_pos_emb.inv_freq, scaling)
+    return model
+
+
+def model_vocab_size(model_cfg, tokenizer_vocab_size: int) -> int:
+    """Embedding rows before padding: model.vocab_size when set (it must cover the tokenizer)."""
+    if model_cfg.vocab_size is None:
+        return tokenizer_vocab_size
+    if model_cfg.vocab_size < tokenizer_vocab_size:
+        raise ValueError(f"model.vocab_size ({model_cfg.vocab_size}) is smaller than the tokenizer's "
+                         f"vocabulary ({tokenizer_vocab_size})")
+    return model_cfg.vocab_size
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, scaling) -> torch.Tensor:
+    """Llama 3.x RoPE scaling: long wavelengths slowed by `factor`, short ones kept, a smooth
+    blend between the two bands (`low_freq_factor`, `high_freq_factor` of the original context)."""
+    context = scaling.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    slow = inv_freq / scaling.factor
+    # 0 at the long-wavelength edge of the blend band, 1 at the short one
+    blend = (context / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (1 - blend) * slow + blend * inv_freq
+    long_band = wavelen > context / scaling.low_freq_factor
+    short_band = wavelen < context / scaling.high_freq_factor
+    return torch.where(long_band, slow, torch.where(short_band, inv_freq, blended))
+
+
+def count_parameters(model_cfg, vocab_size: int) -> dict[str, int]:
+    """Analytic parameter counts of the full (unsharded) model: total, active per token, index branch."""
+    m = model_cfg
+    h, d, hq, g = m.hidden_size, m.head_dim, m.num_attention_heads, m.num_query_groups
+    vocab = padded_vocab_size(model_vocab_size(m, vocab_size), m)
+    norm_qk = 2 * d if m.qk_layernorm else 0
+    attn = h * (hq + 2 * g) * d + hq * d * h + norm_qk
+    index = 0
+    if m.attention == "msa":
+        di = m.msa.index_head_dim
+        index = h * g * di + h * di + (2 * di if m.qk_layernorm else 0)
+    dense_mlp = 3 * h * m.ffn_hidden_size
+    expert = 3 * h * m.moe_ffn_hidden_size
+    n_moe = m.num_layers - m.first_dense_layers if m.num_experts > 0 else 0
+    n_dense = m.num_layers - n_moe
+    per_layer_common = attn + index + 2 * h
+    embed = vocab * h * (1 if m.tie_embeddings else 2)
+    total = embed + h + m.num_layers * per_layer_common + n_dense * dense_mlp + n_moe * (m.num_experts * expert + h * m.num_experts)
+    active = embed + h + m.num_layers * per_layer_common + n_dense * dense_mlp + n_moe * (m.moe_router_topk * expert + h * m.num_experts)
+    return {"total": total, "active": active, "index_branch": m.num_layers * index, "embedding": embed}

@@ -1,0 +1,1 @@
+"""Training: distributed set-up, the loop, and its callbacks (metrics, checkpoints, warmup)."""

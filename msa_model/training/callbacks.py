@@ -1,0 +1,46 @@
+"""The loop's extension points. Side concerns (metrics, checkpoints, schedules) are callbacks so
+the loop stays a loop; anything with state that must survive a restart implements
+state_dict/load_state_dict and is saved in the checkpoint under its `name`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TrainState:
+    """Progress counters, saved in every checkpoint. `step` counts completed optimizer steps."""
+
+    step: int = 0
+    consumed_samples: int = 0
+    tokens: int = 0
+    stop_requested: bool = False
+    extra: dict = field(default_factory=dict)
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "consumed_samples": self.consumed_samples, "tokens": self.tokens}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.step, self.consumed_samples, self.tokens = sd["step"], sd["consumed_samples"], sd["tokens"]
+
+
+class Callback:
+    name: str = ""
+
+    def on_train_start(self, trainer) -> None:
+        pass
+
+    def on_step_start(self, trainer) -> None:
+        pass
+
+    def on_step_end(self, trainer, metrics: dict) -> None:
+        pass
+
+    def on_train_end(self, trainer) -> None:
+        pass
+
+    def state_dict(self) -> dict | None:
+        return None
+
+    def load_state_dict(self, sd: dict) -> None:
+        pass

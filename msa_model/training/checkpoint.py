@@ -1,0 +1,219 @@
+"""Atomic megatron dist_checkpointing saves, `resume=auto` and `init_from`.
+
+Layout of a checkpoint root (default <run_dir>/checkpoints):
+    step_00000050/        a complete dist_checkpointing directory (model, optimizer, rng, trainer)
+    step_00000100/
+    latest                text file naming the newest complete step directory
+    .tmp-step_00000150/   a save in progress (or one that died): never read, removed on resume
+
+A save writes into the .tmp directory, every rank finishes, then rank 0 renames it into place and
+replaces `latest` with os.replace, so `latest` only ever names a complete checkpoint.
+
+Content: "model" and "optimizer" are sharded (the distributed optimizer in its dp_reshardable
+format); "rng" is one object per rank; "trainer" (counters), "scheduler" (lr schedule) and
+"callbacks" (e.g. the indexer warmup) are common state written by rank 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.validation import StrictHandling
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+from msa_model.training.callbacks import Callback
+
+log = logging.getLogger(__name__)
+
+LATEST = "latest"
+_OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The complete checkpoint `latest` points at, or None."""
+    pointer = Path(root) / LATEST
+    if not pointer.is_file():
+        return None
+    path = Path(root) / pointer.read_text().strip()
+    return path if path.is_dir() else None
+
+
+def _rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+             "tracker": get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _unwrap(chunk):
+    return chunk.module if hasattr(chunk, "module") else chunk
+
+
+def _model_sharded_state_dict(model_chunks) -> dict:
+    # one chunk without virtual pipelining; chunk prefixes only matter with several
+    assert len(model_chunks) == 1, "virtual pipeline chunks are not supported yet"
+    return _unwrap(model_chunks[0]).sharded_state_dict()
+
+
+def _sharded_state(trainer, is_loading: bool) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model_sd = _model_sharded_state_dict(trainer.model_chunks)
+    return {
+        "model": model_sd,
+        "optimizer": trainer.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=_OPTIM_METADATA),
+        "rng": ShardedObject("rng_state", _rng_state(), (world,), (rank,), replica_id=0),
+        "world_size": world,
+        "trainer": trainer.state.state_dict(),
+        "scheduler": trainer.scheduler.state_dict(),
+        "callbacks": {cb.name: cb.state_dict() for cb in trainer.callbacks if cb.state_dict() is not None},
+    }
+
+
+def save_checkpoint(trainer, root: str | Path, keep: int = 0) -> Path:
+    """Save atomically as <root>/step_<step>; update `latest`; keep the newest `keep` (0 = all)."""
+    root = Path(root)
+    name = step_dir_name(trainer.state.step)
+    tmp, final = root / f".tmp-{name}", root / name
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    dist_checkpointing.save(_sharded_state(trainer, is_loading=False), str(tmp))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        pointer_tmp = root / f".{LATEST}.tmp"
+        with open(pointer_tmp, "w") as f:
+            f.write(name + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(pointer_tmp, root / LATEST)
+        if keep > 0:
+            for old in sorted(root.glob("step_*"))[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def _allocate_adam_state(optimizer) -> None:
+    """Give every parameter an (empty) Adam state so a fresh optimizer can describe, and then
+    receive, the checkpoint's state: megatron's optimizer state_dict needs the step counters."""
+    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = chained.optimizer
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if not inner.state[p]:
+                    inner.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                      "exp_avg_sq": torch.zeros_like(p)}
+
+
+def load_checkpoint(trainer, path: str | Path) -> None:
+    """Restore model, optimizer, lr schedule, counters, callbacks and (same world size) RNG."""
+    _allocate_adam_state(trainer.optimizer)
+    common = dist_checkpointing.load_common_state_dict(str(path))
+    state = _sharded_state(trainer, is_loading=True)
+    same_world = common.get("world_size") == dist.get_world_size()
+    if not same_world:
+        # per-rank RNG streams cannot be mapped onto a different number of ranks
+        log.warning("checkpoint was written by %s ranks, now %s: RNG states are re-seeded, not restored",
+                    common.get("world_size"), dist.get_world_size())
+        state.pop("rng")
+    loaded = dist_checkpointing.load(state, str(path))
+    _unwrap(trainer.model_chunks[0]).load_state_dict(loaded["model"])
+    # fp32 main params are written in place; outside no_grad autograd would track the copy
+    with torch.no_grad():
+        trainer.optimizer.load_state_dict(loaded["optimizer"])
+    trainer.scheduler.load_state_dict(loaded["scheduler"])
+    trainer.state.load_state_dict(loaded["trainer"])
+    for cb in trainer.callbacks:
+        if cb.name in loaded["callbacks"]:
+            cb.load_state_dict(loaded["callbacks"][cb.name])
+    if same_world:
+        _set_rng_state(loaded["rng"])
+    log.info("resumed from %s at step %d (%s tokens, %d samples)", path, trainer.state.step,
+             f"{trainer.state.tokens:,}", trainer.state.consumed_samples)
+
+
+# new in an MSA model converted from a dense one: allowed to be absent from an init_from checkpoint
+_NEW_IN_MSA = ("index_q_proj", "index_k_proj", "index_q_layernorm", "index_k_layernorm")
+
+
+def load_model_weights(model_chunks, path: str | Path) -> None:
+    """Load only the model weights (no optimizer/counters), e.g. a dense GQA checkpoint into MSA.
+
+    `path` is a checkpoint root (its `latest` is used) or a step directory. Index-branch
+    parameters missing from the checkpoint keep their fresh initialisation; any other missing
+    parameter is an error.
+    """
+    path = Path(path)
+    if (path / LATEST).is_file():
+        path = latest_checkpoint(path)
+    if path is None or not path.is_dir():
+        raise FileNotFoundError(f"init_from: no checkpoint at {path}")
+    model_sd = _model_sharded_state_dict(model_chunks)
+    loaded, _, unexpected = dist_checkpointing.load({"model": model_sd}, str(path), strict=StrictHandling.RETURN_ALL)
+    absent = sorted(k for k in unexpected)
+    not_index = [k for k in absent if not any(n in k for n in _NEW_IN_MSA) and not k.endswith("_extra_state")]
+    if not_index:
+        raise KeyError(f"init_from {path}: the checkpoint lacks model parameters {not_index[:8]}")
+    _unwrap(model_chunks[0]).load_state_dict(loaded["model"], strict=not absent)
+    log.info("initialised model weights from %s%s", path,
+             f" ({len(absent)} index-branch tensors absent, kept fresh)" if absent else "")
+
+
+def cleanup_partial_saves(root: str | Path) -> None:
+    """Remove .tmp-* directories of saves that never completed (rank 0 only)."""
+    for tmp in Path(root).glob(".tmp-step_*"):
+        log.warning("removing incomplete checkpoint %s", tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+class Checkpointer(Callback):
+    """Saves every `interval` steps, on a requested stop, and at the end of training."""
+
+    name = "checkpointer"
+
+    def __init__(self, root: str | Path, interval: int, keep: int, save_at_end: bool):
+        self.root, self.interval, self.keep, self.save_at_end = Path(root), interval, keep, save_at_end
+        self.last_saved_step: int | None = None
+
+    def _save(self, trainer) -> None:
+        if self.last_saved_step == trainer.state.step:
+            return
+        path = save_checkpoint(trainer, self.root, self.keep)
+        self.last_saved_step = trainer.state.step
+        log.info("saved checkpoint %s", path)
+
+    def on_step_end(self, trainer, metrics: dict) -> None:
+        periodic = self.interval > 0 and trainer.state.step % self.interval == 0
+        if periodic or trainer.state.stop_requested:
+            self._save(trainer)
+
+    def on_train_end(self, trainer) -> None:
+        if self.save_at_end:
+            self._save(trainer)

@@ -1,0 +1,66 @@
+"""Indexer warmup schedule, counted in tokens: dense attention and a dense KL until
+`warmup_tokens` training tokens have been consumed, then top-k block selection.
+
+The phase of a step is decided by the tokens consumed before it, so a resumed run switches at
+exactly the same step as an uninterrupted one; the step of the switch is kept in the checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from msa_model.attention import msa_layers, set_msa_phase
+from msa_model.training.callbacks import Callback
+
+log = logging.getLogger(__name__)
+
+
+class IndexerWarmup(Callback):
+    name = "indexer_warmup"
+
+    def __init__(self, warmup_tokens: int, msa_cfg):
+        self.warmup_tokens = warmup_tokens
+        self.msa_cfg = msa_cfg
+        self.sparse: bool | None = None
+        self.switched_at_step: int | None = None
+        self.switched_at_tokens: int | None = None
+
+    @property
+    def phase(self) -> str:
+        return "sparse" if self.sparse else "warmup"
+
+    def _apply(self, trainer) -> None:
+        sparse = trainer.state.tokens >= self.warmup_tokens
+        if sparse == self.sparse:
+            return
+        if sparse and self.sparse is not None:
+            self.switched_at_step, self.switched_at_tokens = trainer.state.step, trainer.state.tokens
+            c = self.msa_cfg
+            log.info("indexer warmup done after step %d (%s tokens >= %s): switching to sparse attention, "
+                     "top-%d of %d-token blocks (<= %d keys per query)", trainer.state.step,
+                     f"{trainer.state.tokens:,}", f"{self.warmup_tokens:,}", c.topk, c.block_size, c.topk * c.block_size)
+        self.sparse = sparse
+        set_msa_phase(trainer.model_chunks, sparse)
+
+    def on_train_start(self, trainer) -> None:
+        if not msa_layers(trainer.model_chunks):
+            self.sparse = True
+            return
+        self._apply(trainer)
+        log.info("attention phase at step %d: %s (indexer warmup until %s tokens)", trainer.state.step,
+                 self.phase, f"{self.warmup_tokens:,}")
+
+    def on_step_start(self, trainer) -> None:
+        self._apply(trainer)
+        trainer.state.extra["phase"] = self.phase
+
+    def state_dict(self) -> dict:
+        return {"warmup_tokens": self.warmup_tokens, "switched_at_step": self.switched_at_step,
+                "switched_at_tokens": self.switched_at_tokens}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.switched_at_step = sd.get("switched_at_step")
+        self.switched_at_tokens = sd.get("switched_at_tokens")
+        if sd.get("warmup_tokens") != self.warmup_tokens:
+            log.warning("indexer warmup: checkpoint had warmup_tokens=%s, config says %s; using the config",
+                        sd.get("warmup_tokens"), self.warmup_tokens)

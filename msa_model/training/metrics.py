@@ -1,0 +1,152 @@
+"""Step metrics: reduction across ranks, and the logger callback (console line, progress bar,
+TensorBoard, wandb, metrics.jsonl) that receives the same scalars everywhere."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+from msa_model.attention import KEYS_METRIC, KL_METRIC
+from msa_model.training.callbacks import Callback
+
+log = logging.getLogger(__name__)
+
+# per-layer values megatron's MoE metrics tracker collects during forward; name -> our metric
+LAYER_METRICS = {KL_METRIC: "kl_loss", "load_balancing_loss": "moe_aux_loss", KEYS_METRIC: "keys_per_query"}
+
+
+def reduce_step_metrics(losses_reduced: list, num_microbatches: int, num_layers: int, pp_size: int,
+                        device: torch.device) -> dict[str, float]:
+    """Global lm loss (token mean over all micro-batches and ranks) and layer-mean tracker metrics.
+
+    Every rank must call this (it all-reduces over the world). Layer metrics are averaged over
+    the replicas of each layer (world / pp ranks), the micro-batches, then the layers that
+    recorded them; absent metrics are left out of the result.
+    """
+    lm = torch.zeros(2, dtype=torch.float64, device=device)
+    for item in losses_reduced:
+        lm += item["lm_loss"].to(device=device, dtype=torch.float64)
+    tracker = get_moe_metrics_tracker()
+    per_layer = torch.zeros(len(LAYER_METRICS), num_layers, dtype=torch.float64, device=device)
+    for row, name in enumerate(LAYER_METRICS):
+        if name in tracker.metrics:
+            per_layer[row] = tracker.metrics[name].values.to(device=device, dtype=torch.float64)
+    tracker.clear()
+    packed = torch.cat([lm, per_layer.flatten()])
+    dist.all_reduce(packed)
+    lm, per_layer = packed[:2], packed[2:].view(len(LAYER_METRICS), num_layers)
+    per_layer = per_layer / (num_microbatches * dist.get_world_size() // pp_size)
+    out = {"lm_loss": (lm[0] / lm[1].clamp(min=1)).item()}
+    for row, key in enumerate(LAYER_METRICS.values()):
+        recorded = per_layer[row] != 0
+        if recorded.any():
+            out[key] = per_layer[row][recorded].mean().item()
+    return out
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+class MetricsLogger(Callback):
+    """Every `log_interval` steps: one console line and the same scalars to TensorBoard, wandb
+    and <run_dir>/metrics.jsonl (interval means of per-step values). Only rank 0 writes."""
+
+    name = "metrics"
+    SCALARS = ("lm_loss", "kl_loss", "moe_aux_loss", "lr", "grad_norm", "tokens_per_s", "keys_per_query")
+
+    def __init__(self, logging_cfg, run_dir: str | Path, enabled: bool, max_steps: int, hparams: dict):
+        self.cfg, self.run_dir, self.enabled = logging_cfg, Path(run_dir), enabled
+        self.max_steps, self.hparams = max_steps, hparams
+        self.bar = self.tb = self.wandb_run = self.jsonl = None
+        self._sums: dict[str, float] = {}
+        self._counts: dict[str, int] = {}
+        self._interval_tokens = 0
+        self._t0 = time.perf_counter()
+
+    def on_train_start(self, trainer) -> None:
+        self._t0 = time.perf_counter()
+        if not self.enabled:
+            return
+        if self.cfg.jsonl:
+            self.jsonl = open(self.run_dir / "metrics.jsonl", "a")
+        if self.cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+        if self.cfg.wandb_mode != "disabled":
+            import wandb
+
+            self.wandb_run = wandb.init(project=self.cfg.wandb_project, entity=self.cfg.wandb_entity,
+                                        mode=self.cfg.wandb_mode, dir=str(self.run_dir), config=self.hparams,
+                                        name=self.run_dir.name, resume="allow")
+        if self.cfg.progress_bar:
+            from tqdm import tqdm
+
+            # disable=None: no bar when the output is not a terminal (CI logs, redirected runs)
+            self.bar = tqdm(total=self.max_steps, initial=trainer.state.step, desc="train", unit="step",
+                            dynamic_ncols=True, leave=False, disable=None)
+
+    def on_step_end(self, trainer, metrics: dict) -> None:
+        self._interval_tokens += metrics.pop("step_tokens")
+        for key, value in metrics.items():
+            self._sums[key] = self._sums.get(key, 0.0) + value
+            self._counts[key] = self._counts.get(key, 0) + 1
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{metrics['lm_loss']:.3f}", refresh=False)
+        step = trainer.state.step
+        if step % self.cfg.log_interval == 0 or step == self.max_steps or trainer.state.stop_requested:
+            self._emit(trainer)
+
+    def _emit(self, trainer) -> None:
+        elapsed = time.perf_counter() - self._t0
+        scalars = {k: self._sums[k] / self._counts[k] for k in self._sums}
+        scalars["tokens_per_s"] = self._interval_tokens / max(elapsed, 1e-9)
+        self._sums, self._counts, self._interval_tokens, self._t0 = {}, {}, 0, time.perf_counter()
+        if not self.enabled:
+            return
+        s, phase = trainer.state, _phase(trainer)
+        log.info("step %*d/%d | tokens %s | lm %s | kl %s | aux %s | lr %s | gnorm %s | %s tok/s | %s | keys/q %s",
+                 len(str(self.max_steps)), s.step, self.max_steps, f"{s.tokens:,}",
+                 _fmt(scalars.get("lm_loss"), ".4f"), _fmt(scalars.get("kl_loss"), ".4f"),
+                 _fmt(scalars.get("moe_aux_loss"), ".4f"), _fmt(scalars.get("lr"), ".2e"),
+                 _fmt(scalars.get("grad_norm"), ".3f"), f"{scalars['tokens_per_s']:,.0f}", phase,
+                 _fmt(scalars.get("keys_per_query"), ".1f"))
+        record = {"step": s.step, "tokens": s.tokens, "phase": phase,
+                  **{k: scalars[k] for k in self.SCALARS if k in scalars}}
+        if self.jsonl is not None:
+            self.jsonl.write(json.dumps(record) + "\n")
+            self.jsonl.flush()
+        numeric = {k: v for k, v in record.items() if k in self.SCALARS}
+        numeric["sparse"] = float(phase == "sparse")
+        if self.tb is not None:
+            for key, value in numeric.items():
+                self.tb.add_scalar(f"train/{key}", value, s.step)
+            self.tb.flush()
+        if self.wandb_run is not None:
+            self.wandb_run.log({f"train/{k}": v for k, v in numeric.items()} | {"tokens": s.tokens}, step=s.step)
+
+    def on_train_end(self, trainer) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.jsonl is not None:
+            self.jsonl.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb_run is not None:
+            import wandb
+
+            self.wandb_run.finish()
+            # offline mode leaves a wandb-core helper process behind otherwise
+            wandb.teardown()
+
+
+def _phase(trainer) -> str:
+    return trainer.state.extra.get("phase", "dense")

@@ -1,0 +1,86 @@
+"""What a run directory records so that a relaunch is one command, and where logs go.
+
+<run_dir>/config.yaml   the resolved configuration
+<run_dir>/git.txt       commit of the code (and whether the tree had local changes)
+<run_dir>/launch.sh     the command line that relaunches (and so resumes) this run
+<run_dir>/train.log     the console log of rank 0
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class _TqdmHandler(logging.StreamHandler):
+    """Console handler that prints above an active tqdm progress bar instead of through it."""
+
+    def emit(self, record):
+        try:
+            from tqdm import tqdm
+
+            tqdm.write(self.format(record), file=sys.stdout)
+        except Exception:
+            self.handleError(record)
+
+
+def setup_logging(run_dir: Path | None, is_main: bool) -> None:
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    root.setLevel(logging.INFO if is_main else logging.WARNING)
+    fmt = logging.Formatter("[%(asctime)s] %(message)s", datefmt="%H:%M:%S")
+    console = _TqdmHandler()
+    console.setFormatter(fmt)
+    root.addHandler(console)
+    if run_dir is not None and is_main:
+        file_handler = logging.FileHandler(run_dir / "train.log")
+        file_handler.setFormatter(fmt)
+        root.addHandler(file_handler)
+    # megatron logs its parameter lists and optimizer config at INFO; keep its warnings only,
+    # and not the "GPTModel is deprecated" one printed on every build
+    logging.getLogger("megatron").setLevel(logging.WARNING)
+    logging.getLogger("megatron.core.models.gpt.gpt_model").setLevel(logging.ERROR)
+
+
+def git_description() -> str:
+    def git(*args):
+        out = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() if out.returncode == 0 else ""
+
+    commit = git("rev-parse", "HEAD") or "unknown"
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+    return f"{commit}{' (with uncommitted changes)' if dirty else ''}\n"
+
+
+def relaunch_command(run_dir: str) -> str:
+    """The command that re-runs this job in the same run dir (so resume=auto continues it)."""
+    args = [a for a in sys.argv[1:] if not a.startswith(("run_dir=", "resume=", "dry_run="))]
+    args.append(f"run_dir={run_dir}")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and "LOCAL_WORLD_SIZE" in os.environ:
+        nnodes = world // int(os.environ["LOCAL_WORLD_SIZE"])
+        launcher = ["torchrun", f"--nnodes={nnodes}", f"--nproc-per-node={os.environ['LOCAL_WORLD_SIZE']}"]
+        if nnodes == 1:
+            launcher.append("--standalone")
+    else:
+        launcher = [sys.executable]
+    return " ".join(shlex.quote(a) for a in [*launcher, sys.argv[0] or "train.py", *args])
+
+
+def write_run_files(cfg, run_dir: Path) -> None:
+    """config.yaml, git.txt and launch.sh (rank 0 only)."""
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    (run_dir / "git.txt").write_text(git_description())
+    launch = run_dir / "launch.sh"
+    launch.write_text("#!/usr/bin/env bash\n# relaunch this run; resume=auto continues from its latest checkpoint\n"
+                      f"set -euo pipefail\ncd {shlex.quote(os.getcwd())}\n{relaunch_command(str(run_dir.resolve()))}\n")
+    launch.chmod(0o755)

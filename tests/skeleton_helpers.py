@@ -1,0 +1,59 @@
+"""Run train.py in subprocesses (megatron and the CPU shim stay out of the pytest process) and
+read back what a run wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# a model small enough for tests: 2 layers (1 dense, 1 MoE), 256 tokens, 4 x 16-token blocks
+TINY_TEST = [
+    "model.num_layers=2", "model.hidden_size=128", "model.ffn_hidden_size=256", "model.moe_ffn_hidden_size=128",
+    "model.seq_length=256", "model.msa.block_size=16", "model.msa.topk=4", "model.msa.index_head_dim=32",
+    "parallel.micro_batch_size=2", "parallel.global_batch_size=4", "optim.warmup_steps=1",
+    "logging.log_interval=1", "logging.wandb_mode=disabled", "logging.tensorboard=false",
+    "logging.progress_bar=false",
+]
+
+
+def _env(threads: int = 1) -> dict:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
+def run_train(run_dir: Path, *overrides: str, data_cache: Path, script: str = "train.py", nproc: int = 1,
+              check: bool = True, timeout: int = 300) -> subprocess.CompletedProcess:
+    args = [*TINY_TEST, f"run_dir={run_dir}", f"data.cache_dir={data_cache}", *overrides]
+    if nproc == 1:
+        cmd = [sys.executable, script, *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               f"--master-port={free_port()}", script, *args]
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def metrics(run_dir: Path) -> dict[int, dict]:
+    """step -> the last record written for it (a resumed run may rewrite steps)."""
+    out = {}
+    for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        out[rec["step"]] = rec
+    return out

@@ -1,0 +1,89 @@
+"""Config composition: every recipe x model composes and validates; typos and bad geometry fail."""
+
+from __future__ import annotations
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError
+
+from msa_model.config import ConfigError, TrainConfig, register_configs, validate
+from skeleton_helpers import REPO
+
+register_configs()
+
+
+def _compose(*overrides: str):
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
+        return compose("train", overrides=list(overrides))
+
+
+@pytest.mark.parametrize("recipe", ["pt", "cpt", "dense"])
+@pytest.mark.parametrize("model", ["tiny", "small"])
+def test_every_recipe_and_model_composes_and_validates(recipe, model):
+    cfg = _compose(f"recipe={recipe}", f"model={model}")
+    OmegaConf.resolve(cfg)
+    validate(cfg, world_size=1)
+    assert cfg.model.name == model and cfg.name == recipe
+    assert cfg.run_dir == f"runs/{model}-{recipe}"
+    assert cfg.model.attention == ("dense" if recipe == "dense" else "msa")
+
+
+def test_defaults_are_the_tiny_msa_pretraining_run():
+    cfg = _compose()
+    m = cfg.model
+    assert (cfg.name, m.name, m.attention) == ("pt", "tiny", "msa")
+    assert m.num_experts >= 4 and m.num_attention_heads // m.num_query_groups >= 2 and m.num_query_groups >= 2
+    assert m.msa.topk * m.msa.block_size < m.seq_length
+    assert 0 < cfg.trainer.indexer_warmup_tokens < cfg.trainer.max_steps * cfg.parallel.global_batch_size * m.seq_length
+
+
+def test_readme_override_example_composes():
+    cfg = _compose("recipe=cpt", "model=small", "trainer.max_steps=50")
+    validate(cfg, world_size=1)
+    assert cfg.trainer.max_steps == 50 and cfg.model.seq_length == 8192
+
+
+@pytest.mark.parametrize("override", ["model.hiden_size=64", "trainer.max_step=3", "optimm.lr=1", "model.msa.top_k=2"])
+def test_misspelled_key_on_the_command_line_is_an_error(override):
+    with pytest.raises(ConfigCompositionException):
+        _compose(override)
+
+
+def test_misspelled_key_in_yaml_is_an_error():
+    schema = OmegaConf.structured(TrainConfig)
+    with pytest.raises(ConfigKeyError):
+        OmegaConf.merge(schema, OmegaConf.create({"model": {"num_layer": 3}}))
+
+
+def test_wrong_type_is_an_error():
+    with pytest.raises(ConfigCompositionException):
+        _compose("model.num_layers=four")
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (["model.num_attention_heads=6", "model.num_query_groups=4"], "model.num_query_groups"),
+    (["model.msa.topk=16"], "model.msa.topk * model.msa.block_size"),
+    (["model.seq_length=500"], "model.msa.block_size"),
+    (["parallel.global_batch_size=7"], "parallel.global_batch_size"),
+    (["model.moe_router_topk=8"], "model.moe_router_topk"),
+    (["model.attention=sparse"], "model.attention"),
+    (["resume=sometimes"], "resume"),
+])
+def test_bad_values_fail_early_naming_the_field(overrides, field):
+    cfg = _compose(*overrides)
+    with pytest.raises(ConfigError, match=field.replace("*", r"\*").replace(".", r"\.")):
+        validate(cfg, world_size=1)
+
+
+def test_world_size_checks_name_the_batch_fields():
+    cfg = _compose("parallel.global_batch_size=6", "parallel.micro_batch_size=2")
+    validate(cfg, world_size=1)
+    with pytest.raises(ConfigError, match=r"micro_batch_size \* dp"):
+        validate(cfg, world_size=2)
+
+
+def test_topk_covering_the_context_is_fine_when_training_never_leaves_warmup():
+    cfg = _compose("model.msa.topk=16", "trainer.max_steps=10", "trainer.indexer_warmup_tokens=1000000")
+    validate(cfg, world_size=1)
