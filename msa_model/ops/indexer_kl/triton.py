@@ -89,12 +89,11 @@ def _teacher_student(q_ptr, lse_ptr, iq_ptr, b, g, t_M, t_R, row_M, row_R, kT_DJ
 
 
 @triton.jit
-def _dense_fwd_step(j0, acc, q_ptr, k_ptr, lse_ptr, iq_ptr, ik_ptr, b, g, T, t_M, t_R, row_M, row_R,
+def _dense_fwd_step(j0, m_M, l_M, s_M, a_M, bz_M, acc_z, acc_p, q_ptr, k_ptr, lse_ptr, iq_ptr, ik_ptr, b, g, T, t_M, t_R, row_M, row_R,
                     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sl_b, sl_t, sl_h, si_b, si_t, si_h, sik_b, sik_t,
                     scale_log2, index_scale, H: tl.constexpr, HS: tl.constexpr, M: tl.constexpr,
                     J: tl.constexpr, D: tl.constexpr, DI: tl.constexpr, PREC: tl.constexpr):
     """One key tile of the dense forward: folds keys j0..j0+J-1 into the running sums."""
-    m_M, l_M, s_M, a_M, bz_M, acc_z, acc_p = acc
     dt = iq_ptr.dtype.element_ty
     offs_d = tl.arange(0, D)
     offs_i = tl.arange(0, DI)
@@ -139,23 +138,28 @@ def _dense_fwd_kernel(q_ptr, k_ptr, lse_ptr, iq_ptr, ik_ptr, kl_ptr, lsez_ptr, i
     row_M = t_M < T
     row_R = t_R < T
     offs_i = tl.arange(0, DI)
-    acc = (tl.full((M,), float("-inf"), tl.float32), tl.zeros((M,), tl.float32), tl.zeros((M,), tl.float32),
-           tl.zeros((M,), tl.float32), tl.zeros((M,), tl.float32), tl.zeros((M, DI), tl.float32),
-           tl.zeros((M, DI), tl.float32))
+    m_M = tl.full((M,), float("-inf"), tl.float32)
+    l_M = tl.zeros((M,), tl.float32)
+    s_M = tl.zeros((M,), tl.float32)
+    a_M = tl.zeros((M,), tl.float32)
+    bz_M = tl.zeros((M,), tl.float32)
+    acc_z = tl.zeros((M, DI), tl.float32)
+    acc_p = tl.zeros((M, DI), tl.float32)
     hi = tl.minimum((pid_m + 1) * M, T)
     if INTERPRETING:
         j0 = 0
         while j0 < hi:
-            acc = _dense_fwd_step(j0, acc, q_ptr, k_ptr, lse_ptr, iq_ptr, ik_ptr, b, g, T, t_M, t_R, row_M, row_R,
-                                  sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sl_b, sl_t, sl_h, si_b, si_t, si_h, sik_b,
-                                  sik_t, scale_log2, index_scale, H, HS, M, J, D, DI, PREC)
+            m_M, l_M, s_M, a_M, bz_M, acc_z, acc_p = _dense_fwd_step(
+                j0, m_M, l_M, s_M, a_M, bz_M, acc_z, acc_p, q_ptr, k_ptr, lse_ptr, iq_ptr, ik_ptr, b, g, T, t_M,
+                t_R, row_M, row_R, sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sl_b, sl_t, sl_h, si_b, si_t, si_h, sik_b,
+                sik_t, scale_log2, index_scale, H, HS, M, J, D, DI, PREC)
             j0 += J
     else:
         for j0 in range(0, hi, J):
-            acc = _dense_fwd_step(j0, acc, q_ptr, k_ptr, lse_ptr, iq_ptr, ik_ptr, b, g, T, t_M, t_R, row_M, row_R,
-                                  sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sl_b, sl_t, sl_h, si_b, si_t, si_h, sik_b,
-                                  sik_t, scale_log2, index_scale, H, HS, M, J, D, DI, PREC)
-    m_M, l_M, s_M, a_M, bz_M, acc_z, acc_p = acc
+            m_M, l_M, s_M, a_M, bz_M, acc_z, acc_p = _dense_fwd_step(
+                j0, m_M, l_M, s_M, a_M, bz_M, acc_z, acc_p, q_ptr, k_ptr, lse_ptr, iq_ptr, ik_ptr, b, g, T, t_M,
+                t_R, row_M, row_R, sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sl_b, sl_t, sl_h, si_b, si_t, si_h, sik_b,
+                sik_t, scale_log2, index_scale, H, HS, M, J, D, DI, PREC)
 
     m_safe = tl.where(m_M == float("-inf"), 0.0, m_M)
     lse_z = m_safe + tl.log(l_M)

@@ -1,0 +1,311 @@
+"""The whole MSA layer (select + sparse attention + indexer KL) against SDPA dense attention.
+
+Geometry: Hq=64, Hkv=4, D=Di=128, Bk=128, k=16, bf16, B=1, causal. Times are medians of CUDA-event
+timed runs after a warm-up; peak memory is torch's max_memory_allocated over one step, inputs
+included. Prints a markdown table; --json writes every number.
+
+    PYTHONPATH=. python bench/bench_msa_layer.py --json $OUT/msa_layer.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+
+from msa_model.ops import indexer_kl_loss, msa_attention, select_blocks, sparse_attention
+from msa_model.ops.indexer_kl import triton as kl_triton
+
+HQ, HKV, D, DI, BK, TOPK = 64, 4, 128, 128, 128, 16
+TRITON = dict(backend="triton")
+
+
+def timed(fn, reps: int, warmup: int = 1) -> float:
+    """Median milliseconds of `fn` over `reps` runs."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def peak_gib(fn) -> float:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() / 2**30
+
+
+def make_inputs(T: int, seed: int = 0, grad: bool = True):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    mk = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16, generator=gen)  # noqa: E731
+    q, k, v = mk(1, T, HQ, D), mk(1, T, HKV, D), mk(1, T, HKV, D)
+    iq, ik = mk(1, T, HKV, DI), mk(1, T, DI)
+    if grad:
+        for x in (q, k, v, iq, ik):
+            x.requires_grad_()
+    return q, k, v, iq, ik
+
+
+def sdpa(q, k, v):
+    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                          enable_gqa=True).transpose(1, 2)
+
+
+def measure(r: dict, key: str, thunk) -> None:
+    """r[key] = thunk(), or the error, so one failing op does not hide the other numbers."""
+    try:
+        r[key] = thunk()
+    except Exception as e:
+        r.setdefault("errors", []).append(f"{key}: {type(e).__name__}: {e}"[:400])
+        print("failed:", r["errors"][-1], flush=True)
+
+
+def clear(*xs):
+    for x in xs:
+        x.grad = None
+
+
+def sparse_rows(T: int, reps: int, res: dict) -> None:
+    q, k, v, iq, ik = make_inputs(T)
+    do = torch.randn_like(q)
+    r = res.setdefault(f"sparse_{T}", {})
+    measure(r, "select_fwd_ms", lambda: timed(lambda: select_blocks(iq.detach(), ik.detach(), BK, TOPK, **TRITON), reps))
+    try:
+        bi = select_blocks(iq.detach(), ik.detach(), BK, TOPK, **TRITON)
+    except Exception:
+        # the KL and attention numbers only need some valid selection
+        bi = select_blocks(iq.detach(), ik.detach(), BK, TOPK, backend="reference")
+
+    def attn_fb():
+        o, _ = sparse_attention(q, k, v, bi, BK, **TRITON)
+        o.backward(do)
+        clear(q, k, v)
+
+    measure(r, "attn_fwd_ms", lambda: timed(lambda: sparse_attention(q, k, v, bi, BK, **TRITON), reps))
+    measure(r, "attn_fwdbwd_ms", lambda: timed(attn_fb, reps))
+    with torch.no_grad():
+        _, lse = sparse_attention(q, k, v, bi, BK, **TRITON)
+
+    def kl_fb():
+        indexer_kl_loss(q.detach(), k.detach(), iq, ik, bi, lse, BK, **TRITON).backward()
+        clear(iq, ik)
+
+    measure(r, "kl_fwd_ms", lambda: timed(lambda: indexer_kl_loss(q.detach(), k.detach(), iq, ik, bi, lse, BK, **TRITON), reps))
+    measure(r, "kl_fwdbwd_ms", lambda: timed(kl_fb, reps))
+
+    def layer_fb():
+        o, kl = msa_attention(q, k, v, iq, ik, BK, TOPK, **TRITON)
+        torch.autograd.backward([o, kl], [do, torch.ones_like(kl)])
+        clear(q, k, v, iq, ik)
+
+    measure(r, "layer_fwd_ms", lambda: timed(lambda: msa_attention(q, k, v, iq, ik, BK, TOPK, **TRITON), reps))
+    measure(r, "layer_fwdbwd_ms", lambda: timed(layer_fb, reps))
+    measure(r, "layer_peak_gib", lambda: peak_gib(layer_fb))
+
+    def sdpa_fb():
+        sdpa(q, k, v).backward(do)
+        clear(q, k, v)
+
+    measure(r, "sdpa_fwd_ms", lambda: timed(lambda: sdpa(q, k, v), reps))
+    measure(r, "sdpa_fwdbwd_ms", lambda: timed(sdpa_fb, reps))
+    measure(r, "sdpa_peak_gib", lambda: peak_gib(sdpa_fb))
+
+
+def dense_rows(T: int, reps: int, res: dict) -> None:
+    q, k, v, iq, ik = make_inputs(T)
+    do = torch.randn_like(q)
+    r = res.setdefault(f"dense_{T}", {})
+
+    def layer_fb():
+        o, kl = msa_attention(q, k, v, iq, ik, BK, TOPK, dense=True, **TRITON)
+        torch.autograd.backward([o, kl], [do, torch.ones_like(kl)])
+        clear(q, k, v, iq, ik)
+
+    def attn_fb():
+        o, _ = sparse_attention(q, k, v, None, BK, **TRITON)
+        o.backward(do)
+        clear(q, k, v)
+
+    with torch.no_grad():
+        _, lse = sparse_attention(q, k, v, None, BK, **TRITON)
+
+    def kl_fb():
+        indexer_kl_loss(q.detach(), k.detach(), iq, ik, None, lse, BK, **TRITON).backward()
+        clear(iq, ik)
+
+    def sdpa_fb():
+        sdpa(q, k, v).backward(do)
+        clear(q, k, v)
+
+    measure(r, "kl_fwd_ms", lambda: timed(lambda: indexer_kl_loss(q.detach(), k.detach(), iq, ik, None, lse, BK, **TRITON), reps))
+    measure(r, "kl_fwdbwd_ms", lambda: timed(kl_fb, reps))
+    measure(r, "attn_fwdbwd_ms", lambda: timed(attn_fb, reps))
+    measure(r, "layer_fwdbwd_ms", lambda: timed(layer_fb, reps))
+    measure(r, "layer_peak_gib", lambda: peak_gib(layer_fb))
+    measure(r, "sdpa_fwdbwd_ms", lambda: timed(sdpa_fb, reps))
+    measure(r, "sdpa_peak_gib", lambda: peak_gib(sdpa_fb))
+
+
+def forward_rows(T: int, reps: int, res: dict, with_sdpa: bool) -> None:
+    q, k, v, iq, ik = make_inputs(T, grad=False)
+    r = res.setdefault(f"fwd_{T}", {})
+    with torch.no_grad():
+        measure(r, "layer_fwd_ms", lambda: timed(lambda: msa_attention(q, k, v, iq, ik, BK, TOPK, **TRITON), reps))
+        measure(r, "layer_fwd_peak_gib", lambda: peak_gib(lambda: msa_attention(q, k, v, iq, ik, BK, TOPK, **TRITON)))
+        if with_sdpa:
+            measure(r, "sdpa_fwd_ms", lambda: timed(lambda: sdpa(q, k, v), reps))
+
+
+def check(res: dict) -> None:
+    """Large-shape correctness: the fused KL vs the fp64 reference, against torch's own bf16 error."""
+    import sys
+
+    sys.path.insert(0, "tests")
+    from test_indexer_kl_triton import loss_and_grads, make_case, rel, torch_in_dtype
+
+    for dense in (False, True):
+        T = 3000
+        case = make_case(1, T, HQ, HKV, D, DI, BK, TOPK, dense, torch.bfloat16, seed=11, device="cuda")
+        truth = loss_and_grads(*case, BK, "reference", upcast=torch.float64)
+        out = loss_and_grads(*case, BK, "triton")
+        pt = torch_in_dtype(*case, BK)
+        errs = {name: (rel(x, t), rel(p, t)) for name, x, p, t in zip(("loss", "diq", "dik"), out, pt, truth)}
+        res[f"check_{'dense' if dense else 'sparse'}_{T}"] = errs
+        print(f"check {'dense' if dense else 'sparse'} T={T}: (kernel err, torch bf16 err) {errs}", flush=True)
+
+
+def tune(T: int, res: dict) -> None:
+    """Pick the KL tile configuration by sparse fwd+bwd time at length T."""
+    q, k, v, iq, ik = make_inputs(T)
+    bi = select_blocks(iq.detach(), ik.detach(), BK, TOPK, backend="reference")
+    with torch.no_grad():
+        _, lse = sparse_attention(q, k, v, bi, BK, **TRITON)
+    dense_T = min(T, 16384)
+    base = kl_triton.TUNING
+    best = None
+    for rows, warps, stages in ((128, 8, 1), (64, 4, 1)):
+        cfg = kl_triton.Tuning(**{**base.__dict__, "rows": rows, "warps": warps, "stages": stages})
+        kl_triton.TUNING = cfg
+
+        def kl_fb():
+            indexer_kl_loss(q.detach(), k.detach(), iq, ik, bi, lse, BK, **TRITON).backward()
+            clear(iq, ik)
+
+        def kl_dense_fb():
+            indexer_kl_loss(q[:, :dense_T].detach(), k[:, :dense_T].detach(), iq[:, :dense_T], ik[:, :dense_T],
+                            None, lse[:, :dense_T], BK, **TRITON).backward()
+            clear(iq, ik)
+
+        try:
+            ms = timed(kl_fb, 3)
+            ms_dense = timed(kl_dense_fb, 3)
+        except Exception as e:  # a configuration can exceed shared memory or registers
+            print(f"tune rows={rows} warps={warps} stages={stages}: failed ({type(e).__name__}: {e})"[:300])
+            continue
+        res.setdefault("tune", []).append(dict(rows=rows, warps=warps, stages=stages, sparse_ms=ms,
+                                               dense_ms=ms_dense))
+        print(f"tune rows={rows} warps={warps} stages={stages}: sparse {ms:.1f} ms, dense {dense_T} {ms_dense:.1f} ms",
+              flush=True)
+        if best is None or ms + ms_dense < best[0]:
+            best = (ms + ms_dense, cfg)
+    kl_triton.TUNING = best[1] if best else base
+    res["tuning"] = kl_triton.TUNING.__dict__
+
+
+class _Missing(dict):
+    def __missing__(self, key):
+        return math.nan
+
+
+def table(res: dict) -> str:
+    res = {key: _Missing(v) if isinstance(v, dict) else v for key, v in res.items()}
+    lines = ["| measure | value |", "|---|---|"]
+
+    def add(name, value):
+        lines.append(f"| {name} | {value} |")
+
+    for T in (32768, 131072):
+        r = res.get(f"sparse_{T}")
+        if not r:
+            continue
+        t = f"{T // 1024}K"
+        add(f"{t} select / attention fwd / fwd+bwd (ms)",
+            f"{r['select_fwd_ms']:.1f} / {r['attn_fwd_ms']:.1f} / {r['attn_fwdbwd_ms']:.1f}")
+        add(f"{t} sparse KL fwd / fwd+bwd (ms); KL over attention fwd+bwd",
+            f"{r['kl_fwd_ms']:.1f} / {r['kl_fwdbwd_ms']:.1f}; {100 * r['kl_fwdbwd_ms'] / r['attn_fwdbwd_ms']:.0f}%")
+        add(f"{t} MSA layer fwd / fwd+bwd (ms)", f"{r['layer_fwd_ms']:.1f} / {r['layer_fwdbwd_ms']:.1f}")
+        add(f"{t} SDPA dense fwd / fwd+bwd (ms)", f"{r['sdpa_fwd_ms']:.1f} / {r['sdpa_fwdbwd_ms']:.1f}")
+        add(f"{t} speed-up fwd / fwd+bwd",
+            f"{r['sdpa_fwd_ms'] / r['layer_fwd_ms']:.1f}x / {r['sdpa_fwdbwd_ms'] / r['layer_fwdbwd_ms']:.1f}x")
+        add(f"{t} peak memory fwd+bwd MSA / SDPA (GiB)", f"{r['layer_peak_gib']:.1f} / {r['sdpa_peak_gib']:.1f}")
+    r = res.get("dense_32768")
+    if r:
+        add("32K dense KL fwd / fwd+bwd (ms)", f"{r['kl_fwd_ms']:.1f} / {r['kl_fwdbwd_ms']:.1f}")
+        add("32K dense attention fwd+bwd (ms)", f"{r['attn_fwdbwd_ms']:.1f}")
+        add("32K warmup step (dense attention + dense KL) fwd+bwd / SDPA fwd+bwd",
+            f"{r['layer_fwdbwd_ms']:.1f} / {r['sdpa_fwdbwd_ms']:.1f} ms = "
+            f"{r['layer_fwdbwd_ms'] / r['sdpa_fwdbwd_ms']:.2f}x")
+        add("32K warmup peak memory MSA / SDPA (GiB)", f"{r['layer_peak_gib']:.1f} / {r['sdpa_peak_gib']:.1f}")
+    for T in (262144, 1048576):
+        r = res.get(f"fwd_{T}")
+        if not r:
+            continue
+        t = f"{T // 1024}K"
+        add(f"{t} MSA layer fwd (ms), peak GiB", f"{r['layer_fwd_ms']:.1f}, {r['layer_fwd_peak_gib']:.1f}")
+        if "sdpa_fwd_ms" in r:
+            add(f"{t} SDPA dense fwd (ms); speed-up", f"{r['sdpa_fwd_ms']:.0f}; {r['sdpa_fwd_ms'] / r['layer_fwd_ms']:.1f}x")
+    r256, r1m = res.get("fwd_262144", {}), res.get("fwd_1048576")
+    if r1m and "sdpa_fwd_ms" in r256:
+        est = r256["sdpa_fwd_ms"] * 16
+        add("1M SDPA dense fwd, extrapolated from 256K as N^2 (ms); speed-up",
+            f"{est:.0f}; {est / r1m['layer_fwd_ms']:.1f}x")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--no-tune", action="store_true")
+    ap.add_argument("--long", action="store_true", help="also 256K and 1M forward")
+    args = ap.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = True
+    res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                 "date": time.strftime("%Y-%m-%d")}
+    steps = [lambda: check(res)]
+    if not args.no_tune:
+        steps.append(lambda: tune(32768, res))
+    steps += [lambda: sparse_rows(32768, 5, res), lambda: dense_rows(32768, 3, res),
+              lambda: sparse_rows(131072, 3, res)]
+    if args.long:
+        steps += [lambda: forward_rows(262144, 2, res, with_sdpa=True),
+                  lambda: forward_rows(1048576, 2, res, with_sdpa=False)]
+    for step in steps:
+        t0 = time.time()
+        try:
+            step()
+        except Exception as e:  # keep the numbers measured so far
+            res.setdefault("errors", []).append(f"{type(e).__name__}: {e}"[:500])
+            print("step failed:", res["errors"][-1], flush=True)
+        torch.cuda.empty_cache()
+        print(f"step done in {time.time() - t0:.0f} s", flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=1)
+    print(json.dumps(res))
+    print(table(res))
+
+
+if __name__ == "__main__":
+    main()
