@@ -1,0 +1,113 @@
+"""`python -m msa_model.convert <command> ...`: checkpoint conversion (see README, "Converting dense checkpoints").
+
+    hf-to-msa SRC OUT       Hugging Face Llama/Qwen2/Qwen3/Qwen3-MoE/Mixtral dir -> our checkpoint
+    dense-to-msa SRC OUT    our dense-baseline checkpoint -> MSA, index projections added
+    msa-to-hf SRC OUT       our checkpoint -> Hugging Face safetensors + config.json
+    verify HF_DIR SRC       logits parity of our checkpoint with the transformers model
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from msa_model.convert.hf_families import FAMILIES
+from msa_model.convert.hf_io import ConversionError
+from msa_model.convert.index_init import DEFAULT, INIT_CHOICES
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m msa_model.convert", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def index_args(q, defaults_from_model: bool):
+        q.add_argument("--index-init", choices=INIT_CHOICES, default=DEFAULT,
+                       help=f"index projection initialisation (default {DEFAULT})")
+        keep = " (default: the model config's)" if defaults_from_model else ""
+        q.add_argument("--block-size", type=int, default=None if defaults_from_model else 128, help="MSA key block size" + keep)
+        q.add_argument("--topk", type=int, default=None if defaults_from_model else 16, help="MSA blocks per query" + keep)
+        q.add_argument("--index-head-dim", type=int, default=None, help="Di (default: the head dim)")
+        q.add_argument("--name", default=None, help="model config name (OUT/model/<name>.yaml)")
+        q.add_argument("--seed", type=int, default=0, help="seed of the random index init")
+
+    q = sub.add_parser("hf-to-msa", help="Hugging Face checkpoint dir -> our dist checkpoint + model config")
+    q.add_argument("src")
+    q.add_argument("out")
+    q.add_argument("--attention", choices=("msa", "dense"), default="msa")
+    q.add_argument("--seq-length", type=int, default=4096, help="training context written to the model config")
+    for flag in ("--tp", "--pp", "--ep"):
+        q.add_argument(flag, type=int, default=1, help="target layout to check the model against; the checkpoint "
+                       "itself loads at any layout")
+    index_args(q, defaults_from_model=False)
+
+    q = sub.add_parser("dense-to-msa", help="our dense checkpoint -> MSA checkpoint (tensors kept bit-identical)")
+    q.add_argument("src", help="checkpoint root (with `latest`) or step directory")
+    q.add_argument("out")
+    q.add_argument("--model-config", default=None, help="model YAML or run config.yaml (default: found next to SRC)")
+    index_args(q, defaults_from_model=True)
+
+    q = sub.add_parser("msa-to-hf", help="our checkpoint -> Hugging Face safetensors + config.json")
+    q.add_argument("src")
+    q.add_argument("out")
+    q.add_argument("--family", choices=sorted(FAMILIES), default=None,
+                   help="target family (default: the family the checkpoint was converted from)")
+    q.add_argument("--model-config", default=None)
+    q.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="tensor dtype (default: the source checkpoint's)")
+    q.add_argument("--max-shard-size", type=int, default=5 * 2**30, help="bytes per safetensors shard")
+
+    q = sub.add_parser("verify", help="logits parity with the transformers model (prints JSON)")
+    q.add_argument("hf_dir")
+    q.add_argument("src")
+    q.add_argument("--tp", type=int, default=1, help="load at this TP (under torchrun with tp * ep processes)")
+    q.add_argument("--ep", type=int, default=1, help="load at this EP")
+    q.add_argument("--batches", type=int, default=2)
+    q.add_argument("--seq-length", type=int, default=64)
+    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--model-config", default=None)
+    q.add_argument("--save-logits", default=None, help="also torch.save {tokens, logits} here")
+    return p
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.getLogger("megatron").setLevel(logging.WARNING)
+    from msa_model.convert import commands
+    from msa_model.convert.verify import verify
+
+    try:
+        if args.command == "hf-to-msa":
+            commands.hf_to_msa(args.src, args.out, attention=args.attention, index_init=args.index_init, tp=args.tp,
+                               pp=args.pp, ep=args.ep, seq_length=args.seq_length, block_size=args.block_size,
+                               topk=args.topk, index_head_dim=args.index_head_dim, name=args.name, seed=args.seed)
+        elif args.command == "dense-to-msa":
+            commands.dense_to_msa(args.src, args.out, model_config=args.model_config, index_init=args.index_init,
+                                  block_size=args.block_size, topk=args.topk, index_head_dim=args.index_head_dim,
+                                  name=args.name, seed=args.seed)
+        elif args.command == "msa-to-hf":
+            commands.msa_to_hf(args.src, args.out, family=args.family, model_config=args.model_config,
+                               dtype=args.dtype, max_shard_size=args.max_shard_size)
+        else:
+            result = verify(args.hf_dir, args.src, batches=args.batches, seq_length=args.seq_length, seed=args.seed,
+                            tp=args.tp, ep=args.ep, model_config=args.model_config, save_logits=args.save_logits)
+            import torch.distributed as dist
+
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                print(json.dumps(result))
+    except ConversionError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        from msa_model.training.distributed import shutdown
+
+        shutdown()
+    return 0
+
+
+# the guard matters: checkpoint saving starts worker processes that re-import this module
+if __name__ == "__main__":
+    sys.exit(main())

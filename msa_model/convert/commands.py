@@ -1,0 +1,191 @@
+"""The conversions: hf-to-msa, dense-to-msa and msa-to-hf (see `python -m msa_model.convert -h`).
+
+Each builds the real model in one process (msa_model.convert.megatron_io), so what it writes is
+what the trainer writes and loads, at any TP/PP/EP.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from msa_model.config import ConfigError, ModelConfig, MSAConfig, ParallelConfig, TrainConfig, validate
+from msa_model.convert import megatron_io as mio
+from msa_model.convert.hf_families import FAMILIES, check_exportable, hf_config_from_model, model_config_from_hf
+from msa_model.convert.hf_io import CONFIG_FILE, ConversionError, HFCheckpoint, read_config, save_safetensors
+from msa_model.convert.hf_mapping import INDEX_TENSORS, Rule, check_hf_shapes, fuse, hf_shapes, rules, split
+from msa_model.convert.index_init import DEFAULT, index_weights
+
+log = logging.getLogger(__name__)
+
+# tensors some HF checkpoints carry that are recomputed, not learned
+_IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+def check_layout(model: ModelConfig, tp: int, pp: int, ep: int) -> None:
+    """Raise ConversionError when the model cannot run at this TP/PP/EP."""
+    parallel = ParallelConfig(tp=tp, pp=pp, ep=ep, sequence_parallel=tp > 1 and model.num_experts > 0,
+                              micro_batch_size=1, global_batch_size=1)
+    try:
+        validate(TrainConfig(model=model, parallel=parallel, name="convert"))
+    except ConfigError as e:
+        raise ConversionError(f"the converted model cannot run at tp={tp} pp={pp} ep={ep}: {e}") from e
+
+
+def _index_tensors(model: ModelConfig, method: str, layer_qk: dict[int, tuple], seed: int) -> dict[str, torch.Tensor]:
+    """Index-branch tensors (megatron names) of every layer. layer_qk[i] = (q [Hq*D, H], k, q_norm, k_norm)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for i in range(model.num_layers):
+        for attr, t in index_weights(model, method, *layer_qk[i], generator=gen).items():
+            out[f"decoder.layers.{i}.self_attention.{attr}"] = t
+    return out
+
+
+def _metadata(**kw) -> dict:
+    return {k: v for k, v in kw.items() if v is not None}
+
+
+def hf_to_msa(src: str, out: str, *, attention: str = "msa", index_init: str = DEFAULT, tp: int = 1, pp: int = 1,
+              ep: int = 1, seq_length: int = 4096, block_size: int = 128, topk: int = 16,
+              index_head_dim: int | None = None, name: str | None = None, seed: int = 0) -> Path:
+    """A Hugging Face checkpoint directory -> our checkpoint + model config in `out`. Returns `out`."""
+    hf_cfg = read_config(src)
+    where = str(Path(src) / CONFIG_FILE)
+    fam, model = model_config_from_hf(hf_cfg, attention=attention, seq_length=seq_length, name=name, where=where)
+    model.msa = MSAConfig(block_size=block_size, topk=topk, index_head_dim=index_head_dim or model.head_dim)
+    check_layout(model, tp, pp, ep)
+
+    ckpt = HFCheckpoint(src)
+    msa = attention == "msa"
+    index_names = set(hf_shapes(model, fam, with_index=True)) - set(hf_shapes(model, fam, with_index=False))
+    has_index = msa and bool(index_names) and all(n in ckpt for n in index_names)
+    expected = hf_shapes(model, fam, with_index=has_index)
+    check_hf_shapes(ckpt, expected, str(src))
+    unexpected = [n for n in ckpt.names if n not in expected and n not in index_names and not n.endswith(_IGNORED_HF_SUFFIXES)]
+    if unexpected:
+        raise ConversionError(f"{src}: tensors the {fam.name} mapping does not know: {unexpected[:6]}"
+                              f"{' ...' if len(unexpected) > 6 else ''}")
+    source_dtype = _SAFETENSORS_DTYPES.get(ckpt.dtype(ckpt.names[0]), "float32")
+
+    tensors, layer_qk = {}, {}
+    for rule in rules(model, fam, with_index=has_index):
+        tensors[rule.mcore] = fuse(rule, [ckpt.get(n) for n in rule.hf], model)
+    if msa and not has_index:
+        for i in range(model.num_layers):
+            attn = f"model.layers.{i}.self_attn"
+            norms = (ckpt.get(f"{attn}.q_norm.weight"), ckpt.get(f"{attn}.k_norm.weight")) if model.qk_layernorm else (None, None)
+            layer_qk[i] = (ckpt.get(f"{attn}.q_proj.weight"), ckpt.get(f"{attn}.k_proj.weight"), *norms)
+        tensors.update(_index_tensors(model, index_init, layer_qk, seed))
+
+    parallel = mio.init_megatron()
+    megatron_model = mio.build(model, parallel)
+    mio.assign(megatron_model, tensors, str(src))
+    init = ("from checkpoint" if has_index else index_init) if msa else None
+    record = _metadata(kind="hf-to-msa", source=str(Path(src).resolve()), family=fam.name, index_init=init,
+                       source_dtype=source_dtype, hf_config=hf_cfg, target_layout={"tp": tp, "pp": pp, "ep": ep})
+    _write(megatron_model, model, out, record,
+           header=f"{fam.architecture} converted from {Path(src).resolve()} ({attention} attention)")
+    return Path(out)
+
+
+def _write(megatron_model, model: ModelConfig, out: str, record: dict, header: str) -> None:
+    out = Path(out)
+    mio.save(megatron_model, out, {k: v for k, v in record.items() if k != "hf_config"})
+    yaml = mio.write_model_yaml(model, out, header=header + "\nuse: python train.py hydra.searchpath=[file://"
+                                f"{out.resolve()}] model={model.name} init_from={out.resolve()}")
+    (out / mio.CONVERSION_FILE).write_text(json.dumps(record, indent=2) + "\n")
+    log.info("wrote %s and %s", mio.checkpoint_step_dir(out), yaml)
+
+
+def _padded_vocab_in_checkpoint(src) -> int:
+    from megatron.core import dist_checkpointing
+
+    meta = dist_checkpointing.load_tensors_metadata(str(mio.checkpoint_step_dir(src)))
+    return int(meta["embedding.word_embeddings.weight"].global_shape[0])
+
+
+def _load_source(src: str, model_config: str | None) -> tuple[ModelConfig, ModelConfig, object]:
+    """(config as recorded, config used to build, loaded TP=1 model) of one of our checkpoints."""
+    cfg = mio.load_model_config(model_config or mio.find_model_config(src))
+    build_cfg = cfg if cfg.vocab_size is not None else dataclasses.replace(cfg, vocab_size=_padded_vocab_in_checkpoint(src))
+    parallel = mio.init_megatron()
+    model = mio.build(build_cfg, parallel)
+    mio.load(model, src)
+    return cfg, build_cfg, model
+
+
+def dense_to_msa(src: str, out: str, *, model_config: str | None = None, index_init: str = DEFAULT,
+                 block_size: int | None = None, topk: int | None = None, index_head_dim: int | None = None,
+                 name: str | None = None, seed: int = 0) -> Path:
+    """One of our dense-attention checkpoints -> the MSA model: every tensor kept bit-identical,
+    index projections added."""
+    cfg, build_cfg, dense = _load_source(src, model_config)
+    if cfg.attention != "dense":
+        raise ConversionError(f"{src}: model.attention is {cfg.attention!r}; dense-to-msa needs a dense checkpoint")
+    s = cfg.msa
+    geometry = MSAConfig(block_size=block_size or s.block_size, topk=topk or s.topk,
+                         index_head_dim=index_head_dim or (cfg.head_dim if index_init == "derived" else s.index_head_dim),
+                         kl_coeff=s.kl_coeff, force_sink=s.force_sink, backend=s.backend)
+    msa_cfg = dataclasses.replace(cfg, attention="msa", msa=geometry, name=name or f"{cfg.name}-msa")
+    tensors = mio.full_state_dict(dense)
+    qkv_rule = Rule("", ("q", "k", "v"), "qkv")
+    layer_qk = {}
+    for i in range(cfg.num_layers):
+        sa = f"decoder.layers.{i}.self_attention"
+        q, k, _ = split(qkv_rule, tensors[f"{sa}.linear_qkv.weight"], cfg)
+        norms = ((tensors[f"{sa}.q_layernorm.weight"], tensors[f"{sa}.k_layernorm.weight"])
+                 if cfg.qk_layernorm else (None, None))
+        layer_qk[i] = (q, k, *norms)
+    tensors.update(_index_tensors(msa_cfg, index_init, layer_qk, seed))
+
+    msa_model = mio.build(dataclasses.replace(msa_cfg, vocab_size=build_cfg.vocab_size), ParallelConfig())
+    mio.assign(msa_model, tensors, str(src))
+    source_record = mio.find_conversion_record(src) or {}
+    record = _metadata(kind="dense-to-msa", source=str(Path(src).resolve()), family=source_record.get("family"),
+                       index_init=index_init, source_dtype=source_record.get("source_dtype"),
+                       hf_config=source_record.get("hf_config"))
+    _write(msa_model, msa_cfg, out, record, header=f"MSA model converted from the dense checkpoint {Path(src).resolve()}")
+    return Path(out)
+
+
+def msa_to_hf(src: str, out: str, *, family: str | None = None, model_config: str | None = None,
+              dtype: str | None = None, max_shard_size: int = 5 * 2**30) -> Path:
+    """One of our checkpoints (MSA or dense) -> a Hugging Face directory in the source family's names."""
+    record = mio.find_conversion_record(src) or {}
+    family = family or record.get("family")
+    if family is None:
+        raise ConversionError(f"{src}: no conversion record names the model family; pass --family "
+                              f"({', '.join(FAMILIES)})")
+    if family not in FAMILIES:
+        raise ConversionError(f"--family {family!r} is not supported; choose from {', '.join(FAMILIES)}")
+    fam = FAMILIES[family]
+    cfg, build_cfg, model = _load_source(src, model_config)
+    check_exportable(cfg, fam)
+    dtype = dtype or record.get("source_dtype") or ("bfloat16" if cfg.params_dtype == "bf16" else "float32")
+    state = mio.full_state_dict(model)
+    vocab = build_cfg.vocab_size
+    tensors = {}
+    for rule in rules(build_cfg, fam, with_index=cfg.attention == "msa"):
+        parts = split(rule, state[rule.mcore], build_cfg)
+        for hf_name, t in zip(rule.hf, parts):
+            if hf_name in ("model.embed_tokens.weight", "lm_head.weight"):
+                t = t[:vocab]
+            tensors[hf_name] = t.to(_DTYPES[dtype]).contiguous()
+    files = save_safetensors(tensors, out, max_shard_bytes=max_shard_size)
+    hf_cfg = hf_config_from_model(build_cfg, fam, record.get("hf_config"))
+    hf_cfg["dtype"] = dtype
+    (Path(out) / CONFIG_FILE).write_text(json.dumps(hf_cfg, indent=2, sort_keys=True) + "\n")
+    log.info("wrote %s (%d tensors in %d file(s)) as %s", out, len(tensors), len(files), fam.architecture)
+    return Path(out)
+
+
+def index_tensor_names(num_layers: int) -> list[str]:
+    """The HF names under which msa-to-hf exports the index branch (documentation and tests)."""
+    return [f"model.layers.{i}.self_attn.{hf}" for i in range(num_layers) for hf in INDEX_TENSORS.values()]

@@ -1,0 +1,250 @@
+"""Hugging Face model families we convert, and their config.json <-> ModelConfig translation.
+
+| family    | architecture        | q/k/v bias | QK norm | MLP                                        | router                  |
+|-----------|---------------------|------------|---------|--------------------------------------------|-------------------------|
+| llama     | LlamaForCausalLM    | no         | no      | mlp.{gate,up,down}_proj                    |                         |
+| qwen2     | Qwen2ForCausalLM    | yes        | no      | mlp.{gate,up,down}_proj                    |                         |
+| qwen3     | Qwen3ForCausalLM    | no         | yes     | mlp.{gate,up,down}_proj                    |                         |
+| qwen3_moe | Qwen3MoeForCausalLM | no         | yes     | mlp.experts.E.{gate,up,down}_proj          | mlp.gate, norm_topk_prob|
+| mixtral   | MixtralForCausalLM  | no         | no      | block_sparse_moe.experts.E.{w1,w3,w2}      | block_sparse_moe.gate   |
+
+Every family is GQA with SwiGLU MLPs, RMSNorm and rotary embeddings, which is exactly our model's
+backbone; what differs is listed in `Family`. Router semantics: Mixtral and Qwen3-MoE with
+`norm_topk_prob=true` renormalise the top-k softmax probabilities, which equals megatron's
+"top-k logits, then softmax"; Qwen3-MoE with `norm_topk_prob=false` keeps the full-softmax
+probabilities of the chosen experts (`moe_router_pre_softmax=true`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from msa_model.config import ModelConfig, MSAConfig, RopeScalingConfig
+from msa_model.convert.hf_io import ConversionError
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    architecture: str
+    model_type: str
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    moe: bool = False
+    moe_module: str = "mlp"  # HF submodule holding the router (`gate`) and `experts`
+    expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # gate, up, down
+
+
+FAMILIES = {
+    f.name: f
+    for f in (
+        Family("llama", "LlamaForCausalLM", "llama"),
+        Family("qwen2", "Qwen2ForCausalLM", "qwen2", qkv_bias=True),
+        Family("qwen3", "Qwen3ForCausalLM", "qwen3", qk_norm=True),
+        Family("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3_moe", qk_norm=True, moe=True),
+        Family("mixtral", "MixtralForCausalLM", "mixtral", moe=True, moe_module="block_sparse_moe",
+               expert_names=("w1", "w3", "w2")),
+    )
+}
+
+
+def detect_family(hf_config: dict, where: str = "config.json") -> Family:
+    """The family of a parsed config.json, from `architectures` (or `model_type`)."""
+    archs = hf_config.get("architectures") or []
+    for fam in FAMILIES.values():
+        if fam.architecture in archs:
+            return fam
+    model_type = hf_config.get("model_type")
+    if not archs:
+        for fam in FAMILIES.values():
+            if fam.model_type == model_type:
+                return fam
+    supported = ", ".join(f.architecture for f in FAMILIES.values())
+    raise ConversionError(f"{where}: unsupported architecture {archs or model_type!r}; supported: {supported}")
+
+
+def _get(cfg: dict, *names: str, default: Any = None) -> Any:
+    for n in names:
+        if cfg.get(n) is not None:
+            return cfg[n]
+    return default
+
+
+def _require(cfg: dict, where: str, *names: str) -> Any:
+    value = _get(cfg, *names)
+    if value is None:
+        raise ConversionError(f"{where}: missing {names[0]!r}")
+    return value
+
+
+def rope_from_hf(cfg: dict, where: str) -> tuple[float, RopeScalingConfig]:
+    """(theta, scaling) from `rope_parameters` (transformers >= 5) or `rope_theta`/`rope_scaling`."""
+    params = dict(cfg.get("rope_parameters") or {})
+    legacy = cfg.get("rope_scaling") or {}
+    theta = float(_get(params, "rope_theta", default=_get(cfg, "rope_theta", default=10000.0)))
+    kind = _get(params, "rope_type", "type", default=None) or _get(legacy, "rope_type", "type", default="default")
+    source = params if params.get("factor") is not None or not legacy else legacy
+    if kind == "default":
+        return theta, RopeScalingConfig()
+    if kind == "linear":
+        return theta, RopeScalingConfig(type="linear", factor=float(source["factor"]))
+    if kind == "llama3":
+        return theta, RopeScalingConfig(
+            type="llama3", factor=float(source["factor"]),
+            low_freq_factor=float(source.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(source.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(source.get("original_max_position_embeddings", 8192)))
+    raise ConversionError(f"{where}: RoPE scaling type {kind!r} is not supported (supported: default, linear, llama3)")
+
+
+def rope_to_hf(theta: float, scaling) -> dict:
+    """`rope_parameters` of config.json for a rotary base and a RopeScalingConfig."""
+    if scaling.type == "none":
+        return {"rope_theta": theta, "rope_type": "default"}
+    if scaling.type == "linear":
+        return {"rope_theta": theta, "rope_type": "linear", "factor": scaling.factor}
+    return {"rope_theta": theta, "rope_type": "llama3", "factor": scaling.factor,
+            "low_freq_factor": scaling.low_freq_factor, "high_freq_factor": scaling.high_freq_factor,
+            "original_max_position_embeddings": scaling.original_max_position_embeddings}
+
+
+def model_config_from_hf(hf_config: dict, *, attention: str = "msa", msa: MSAConfig | None = None,
+                         seq_length: int = 4096, name: str | None = None, where: str = "config.json") -> tuple[Family, ModelConfig]:
+    """Translate a config.json into the family and the ModelConfig of the equivalent model.
+
+    Raises ConversionError for what our model cannot express (the message names the field).
+    """
+    fam = detect_family(hf_config, where)
+    c = hf_config
+    hidden = int(_require(c, where, "hidden_size"))
+    heads = int(_require(c, where, "num_attention_heads"))
+    kv_heads = int(_get(c, "num_key_value_heads", default=heads))
+    if heads % kv_heads != 0:
+        raise ConversionError(f"{where}: not a GQA model: num_attention_heads ({heads}) is not a multiple of "
+                              f"num_key_value_heads ({kv_heads})")
+    head_dim = int(_get(c, "head_dim", default=hidden // heads))
+    act = _get(c, "hidden_act", "hidden_activation", default="silu")
+    if act not in ("silu", "swish"):
+        raise ConversionError(f"{where}: hidden_act={act!r} is not supported (SwiGLU with silu only)")
+    if float(_get(c, "partial_rotary_factor", default=1.0)) != 1.0:
+        raise ConversionError(f"{where}: partial_rotary_factor != 1 is not supported")
+    if c.get("use_sliding_window") or (fam.name == "mixtral" and c.get("sliding_window")):
+        raise ConversionError(f"{where}: sliding-window attention is not supported")
+    if c.get("mlp_bias"):
+        raise ConversionError(f"{where}: mlp_bias=true is not supported")
+    if fam.name != "qwen2" and c.get("attention_bias"):
+        raise ConversionError(f"{where}: attention_bias=true (a bias on o_proj too) is not supported")
+    theta, scaling = rope_from_hf(c, where)
+    vocab = int(_require(c, where, "vocab_size"))
+    layers = int(_require(c, where, "num_hidden_layers"))
+    dtype = str(_get(c, "dtype", "torch_dtype", default="float32")).replace("torch.", "")
+
+    moe: dict[str, Any] = {"num_experts": 0, "first_dense_layers": layers}
+    ffn = int(_require(c, where, "intermediate_size"))
+    if fam.moe:
+        experts = int(_require(c, where, "num_experts", "num_local_experts"))
+        first_dense = 0
+        if fam.name == "qwen3_moe":
+            dense_layers = sorted(int(i) for i in c.get("mlp_only_layers") or [])
+            step = int(_get(c, "decoder_sparse_step", default=1))
+            if step != 1:
+                raise ConversionError(f"{where}: decoder_sparse_step={step} is not supported (MoE layers must be "
+                                      "contiguous after the leading dense ones)")
+            if dense_layers != list(range(len(dense_layers))):
+                raise ConversionError(f"{where}: mlp_only_layers={dense_layers} is not supported (only leading "
+                                      "dense layers, e.g. [0, 1])")
+            first_dense = len(dense_layers)
+            expert_ffn = int(_require(c, where, "moe_intermediate_size"))
+            pre_softmax = not bool(c.get("norm_topk_prob", False))
+        else:
+            expert_ffn = ffn
+            pre_softmax = False
+        moe = dict(num_experts=experts, moe_router_topk=int(_require(c, where, "num_experts_per_tok")),
+                   moe_ffn_hidden_size=expert_ffn, first_dense_layers=first_dense,
+                   moe_router_pre_softmax=pre_softmax,
+                   moe_aux_loss_coeff=float(_get(c, "router_aux_loss_coef", default=1e-2)))
+
+    model = ModelConfig(
+        name=name or f"{fam.name}-converted",
+        attention=attention,
+        num_layers=layers,
+        hidden_size=hidden,
+        ffn_hidden_size=ffn,
+        num_attention_heads=heads,
+        num_query_groups=kv_heads,
+        head_dim=head_dim,
+        qk_layernorm=fam.qk_norm,
+        qkv_bias=fam.qkv_bias,
+        norm_eps=float(_get(c, "rms_norm_eps", default=1e-6)),
+        seq_length=seq_length,
+        rotary_base=theta,
+        rope_scaling=scaling,
+        init_method_std=float(_get(c, "initializer_range", default=0.02)),
+        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        vocab_size=vocab,
+        # the largest alignment that needs no padding at TP=1 (so TP=1 logits are exactly HF's)
+        make_vocab_size_divisible_by=math.gcd(vocab, 128),
+        params_dtype="bf16" if dtype == "bfloat16" else "fp32",
+        msa=msa or MSAConfig(block_size=128, topk=16, index_head_dim=head_dim),
+        **moe,
+    )
+    return fam, model
+
+
+def hf_config_from_model(model, fam: Family, source: dict | None = None) -> dict:
+    """config.json for a ModelConfig exported as `fam`; keys of `source` (the original config.json,
+    e.g. token ids) are kept unless they describe the architecture. The index branch, when present,
+    is described under "msa" (ignored by transformers)."""
+    m = model
+    cfg = dict(source or {})
+    for key in ("rope_theta", "rope_scaling", "torch_dtype", "num_experts", "num_local_experts"):
+        cfg.pop(key, None)
+    cfg.update(
+        architectures=[fam.architecture], model_type=fam.model_type,
+        vocab_size=int(m.vocab_size), hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size,
+        num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
+        num_key_value_heads=m.num_query_groups, head_dim=m.head_dim, hidden_act="silu",
+        rms_norm_eps=m.norm_eps, rope_parameters=rope_to_hf(m.rotary_base, m.rope_scaling),
+        tie_word_embeddings=m.tie_embeddings, initializer_range=m.init_method_std,
+        dtype="bfloat16" if m.params_dtype == "bf16" else cfg.get("dtype", "float32"),
+    )
+    if fam.name in ("llama", "qwen3", "qwen3_moe"):
+        cfg["attention_bias"] = False
+    if fam.moe:
+        cfg["num_experts_per_tok"] = m.moe_router_topk
+        cfg["router_aux_loss_coef"] = m.moe_aux_loss_coeff
+        if fam.name == "qwen3_moe":
+            cfg["num_experts"] = m.num_experts
+            cfg["moe_intermediate_size"] = m.moe_ffn_hidden_size
+            cfg["norm_topk_prob"] = not m.moe_router_pre_softmax
+            cfg["mlp_only_layers"] = list(range(m.first_dense_layers))
+            cfg["decoder_sparse_step"] = 1
+        else:
+            cfg["num_local_experts"] = m.num_experts
+            cfg["intermediate_size"] = m.moe_ffn_hidden_size
+    if m.attention == "msa":
+        s = m.msa
+        cfg["msa"] = {"index_head_dim": s.index_head_dim, "block_size": s.block_size, "topk": s.topk,
+                      "force_sink": s.force_sink}
+    else:
+        cfg.pop("msa", None)
+    return cfg
+
+
+def check_exportable(model, fam: Family) -> None:
+    """Raise ConversionError when `model` has features `fam` cannot express."""
+    problems = []
+    if model.qkv_bias != fam.qkv_bias:
+        problems.append(f"qkv_bias={model.qkv_bias} but {fam.name} has qkv bias={fam.qkv_bias}")
+    if model.qk_layernorm != fam.qk_norm:
+        problems.append(f"qk_layernorm={model.qk_layernorm} but {fam.name} has QK norm={fam.qk_norm}")
+    if fam.moe != (model.num_experts > 0):
+        problems.append(f"num_experts={model.num_experts} but {fam.name} is {'an MoE' if fam.moe else 'a dense'} family")
+    if fam.moe and model.first_dense_layers and fam.name != "qwen3_moe":
+        problems.append(f"first_dense_layers={model.first_dense_layers}: {fam.name} has no dense layers")
+    if fam.name == "mixtral" and model.moe_router_pre_softmax:
+        problems.append("mixtral renormalises top-k probabilities (moe_router_pre_softmax must be false)")
+    if problems:
+        raise ConversionError(f"cannot export as {fam.name}: " + "; ".join(problems))

@@ -1,0 +1,135 @@
+"""Reading and writing Hugging Face checkpoint directories (config.json + safetensors).
+
+A directory holds either one `model.safetensors` or shards listed by
+`model.safetensors.index.json` ({"weight_map": {tensor name: shard file}}). Tensors are read
+lazily, one at a time, so a conversion never holds two copies of the model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterable
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+CONFIG_FILE = "config.json"
+
+
+class ConversionError(ValueError):
+    """A checkpoint that cannot be converted; the message names the file or tensor at fault."""
+
+
+def read_config(src: str | Path) -> dict:
+    """The parsed config.json of a Hugging Face checkpoint directory."""
+    path = Path(src) / CONFIG_FILE
+    if not path.is_file():
+        raise ConversionError(f"{src}: no {CONFIG_FILE}; expected a Hugging Face checkpoint directory")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConversionError(f"{path}: not valid JSON ({e})") from e
+
+
+class HFCheckpoint:
+    """Lazy access to the tensors of a (possibly sharded) safetensors checkpoint directory.
+
+    `names` lists every tensor; `get(name)` reads one. Missing shards are reported at open time,
+    naming the shard file and one of the tensors it should hold.
+    """
+
+    def __init__(self, src: str | Path):
+        self.root = Path(src)
+        self._weight_map: dict[str, str] = {}
+        index = self.root / INDEX_FILE
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise ConversionError(f"{index}: not a safetensors index (needs a 'weight_map' object): {e}") from e
+            missing = sorted({f for f in weight_map.values() if not (self.root / f).is_file()})
+            if missing:
+                example = next(n for n, f in weight_map.items() if f == missing[0])
+                raise ConversionError(
+                    f"{self.root}: missing shard file(s) {missing} listed in {INDEX_FILE} "
+                    f"(e.g. {missing[0]} should hold {example!r})")
+            self._weight_map = dict(weight_map)
+        elif (self.root / SINGLE_FILE).is_file():
+            with safe_open(self.root / SINGLE_FILE, framework="pt") as f:
+                self._weight_map = {name: SINGLE_FILE for name in f.keys()}
+        else:
+            found = sorted(p.name for p in self.root.glob("*.safetensors"))
+            hint = f"; found {found} but no {INDEX_FILE} naming them" if found else ""
+            raise ConversionError(f"{self.root}: no {SINGLE_FILE} or {INDEX_FILE}{hint}")
+        self._handles: dict[str, object] = {}
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self._weight_map)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._weight_map
+
+    def _handle(self, file: str):
+        if file not in self._handles:
+            self._handles[file] = safe_open(self.root / file, framework="pt")
+        return self._handles[file]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(self._weight_map[name]).get_slice(name).get_shape())
+
+    def dtype(self, name: str) -> str:
+        return self._handle(self._weight_map[name]).get_slice(name).get_dtype()
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._weight_map:
+            raise ConversionError(f"{self.root}: tensor {name!r} not found in the checkpoint")
+        file = self._weight_map[name]
+        try:
+            return self._handle(file).get_tensor(name)
+        except Exception as e:  # a shard listed for a tensor that it does not hold
+            raise ConversionError(f"{self.root / file}: cannot read tensor {name!r}: {e}") from e
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], out: str | Path, max_shard_bytes: int = 5 * 2**30) -> list[str]:
+    """Write `tensors` as model.safetensors, or as shards + index when larger than one shard.
+
+    Returns the written file names. Tensors keep their dtype; they are made contiguous.
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name in tensors:
+        t = tensors[name].contiguous()
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    metadata = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], str(out / SINGLE_FILE), metadata=metadata)
+        return [SINGLE_FILE]
+    files, weight_map, total = [], {}, 0
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / file), metadata=metadata)
+        files.append(file)
+        for name, t in shard.items():
+            weight_map[name] = file
+            total += t.numel() * t.element_size()
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return files
+
+
+def load_all(src: str | Path, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor (or the listed ones) of a checkpoint directory, in memory."""
+    ckpt = HFCheckpoint(src)
+    return {n: ckpt.get(n) for n in (names if names is not None else ckpt.names)}

@@ -1,0 +1,128 @@
+"""Hugging Face <-> MSA conversion, checked by numbers on tiny random models of every family.
+
+The conversions and forward passes run in one worker process (this file run as a script):
+megatron's parallel state and the CPU shim are process-wide, so they stay out of pytest's
+process. The worker writes its measurements to JSON; the tests below assert on them and on the
+files it wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from msa_model.convert.fixtures import TINY, save_tiny_hf
+from msa_model.convert.hf_io import HFCheckpoint, load_all
+
+FAMILIES = sorted(TINY)
+# the MSA geometry of the converted tiny models: 64-token batches hold 4 blocks, 2 selected
+GEOMETRY = dict(seq_length=128, block_size=16, topk=2)
+PARITY_MAX_ABS = 1e-4
+PARITY_MEAN_KL = 1e-6
+
+
+def _worker(root: Path) -> dict:
+    """Every conversion of the tests; returns the measured numbers per family."""
+    from msa_model.convert.commands import hf_to_msa, msa_to_hf
+    from msa_model.convert.verify import verify
+
+    results = {}
+    for fam in FAMILIES:
+        hf, msa, back = root / fam / "hf", root / fam / "msa", root / fam / "hf_back"
+        hf_to_msa(str(hf), str(msa), **GEOMETRY)
+        r = {"msa": verify(str(hf), str(msa), batches=2, seq_length=64)}
+        # the export is sharded for one family, so the writer's index is exercised too
+        msa_to_hf(str(msa), str(back), max_shard_size=20_000 if fam == "mixtral" else 5 * 2**30)
+        # the exported directory loads in transformers and gives the same logits
+        r["exported"] = verify(str(back), str(msa), batches=1, seq_length=64, seed=1)
+        results[fam] = r
+    # the dense-attention baseline model (no index branch) converts exactly as well
+    hf_to_msa(str(root / "qwen3" / "hf"), str(root / "qwen3" / "dense"), attention="dense", **GEOMETRY)
+    results["qwen3-dense"] = {"msa": verify(str(root / "qwen3" / "hf"), str(root / "qwen3" / "dense"))}
+    # an exported MSA model converts back with its index branch (no re-initialisation)
+    hf_to_msa(str(root / "qwen3_moe" / "hf_back"), str(root / "qwen3_moe" / "msa_again"), **GEOMETRY)
+    return results
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    root = tmp_path_factory.mktemp("convert_hf")
+    for fam in FAMILIES:
+        # Mixtral is saved in shards to exercise model.safetensors.index.json
+        save_tiny_hf(fam, root / fam / "hf", seed=len(fam), max_shard_size="40KB" if fam == "mixtral" else None)
+    out = root / "results.json"
+    proc = subprocess.run([sys.executable, __file__, str(root), str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return root, json.loads(out.read_text())
+
+
+def test_sharded_fixture_is_sharded(converted):
+    root, _ = converted
+    assert (root / "mixtral" / "hf" / "model.safetensors.index.json").is_file()
+    assert len(list((root / "mixtral" / "hf").glob("model-*.safetensors"))) > 1
+
+
+@pytest.mark.parametrize("family", FAMILIES + ["qwen3-dense"])
+def test_logits_parity(converted, family):
+    """Our model in the indexer-warmup phase reproduces the transformers model's logits."""
+    _, results = converted
+    r = results[family]["msa"]
+    print(f"{family}: max|diff| {r['max_abs_diff']:.2e} mean KL {r['mean_kl']:.2e} over {r['tokens']} tokens")
+    assert r["max_abs_diff"] <= PARITY_MAX_ABS
+    assert r["mean_kl"] <= PARITY_MEAN_KL
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_round_trip_bit_identical(converted, family):
+    """hf -> msa -> hf gives every source tensor back bit for bit, plus the documented index tensors."""
+    root, results = converted
+    src, back = load_all(root / family / "hf"), load_all(root / family / "hf_back")
+    assert set(src) <= set(back)
+    for name, t in src.items():
+        assert back[name].dtype == t.dtype and torch.equal(back[name], t), name
+    extra = set(back) - set(src)
+    n_layers = json.loads((root / family / "hf" / "config.json").read_text())["num_hidden_layers"]
+    qk_norm = family.startswith("qwen3")
+    expected = {f"model.layers.{i}.self_attn.{n}.weight" for i in range(n_layers)
+                for n in ("index_q_proj", "index_k_proj") + (("index_q_norm", "index_k_norm") if qk_norm else ())}
+    assert extra == expected
+    exported = results[family]["exported"]
+    assert exported["max_abs_diff"] <= PARITY_MAX_ABS and exported["mean_kl"] <= PARITY_MEAN_KL
+    config = json.loads((root / family / "hf_back" / "config.json").read_text())
+    assert config["msa"] == {"block_size": 16, "topk": 2, "index_head_dim": config["head_dim"], "force_sink": False}
+
+
+def test_sharded_export(converted):
+    root, _ = converted
+    back = root / "mixtral" / "hf_back"
+    assert (back / "model.safetensors.index.json").is_file()
+    assert len(HFCheckpoint(back).names) == len(load_all(back))
+
+
+def _checkpoint_tensors(step_dir: Path, tmp: Path) -> dict:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(step_dir), str(tmp))
+    return {k: v for k, v in torch.load(tmp, weights_only=False).items() if torch.is_tensor(v)}
+
+
+def test_reimport_keeps_index_branch(converted, tmp_path):
+    """msa -> hf -> msa: the second checkpoint equals the first, index branch included."""
+    root, _ = converted
+    first = _checkpoint_tensors(root / "qwen3_moe" / "msa" / "step_00000000", tmp_path / "a.pt")
+    again = _checkpoint_tensors(root / "qwen3_moe" / "msa_again" / "step_00000000", tmp_path / "b.pt")
+    assert set(first) == set(again) and any(".index_q_proj." in k for k in first)
+    for k in first:
+        assert torch.equal(first[k], again[k]), k
+    record = json.loads((root / "qwen3_moe" / "msa_again" / "conversion.json").read_text())
+    assert record["index_init"] == "from checkpoint"
+
+
+if __name__ == "__main__":
+    root_dir, out_file = Path(sys.argv[1]), Path(sys.argv[2])
+    out_file.write_text(json.dumps(_worker(root_dir), indent=2))
