@@ -55,9 +55,9 @@ cmd_install() {
     command -v apt-get >/dev/null || die "apt-get not found; install slurmctld slurmd slurm-client munge by hand" 3
     log "installing slurmctld slurmd slurm-client munge"
     # the packages try to start their services; without an init system that is refused, harmlessly
-    timeout 300 apt-get update -qq || die "apt-get update failed" 3
+    timeout 300 apt-get update -qq || die "apt-get update failed"
     DEBIAN_FRONTEND=noninteractive timeout 600 apt-get install -y -qq --no-install-recommends \
-        slurmctld slurmd slurm-client munge >/dev/null || die "apt-get install failed" 3
+        slurmctld slurmd slurm-client munge >/dev/null || die "apt-get install failed"
     have_binaries >/dev/null || die "slurm binaries missing after install"
 }
 

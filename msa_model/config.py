@@ -152,6 +152,24 @@ class TrainerConfig:
 
 
 @dataclass
+class LaunchConfig:
+    """Scheduler settings. `launch=slurm` maps them onto Hydra's submitit launcher (one task per
+    rank); `python -m launch.slurm` takes the same settings as command-line options."""
+
+    name: str = "local"  # local | slurm
+    nodes: int = 1
+    ranks_per_node: int = 1  # SLURM tasks per node: one per GPU
+    gpus_per_node: Optional[int] = None
+    cpus_per_task: Optional[int] = None
+    time_min: int = 60
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    signal_seconds: int = 300  # USR1 this long before the time limit
+    # a stop on one of these signals inside a SLURM batch job saves, then requeues the job
+    requeue_signals: List[str] = field(default_factory=lambda: ["SIGUSR1"])
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -160,6 +178,7 @@ class TrainConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
     name: str = MISSING  # set by the recipe
     run_dir: str = "runs/${model.name}-${name}"
     resume: str = "auto"  # auto: continue from <run_dir> if it has a checkpoint | never

@@ -103,7 +103,7 @@ def run(cfg: DictConfig) -> None:
     from msa_model.training.distributed import data_parallel_info, init_distributed, shutdown
     from msa_model.training.indexer_warmup import IndexerWarmup
     from msa_model.training.metrics import MetricsLogger
-    from msa_model.training.preemption import StopSignal
+    from msa_model.training.preemption import StopSignal, requeue_slurm_job, should_requeue
     from msa_model.training.trainer import Trainer
 
     run_dir = Path(cfg.run_dir)
@@ -116,6 +116,7 @@ def run(cfg: DictConfig) -> None:
         raise FileExistsError(f"resume=never but {ckpt_root} already holds checkpoints; choose another run_dir")
 
     env = init_distributed(cfg.parallel, cfg.trainer.device, cfg.trainer.seed)
+    requeue = False
     try:
         if env.is_main:
             write_run_files(cfg, run_dir)
@@ -154,7 +155,11 @@ def run(cfg: DictConfig) -> None:
                                                      cfg.parallel.micro_batch_size, dp_rank, dp_size)
         state = trainer.train()
         log.info("finished at step %d (%s tokens); checkpoints in %s", state.step, f"{state.tokens:,}", ckpt_root)
+        requeue = should_requeue(stop_signal, list(cfg.launch.requeue_signals), state.step >= cfg.trainer.max_steps)
         if stop_signal is not None:
             stop_signal.restore()
     finally:
         shutdown()
+    # last: requeueing ends this job at once, so every rank must be done with the checkpoint
+    if requeue and env.is_main:
+        requeue_slurm_job()

@@ -1,0 +1,25 @@
+"""Hydra callback used by `python train.py -m launch=slurm ...` (Hydra's submitit launcher).
+
+Submitit runs the training function in one process per SLURM task. Before the trainer starts its
+process group, this exports the variables of torch.distributed's env:// method (RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR, MASTER_PORT) from submitit's view of the job, so the trainer sees the same
+environment as under torchrun.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from hydra.experimental.callback import Callback
+
+
+class ExportTorchDistributedEnv(Callback):
+    def on_job_start(self, config: Any = None, **kwargs: Any) -> None:
+        # the callback also runs where no SLURM job exists (e.g. the submitit local executor)
+        if "SLURM_JOB_ID" not in os.environ or "SUBMITIT_EXECUTOR" not in os.environ:
+            return
+        from submitit.helpers import TorchDistributedEnvironment
+
+        # overwrite: a job submitted from inside another job inherits that job's variables
+        TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)

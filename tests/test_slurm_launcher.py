@@ -1,0 +1,97 @@
+"""The SLURM launchers without a cluster: rendered scripts, config composition, requeue policy."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from launch.slurm import JobSpec, prepare, time_to_seconds
+from msa_model.config import ConfigError, register_configs
+from msa_model.training.preemption import StopSignal, should_requeue
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("text,seconds", [("90", 5400), ("5:30", 330), ("04:00:00", 14400),
+                                          ("1-00:00:00", 86400), ("2-3", 2 * 86400 + 3 * 3600)])
+def test_time_formats(text, seconds):
+    assert time_to_seconds(text) == seconds
+
+
+def test_dry_run_prints_the_script_and_writes_nothing(tmp_path):
+    run_dir = tmp_path / "run"
+    out = subprocess.run(
+        [sys.executable, "-m", "launch.slurm", "--nodes", "4", "--gpus-per-node", "8", "--partition", "gpu",
+         "--account", "proj", "--time", "04:00:00", "--signal-seconds", "600", "--env", "NCCL_SOCKET_IFNAME=ib0",
+         "--dry-run", "--", "parallel.global_batch_size=64", f"run_dir={run_dir}"],
+        cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    script = out.stdout
+    for line in ("#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8",
+                 "#SBATCH --partition=gpu", "#SBATCH --account=proj", "#SBATCH --time=04:00:00",
+                 "#SBATCH --signal=USR1@600", "#SBATCH --requeue", "export NCCL_SOCKET_IFNAME=ib0",
+                 "--nproc-per-node=8", "--rdzv-backend=c10d", "export TORCH_NCCL_ASYNC_ERROR_HANDLING"):
+        assert line in script, line
+    assert f"run_dir={run_dir}" in script
+    assert "{{" not in script
+    assert not run_dir.exists()
+    # the rendered script is valid bash
+    check = subprocess.run(["bash", "-n"], input=script, capture_output=True, text=True, timeout=30)
+    assert check.returncode == 0, check.stderr
+
+
+def test_srun_mode_runs_one_task_per_rank(tmp_path):
+    spec = JobSpec(nodes=2, gpus_per_node=4, mode="srun", time="30")
+    run_dir, script, _ = prepare(spec, ["parallel.global_batch_size=16", f"run_dir={tmp_path}/r"])
+    assert run_dir == tmp_path / "r"
+    assert "#SBATCH --ntasks-per-node=4" in script
+    assert "torch.distributed.run" not in script and 'srun --kill-on-bad-exit=1 "$PYTHON" train.py' in script
+
+
+def test_relative_run_dir_is_pinned_to_an_absolute_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run_dir, script, cfg = prepare(JobSpec(time="30", signal_seconds=60), ["run_dir=rel/run"])
+    assert run_dir == tmp_path / "rel" / "run" and cfg.run_dir == str(run_dir)
+    assert f"run_dir={run_dir}" in script and "run_dir=rel/run" not in script
+
+
+def test_invalid_jobs_are_refused_before_submission(tmp_path):
+    with pytest.raises(ConfigError, match="global_batch_size"):
+        prepare(JobSpec(nodes=3, time="30", signal_seconds=60), [f"run_dir={tmp_path}"])
+    with pytest.raises(ValueError, match="signal-seconds"):
+        prepare(JobSpec(time="5", signal_seconds=300), [f"run_dir={tmp_path}"])
+
+
+def test_submitit_launch_group_maps_onto_the_launcher():
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
+        cfg = compose("train", overrides=["launch=slurm", "launch.nodes=2", "launch.ranks_per_node=8",
+                                          "launch.gpus_per_node=8", "launch.partition=gpu",
+                                          "launch.signal_seconds=600", "run_dir=/tmp/r"], return_hydra_config=True)
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("SlurmLauncher")
+    assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node, launcher.partition) == (2, 8, 8, "gpu")
+    assert launcher.additional_parameters.signal == "USR1@600" and launcher.additional_parameters.requeue
+    assert launcher.submitit_folder == "/tmp/r/.submitit/%j"
+    assert cfg.hydra.callbacks.torch_distributed_env._target_ == "launch.submitit_env.ExportTorchDistributedEnv"
+
+
+def test_requeue_only_after_a_requeue_signal_inside_slurm(monkeypatch):
+    stop = StopSignal(["SIGUSR1", "SIGTERM"])
+    try:
+        monkeypatch.setenv("SLURM_JOB_ID", "42")
+        assert not should_requeue(stop, ["SIGUSR1"], finished=False)  # no signal yet
+        signal.raise_signal(signal.SIGTERM)
+        assert stop.received == "SIGTERM" and not should_requeue(stop, ["SIGUSR1"], finished=False)
+        signal.raise_signal(signal.SIGUSR1)
+        assert should_requeue(stop, ["SIGUSR1"], finished=False)
+        assert not should_requeue(stop, ["SIGUSR1"], finished=True)  # the run is complete
+        monkeypatch.delenv("SLURM_JOB_ID")
+        assert not should_requeue(stop, ["SIGUSR1"], finished=False)  # not a SLURM job
+    finally:
+        stop.restore()
