@@ -132,6 +132,21 @@ def _allocate_adam_state(optimizer) -> None:
                                       "exp_avg_sq": torch.zeros_like(p)}
 
 
+def _restore_adam_steps(optimizer) -> None:
+    """Set torch Adam's per-parameter `step` from the step megatron's distributed optimizer keeps
+    in each param group. Its own restore leaves the pre-allocated counters in place (and, when
+    it does set them, shares one tensor that torch then increments once per parameter), which
+    would skew the bias correction of the first update after a resume."""
+    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = chained.optimizer
+        for group in inner.param_groups:
+            if "step" not in group:
+                continue
+            for p in group["params"]:
+                if "step" in inner.state[p]:
+                    inner.state[p]["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
+
+
 def load_checkpoint(trainer, path: str | Path) -> None:
     """Restore model, optimizer, lr schedule, counters, callbacks and (same world size) RNG."""
     _allocate_adam_state(trainer.optimizer)
@@ -148,6 +163,7 @@ def load_checkpoint(trainer, path: str | Path) -> None:
     # fp32 main params are written in place; outside no_grad autograd would track the copy
     with torch.no_grad():
         trainer.optimizer.load_state_dict(loaded["optimizer"])
+    _restore_adam_steps(trainer.optimizer)
     trainer.scheduler.load_state_dict(loaded["scheduler"])
     trainer.state.load_state_dict(loaded["trainer"])
     for cb in trainer.callbacks:

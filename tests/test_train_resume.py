@@ -1,0 +1,99 @@
+"""Restarts: 2N steps equal N steps + resume + N steps to the last digit (fp32, CPU); a save that
+dies half-way never becomes `latest`; a stop signal finishes the step, saves and exits cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from skeleton_helpers import REPO, TINY_TEST, _env, metrics, run_train
+
+# switch to top-k after step 4, i.e. after the resume point: the warmup state must survive it
+COMMON = ("trainer.max_steps=6", "trainer.indexer_warmup_tokens=4096", "checkpoint.interval=0")
+COMPARED = ("lm_loss", "kl_loss", "moe_aux_loss", "grad_norm", "lr", "keys_per_query", "phase", "tokens")
+
+
+@pytest.fixture(scope="module")
+def data_cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("data-cache")
+
+
+def test_stop_and_resume_reproduces_the_uninterrupted_run_exactly(tmp_path, data_cache):
+    straight = tmp_path / "straight"
+    run_train(straight, *COMMON, data_cache=data_cache)
+
+    split = tmp_path / "split"
+    run_train(split, *COMMON, "trainer.stop_at_step=3", data_cache=data_cache)
+    assert max(metrics(split)) == 3
+    assert (split / "checkpoints" / "latest").read_text().strip() == "step_00000003"
+    proc = run_train(split, *COMMON, data_cache=data_cache)
+    assert "resumed from" in proc.stdout + proc.stderr
+
+    a, b = metrics(straight), metrics(split)
+    assert sorted(a) == sorted(b) == list(range(1, 7))
+    assert [a[s]["phase"] for s in a] == ["warmup"] * 4 + ["sparse"] * 2
+    for step in a:
+        assert {k: a[step].get(k) for k in COMPARED} == {k: b[step].get(k) for k in COMPARED}, step
+
+
+def test_a_save_killed_half_way_never_becomes_latest(tmp_path, data_cache):
+    run_dir = tmp_path / "run"
+    overrides = [*TINY_TEST, f"run_dir={run_dir}", f"data.cache_dir={data_cache}", *COMMON, "checkpoint.interval=2"]
+    env = _env() | {"DIE_ON_SAVE": "2"}  # the save after step 4
+    proc = subprocess.run([sys.executable, "tests/interrupted_save_main.py", *overrides], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 17, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ckpts = run_dir / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "step_00000002"
+    assert (ckpts / ".tmp-step_00000004").is_dir() and not (ckpts / "step_00000004").exists()
+
+    proc = run_train(run_dir, *COMMON, "checkpoint.interval=2", data_cache=data_cache)
+    out = proc.stdout + proc.stderr
+    assert "step_00000002 at step 2" in out and "removing incomplete checkpoint" in out
+    assert not (ckpts / ".tmp-step_00000004").exists()
+    assert (ckpts / "latest").read_text().strip() == "step_00000006"
+
+
+def test_stop_signal_handler_records_the_signal():
+    from msa_model.training.preemption import StopSignal
+
+    stop = StopSignal(["SIGUSR1", "SIGTERM"])
+    try:
+        assert not stop.requested
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert stop.requested and stop.received == "SIGUSR1"
+    finally:
+        stop.restore()
+    with pytest.raises(ValueError, match="SIGNOPE"):
+        StopSignal(["SIGNOPE"])
+
+
+def test_sigterm_finishes_the_step_saves_and_exits_cleanly(tmp_path, data_cache):
+    sig = signal.SIGTERM
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "train.py", *TINY_TEST, f"run_dir={run_dir}", f"data.cache_dir={data_cache}",
+           "trainer.max_steps=200", "checkpoint.interval=0", "checkpoint.save_at_end=false"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 240
+        jsonl = run_dir / "metrics.jsonl"
+        while not (jsonl.exists() and len(jsonl.read_text().splitlines()) >= 2):
+            assert proc.poll() is None and time.time() < deadline, "training did not start"
+            time.sleep(0.5)
+        os.kill(proc.pid, sig)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    last = max(metrics(run_dir))
+    assert 2 <= last < 200
+    assert f"stop requested by {sig.name}" in out
+    # save_at_end=false: this checkpoint exists only because of the signal
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{last:08d}"
