@@ -19,11 +19,15 @@ import torch
 import triton
 
 from .triton_dense import dense_bwd_dkdv_kernel, dense_bwd_dq_kernel, dense_fwd_kernel
-from .triton_sparse import (LOG2E, sparse_bwd_kernel, sparse_bwd_reduce_kernel, sparse_dq_combine_kernel,
+from .triton_sparse import (LOG2E, delta_kernel, sparse_bwd_kernel, sparse_bwd_reduce_kernel, sparse_dq_combine_kernel,
                             sparse_fwd_combine_kernel, sparse_fwd_kernel)
 
 # bytes allowed for one chunk's per-entry partial buffers
 PARTIAL_BYTES = 4 << 30
+# launch shapes of the sparse kernels (rows = gathered query heads per tile; a work item of the
+# backward is `bwd_tiles` tiles of one block); benchmarks may override them
+TUNING = dict(fwd_rows=128, fwd_bn=32, fwd_warps=8, fwd_stages=3, bwd_rows=128, bwd_warps=8, bwd_stages=1, bwd_tiles=64,
+              dense_dkdv=(128, 64, 8, 2))
 
 
 def _interpreting() -> bool:
@@ -65,9 +69,12 @@ def build_inverse_index(idx_BCGK: torch.Tensor, n_blocks: int) -> InverseIndex:
           + torch.arange(G, device=idx_BCGK.device)[None, :])[:, None, :, None]
     key = torch.where(idx_BCGK >= 0, bg * n_blocks + idx_BCGK, nb).flatten()
     # stable: the flat order is query-major, so each bucket lists its queries in order
-    _, entry = torch.sort(key, stable=True)
-    count = torch.bincount(key, minlength=nb + 1)[:nb]
-    start = torch.cumsum(count, 0) - count
+    key_sorted, entry = torch.sort(key, stable=True)
+    # bucket ranges by binary search in the sorted keys (a histogram would serialise on the
+    # atomics of popular blocks)
+    bounds = torch.searchsorted(key_sorted, torch.arange(nb + 1, device=key.device, dtype=key.dtype))
+    start = bounds[:-1]
+    count = bounds[1:] - start
     return InverseIndex(entry.to(torch.int32), start, count, n_blocks)
 
 
@@ -107,14 +114,6 @@ def _chunk(T: int, per_query_bytes: int) -> int:
     return max(1, min(T, PARTIAL_BYTES // max(1, per_query_bytes)))
 
 
-def _fwd_rows(HP: int) -> int:
-    return max(128, HP)
-
-
-def _bwd_rows(HP: int) -> int:
-    return max(64, HP)
-
-
 def sparse_forward(q, k, v, idx, block_size, scale):
     """o [B, T, Hq, D] (q dtype), lse fp32 [B, T, Hq]; idx cleaned int32 [B, T, G, K]."""
     B, T, Hq, G, H, HP, D = _geometry(q, k, block_size)
@@ -123,8 +122,8 @@ def sparse_forward(q, k, v, idx, block_size, scale):
     part_dtype = q.dtype
     o = torch.empty_like(q)
     lse = torch.empty(B, T, Hq, dtype=torch.float32, device=q.device)
-    QT = _fwd_rows(HP) // HP
-    BN = min(block_size, 128)
+    QT = max(TUNING["fwd_rows"], HP) // HP
+    BN = min(block_size, TUNING["fwd_bn"])
     C = _chunk(T, B * G * K * H * (D * part_dtype.itemsize + 4))
     for t0 in range(0, T, C):
         t1 = min(T, t0 + C)
@@ -137,11 +136,20 @@ def sparse_forward(q, k, v, idx, block_size, scale):
         sparse_fwd_kernel[(tb.numel(),)](
             q, k, v, po, plse, index.entry, tb, ts, tc, T, t1 - t0, t0, N, scale * LOG2E,
             HQ=Hq, HKV=G, SLOTS=K, H=H, HP=HP, QT=QT, BS=block_size, BN=BN, D=D,
-            num_warps=8 if QT * HP >= 128 else 4, num_stages=1)
+            num_warps=TUNING["fwd_warps"], num_stages=TUNING["fwd_stages"])
         sparse_fwd_combine_kernel[(B * (t1 - t0) * G,)](
             po, plse, idx_c, o, lse, T, t1 - t0, t0,
             HQ=Hq, HKV=G, SLOTS=K, KP=triton.next_power_of_2(K), H=H, HP=HP, D=D, num_warps=4)
     return o, lse
+
+
+def _delta(do, o):
+    """rowsum(dO * O) fp32 [B, T, Hq]: the softmax backward's correction term."""
+    delta = torch.empty(o.shape[:-1], dtype=torch.float32, device=o.device)
+    rows = delta.numel()
+    RB = 64
+    delta_kernel[(triton.cdiv(rows, RB),)](do, o, delta, rows, RB=RB, D=o.shape[-1], num_warps=4)
+    return delta
 
 
 def sparse_backward(do, q, k, v, o, lse, idx, block_size, scale):
@@ -149,15 +157,18 @@ def sparse_backward(do, q, k, v, o, lse, idx, block_size, scale):
     B, T, Hq, G, H, HP, D = _geometry(q, k, block_size)
     K = idx.shape[-1]
     N = triton.cdiv(T, block_size)
-    delta = (do.float() * o.float()).sum(-1)
+    delta = _delta(do, o)
     dq = torch.empty_like(q)
     dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
     dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-    QT = _bwd_rows(HP) // HP
+    QT = max(TUNING["bwd_rows"], HP) // HP
     # entries per work item: enough tiles to amortise the dK/dV partial, few enough to spread
     # a popular block (the sink, the local block) over many programs
-    per_item = QT * 16
-    C = _chunk(T, B * G * K * H * D * 4)
+    per_item = QT * TUNING["bwd_tiles"]
+    # dq partials in the input dtype: each is one block's share, rounded once like torch's own
+    # bf16 matmul output, and it halves the bytes of the pass that dominates the backward
+    dq_dtype = q.dtype
+    C = _chunk(T, B * G * K * H * D * dq_dtype.itemsize)
     rb = min(32, block_size)
     for t0 in range(0, T, C):
         t1 = min(T, t0 + C)
@@ -165,13 +176,14 @@ def sparse_backward(do, q, k, v, o, lse, idx, block_size, scale):
         index = build_inverse_index(idx_c, N)
         ib, istart, icount = schedule(index, per_item)
         E = idx_c.numel()
-        dqp = torch.empty(E * H, D, dtype=torch.float32, device=q.device)
+        dqp = torch.empty(E * H, D, dtype=dq_dtype, device=q.device)
         dkp = torch.empty(ib.numel(), block_size, D, dtype=torch.float32, device=q.device)
         dvp = torch.empty_like(dkp)
         sparse_bwd_kernel[(ib.numel(),)](
             q, k, v, do, lse, delta, dqp, dkp, dvp, index.entry, ib, istart, icount,
             T, t1 - t0, t0, N, scale * LOG2E, scale,
-            HQ=Hq, HKV=G, SLOTS=K, H=H, HP=HP, QT=QT, BS=block_size, D=D, num_warps=8, num_stages=1)
+            HQ=Hq, HKV=G, SLOTS=K, H=H, HP=HP, QT=QT, BS=block_size, D=D,
+            num_warps=TUNING["bwd_warps"], num_stages=TUNING["bwd_stages"])
         runs = (index.count + per_item - 1) // per_item
         first = (torch.cumsum(runs, 0) - runs).to(torch.int32)
         sparse_bwd_reduce_kernel[(runs.numel(), block_size // rb)](
@@ -201,14 +213,18 @@ def dense_forward(q, k, v, scale):
 
 def dense_backward(do, q, k, v, o, lse, scale):
     B, T, Hq, G, H, _, D = _geometry(q, k, 16)
-    delta = (do.float() * o.float()).sum(-1)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    BM, BN = (16, 32) if _interpreting() else (64, 128)
-    dense_bwd_dkdv_kernel[(triton.cdiv(T, BN), B * G)](
-        q, k, v, do, lse, delta, dk, dv, T, scale * LOG2E, scale,
+    delta = _delta(do, o)
+    dq = torch.empty_like(q)
+    BM, BN, warps, stages = (16, 32, 4, 1) if _interpreting() else TUNING["dense_dkdv"]
+    dkp = torch.empty(B, T, Hq, D, dtype=torch.float32, device=q.device)
+    dvp = torch.empty_like(dkp)
+    dense_bwd_dkdv_kernel[(triton.cdiv(T, BN), B * Hq)](
+        q, k, v, do, lse, delta, dkp, dvp, T, scale * LOG2E, scale,
         HQ=Hq, HKV=G, H=H, BM=BM, BN=BN, D=D, FOR_LOOPS=not _interpreting(),
-        num_warps=8, num_stages=2)
-    BM, BN = (32, 16) if _interpreting() else (128, 64)
+        num_warps=warps, num_stages=stages)
+    dk = dkp.view(B, T, G, H, D).sum(3).to(k.dtype)
+    dv = dvp.view(B, T, G, H, D).sum(3).to(v.dtype)
+    BM, BN = (32, 16) if _interpreting() else (128, 32)
     dense_bwd_dq_kernel[(triton.cdiv(T, BM), B * Hq)](
         q, k, v, do, lse, delta, dq, T, scale * LOG2E, scale,
         HQ=Hq, HKV=G, H=H, BM=BM, BN=BN, D=D, FOR_LOOPS=not _interpreting(),

@@ -1,8 +1,9 @@
 """Triton kernels of dense causal attention (block_idx=None, the indexer warmup), query-tile outer.
 
 Forward: one program per (query tile of BM, query head), online softmax over key tiles of BN.
-Backward: dK/dV per (key tile, group), looping over the group's heads and the query tiles at or
-after the key tile (register accumulation, no atomics); dQ per (query tile, head).
+Backward: dK/dV shares per (key tile, query head), looping over the query tiles at or after the key
+tile (register accumulation), then summed over each group's heads (no atomics); dQ per (query
+tile, head).
 
 B = batch, T = tokens, HQ = query heads, HKV = key/value heads, H = heads per group, D = head dim.
 """
@@ -102,11 +103,13 @@ def _dkdv_step(Q, DO, LSE, DELTA, kt, vt, dk, dv, b, h, m0, j, T, qk_scale, HQ: 
 def dense_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, T, qk_scale, sm_scale,
                           HQ: tl.constexpr, HKV: tl.constexpr, H: tl.constexpr,
                           BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, FOR_LOOPS: tl.constexpr):
-    """dk, dv [B, T, HKV, D] for one key tile of BN and one group, summed over the group's heads."""
+    """Per-head shares of dk, dv (fp32 [B, T, HQ, D]) for one key tile of BN and one query head;
+    the caller sums the heads of each group (one program per head keeps the grid wide)."""
     nid = tl.program_id(0)
-    bg = tl.program_id(1)
-    b = (bg // HKV).to(tl.int64)
-    g = bg % HKV
+    bh = tl.program_id(1)
+    b = (bh // HQ).to(tl.int64)
+    h = bh % HQ
+    g = h // H
     d = tl.arange(0, D)
     j = nid * BN + tl.arange(0, BN)
     kmask = j < T
@@ -116,18 +119,17 @@ def dense_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, T, qk_scale, sm_scale
     dk = tl.zeros([BN, D], tl.float32)
     dv = tl.zeros([BN, D], tl.float32)
     m_lo = (nid * BN // BM) * BM
-    for hh in range(H):
-        h = g * H + hh
-        if FOR_LOOPS:
-            for m0 in range(m_lo, T, BM):
-                dk, dv = _dkdv_step(Q, DO, LSE, DELTA, kt, vt, dk, dv, b, h, m0, j, T, qk_scale, HQ, BM, D)
-        else:
-            m0 = m_lo
-            while m0 < T:
-                dk, dv = _dkdv_step(Q, DO, LSE, DELTA, kt, vt, dk, dv, b, h, m0, j, T, qk_scale, HQ, BM, D)
-                m0 += BM
-    tl.store(DK + kv[:, None] + d[None, :], (dk * sm_scale).to(DK.dtype.element_ty), mask=kmask[:, None])
-    tl.store(DV + kv[:, None] + d[None, :], dv.to(DV.dtype.element_ty), mask=kmask[:, None])
+    if FOR_LOOPS:
+        for m0 in range(m_lo, T, BM):
+            dk, dv = _dkdv_step(Q, DO, LSE, DELTA, kt, vt, dk, dv, b, h, m0, j, T, qk_scale, HQ, BM, D)
+    else:
+        m0 = m_lo
+        while m0 < T:
+            dk, dv = _dkdv_step(Q, DO, LSE, DELTA, kt, vt, dk, dv, b, h, m0, j, T, qk_scale, HQ, BM, D)
+            m0 += BM
+    out = ((b * T + j) * HQ + h)[:, None] * D + d[None, :]
+    tl.store(DK + out, dk * sm_scale, mask=kmask[:, None])
+    tl.store(DV + out, dv, mask=kmask[:, None])
 
 
 @triton.jit

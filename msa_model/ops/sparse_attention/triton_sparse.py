@@ -77,7 +77,7 @@ def sparse_fwd_kernel(Q, K, V, PO, PLSE, ENTRY, TILE_BUCKET, TILE_START, TILE_CO
     m = tl.full([R], float("-inf"), tl.float32)
     l = tl.zeros([R], tl.float32)
     acc = tl.zeros([R, D], tl.float32)
-    for c0 in tl.static_range(0, BS, BN):
+    for c0 in range(0, BS, BN):
         j = n * BS + c0 + tl.arange(0, BN)
         kv = ((b * T + j) * HKV + g) * D
         kmask = j < T
@@ -141,7 +141,7 @@ def sparse_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQP, DKP, DVP, ENTRY, ITEM_BUCKET
                       HQ: tl.constexpr, HKV: tl.constexpr, SLOTS: tl.constexpr, H: tl.constexpr,
                       HP: tl.constexpr, QT: tl.constexpr, BS: tl.constexpr, D: tl.constexpr):
     """One work item (a run of tiles of one bucket): dK/dV partials [items, BS, D] (fp32), dQ partials
-    per entry (DQP [E, H, D], fp32, scaled)."""
+    per entry (DQP [E, H, D], input dtype, scaled)."""
     pid = tl.program_id(0)
     bucket = tl.load(ITEM_BUCKET + pid)
     if bucket < 0:
@@ -177,7 +177,7 @@ def sparse_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQP, DKP, DVP, ENTRY, ITEM_BUCKET
         dk += mm(tl.trans(ds.to(q.dtype)), q)
         dq = mm(ds.to(kt.dtype), kt) * sm_scale
         part = trip * H + hh
-        tl.store(DQP + part[:, None] * D + d[None, :], dq, mask=row_ok[:, None])
+        tl.store(DQP + part[:, None] * D + d[None, :], dq.to(DQP.dtype.element_ty), mask=row_ok[:, None])
         i0 += QT
     out = pid.to(tl.int64) * BS * D + tl.arange(0, BS)[:, None] * D + d[None, :]
     tl.store(DKP + out, dk * sm_scale)
@@ -231,6 +231,18 @@ def sparse_dq_combine_kernel(DQP, IDX, DQ, T, C, t0,
     for s in range(SLOTS):
         if tl.load(IDX + trip0 + s) >= 0:
             part = (trip0 + s) * H + h
-            acc += tl.load(DQP + part[:, None] * D + d[None, :], mask=hmask[:, None], other=0.0)
+            acc += tl.load(DQP + part[:, None] * D + d[None, :], mask=hmask[:, None], other=0.0).to(tl.float32)
     row = (b * T + t0 + c) * HQ + g * H + h
     tl.store(DQ + row[:, None] * D + d[None, :], acc.to(DQ.dtype.element_ty), mask=hmask[:, None])
+
+
+@triton.jit
+def delta_kernel(DO, O, DELTA, rows, RB: tl.constexpr, D: tl.constexpr):
+    """DELTA [rows] (fp32) = rowsum(DO * O) over D, for rows of [rows, D] in the input dtype."""
+    r = tl.program_id(0).to(tl.int64) * RB + tl.arange(0, RB)
+    d = tl.arange(0, D)
+    ok = r < rows
+    off = r[:, None] * D + d[None, :]
+    x = tl.load(DO + off, mask=ok[:, None], other=0.0).to(tl.float32)
+    y = tl.load(O + off, mask=ok[:, None], other=0.0).to(tl.float32)
+    tl.store(DELTA + r, tl.sum(x * y, 1), mask=ok)

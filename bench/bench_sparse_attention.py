@@ -1,0 +1,377 @@
+"""Benchmark and large-shape check of sparse_attention (Triton) against SDPA dense and FlexAttention.
+
+Geometry of the MSA default: Hq=64, Hkv=4, D=128, block 128, top-16, B=1, bf16.
+Block sets: "random" (16 random causal blocks per (token, group), local block included) and
+"realistic" (local, previous, first block and 13 long-range stripes fixed per group).
+
+    PYTHONPATH=. python bench/bench_sparse_attention.py --parts check,time,profile
+    --parts: check (errors vs the PyTorch reference), time (the table), profile (kernel split),
+    tune (launch-shape variants at one length). Logs go to $OUT when set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from msa_model.ops.sparse_attention import sparse_attention
+from msa_model.ops.sparse_attention import triton as sa_triton
+from msa_model.ops.sparse_attention.reference import sparse_attention_reference
+
+HQ, HKV, D, BS, TOPK = 64, 4, 128, 128, 16
+OUT = os.environ.get("OUT")
+LOG = []
+
+
+def log(*a):
+    line = " ".join(str(x) for x in a)
+    print(line, flush=True)
+    LOG.append(line)
+
+
+def random_sets(T, G, K, bs, device, seed=0):
+    """int32 [1, T, G, K]: the local block plus K-1 distinct random earlier blocks (fewer when fewer exist)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    n = math.ceil(T / bs)
+    out = torch.empty(1, T, G, K, dtype=torch.int32, device=device)
+    blocks = torch.arange(n, device=device)
+    step = max(1, (1 << 27) // (G * n))
+    for t0 in range(0, T, step):
+        t = torch.arange(t0, min(T, t0 + step), device=device)
+        local = (t // bs)[:, None, None]
+        score = torch.rand(t.numel(), G, n, device=device, generator=gen)
+        score = torch.where(blocks > local, -1.0, score)
+        score = torch.where(blocks == local, 2.0, score)
+        val, idx = score.topk(min(K, n), dim=-1)
+        idx = torch.where(val < 0, -1, idx)
+        if n < K:
+            idx = torch.cat([idx, idx.new_full((*idx.shape[:2], K - n), -1)], -1)
+        out[0, t0:t0 + t.numel()] = idx.to(torch.int32)
+    return out
+
+
+def realistic_sets(T, G, K, bs, device):
+    """int32 [1, T, G, K]: local, previous and first block, and K-3 stripes fixed per group."""
+    n = math.ceil(T / bs)
+    local = (torch.arange(T, device=device) // bs)[:, None, None]
+    s = torch.arange(K - 3, device=device)[None, :]
+    g = torch.arange(G, device=device)[:, None]
+    stripes = ((s + 0.5 + 0.25 * g / G) * n / (K - 3)).long().clamp(max=n - 1)  # [G, K-3]
+    idx = torch.cat([local.expand(T, G, 1), (local - 1).expand(T, G, 1),
+                     torch.zeros(T, G, 1, dtype=torch.long, device=device),
+                     stripes[None].expand(T, G, K - 3)], -1)
+    idx = torch.where((idx >= 0) & (idx <= local), idx, -1)
+    return idx[None].to(torch.int32)
+
+
+def timeit(fn, budget_ms=400.0, max_iters=50):
+    """Median ms of fn over CUDA events, after warm-up; fewer iterations for slow functions."""
+    fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    est = (time.perf_counter() - t) * 1e3
+    iters = int(max(2, min(max_iters, budget_ms / max(est, 1e-3))))
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def inputs(T, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(1, T, HQ, D, device="cuda", dtype=dtype, generator=g)
+    k = torch.randn(1, T, HKV, D, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(1, T, HKV, D, device="cuda", dtype=dtype, generator=g)
+    do = torch.randn(1, T, HQ, D, device="cuda", dtype=dtype, generator=g)
+    return q, k, v, do
+
+
+def fwd_bwd(fn, q, k, v, do):
+    qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
+
+    def run():
+        qq.grad = kk.grad = vv.grad = None
+        o = fn(qq, kk, vv)
+        o.backward(do)
+    return run
+
+
+def ours(idx, bs=BS):
+    return lambda q, k, v: sparse_attention(q, k, v, idx, block_size=bs, backend="triton")[0]
+
+
+def sdpa(q, k, v):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           is_causal=True, enable_gqa=True)
+    return o.transpose(1, 2)
+
+
+_FLEX = {}
+
+
+def flex(block_sets, T):
+    """FlexAttention with one block set per 128-query block and group, broadcast to its heads; the
+    diagonal block is masked causally, the others are full blocks."""
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+    if "fn" not in _FLEX:
+        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+    n = math.ceil(T / BS)
+    m = torch.arange(n, device="cuda")
+    sel = torch.zeros(1, HKV, n, n + 1, dtype=torch.bool, device="cuda")
+    sel.scatter_(-1, torch.where(block_sets < 0, n, block_sets.long()), True)  # block_sets [1, G, n, K']
+    sel = sel[..., :n]
+    sel[:, :, m, m] = False
+    full_num = sel.sum(-1).to(torch.int32)
+    full_idx = torch.sort(sel.to(torch.int8), dim=-1, descending=True, stable=True)[1].to(torch.int32)
+    part_num = torch.ones(1, HKV, n, dtype=torch.int32, device="cuda")
+    part_idx = torch.zeros(1, HKV, n, n, dtype=torch.int32, device="cuda")
+    part_idx[..., 0] = m.to(torch.int32)
+    H = HQ // HKV
+    rep = lambda x: x.repeat_interleave(H, dim=1)
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+    mask = BlockMask.from_kv_blocks(rep(part_num), rep(part_idx), rep(full_num), rep(full_idx),
+                                    BLOCK_SIZE=BS, mask_mod=causal, seq_lengths=(T, T))
+
+    def run(q, k, v):
+        o = _FLEX["fn"](q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask, enable_gqa=True)
+        return o.transpose(1, 2)
+    return run
+
+
+def flex_sets(idx, pattern):
+    """Per query block: the union of its tokens' sets (realistic), or for random sets, whose union
+    is nearly dense, the set of the block's last token (the same FLOPs as ours, block granularity)."""
+    T = idx.shape[1]
+    n = math.ceil(T / BS)
+    pad = n * BS - T
+    x = torch.cat([idx, idx[:, -1:].expand(1, pad, HKV, TOPK)], 1) if pad else idx
+    x = x.view(1, n, BS, HKV, TOPK)
+    if pattern == "random":
+        return x[:, :, -1].permute(0, 2, 1, 3).contiguous()
+    return x.permute(0, 3, 1, 2, 4).reshape(1, HKV, n, BS * TOPK)
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def check():
+    """Ours (bf16) and torch-in-bf16 against the fp32 reference at the default geometry and others."""
+    cases = [(4096, HQ, HKV, D, BS, TOPK, "random"), (4096, HQ, HKV, D, BS, TOPK, "realistic"),
+             (4096, HQ, HKV, D, BS, TOPK, "dense"), (3001, 32, 4, 64, 64, 8, "random"),
+             (2500, 16, 4, 128, 64, 4, "random"), (2049, 8, 8, 64, 128, 16, "random")]
+    worst = 0.0
+    for T, hq, hkv, d, bs, kk, pat in cases:
+        g = torch.Generator(device="cuda").manual_seed(T)
+        q = torch.randn(2, T, hq, d, device="cuda", generator=g).bfloat16()
+        k = torch.randn(2, T, hkv, d, device="cuda", generator=g).bfloat16()
+        v = torch.randn(2, T, hkv, d, device="cuda", generator=g).bfloat16()
+        do = torch.randn(2, T, hq, d, device="cuda", generator=g).bfloat16()
+        if pat == "dense":
+            idx = None
+        else:
+            mk = random_sets if pat == "random" else realistic_sets
+            idx = torch.cat([mk(T, hkv, kk, bs, "cuda"), mk(T, hkv, kk, bs, "cuda")])
+
+        def grads(fn, dt):
+            qq, kk_, vv = (x.detach().to(dt).requires_grad_() for x in (q, k, v))
+            o, lse = fn(qq, kk_, vv)
+            return (o, lse, *torch.autograd.grad(o, (qq, kk_, vv), do.to(dt)))
+        sc = d ** -0.5
+        ref = grads(lambda a, b, c: sparse_attention_reference(a, b, c, idx, bs, sc), torch.float32)
+        base = grads(lambda a, b, c: sparse_attention_reference(a, b, c, idx, bs, sc, upcast=False), torch.bfloat16)
+        # poison: a fresh NaN-filled caching allocator pool would be ideal; check no NaN instead
+        out = grads(lambda a, b, c: sparse_attention(a, b, c, idx, block_size=bs, backend="triton"), torch.bfloat16)
+        msg = []
+        for name, x, bb, r in zip(("o", "lse", "dq", "dk", "dv"), out, base, ref):
+            assert not torch.isnan(x).any(), f"NaN in {name}"
+            if name == "lse":
+                e, et = (x - r).abs().max().item(), (bb - r).abs().max().item()
+            else:
+                e, et = rel(x, r), rel(bb, r)
+            worst = max(worst, e / max(et, 1e-6))
+            msg.append(f"{name} {e:.2e}/{et:.2e}")
+        log(f"check T={T} Hq={hq} Hkv={hkv} D={d} bs={bs} k={kk} {pat}: ours/torch-bf16 " + " ".join(msg))
+    log(f"check worst ratio err(ours)/err(torch bf16) = {worst:.2f}")
+    # determinism: the backward must give identical bits twice
+    T = 8192
+    q, k, v, do = inputs(T)
+    idx = realistic_sets(T, HKV, TOPK, BS, "cuda")
+    r1 = torch.autograd.grad(ours(idx)(*(x.requires_grad_() for x in (q, k, v))), (q, k, v), do)
+    r2 = torch.autograd.grad(ours(idx)(q, k, v), (q, k, v), do)
+    log("check deterministic backward:", all(torch.equal(a, b) for a, b in zip(r1, r2)))
+
+
+def flops_fwd(T):
+    return 4.0 * T * HQ * TOPK * BS * D
+
+
+def time_table(Ts, fwd_only_Ts, sdpa_max, with_flex, patterns):
+    rows = []
+    sdpa_anchor = {524288: 8775.0}
+    for T in Ts + fwd_only_Ts:
+        fwd_only = T in fwd_only_Ts
+        q, k, v, do = inputs(T)
+        r = {"T": T}
+        if T <= sdpa_max:
+            with torch.no_grad():
+                r["sdpa_fwd"] = timeit(lambda: sdpa(q, k, v))
+            if not fwd_only:
+                r["sdpa_fb"] = timeit(fwd_bwd(sdpa, q, k, v, do))
+        elif T in sdpa_anchor:
+            r["sdpa_fwd"] = sdpa_anchor[T]
+            r["sdpa_anchor"] = True
+        with torch.no_grad():
+            r["dense_fwd"] = timeit(lambda: ours(None)(q, k, v))
+        if not fwd_only and T <= 32768:
+            r["dense_fb"] = timeit(fwd_bwd(ours(None), q, k, v, do))
+        for pat in patterns:
+            idx = random_sets(T, HKV, TOPK, BS, "cuda") if pat == "random" else realistic_sets(T, HKV, TOPK, BS, "cuda")
+            with torch.no_grad():
+                r[f"{pat}_fwd"] = timeit(lambda: ours(idx)(q, k, v))
+            if not fwd_only:
+                r[f"{pat}_fb"] = timeit(fwd_bwd(ours(idx), q, k, v, do))
+            if with_flex and not fwd_only:
+                fx = flex(flex_sets(idx, pat), T)
+                with torch.no_grad():
+                    r[f"flex_{pat}_fwd"] = timeit(lambda: fx(q, k, v))
+                r[f"flex_{pat}_fb"] = timeit(fwd_bwd(fx, q, k, v, do))
+            del idx
+        rows.append(r)
+        log(json.dumps({a: (round(b, 3) if isinstance(b, float) else b) for a, b in r.items()}))
+        del q, k, v, do
+        torch.cuda.empty_cache()
+    return rows
+
+
+def print_table(rows, patterns):
+    log("\n| T | pattern | ours fwd ms | ours fwd+bwd ms | SDPA fwd / fwd+bwd ms | speedup fwd / fwd+bwd vs SDPA "
+        "| Flex fwd / fwd+bwd ms | fwd TFLOP/s | fwd+bwd TFLOP/s |")
+    log("|---|---|---|---|---|---|---|---|---|")
+    f = lambda x: "-" if x is None else f"{x:.2f}"
+    for r in rows:
+        T = r["T"]
+        for pat in patterns:
+            fw, fb = r.get(f"{pat}_fwd"), r.get(f"{pat}_fb")
+            sf, sb = r.get("sdpa_fwd"), r.get("sdpa_fb")
+            sp = f"{sf / fw:.1f}x / " + (f"{sb / fb:.1f}x" if sb and fb else "-") if sf else "-"
+            anchor = " (anchor)" if r.get("sdpa_anchor") else ""
+            tf = flops_fwd(T) / fw / 1e9 if fw else None
+            tfb = 3.5 * flops_fwd(T) / fb / 1e9 if fb else None
+            log(f"| {T // 1024}K | {pat} | {f(fw)} | {f(fb)} | {f(sf)}{anchor} / {f(sb)} | {sp} | "
+                f"{f(r.get(f'flex_{pat}_fwd'))} / {f(r.get(f'flex_{pat}_fb'))} | {f(tf)} | {f(tfb)} |")
+        log(f"| {T // 1024}K | dense (ours) | {f(r.get('dense_fwd'))} | {f(r.get('dense_fb'))} | "
+            f"{f(r.get('sdpa_fwd'))} / {f(r.get('sdpa_fb'))} | | | | |")
+
+
+def profile(T, pat):
+    q, k, v, do = inputs(T)
+    idx = random_sets(T, HKV, TOPK, BS, "cuda") if pat == "random" else realistic_sets(T, HKV, TOPK, BS, "cuda")
+    run = fwd_bwd(ours(idx), q, k, v, do)
+    run()
+    torch.cuda.synchronize()
+    from torch.profiler import ProfilerActivity, profile as prof
+    with prof(activities=[ProfilerActivity.CUDA]) as p:
+        run()
+        torch.cuda.synchronize()
+    tot = {}
+    for e in p.key_averages():
+        if e.device_time_total > 0:
+            tot[e.key] = e.device_time_total / 1e3
+    log(f"profile T={T} {pat} fwd+bwd, ms per kernel (top 12):")
+    for name, ms in sorted(tot.items(), key=lambda x: -x[1])[:12]:
+        log(f"  {ms:8.2f}  {name[:90]}")
+
+
+def tune(T):
+    q, k, v, do = inputs(T)
+    idx = random_sets(T, HKV, TOPK, BS, "cuda")
+    base = dict(sa_triton.TUNING)
+    variants = [{}, {"fwd_rows": 64, "fwd_warps": 4}, {"fwd_rows": 64, "fwd_warps": 4, "fwd_bn": 64},
+                {"bwd_rows": 64}, {"bwd_tiles": 256}, {"bwd_warps": 4}]
+    for var in variants:
+        sa_triton.TUNING.clear()
+        sa_triton.TUNING.update(base, **var)
+        try:
+            with torch.no_grad():
+                fw = timeit(lambda: ours(idx)(q, k, v))
+            fb = timeit(fwd_bwd(ours(idx), q, k, v, do))
+            log(f"tune T={T} {var}: fwd {fw:.2f} ms, fwd+bwd {fb:.2f} ms")
+        except Exception as e:  # a variant may not fit in registers or shared memory
+            log(f"tune T={T} {var}: failed {type(e).__name__}: {str(e)[:120]}")
+    # dense backward launch shapes at 32K (the warmup path), with the dk error of each
+    T = 32768
+    q, k, v, do = inputs(T)
+    for cfg in [(64, 64, 8, 2), (64, 64, 8, 1), (128, 64, 8, 2), (64, 128, 8, 2), (32, 128, 8, 1)]:
+        sa_triton.TUNING.update(base, dense_dkdv=cfg)
+        try:
+            fb = timeit(fwd_bwd(ours(None), q, k, v, do))
+            log(f"tune dense T={T} dkdv={cfg}: fwd+bwd {fb:.2f} ms")
+        except Exception as e:
+            log(f"tune dense dkdv={cfg}: failed {type(e).__name__}: {str(e)[:120]}")
+    sa_triton.TUNING.clear()
+    sa_triton.TUNING.update(base)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--parts", default="check,time")
+    ap.add_argument("--T", default="8192,32768,131072")
+    ap.add_argument("--fwd-T", default="524288")
+    ap.add_argument("--sdpa-max", type=int, default=131072)
+    ap.add_argument("--flex", action="store_true")
+    ap.add_argument("--patterns", default="random,realistic")
+    ap.add_argument("--tune-T", type=int, default=131072)
+    ap.add_argument("--tuning", default="", help="JSON overrides of the kernels' TUNING")
+    a = ap.parse_args()
+    if a.tuning:
+        sa_triton.TUNING.update(json.loads(a.tuning))
+    parts = a.parts.split(",")
+    patterns = [p for p in a.patterns.split(",") if p]
+    log(f"{torch.cuda.get_device_name()} torch {torch.__version__} {time.strftime('%Y-%m-%d %H:%M')} "
+        f"TUNING {sa_triton.TUNING} argv {' '.join(sys.argv[1:])}")
+    t0 = time.time()
+    try:
+        if "check" in parts:
+            check()
+            log(f"[check done {time.time() - t0:.0f}s]")
+        if "tune" in parts:
+            tune(a.tune_T)
+            log(f"[tune done {time.time() - t0:.0f}s]")
+        if "profile" in parts:
+            profile(131072, "random")
+            profile(131072, "realistic")
+            log(f"[profile done {time.time() - t0:.0f}s]")
+        if "time" in parts:
+            Ts = [int(x) for x in a.T.split(",") if x]
+            fTs = [int(x) for x in a.fwd_T.split(",") if x]
+            rows = time_table(Ts, fTs, a.sdpa_max, a.flex, patterns)
+            print_table(rows, patterns)
+            log(f"[time done {time.time() - t0:.0f}s]")
+    finally:
+        if OUT:
+            with open(os.path.join(OUT, "bench_sparse_attention.log"), "w") as fh:
+                fh.write("\n".join(LOG) + "\n")
+
+
+if __name__ == "__main__":
+    main()
