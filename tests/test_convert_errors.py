@@ -1,0 +1,128 @@
+"""The converter refuses what it cannot convert, and says which file or tensor is at fault.
+
+Every check here fails before any model is built, so these run in pytest's process.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from msa_model.convert.commands import hf_to_msa
+from msa_model.convert.fixtures import save_tiny_hf
+from msa_model.convert.hf_families import FAMILIES, check_exportable, model_config_from_hf
+from msa_model.convert.hf_io import ConversionError
+
+
+@pytest.fixture
+def llama(tmp_path):
+    return save_tiny_hf("llama", tmp_path / "llama")
+
+
+def _edit_config(path, **changes):
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(changes)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def _edit_tensors(path, edit):
+    tensors = load_file(path / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_unsupported_architecture(llama, tmp_path):
+    _edit_config(llama, architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    with pytest.raises(ConversionError, match=r"config.json: unsupported architecture \['GPT2LMHeadModel'\]"):
+        hf_to_msa(str(llama), str(tmp_path / "out"))
+
+
+def test_not_gqa(llama, tmp_path):
+    _edit_config(llama, num_attention_heads=6, num_key_value_heads=4)
+    with pytest.raises(ConversionError, match=r"not a GQA model: num_attention_heads \(6\) is not a multiple of "
+                                              r"num_key_value_heads \(4\)"):
+        hf_to_msa(str(llama), str(tmp_path / "out"))
+
+
+def test_mha_is_gqa_with_one_head_per_group():
+    cfg = json.loads(json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
+                                 "num_key_value_heads": 4, "intermediate_size": 96, "vocab_size": 300,
+                                 "num_hidden_layers": 2}))
+    _, model = model_config_from_hf(cfg)
+    assert model.num_attention_heads == model.num_query_groups == 4
+
+
+def test_missing_shard(tmp_path):
+    src = save_tiny_hf("mixtral", tmp_path / "mixtral", max_shard_size="40KB")
+    index = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    shard = index["model.layers.1.self_attn.k_proj.weight"]
+    (src / shard).unlink()
+    with pytest.raises(ConversionError, match=rf"missing shard file\(s\) \['{shard}'\]"):
+        hf_to_msa(str(src), str(tmp_path / "out"))
+
+
+def test_no_weights(llama, tmp_path):
+    (llama / "model.safetensors").rename(llama / "weights.safetensors")
+    with pytest.raises(ConversionError, match=r"no model.safetensors or model.safetensors.index.json; "
+                                              r"found \['weights.safetensors'\]"):
+        hf_to_msa(str(llama), str(tmp_path / "out"))
+
+
+def test_shape_mismatch(llama, tmp_path):
+    def shrink(t):
+        t["model.layers.1.self_attn.k_proj.weight"] = t["model.layers.1.self_attn.k_proj.weight"][:16].clone()
+
+    _edit_tensors(llama, shrink)
+    with pytest.raises(ConversionError, match=r"tensor 'model.layers.1.self_attn.k_proj.weight' has shape \[16, 64\], "
+                                              r"expected \[32, 64\]"):
+        hf_to_msa(str(llama), str(tmp_path / "out"))
+
+
+def test_missing_tensor(llama, tmp_path):
+    _edit_tensors(llama, lambda t: t.pop("model.layers.0.mlp.up_proj.weight"))
+    with pytest.raises(ConversionError, match=r"tensor 'model.layers.0.mlp.up_proj.weight' is missing"):
+        hf_to_msa(str(llama), str(tmp_path / "out"))
+
+
+def test_unknown_tensor(llama, tmp_path):
+    _edit_tensors(llama, lambda t: t.update({"model.layers.0.self_attn.o_proj.bias": torch.zeros(64)}))
+    with pytest.raises(ConversionError, match=r"tensors the llama mapping does not know: "
+                                              r"\['model.layers.0.self_attn.o_proj.bias'\]"):
+        hf_to_msa(str(llama), str(tmp_path / "out"))
+
+
+def test_unsupported_rope_scaling(llama, tmp_path):
+    _edit_config(llama, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0})
+    with pytest.raises(ConversionError, match="RoPE scaling type 'yarn' is not supported"):
+        hf_to_msa(str(llama), str(tmp_path / "out"))
+
+
+def test_layout_checked(tmp_path):
+    src = save_tiny_hf("mixtral", tmp_path / "mixtral")
+    with pytest.raises(ConversionError, match=r"(?s)cannot run at tp=1 pp=1 ep=3:.*num_experts \(4\) must be a multiple "
+                                              r"of parallel.ep \(3\)"):
+        hf_to_msa(str(src), str(tmp_path / "out"), ep=3)
+
+
+def test_export_family_must_match():
+    cfg = {"architectures": ["Qwen2ForCausalLM"], "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "intermediate_size": 96, "vocab_size": 300, "num_hidden_layers": 2}
+    _, model = model_config_from_hf(cfg)
+    with pytest.raises(ConversionError, match="cannot export as llama: qkv_bias=True"):
+        check_exportable(model, FAMILIES["llama"])
+    with pytest.raises(ConversionError, match="cannot export as mixtral:.*is an MoE family"):
+        check_exportable(model, FAMILIES["mixtral"])
+
+
+def test_cli_reports_error_and_exit_code(llama, tmp_path):
+    _edit_config(llama, architectures=["GPT2LMHeadModel"])
+    proc = subprocess.run([sys.executable, "-m", "msa_model.convert", "hf-to-msa", str(llama), str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "error: " in proc.stderr and "unsupported architecture ['GPT2LMHeadModel']" in proc.stderr
+    assert not (tmp_path / "out").exists()
