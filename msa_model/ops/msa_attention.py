@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import check_index, check_qkv
+from .common import check_index, check_qkv, default_scale, resolve_backend
 from .indexer_kl import indexer_kl_loss
 from .select_blocks import select_blocks
 from .sparse_attention import sparse_attention
@@ -28,9 +28,27 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iq: torch.T
     if not dense:
         block_idx = select_blocks(iq.detach(), ik.detach(), block_size=block_size, topk=topk,
                                   force_sink=force_sink, backend=backend)
-    o, lse = sparse_attention(q, k, v, block_idx, block_size=block_size, scale=scale, backend=backend)
+    if dense and _use_flash(q, k, v, backend):
+        o, lse = _flash_dense(q, k, v, default_scale(q.shape[-1], scale))
+    else:
+        o, lse = sparse_attention(q, k, v, block_idx, block_size=block_size, scale=scale, backend=backend)
     kl = indexer_kl_loss(q.detach(), k.detach(), iq, ik, block_idx, lse.detach(), block_size=block_size,
                          scale=scale, index_scale=index_scale, backend=backend)
     if return_block_idx:
         return o, kl, block_idx
     return o, kl
+
+
+def _use_flash(q, k, v, backend: str) -> bool:
+    """The dense warmup's attention is plain causal attention: on CUDA in fp16/bf16 PyTorch's
+    flash-attention kernel does it (and returns the lse the KL needs), faster than our Triton
+    dense path."""
+    return (resolve_backend(backend, q, k, v) == "triton" and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+            and q.shape[-1] in (64, 96, 128, 256))
+
+
+def _flash_dense(q, k, v, scale: float):
+    """Causal GQA attention: o [B, T, Hq, D] and lse float32 [B, T, Hq] (natural log)."""
+    out = torch.ops.aten._scaled_dot_product_flash_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                             0.0, True, False, scale=scale)
+    return out[0].transpose(1, 2), out[1].transpose(1, 2)
