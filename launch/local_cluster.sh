@@ -110,6 +110,8 @@ EOF
     if ! grep -qE '^127\.0\.0\.1[[:space:]].*\bnode1\b.*\bnode2\b' /etc/hosts; then
         echo "127.0.0.1 node1 node2" >>/etc/hosts
     fi
+    # the daemons look their own host up; containers do not always list it
+    getent hosts "$host" >/dev/null || echo "127.0.0.1 $host" >>/etc/hosts
 }
 
 munge_ok() { munge -n 2>/dev/null | unmunge >/dev/null 2>&1; }
