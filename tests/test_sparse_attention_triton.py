@@ -62,8 +62,7 @@ def run_case(B, T, Hq, G, D, block_size, K, dtype, dense=False, seed=0):
     assert torch.equal(torch.isinf(lse_ref), torch.isinf(lse))
     fin = torch.isfinite(lse_ref)
     if dtype == torch.float32:
-        # the interpreter multiplies in fp32, a GPU in tf32
-        tol = 1e-5 if DEVICE == "cpu" else 5e-3
+        tol = 1e-5
         for name, x, r in zip(names, out, ref):
             if name != "lse":
                 assert rel(x, r) < tol, (name, rel(x, r))
@@ -86,6 +85,8 @@ def run_case(B, T, Hq, G, D, block_size, K, dtype, dense=False, seed=0):
     (1, 70, 8, 4, 16, 32, 4),
 ])
 def test_sparse_fp32(B, T, Hq, G, D, block_size, K):
+    if DEVICE == "cuda":
+        pytest.skip("fp32 runs only under the interpreter")
     run_case(B, T, Hq, G, D, block_size, K, torch.float32)
 
 
@@ -104,24 +105,27 @@ def test_sparse_low_precision(B, T, Hq, G, D, block_size, K, dtype):
     (1, 100, 4, 4, 32, torch.bfloat16),
 ])
 def test_dense(B, T, Hq, G, D, dtype):
+    if DEVICE == "cuda" and dtype == torch.float32:
+        pytest.skip("fp32 runs only under the interpreter")
     run_case(B, T, Hq, G, D, 16, 0, dtype, dense=True)
 
 
 def test_empty_support_and_duplicates():
     """Rows whose slots are all -1 or future blocks give o = 0, lse = -inf, zero gradients."""
     B, T, Hq, G, D, bs = 1, 48, 2, 1, 16, 16
-    q, k, v = (torch.randn(B, T, h, D, device=DEVICE, requires_grad=True) for h in (Hq, G, G))
+    dtype, tol = (torch.float32, 1e-5) if DEVICE == "cpu" else (torch.bfloat16, 1e-2)
+    q, k, v = (torch.randn(B, T, h, D, device=DEVICE).to(dtype).requires_grad_() for h in (Hq, G, G))
     idx = torch.full((B, T, G, 3), -1, dtype=torch.int32, device=DEVICE)
     idx[:, 20:, :, :] = 1  # the same block three times: counts once
     idx[:, :16, :, 0] = 2  # a future block: no causal key
     o, lse = sparse_attention(q, k, v, idx, bs, backend="triton")
     o_ref, lse_ref = sparse_attention_reference(q, k, v, idx, bs, D ** -0.5)
     assert torch.isinf(lse[:, :20]).all() and (o[:, :20] == 0).all()
-    assert rel(o, o_ref) < 1e-5 and torch.allclose(lse[:, 20:], lse_ref[:, 20:], atol=1e-5)
-    g = torch.autograd.grad(o.sum(), (q, k, v))
-    g_ref = torch.autograd.grad(o_ref.sum(), (q, k, v))
+    assert rel(o, o_ref) < tol and torch.allclose(lse[:, 20:], lse_ref[:, 20:].float(), atol=tol)
+    g = torch.autograd.grad(o.float().sum(), (q, k, v))
+    g_ref = torch.autograd.grad(o_ref.float().sum(), (q, k, v))
     for x, r in zip(g, g_ref):
-        assert rel(x, r) < 1e-5
+        assert rel(x, r) < tol
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="large shapes need a GPU")

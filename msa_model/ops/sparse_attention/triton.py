@@ -262,10 +262,15 @@ def sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b
                             block_size: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused sparse (or, with block_idx None, dense causal) attention.
 
-    q [B, T, Hq, D], k/v [B, T, Hkv, D] in bf16, fp16 or fp32 (fp32 matmuls run as tf32 on GPUs);
+    q [B, T, Hq, D], k/v [B, T, Hkv, D] in bf16 or fp16 (fp32 only under Triton's interpreter);
     block_idx int [B, T, Hkv, K] or None. Returns o [B, T, Hq, D] (q dtype) and lse fp32 [B, T, Hq]
     (not differentiable). Inputs are made contiguous.
     """
     if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise TypeError(f"the Triton sparse_attention supports bf16, fp16 and fp32, got {q.dtype}")
+        raise TypeError(f"the Triton sparse_attention supports bf16 and fp16, got {q.dtype}")
+    # fp32 runs only in Triton's interpreter (exact): compiled on an H200 (triton 3.6) the tf32
+    # backward returned garbage dq, so it is refused rather than trusted
+    if q.dtype == torch.float32 and not _interpreting():
+        raise TypeError("the Triton sparse_attention does not take fp32 on GPUs; cast q, k, v to bf16/fp16 "
+                        "or use backend='reference'")
     return SparseAttentionTriton.apply(q, k, v, block_idx, block_size, scale)
