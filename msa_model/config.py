@@ -61,6 +61,7 @@ class ModelConfig:
     num_experts: int = 4
     moe_router_topk: int = 2
     moe_ffn_hidden_size: int = 256
+    moe_shared_expert_size: int = 0  # width of an always-active shared expert in each MoE layer; 0: none
     first_dense_layers: int = 1  # leading layers with a dense MLP instead of experts
     moe_aux_loss_coeff: float = 1e-2
     moe_token_dispatcher: str = "alltoall"  # alltoall | allgather

@@ -61,6 +61,7 @@ def transformer_config(model_cfg, parallel_cfg, on_cpu: bool) -> TransformerConf
         num_moe_experts=m.num_experts if moe else None,
         moe_ffn_hidden_size=m.moe_ffn_hidden_size if moe else None,
         moe_router_topk=m.moe_router_topk,
+        moe_shared_expert_intermediate_size=(m.moe_shared_expert_size or None) if moe else None,
         moe_router_pre_softmax=m.moe_router_pre_softmax,
         moe_layer_freq=[0] * m.first_dense_layers + [1] * (m.num_layers - m.first_dense_layers),
         moe_router_load_balancing_type="aux_loss",
@@ -194,10 +195,11 @@ def count_parameters(model_cfg, vocab_size: int) -> dict[str, int]:
         index = h * g * di + h * di + (2 * di if m.qk_layernorm else 0)
     dense_mlp = 3 * h * m.ffn_hidden_size
     expert = 3 * h * m.moe_ffn_hidden_size
+    shared = 3 * h * m.moe_shared_expert_size
     n_moe = m.num_layers - m.first_dense_layers if m.num_experts > 0 else 0
     n_dense = m.num_layers - n_moe
     per_layer_common = attn + index + 2 * h
     embed = vocab * h * (1 if m.tie_embeddings else 2)
-    total = embed + h + m.num_layers * per_layer_common + n_dense * dense_mlp + n_moe * (m.num_experts * expert + h * m.num_experts)
-    active = embed + h + m.num_layers * per_layer_common + n_dense * dense_mlp + n_moe * (m.moe_router_topk * expert + h * m.num_experts)
+    total = embed + h + m.num_layers * per_layer_common + n_dense * dense_mlp + n_moe * (m.num_experts * expert + shared + h * m.num_experts)
+    active = embed + h + m.num_layers * per_layer_common + n_dense * dense_mlp + n_moe * (m.moe_router_topk * expert + shared + h * m.num_experts)
     return {"total": total, "active": active, "index_branch": m.num_layers * index, "embedding": embed}
