@@ -43,13 +43,17 @@ def check_block_size(block_size: int, topk: int | None = None) -> None:
         raise ValueError(f"topk must be a positive int, got {topk!r}")
 
 
-def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -> tuple[int, ...]:
-    """Validate q [B,T,Hq,D], k/v [B,T,Hkv,D]; returns (B, T, Hq, Hkv, D)."""
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None, q_offset: int = 0) -> tuple[int, ...]:
+    """Validate q [B,Tq,Hq,D], k/v [B,Tk,Hkv,D]; returns (B, Tq, Hq, Hkv, D).
+
+    Usually Tk == Tq. With queries that are a slice of the sequence (positions q_offset ..
+    q_offset + Tq - 1) the keys cover at least the causal prefix: Tk >= q_offset + Tq."""
     if q.dim() != 4 or k.dim() != 4:
         raise ValueError(f"q and k must be [B, T, H, D]; got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    check_q_offset(q_offset, q.shape[1], k.shape[1])
     B, T, Hq, D = q.shape
-    if k.shape[0] != B or k.shape[1] != T or k.shape[3] != D:
-        raise ValueError(f"k {tuple(k.shape)} does not match q {tuple(q.shape)} in batch, tokens or head dim")
+    if k.shape[0] != B or k.shape[3] != D:
+        raise ValueError(f"k {tuple(k.shape)} does not match q {tuple(q.shape)} in batch or head dim")
     Hkv = k.shape[2]
     if Hq % Hkv != 0:
         raise ValueError(f"query heads ({Hq}) must be divisible by key/value heads ({Hkv})")
@@ -63,14 +67,37 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -
     return B, T, Hq, Hkv, D
 
 
+def check_q_offset(q_offset: int, Tq: int, Tk: int) -> None:
+    """Queries are the positions q_offset .. q_offset + Tq - 1 of a key sequence of length Tk."""
+    if not isinstance(q_offset, int) or q_offset < 0:
+        raise ValueError(f"q_offset must be a non-negative int, got {q_offset!r}")
+    if Tk < q_offset + Tq:
+        raise ValueError(f"keys cover {Tk} tokens but the queries reach position q_offset + Tq = "
+                         f"{q_offset} + {Tq}; pass keys of the whole causal prefix")
+
+
+def trim_keys(Tq: int, q_offset: int, *keys: torch.Tensor | None) -> tuple:
+    """Keys after the last query are invisible to every query: cut [B, Tk, ...] to q_offset + Tq,
+    so that with q_offset = 0 the inputs are the usual same-length ones."""
+    end = q_offset + Tq
+    return tuple(t if t is None or t.shape[1] == end else t[:, :end].contiguous() for t in keys)
+
+
+def no_triton_offset(op: str, q_offset: int) -> None:
+    if q_offset:
+        raise NotImplementedError(f"{op}: the Triton backend has no q_offset (queries that are a slice of "
+                                  f"the sequence); use backend='reference' or q_offset=0")
+
+
 def check_index(iq: torch.Tensor, ik: torch.Tensor, B: int | None = None, T: int | None = None,
-                Hkv: int | None = None) -> tuple[int, int, int, int]:
-    """Validate iq [B,T,Hkv,Di], ik [B,T,Di]; returns (B, T, Hkv, Di)."""
+                Hkv: int | None = None, q_offset: int = 0) -> tuple[int, int, int, int]:
+    """Validate iq [B,Tq,Hkv,Di], ik [B,Tk,Di] (Tk as in `check_qkv`); returns (B, Tq, Hkv, Di)."""
     if iq.dim() != 4 or ik.dim() != 3:
         raise ValueError(f"iq must be [B, T, Hkv, Di] and ik [B, T, Di]; got {tuple(iq.shape)}, {tuple(ik.shape)}")
     b, t, hkv, di = iq.shape
-    if ik.shape != (b, t, di):
+    if ik.shape[0] != b or ik.shape[2] != di:
         raise ValueError(f"ik {tuple(ik.shape)} does not match iq {tuple(iq.shape)} (expected {(b, t, di)})")
+    check_q_offset(q_offset, t, ik.shape[1])
     if ik.dtype != iq.dtype:
         raise TypeError(f"ik dtype {ik.dtype} differs from iq dtype {iq.dtype}")
     if (B is not None and b != B) or (T is not None and t != T):
@@ -80,14 +107,15 @@ def check_index(iq: torch.Tensor, ik: torch.Tensor, B: int | None = None, T: int
     return b, t, hkv, di
 
 
-def check_block_idx(block_idx: torch.Tensor, B: int, T: int, Hkv: int, block_size: int) -> None:
+def check_block_idx(block_idx: torch.Tensor, B: int, T: int, Hkv: int, block_size: int, q_offset: int = 0) -> None:
+    """block_idx [B, T, Hkv, K] of T queries at positions q_offset.. (ids < blocks of q_offset + T keys)."""
     if block_idx.dim() != 4 or tuple(block_idx.shape[:3]) != (B, T, Hkv):
         raise ValueError(f"block_idx must be [B, T, Hkv, K] = [{B}, {T}, {Hkv}, K], got {tuple(block_idx.shape)}")
     if block_idx.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"block_idx must be int32 or int64, got {block_idx.dtype}")
-    n = num_blocks(T, block_size)
+    n = num_blocks(q_offset + T, block_size)
     if block_idx.numel() and (int(block_idx.min()) < -1 or int(block_idx.max()) >= n):
-        raise ValueError(f"block_idx holds ids outside [-1, {n - 1}] for T={T}, block_size={block_size}")
+        raise ValueError(f"block_idx holds ids outside [-1, {n - 1}] for {q_offset} + {T} keys, block_size={block_size}")
 
 
 def default_scale(d: int, scale: float | None) -> float:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import check_index, check_qkv, default_scale, resolve_backend
+from .common import check_index, check_qkv, default_scale, resolve_backend, trim_keys
 from .indexer_kl import indexer_kl_loss
 from .select_blocks import select_blocks
 from .sparse_attention import sparse_attention
@@ -13,7 +13,7 @@ from .sparse_attention import sparse_attention
 def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iq: torch.Tensor, ik: torch.Tensor,
                   block_size: int = 128, topk: int = 16, dense: bool = False, scale: float | None = None,
                   index_scale: float | None = None, force_sink: bool = False, backend: str = "auto",
-                  return_block_idx: bool = False):
+                  return_block_idx: bool = False, q_offset: int = 0):
     """MSA attention: o [B, T, Hq, D] and the indexer KL (fp32 scalar, no coefficient applied).
 
     q [B, T, Hq, D], k/v [B, T, Hkv, D], iq [B, T, Hkv, Di], ik [B, T, Di].
@@ -21,19 +21,24 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iq: torch.T
     Gradients: o reaches q, k, v only; kl reaches iq, ik only (teacher and index inputs are
     stop-gradient). With `return_block_idx` also returns the int32 [B, T, Hkv, topk] selection
     (None when dense).
+    `q_offset`: the queries (q, iq) are positions q_offset .. q_offset + T - 1 of a sequence whose
+    k, v, ik [B, >= q_offset + T, ...] are passed whole (context parallelism: a rank's query
+    chunk against all-gathered keys); selection, output and KL equal those rows of the full call.
     """
-    _, T, _, Hkv, _ = check_qkv(q, k, v)
-    check_index(iq, ik, q.shape[0], T, Hkv)
+    _, T, _, Hkv, _ = check_qkv(q, k, v, q_offset)
+    check_index(iq, ik, q.shape[0], T, Hkv, q_offset)
+    k, v, ik = trim_keys(T, q_offset, k, v, ik)
     block_idx = None
     if not dense:
         block_idx = select_blocks(iq.detach(), ik.detach(), block_size=block_size, topk=topk,
-                                  force_sink=force_sink, backend=backend)
-    if dense and _use_flash(q, k, v, backend):
+                                  force_sink=force_sink, backend=backend, q_offset=q_offset)
+    if dense and q_offset == 0 and _use_flash(q, k, v, backend):
         o, lse = _flash_dense(q, k, v, default_scale(q.shape[-1], scale))
     else:
-        o, lse = sparse_attention(q, k, v, block_idx, block_size=block_size, scale=scale, backend=backend)
+        o, lse = sparse_attention(q, k, v, block_idx, block_size=block_size, scale=scale, backend=backend,
+                                  q_offset=q_offset)
     kl = indexer_kl_loss(q.detach(), k.detach(), iq, ik, block_idx, lse.detach(), block_size=block_size,
-                         scale=scale, index_scale=index_scale, backend=backend)
+                         scale=scale, index_scale=index_scale, backend=backend, q_offset=q_offset)
     if return_block_idx:
         return o, kl, block_idx
     return o, kl

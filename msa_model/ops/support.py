@@ -11,13 +11,14 @@ from .common import num_blocks
 
 
 def support_mask(block_idx_BTGK: torch.Tensor | None, t0: int, t1: int, key_end: int, block_size: int,
-                 groups: int, batch: int, device: torch.device) -> torch.Tensor:
+                 groups: int, batch: int, device: torch.device, q_offset: int = 0) -> torch.Tensor:
     """Bool [B, C, G, J] for queries t0..t1-1 and keys 0..key_end-1: causal and in a selected block.
 
-    block_idx None means dense: every causal key is in the support.
+    Query t sits at position q_offset + t (block_idx rows are indexed by t). block_idx None
+    means dense: every causal key is in the support.
     """
-    pos = torch.arange(max(t1, key_end), device=device)
-    causal_CJ = pos[None, :key_end] <= pos[t0:t1, None]
+    pos = torch.arange(max(q_offset + t1, key_end), device=device)
+    causal_CJ = pos[None, :key_end] <= pos[q_offset + t0:q_offset + t1, None]
     if block_idx_BTGK is None:
         return causal_CJ[None, :, None, :].expand(batch, t1 - t0, groups, key_end)
     n_blk = num_blocks(key_end, block_size)

@@ -5,14 +5,14 @@ from __future__ import annotations
 import torch
 
 from ..common import (check_block_idx, check_block_size, check_index, check_qkv, default_scale, load_triton,
-                      resolve_backend)
+                      no_triton_offset, resolve_backend, trim_keys)
 from .reference import indexer_kl_loss_reference
 
 
 def indexer_kl_loss(q: torch.Tensor, k: torch.Tensor, iq: torch.Tensor, ik: torch.Tensor,
                     block_idx: torch.Tensor | None, lse: torch.Tensor, block_size: int = 128,
                     scale: float | None = None, index_scale: float | None = None,
-                    backend: str = "auto") -> torch.Tensor:
+                    backend: str = "auto", q_offset: int = 0) -> torch.Tensor:
     """Mean over (b, t, g) of KL(teacher || student) on each (query, group)'s support.
 
     q [B, T, Hq, D], k [B, T, Hkv, D]: the main branch's inputs (treated as constants);
@@ -21,20 +21,24 @@ def indexer_kl_loss(q: torch.Tensor, k: torch.Tensor, iq: torch.Tensor, ik: torc
     lse float32 [B, T, Hq] from `sparse_attention` with the same block_idx (treated as constant).
     `scale` (default 1/sqrt(D)) is the main branch's, `index_scale` (default 1/sqrt(Di)) the
     student's. Returns a float32 scalar; the KL coefficient is applied by the caller.
+    `q_offset`: query t sits at position q_offset + t; k, ik hold the whole causal prefix
+    [B, >= q_offset + T, ...] (context parallelism); the mean is over this call's queries.
     """
     check_block_size(block_size)
-    B, T, Hq, Hkv, D = check_qkv(q, k)
-    _, _, _, Di = check_index(iq, ik, B, T, Hkv)
+    B, T, Hq, Hkv, D = check_qkv(q, k, q_offset=q_offset)
+    _, _, _, Di = check_index(iq, ik, B, T, Hkv, q_offset)
     if block_idx is not None:
-        check_block_idx(block_idx, B, T, Hkv, block_size)
+        check_block_idx(block_idx, B, T, Hkv, block_size, q_offset)
     if lse.shape != (B, T, Hq):
         raise ValueError(f"lse must be [B, T, Hq] = {(B, T, Hq)}, got {tuple(lse.shape)}")
     scale = default_scale(D, scale)
     index_scale = default_scale(Di, index_scale)
+    k, ik = trim_keys(T, q_offset, k, ik)
     if resolve_backend(backend, q, k, iq, ik) == "triton":
+        no_triton_offset("indexer_kl_loss", q_offset)
         return load_triton("indexer_kl").indexer_kl_loss_triton(q, k, iq, ik, block_idx, lse, block_size,
                                                                  scale, index_scale)
-    return indexer_kl_loss_reference(q, k, iq, ik, block_idx, lse, block_size, scale, index_scale)
+    return indexer_kl_loss_reference(q, k, iq, ik, block_idx, lse, block_size, scale, index_scale, q_offset)
 
 
 __all__ = ["indexer_kl_loss", "indexer_kl_loss_reference"]

@@ -18,45 +18,47 @@ from ..common import query_chunk
 from ..support import support_mask
 
 
-def _teacher_student(q, k, iq, ik, block_idx, lse, block_size, scale, index_scale, t0, t1):
+def _teacher_student(q, k, iq, ik, block_idx, lse, block_size, scale, index_scale, t0, t1, q_offset):
     """Teacher p_bar (fp32, fp64 for fp64 inputs), student log p_I and the support mask for queries t0..t1-1."""
     B, T, Hq, D = q.shape
     G = k.shape[2]
     H = Hq // G
     acc = torch.promote_types(q.dtype, torch.float32)
-    mask_BCGJ = support_mask(block_idx, t0, t1, t1, block_size, G, B, q.device)
+    e = q_offset + t1
+    mask_BCGJ = support_mask(block_idx, t0, t1, e, block_size, G, B, q.device, q_offset)
     q_BCGHD = q[:, t0:t1].to(acc).view(B, t1 - t0, G, H, D)
-    s = torch.einsum("bcghd,bjgd->bcghj", q_BCGHD, k[:, :t1].to(acc)) * scale
+    s = torch.einsum("bcghd,bjgd->bcghj", q_BCGHD, k[:, :e].to(acc)) * scale
     s = s.masked_fill(~mask_BCGJ[:, :, :, None, :], float("-inf"))
     lse_BCGH = lse[:, t0:t1].to(acc).view(B, t1 - t0, G, H)
     lse_BCGH = torch.where(torch.isinf(lse_BCGH), torch.zeros_like(lse_BCGH), lse_BCGH)
     p_bar = torch.exp(s - lse_BCGH[..., None]).mean(dim=3)
     p_bar = p_bar / p_bar.sum(-1, keepdim=True).clamp_min(torch.finfo(acc).tiny)
-    z = torch.einsum("bcgi,bji->bcgj", iq[:, t0:t1].to(acc), ik[:, :t1].to(acc)) * index_scale
+    z = torch.einsum("bcgi,bji->bcgj", iq[:, t0:t1].to(acc), ik[:, :e].to(acc)) * index_scale
     log_p_student = torch.log_softmax(z.masked_fill(~mask_BCGJ, float("-inf")), dim=-1)
     return p_bar, log_p_student, mask_BCGJ
 
 
-def _chunks(T, heads):
-    step = query_chunk(T, heads)
+def _chunks(T, heads, q_offset=0):
+    step = query_chunk(q_offset + T, heads)
     for t0 in range(0, T, step):
         yield t0, min(T, t0 + step)
 
 
-def indexer_kl_forward(q, k, iq, ik, block_idx, lse, block_size, scale, index_scale):
-    """Scalar mean KL (fp32; fp64 for fp64 index inputs)(teacher || student) over (b, t, g)."""
+def indexer_kl_forward(q, k, iq, ik, block_idx, lse, block_size, scale, index_scale, q_offset=0):
+    """Scalar mean KL (fp32; fp64 for fp64 index inputs)(teacher || student) over (b, t, g).
+    Query t sits at position q_offset + t of the keys k, ik."""
     B, T, Hq, _ = q.shape
     G = k.shape[2]
     total = torch.zeros((), dtype=torch.float64, device=q.device)
-    for t0, t1 in _chunks(T, Hq):
+    for t0, t1 in _chunks(T, Hq, q_offset):
         p_bar, log_p_student, mask = _teacher_student(q, k, iq, ik, block_idx, lse, block_size, scale,
-                                                      index_scale, t0, t1)
+                                                      index_scale, t0, t1, q_offset)
         terms = torch.xlogy(p_bar, p_bar) - p_bar * log_p_student
         total += torch.where(mask, terms, torch.zeros_like(terms)).sum(dtype=torch.float64)
     return (total / (B * T * G)).to(torch.promote_types(iq.dtype, torch.float32))
 
 
-def indexer_kl_backward(grad, q, k, iq, ik, block_idx, lse, block_size, scale, index_scale):
+def indexer_kl_backward(grad, q, k, iq, ik, block_idx, lse, block_size, scale, index_scale, q_offset=0):
     """(d iq, d ik) of `indexer_kl_forward` scaled by the upstream scalar `grad`."""
     B, T, Hq, _ = q.shape
     G = k.shape[2]
@@ -64,29 +66,30 @@ def indexer_kl_backward(grad, q, k, iq, ik, block_idx, lse, block_size, scale, i
     diq = torch.empty(iq.shape, dtype=acc, device=iq.device)
     dik = torch.zeros(ik.shape, dtype=acc, device=ik.device)
     coef = grad.to(acc) * index_scale / (B * T * G)
-    for t0, t1 in _chunks(T, Hq):
+    for t0, t1 in _chunks(T, Hq, q_offset):
         p_bar, log_p_student, mask = _teacher_student(q, k, iq, ik, block_idx, lse, block_size, scale,
-                                                      index_scale, t0, t1)
+                                                      index_scale, t0, t1, q_offset)
         dz = torch.where(mask, log_p_student.exp() - p_bar, torch.zeros_like(p_bar)) * coef
-        diq[:, t0:t1] = torch.einsum("bcgj,bji->bcgi", dz, ik[:, :t1].to(acc))
-        dik[:, :t1] += torch.einsum("bcgj,bcgi->bji", dz, iq[:, t0:t1].to(acc))
+        e = q_offset + t1
+        diq[:, t0:t1] = torch.einsum("bcgj,bji->bcgi", dz, ik[:, :e].to(acc))
+        dik[:, :e] += torch.einsum("bcgj,bcgi->bji", dz, iq[:, t0:t1].to(acc))
     return diq.to(iq.dtype), dik.to(ik.dtype)
 
 
 class IndexerKLReference(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, iq, ik, block_idx, lse, block_size, scale, index_scale):
+    def forward(ctx, q, k, iq, ik, block_idx, lse, block_size, scale, index_scale, q_offset):
         ctx.save_for_backward(q, k, iq, ik, block_idx, lse)
-        ctx.args = (block_size, scale, index_scale)
-        return indexer_kl_forward(q, k, iq, ik, block_idx, lse, block_size, scale, index_scale)
+        ctx.args = (block_size, scale, index_scale, q_offset)
+        return indexer_kl_forward(q, k, iq, ik, block_idx, lse, block_size, scale, index_scale, q_offset)
 
     @staticmethod
     def backward(ctx, grad):
         q, k, iq, ik, block_idx, lse = ctx.saved_tensors
         diq, dik = indexer_kl_backward(grad, q, k, iq, ik, block_idx, lse, *ctx.args)
-        return None, None, diq, dik, None, None, None, None, None
+        return None, None, diq, dik, None, None, None, None, None, None
 
 
-def indexer_kl_loss_reference(q, k, iq, ik, block_idx, lse, block_size, scale, index_scale):
+def indexer_kl_loss_reference(q, k, iq, ik, block_idx, lse, block_size, scale, index_scale, q_offset=0):
     return IndexerKLReference.apply(q.detach(), k.detach(), iq, ik, block_idx, lse.detach(), block_size,
-                                    scale, index_scale)
+                                    scale, index_scale, q_offset)

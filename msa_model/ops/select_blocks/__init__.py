@@ -4,25 +4,29 @@ from __future__ import annotations
 
 import torch
 
-from ..common import check_block_size, check_index, load_triton, resolve_backend
+from ..common import check_block_size, check_index, load_triton, no_triton_offset, resolve_backend, trim_keys
 from .reference import select_blocks_reference
 
 
 @torch.no_grad()
 def select_blocks(iq: torch.Tensor, ik: torch.Tensor, block_size: int = 128, topk: int = 16,
-                  force_sink: bool = False, backend: str = "auto") -> torch.Tensor:
+                  force_sink: bool = False, backend: str = "auto", q_offset: int = 0) -> torch.Tensor:
     """Choose the top-k key blocks for each query and GQA group.
 
     iq: [B, T, Hkv, Di] index queries (one per group); ik: [B, T, Di] the shared index key.
     Returns int32 [B, T, Hkv, topk]: block ids (block n = tokens [n*block_size, (n+1)*block_size)),
     a set per (b, t, g) in any order; -1 marks an empty slot (fewer visible blocks than topk).
     Not differentiable (selection is discrete).
+    `q_offset`: the queries are positions q_offset .. q_offset + T - 1 of a longer sequence
+    whose index keys ik [B, >= q_offset + T, Di] are passed whole (context parallelism).
     """
     check_block_size(block_size, topk)
-    check_index(iq, ik)
+    check_index(iq, ik, q_offset=q_offset)
+    (ik,) = trim_keys(iq.shape[1], q_offset, ik)
     if resolve_backend(backend, iq, ik) == "triton":
+        no_triton_offset("select_blocks", q_offset)
         return load_triton("select_blocks").select_blocks_triton(iq, ik, block_size, topk, force_sink)
-    return select_blocks_reference(iq, ik, block_size, topk, force_sink)
+    return select_blocks_reference(iq, ik, block_size, topk, force_sink, q_offset)
 
 
 __all__ = ["select_blocks", "select_blocks_reference"]

@@ -12,28 +12,30 @@ from ..common import num_blocks, query_chunk
 
 
 def select_blocks_reference(iq_BTGI: torch.Tensor, ik_BTI: torch.Tensor, block_size: int, topk: int,
-                            force_sink: bool = False) -> torch.Tensor:
+                            force_sink: bool = False, q_offset: int = 0) -> torch.Tensor:
     """Top-k key blocks per (query, group) by block-max index score; int32 [B, T, G, K], -1 = empty.
 
     The local block (the one holding the query) is always kept, and block 0 too when
     `force_sink`. Ranking uses the raw dot products: softmax and a positive scale keep the order,
-    so no exp is needed. Slots are sorted ascending with -1 padding last.
+    so no exp is needed. Slots are sorted ascending with -1 padding last. Query t sits at
+    position q_offset + t of the keys ik [B, >= q_offset + T, Di].
     """
     B, T, G, _ = iq_BTGI.shape
     out_BTGK = torch.full((B, T, G, topk), -1, dtype=torch.int32, device=iq_BTGI.device)
     iq_BTGI = iq_BTGI.float()
     ik_BTI = ik_BTI.float()
-    pos = torch.arange(T, device=iq_BTGI.device)
-    chunk = query_chunk(T, G)
+    pos = torch.arange(q_offset + T, device=iq_BTGI.device)
+    chunk = query_chunk(q_offset + T, G)
     for t0 in range(0, T, chunk):
         t1 = min(T, t0 + chunk)
         # keys after the chunk's last query are invisible to every query of the chunk
-        n_blk = num_blocks(t1, block_size)
-        qpos_C = pos[t0:t1]
-        s_BCGJ = torch.einsum("bcgi,bji->bcgj", iq_BTGI[:, t0:t1], ik_BTI[:, :t1])
-        visible_CJ = pos[None, :t1] <= qpos_C[:, None]
+        key_end = q_offset + t1
+        n_blk = num_blocks(key_end, block_size)
+        qpos_C = pos[q_offset + t0:key_end]
+        s_BCGJ = torch.einsum("bcgi,bji->bcgj", iq_BTGI[:, t0:t1], ik_BTI[:, :key_end])
+        visible_CJ = pos[None, :key_end] <= qpos_C[:, None]
         s_BCGJ = s_BCGJ.masked_fill(~visible_CJ[None, :, None, :], float("-inf"))
-        pad = n_blk * block_size - t1
+        pad = n_blk * block_size - key_end
         s_BCGJ = torch.nn.functional.pad(s_BCGJ, (0, pad), value=float("-inf"))
         bmax_BCGN = s_BCGJ.view(B, t1 - t0, G, n_blk, block_size).amax(-1)
         forced_CN = torch.arange(n_blk, device=pos.device)[None, :] == (qpos_C // block_size)[:, None]

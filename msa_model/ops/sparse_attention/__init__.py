@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from ..common import check_block_idx, check_block_size, check_qkv, default_scale, load_triton, resolve_backend
+from ..common import (check_block_idx, check_block_size, check_qkv, default_scale, load_triton, no_triton_offset,
+                      resolve_backend, trim_keys)
 from .reference import sparse_attention_reference
 
 
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor | None,
                      block_size: int = 128, scale: float | None = None,
-                     backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+                     backend: str = "auto", q_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of every query head over the key blocks its GQA group selected.
 
     q: [B, T, Hq, D]; k, v: [B, T, Hkv, D] (same dtype); block_idx: int [B, T, Hkv, K] block ids,
@@ -19,15 +20,19 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_id
     Returns o [B, T, Hq, D] in q's dtype and lse float32 [B, T, Hq], the natural-log
     normaliser over the support (-inf where the support is empty, and then o = 0).
     Differentiable in q, k, v. `scale` defaults to 1/sqrt(D).
+    `q_offset`: query t sits at position q_offset + t; k, v [B, >= q_offset + T, Hkv, D] hold
+    the whole causal prefix (context parallelism); dk, dv cover it.
     """
     check_block_size(block_size)
-    B, T, _, Hkv, D = check_qkv(q, k, v)
+    B, T, _, Hkv, D = check_qkv(q, k, v, q_offset)
     if block_idx is not None:
-        check_block_idx(block_idx, B, T, Hkv, block_size)
+        check_block_idx(block_idx, B, T, Hkv, block_size, q_offset)
     scale = default_scale(D, scale)
+    k, v = trim_keys(T, q_offset, k, v)
     if resolve_backend(backend, q, k, v) == "triton":
+        no_triton_offset("sparse_attention", q_offset)
         return load_triton("sparse_attention").sparse_attention_triton(q, k, v, block_idx, block_size, scale)
-    return sparse_attention_reference(q, k, v, block_idx, block_size, scale)
+    return sparse_attention_reference(q, k, v, block_idx, block_size, scale, q_offset=q_offset)
 
 
 __all__ = ["sparse_attention", "sparse_attention_reference"]

@@ -16,8 +16,8 @@ from ..common import query_chunk
 from ..support import support_mask
 
 
-def _chunks(T: int, heads: int):
-    step = query_chunk(T, heads)
+def _chunks(T: int, heads: int, q_offset: int = 0):
+    step = query_chunk(q_offset + T, heads)
     for t0 in range(0, T, step):
         yield t0, min(T, t0 + step)
 
@@ -31,8 +31,10 @@ def _probs(q_BCGHD, k_BJGD, mask_BCGJ, scale, lse_BCGH, cdt):
     return torch.exp(s - lse[..., None])
 
 
-def sparse_attention_forward(q, k, v, block_idx, block_size, scale, upcast=True):
-    """Returns o [B,T,Hq,D] (q.dtype) and lse [B,T,Hq] (fp32; fp64 for fp64 inputs)."""
+def sparse_attention_forward(q, k, v, block_idx, block_size, scale, upcast=True, q_offset=0):
+    """Returns o [B,T,Hq,D] (q.dtype) and lse [B,T,Hq] (fp32; fp64 for fp64 inputs).
+
+    Query t sits at position q_offset + t; k, v hold at least q_offset + T keys."""
     B, T, Hq, D = q.shape
     G = k.shape[2]
     H = Hq // G
@@ -41,19 +43,20 @@ def sparse_attention_forward(q, k, v, block_idx, block_size, scale, upcast=True)
     o = torch.empty_like(q)
     lse = torch.empty(B, T, Hq, dtype=acc, device=q.device)
     q5 = q.view(B, T, G, H, D)
-    for t0, t1 in _chunks(T, Hq):
-        mask = support_mask(block_idx, t0, t1, t1, block_size, G, B, q.device)
-        s = torch.einsum("bcghd,bjgd->bcghj", q5[:, t0:t1].to(cdt), k[:, :t1].to(cdt)).to(acc) * scale
+    for t0, t1 in _chunks(T, Hq, q_offset):
+        e = q_offset + t1
+        mask = support_mask(block_idx, t0, t1, e, block_size, G, B, q.device, q_offset)
+        s = torch.einsum("bcghd,bjgd->bcghj", q5[:, t0:t1].to(cdt), k[:, :e].to(cdt)).to(acc) * scale
         s = s.masked_fill(~mask[:, :, :, None, :], float("-inf"))
         lse_c = torch.logsumexp(s, dim=-1)
         p = torch.exp(s - torch.where(torch.isinf(lse_c), torch.zeros_like(lse_c), lse_c)[..., None])
-        o_c = torch.einsum("bcghj,bjgd->bcghd", p.to(cdt), v[:, :t1].to(cdt))
+        o_c = torch.einsum("bcghj,bjgd->bcghd", p.to(cdt), v[:, :e].to(cdt))
         o[:, t0:t1] = o_c.reshape(B, t1 - t0, Hq, D).to(q.dtype)
         lse[:, t0:t1] = lse_c.reshape(B, t1 - t0, Hq)
     return o, lse
 
 
-def sparse_attention_backward(do, q, k, v, o, lse, block_idx, block_size, scale, upcast=True):
+def sparse_attention_backward(do, q, k, v, o, lse, block_idx, block_size, scale, upcast=True, q_offset=0):
     """Gradients (dq, dk, dv) of `sparse_attention_forward`, recomputing probabilities per chunk."""
     B, T, Hq, D = q.shape
     G = k.shape[2]
@@ -67,25 +70,26 @@ def sparse_attention_backward(do, q, k, v, o, lse, block_idx, block_size, scale,
     # delta = rowsum(dO * O): the softmax backward's correction term, per query head
     delta = (do.to(acc) * o.to(acc)).sum(-1).view(B, T, G, H)
     lse5 = lse.view(B, T, G, H)
-    for t0, t1 in _chunks(T, Hq):
-        mask = support_mask(block_idx, t0, t1, t1, block_size, G, B, q.device)
-        p = _probs(q5[:, t0:t1], k[:, :t1], mask, scale, lse5[:, t0:t1], cdt)
+    for t0, t1 in _chunks(T, Hq, q_offset):
+        e = q_offset + t1
+        mask = support_mask(block_idx, t0, t1, e, block_size, G, B, q.device, q_offset)
+        p = _probs(q5[:, t0:t1], k[:, :e], mask, scale, lse5[:, t0:t1], cdt)
         do_c = do5[:, t0:t1].to(cdt)
-        dp = torch.einsum("bcghd,bjgd->bcghj", do_c, v[:, :t1].to(cdt)).to(acc)
+        dp = torch.einsum("bcghd,bjgd->bcghj", do_c, v[:, :e].to(cdt)).to(acc)
         ds = p * (dp - delta[:, t0:t1, ..., None])
-        dq_c = torch.einsum("bcghj,bjgd->bcghd", ds.to(cdt), k[:, :t1].to(cdt)).to(acc) * scale
+        dq_c = torch.einsum("bcghj,bjgd->bcghd", ds.to(cdt), k[:, :e].to(cdt)).to(acc) * scale
         dq[:, t0:t1] = dq_c.reshape(B, t1 - t0, Hq, D).to(q.dtype)
-        dk[:, :t1] += torch.einsum("bcghj,bcghd->bjgd", ds.to(cdt), q5[:, t0:t1].to(cdt)).to(acc) * scale
-        dv[:, :t1] += torch.einsum("bcghj,bcghd->bjgd", p.to(cdt), do_c).to(acc)
+        dk[:, :e] += torch.einsum("bcghj,bcghd->bjgd", ds.to(cdt), q5[:, t0:t1].to(cdt)).to(acc) * scale
+        dv[:, :e] += torch.einsum("bcghj,bcghd->bjgd", p.to(cdt), do_c).to(acc)
     return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
 class SparseAttentionReference(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, block_idx, block_size, scale, upcast):
-        o, lse = sparse_attention_forward(q, k, v, block_idx, block_size, scale, upcast)
+    def forward(ctx, q, k, v, block_idx, block_size, scale, upcast, q_offset):
+        o, lse = sparse_attention_forward(q, k, v, block_idx, block_size, scale, upcast, q_offset)
         ctx.save_for_backward(q, k, v, o, lse, block_idx)
-        ctx.args = (block_size, scale, upcast)
+        ctx.args = (block_size, scale, upcast, q_offset)
         ctx.mark_non_differentiable(lse)
         return o, lse
 
@@ -93,10 +97,11 @@ class SparseAttentionReference(torch.autograd.Function):
     def backward(ctx, do, _dlse):
         q, k, v, o, lse, block_idx = ctx.saved_tensors
         dq, dk, dv = sparse_attention_backward(do.contiguous(), q, k, v, o, lse, block_idx, *ctx.args)
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
-def sparse_attention_reference(q, k, v, block_idx, block_size, scale, upcast=True):
+def sparse_attention_reference(q, k, v, block_idx, block_size, scale, upcast=True, q_offset=0):
     """Autograd entry of the reference. `upcast=False` does the matmuls in the input dtype, as
-    plain PyTorch code in bf16 would (the yardstick for kernel error budgets)."""
-    return SparseAttentionReference.apply(q, k, v, block_idx, block_size, scale, upcast)
+    plain PyTorch code in bf16 would (the yardstick for kernel error budgets). Query t sits at
+    position q_offset + t of the keys."""
+    return SparseAttentionReference.apply(q, k, v, block_idx, block_size, scale, upcast, q_offset)
