@@ -17,7 +17,7 @@ from msa_model.config import ConfigError, ModelConfig, MSAConfig, ParallelConfig
 from msa_model.convert import megatron_io as mio
 from msa_model.convert.hf_families import FAMILIES, check_exportable, hf_config_from_model, model_config_from_hf
 from msa_model.convert.hf_io import CONFIG_FILE, ConversionError, HFCheckpoint, read_config, save_safetensors
-from msa_model.convert.hf_mapping import INDEX_TENSORS, Rule, check_hf_shapes, fuse, hf_shapes, rules, split
+from msa_model.convert.hf_mapping import Rule, check_hf_shapes, fuse, hf_shapes, rules, split
 from msa_model.convert.index_init import DEFAULT, index_weights
 
 log = logging.getLogger(__name__)
@@ -184,8 +184,3 @@ def msa_to_hf(src: str, out: str, *, family: str | None = None, model_config: st
     (Path(out) / CONFIG_FILE).write_text(json.dumps(hf_cfg, indent=2, sort_keys=True) + "\n")
     log.info("wrote %s (%d tensors in %d file(s)) as %s", out, len(tensors), len(files), fam.architecture)
     return Path(out)
-
-
-def index_tensor_names(num_layers: int) -> list[str]:
-    """The HF names under which msa-to-hf exports the index branch (documentation and tests)."""
-    return [f"model.layers.{i}.self_attn.{hf}" for i in range(num_layers) for hf in INDEX_TENSORS.values()]

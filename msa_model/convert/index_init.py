@@ -10,8 +10,9 @@ main branch's attention. Two starting points:
   projections; the index norms copy the q/k norms. Needs Di = D. With one query head per
   group and one kv head this starts with exactly the main branch's scores.
 
-The README section "Converting dense checkpoints" records which one trains the indexer faster
-(`DEFAULT`).
+`derived` is the default: converted from a trained dense model it starts the indexer warmup at
+about a third of the random init's KL and keeps a lower KL through it (numbers in the README,
+"Converting dense checkpoints"; scripts/convert_index_init_compare.py reproduces them).
 
 Legend: H = hidden, Hkv = GQA groups, G = query heads per group, D = head dim, Di = index head dim.
 """
