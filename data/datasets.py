@@ -51,6 +51,7 @@ def prepare_tokens(data_cfg, build: bool = True) -> str:
         return prefix
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared by every user of the checkout
     builder = IndexedDatasetBuilder(str(tmp / "tokens.bin"), dtype=np.int32)
     n_tokens = 0
     for path in files:
