@@ -44,6 +44,9 @@ def _worker(root: Path) -> dict:
     # the dense-attention baseline model (no index branch) converts exactly as well
     hf_to_msa(str(root / "qwen3" / "hf"), str(root / "qwen3" / "dense"), attention="dense", **GEOMETRY)
     results["qwen3-dense"] = {"msa": verify(str(root / "qwen3" / "hf"), str(root / "qwen3" / "dense"))}
+    # MHA is GQA with one query head per group
+    hf_to_msa(str(root / "llama-mha" / "hf"), str(root / "llama-mha" / "msa"), **GEOMETRY)
+    results["llama-mha"] = {"msa": verify(str(root / "llama-mha" / "hf"), str(root / "llama-mha" / "msa"))}
     # an exported MSA model converts back with its index branch (no re-initialisation)
     hf_to_msa(str(root / "qwen3_moe" / "hf_back"), str(root / "qwen3_moe" / "msa_again"), **GEOMETRY)
     return results
@@ -55,6 +58,7 @@ def converted(tmp_path_factory):
     for fam in FAMILIES:
         # Mixtral is saved in shards to exercise model.safetensors.index.json
         save_tiny_hf(fam, root / fam / "hf", seed=len(fam), max_shard_size="40KB" if fam == "mixtral" else None)
+    save_tiny_hf("llama", root / "llama-mha" / "hf", seed=1, num_key_value_heads=4)
     out = root / "results.json"
     proc = subprocess.run([sys.executable, __file__, str(root), str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -67,7 +71,7 @@ def test_sharded_fixture_is_sharded(converted):
     assert len(list((root / "mixtral" / "hf").glob("model-*.safetensors"))) > 1
 
 
-@pytest.mark.parametrize("family", FAMILIES + ["qwen3-dense"])
+@pytest.mark.parametrize("family", FAMILIES + ["qwen3-dense", "llama-mha"])
 def test_logits_parity(converted, family):
     """Our model in the indexer-warmup phase reproduces the transformers model's logits."""
     _, results = converted
