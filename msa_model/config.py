@@ -184,6 +184,8 @@ class TrainConfig:
     run_dir: str = "runs/${model.name}-${name}"
     resume: str = "auto"  # auto: continue from <run_dir> if it has a checkpoint | never
     init_from: Optional[str] = None  # checkpoint dir: load model weights only
+    # the recipe continues another model (CPT): refuse to start from random weights
+    requires_init_from: bool = False
     dry_run: bool = False
 
 
@@ -235,6 +237,11 @@ def validate(cfg, world_size: Optional[int] = None) -> None:
                f"model.msa.topk * model.msa.block_size ({msa.topk} * {msa.block_size} = "
                f"{msa.topk * msa.block_size}) must be < model.seq_length ({m.seq_length}) "
                "for the sparse phase to select anything")
+        run_tokens = t.max_steps * p.global_batch_size * m.seq_length
+        _check(errors, t.indexer_warmup_tokens < run_tokens,
+               f"trainer.indexer_warmup_tokens ({t.indexer_warmup_tokens:,}) must be < the run's tokens "
+               f"(trainer.max_steps * parallel.global_batch_size * model.seq_length = {run_tokens:,}); "
+               "otherwise top-k selection never switches on (use recipe=dense for a dense run)")
         _check(errors, m.seq_length % msa.block_size == 0,
                f"model.seq_length ({m.seq_length}) must be a multiple of model.msa.block_size ({msa.block_size})")
     _check(errors, m.num_query_groups % p.tp == 0 or p.tp % m.num_query_groups == 0,
@@ -254,6 +261,9 @@ def validate(cfg, world_size: Optional[int] = None) -> None:
            f"({o.decay_steps or t.max_steps})")
     _check(errors, t.max_steps > 0, f"trainer.max_steps must be positive, got {t.max_steps}")
     _check(errors, t.device in ("auto", "cpu", "cuda"), f"trainer.device must be auto, cpu or cuda, got {t.device!r}")
+    _check(errors, not cfg.requires_init_from or bool(cfg.init_from) or cfg.dry_run,
+           f"recipe {cfg.name} continues a dense checkpoint: set init_from=PATH (an MSA checkpoint made by "
+           "`python -m msa_model.convert dense-to-msa` or `hf-to-msa`)")
     _check(errors, cfg.resume in ("auto", "never"), f"resume must be auto or never, got {cfg.resume!r}")
     _check(errors, cfg.logging.wandb_mode in ("offline", "online", "disabled"),
            f"logging.wandb_mode must be offline, online or disabled, got {cfg.logging.wandb_mode!r}")

@@ -23,25 +23,6 @@ from msa_model.training.run_dir import setup_logging, write_run_files  # noqa: E
 log = logging.getLogger(__name__)
 
 
-def dry_run_report(cfg: DictConfig, world_size: int) -> str:
-    """Resolved config, parameter counts and parallel layout, as printed by dry_run=true."""
-    from data.tokenizer import build_tokenizer
-    from msa_model.model import count_parameters, padded_vocab_size
-
-    vocab = build_tokenizer(cfg.data.tokenizer).vocab_size
-    counts = count_parameters(cfg.model, vocab)
-    layout = parallel_layout(cfg.parallel, world_size)
-    lines = ["# resolved config", OmegaConf.to_yaml(cfg, resolve=True), "# parameters"]
-    lines += [f"{k:>14}: {v:>14,}" for k, v in counts.items()]
-    lines.append(f"{'vocab':>14}: {vocab} padded to {padded_vocab_size(vocab, cfg.model, cfg.parallel.tp)}")
-    lines.append("# parallel layout")
-    lines += [f"{k:>17}: {v}" for k, v in layout.items()]
-    tokens_per_step = cfg.parallel.global_batch_size * cfg.model.seq_length
-    lines.append(f"{'tokens/step':>17}: {tokens_per_step:,}  (x {cfg.trainer.max_steps} steps = "
-                 f"{tokens_per_step * cfg.trainer.max_steps:,} tokens)")
-    return "\n".join(lines)
-
-
 def _build_optimizer(cfg, model_chunks):
     import torch
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -92,11 +73,16 @@ def _build_model(cfg, env):
 def run(cfg: DictConfig) -> None:
     OmegaConf.resolve(cfg)
     rank, world_size, _ = launch_env()
-    validate(cfg, world_size)
     if cfg.dry_run:
+        # a dry run checks the layout it will be launched with, not this one process
+        layout_world = max(world_size, cfg.launch.nodes * cfg.launch.ranks_per_node)
+        validate(cfg, layout_world)
         if rank == 0:
-            print(dry_run_report(cfg, world_size))
+            from msa_model.dry_run import dry_run_report
+
+            print(dry_run_report(cfg, layout_world), flush=True)
         return
+    validate(cfg, world_size)
 
     from data.datasets import build_train_dataset, build_train_iterator
     from msa_model.training import checkpoint as ckpt

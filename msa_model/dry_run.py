@@ -1,0 +1,76 @@
+"""dry_run=true: the resolved config, parameter counts of the model built on the meta device, the
+parallel layout and a per-GPU memory estimate, without allocating weights or touching data.
+
+The model is built unsharded (TP = PP = EP = CP = 1) in a one-rank process group, so the counts
+are those of the whole model whatever layout the config names; the layout only feeds the
+memory estimate.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from msa_model.estimate import format_estimate, memory_estimate
+from msa_model.model import count_parameters, padded_vocab_size
+
+
+def built_parameter_counts(cfg: DictConfig, vocab_size: int) -> dict[str, int]:
+    """Total and active (per token) parameters of the model built on the meta device.
+
+    Active counts every weight a token touches: all non-expert weights (embeddings, output layer
+    and shared experts included) plus `moe_router_topk` of the routed experts of each MoE layer.
+    """
+    from megatron.core import parallel_state
+
+    from msa_model.model import build_model
+    from msa_model.training.distributed import init_distributed, shutdown
+
+    unsharded = copy.deepcopy(cfg.parallel)
+    unsharded.tp = unsharded.pp = unsharded.ep = unsharded.cp = 1
+    unsharded.sequence_parallel = False
+    owns_group = not torch.distributed.is_initialized()
+    if owns_group:
+        init_distributed(unsharded, "cpu", cfg.trainer.seed)
+    try:
+        assert parallel_state.get_tensor_model_parallel_world_size() == 1
+        with torch.device("meta"):
+            model = build_model(cfg.model, unsharded, vocab_size, on_cpu=True)
+        total = routed = 0
+        for name, p in model.named_parameters():
+            total += p.numel()
+            if ".mlp.experts." in name:
+                routed += p.numel()
+    finally:
+        if owns_group:
+            shutdown()
+    m = cfg.model
+    active = total - routed + (routed * m.moe_router_topk // m.num_experts if m.num_experts else 0)
+    return {"total": total, "active": active}
+
+
+def dry_run_report(cfg: DictConfig, world_size: int) -> str:
+    """What dry_run=true prints: config, `total_params=`/`active_params=`, layout, memory."""
+    from data.tokenizer import build_tokenizer
+    from msa_model.training.distributed import parallel_layout
+
+    vocab = build_tokenizer(cfg.data.tokenizer).vocab_size
+    built = built_parameter_counts(cfg, vocab)
+    analytic = count_parameters(cfg.model, vocab)
+    layout_world = world_size
+    lines = ["# resolved config", OmegaConf.to_yaml(cfg, resolve=True), "# parameters (model built on the meta device)"]
+    lines.append(f"total_params={built['total']}")
+    lines.append(f"active_params={built['active']}")
+    lines.append(f"index_branch_params={analytic['index_branch']}  embedding_params={analytic['embedding']}  "
+                 f"(total {built['total'] / 1e9:.2f}B, active {built['active'] / 1e9:.2f}B)")
+    lines.append(f"vocab={vocab} padded to {padded_vocab_size(vocab if cfg.model.vocab_size is None else cfg.model.vocab_size, cfg.model, cfg.parallel.tp)}")
+    lines.append(f"# parallel layout on {layout_world} ranks")
+    lines += [f"{k}={v}" for k, v in parallel_layout(cfg.parallel, layout_world).items()]
+    tokens_per_step = cfg.parallel.global_batch_size * cfg.model.seq_length
+    lines.append(f"tokens_per_step={tokens_per_step}  (x {cfg.trainer.max_steps} steps = "
+                 f"{tokens_per_step * cfg.trainer.max_steps:,} tokens)")
+    lines.append("# per-GPU memory estimate (GiB, most loaded pipeline stage; msa_model/estimate.py)")
+    lines += format_estimate(memory_estimate(cfg, vocab, layout_world))
+    return "\n".join(lines)
