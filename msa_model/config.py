@@ -276,7 +276,8 @@ def validate(cfg, world_size: Optional[int] = None) -> None:
             _check(errors, p.global_batch_size % (p.micro_batch_size * dp) == 0,
                    f"parallel.global_batch_size ({p.global_batch_size}) must be a multiple of "
                    f"parallel.micro_batch_size * dp ({p.micro_batch_size} * {dp})")
-            _check(errors, (dp * p.tp) % p.ep == 0,
-                   f"parallel.ep ({p.ep}) must divide dp * tp ({dp} * {p.tp})")
+            # experts are split over the data- and context-parallel ranks (expert TP = TP)
+            _check(errors, (dp * p.cp) % p.ep == 0,
+                   f"parallel.ep ({p.ep}) must divide dp * cp ({dp} * {p.cp})")
     if errors:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
