@@ -17,6 +17,14 @@ selects the top-k key blocks per (query, group). The trainer flips it via `set_m
 
 With `attention="dense"` the layer is the full-attention GQA baseline: no index branch at all.
 
+Parallelism. Tensor parallel: whole GQA groups per rank (query heads, kv heads and index queries
+split alike; TP must divide Hkv), the shared index key duplicated. Each rank's KL is the mean
+over its own groups, so the model's KL is the mean of the ranks' values: the index-query
+gradients are scaled by 1/TP, and the duplicated index-key weights average their gradients over
+TP, which together give exactly the gradients of one process. Context parallel: see
+msa_model.context_parallel (the KL attached per rank is divided by CP, because megatron's loss
+scale for auxiliary losses is multiplied by CP).
+
 Legend: S = tokens (sequence), B = batch, Hq = query heads, G = GQA groups (kv heads),
 D = head dim, Di = index head dim, K = top-k blocks.
 """
@@ -28,13 +36,16 @@ from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
+from msa_model.context_parallel import gather_sequence, local_query_chunks
 from msa_model.ops import msa_attention
 
 KL_METRIC = "msa_kl_loss"
@@ -89,6 +100,24 @@ class DuplicatedLinear(torch.nn.Module):
         if self.config.sequence_parallel and self.tp_group is not None and self.tp_group.size() > 1:
             x_SBH = gather_from_sequence_parallel_region(x_SBH, group=self.tp_group)
         return F.linear(x_SBH, self.weight), None
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the backward multiplies the gradient by `factor`."""
+
+    @staticmethod
+    def forward(ctx, x, factor: float):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+class CoreAttentionPlaceholder(IdentityOp):
+    """Stands in for megatron's core attention (never called: MSASelfAttention attends itself),
+    whose local implementation refuses context parallelism at construction."""
 
 
 class MSASelfAttention(SelfAttention):
@@ -146,6 +175,11 @@ class MSASelfAttention(SelfAttention):
             ik_SB1I = self.index_k_layernorm(ik_SB1I)
         iq_SBGI = self._rope(iq_SBGI, index_freqs)
         ik_SB1I = self._rope(ik_SB1I, index_freqs)
+        tp = self.pg_collection.tp.size()
+        if tp > 1:
+            # the KL is the mean of the TP ranks' per-group means: this rank's index queries, and
+            # through them index_q_proj and the index-q norm (summed over TP), get 1/TP of its gradient
+            iq_SBGI = _ScaleGrad.apply(iq_SBGI, 1.0 / tp)
         return iq_SBGI, ik_SB1I.squeeze(2)
 
     def forward(self, hidden_states, attention_mask=None, key_value_states=None, inference_context=None,
@@ -161,48 +195,79 @@ class MSASelfAttention(SelfAttention):
             q_freqs = k_freqs = rotary_pos_emb
         q_SBHD = self._rope(q_SBHD, q_freqs)
         k_SBGD = self._rope(k_SBGD, k_freqs)
+        # context parallel: this rank's queries against the whole sequence's keys and values
+        cp_group = self.pg_collection.cp
+        k_SBGD, v_SBGD = gather_sequence(k_SBGD, cp_group), gather_sequence(v_SBGD, cp_group)
         # ops use [B, S, H, D]
         q, k, v = (t.transpose(0, 1).contiguous() for t in (q_SBHD, k_SBGD, v_SBGD))
-        S = q.shape[1]
+        S, B = q.shape[1], q.shape[0]
+        chunks = local_query_chunks(S, cp_group.rank(), cp_group.size())
 
         kl = None
         if self.options.attention == "dense":
-            o_BSHD = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                scale=self.config.softmax_scale, enable_gqa=True,
-            ).transpose(1, 2)
-            keys = torch.tensor((S + 1) / 2, device=q.device)
+            o_BSHD = torch.cat([self._dense_attention(q[:, a:b], k[:, :off + b - a], v[:, :off + b - a], off)
+                                for a, b, off in chunks], dim=1)
+            keys = torch.tensor(sum((off + (b - a + 1) / 2) * (b - a) for a, b, off in chunks) / S, device=q.device)
         else:
             index_freqs = q_freqs
             if self.index_rotary is not None and q_freqs is not None:
-                index_freqs = self.index_rotary(S * self.pg_collection.cp.size())
+                index_freqs = self.index_rotary(S * cp_group.size(), cp_group=cp_group)
             iq_SBGI, ik_SBI = self._index_branch(hidden_states, index_freqs)
-            o_BSHD, kl, block_idx_BSGK = msa_attention(
-                q, k, v, iq_SBGI.transpose(0, 1).contiguous(), ik_SBI.transpose(0, 1).contiguous(),
-                block_size=self.options.block_size, topk=self.options.topk, dense=not self.sparse,
-                scale=self.config.softmax_scale, force_sink=self.options.force_sink,
-                backend=self.options.backend, return_block_idx=True,
-            )
-            keys = (selected_keys_per_query(block_idx_BSGK, self.options.block_size)
-                    if block_idx_BSGK is not None else torch.tensor((S + 1) / 2, device=q.device))
+            ik = gather_sequence(ik_SBI, cp_group).transpose(0, 1).contiguous()
+            iq = iq_SBGI.transpose(0, 1).contiguous()
+            outs, kls, keys = [], [], 0.0
+            for a, b, off in chunks:
+                o_c, kl_c, block_idx_c = msa_attention(
+                    q[:, a:b], k, v, iq[:, a:b], ik, block_size=self.options.block_size, topk=self.options.topk,
+                    dense=not self.sparse, scale=self.config.softmax_scale, force_sink=self.options.force_sink,
+                    backend=self.options.backend, return_block_idx=True, q_offset=off,
+                )
+                outs.append(o_c)
+                kls.append(kl_c)
+                keys = keys + (b - a) / S * (
+                    selected_keys_per_query(block_idx_c, self.options.block_size, off) if block_idx_c is not None
+                    else torch.tensor(off + (b - a + 1) / 2, device=q.device))
+            o_BSHD = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+            # the chunks have equal lengths: the mean of their means is the mean over this rank's queries
+            kl = torch.stack(kls).mean() if len(kls) > 1 else kls[0]
 
-        context_SBX = o_BSHD.transpose(0, 1).reshape(S, o_BSHD.shape[0], -1)
+        context_SBX = o_BSHD.transpose(0, 1).reshape(S, B, -1)
         output, bias = self.linear_proj(context_SBX)
 
-        tracker = get_moe_metrics_tracker()
-        tracker.record(KEYS_METRIC, keys.float(), self.layer_number, self.config.num_layers)
+        # per-rank means over this rank's groups (TP) and queries (CP): their mean is the layer's value
+        tracker, avg_group = get_moe_metrics_tracker(), self._tp_cp_group()
+        tracker.record(KEYS_METRIC, keys.float(), self.layer_number, self.config.num_layers, avg_group=avg_group)
         if kl is not None:
-            tracker.record(KL_METRIC, kl.detach(), self.layer_number, self.config.num_layers)
+            tracker.record(KL_METRIC, kl.detach(), self.layer_number, self.config.num_layers, avg_group=avg_group)
             if self.training and self.options.kl_coeff > 0:
-                # the KL's gradient enters at this output during backward, scaled like the loss
-                output = MoEAuxLossAutoScaler.apply(output, kl * self.options.kl_coeff)
+                # the KL's gradient enters at this output during backward, scaled like the loss;
+                # megatron multiplies that scale by CP (right for losses it reduces over CP
+                # itself), while each rank's KL here is its local mean: divide CP back out
+                output = MoEAuxLossAutoScaler.apply(output, kl * (self.options.kl_coeff / cp_group.size()))
         return output, bias
 
+    def _tp_cp_group(self):
+        group = getattr(self.pg_collection, "tp_cp", None)
+        return group if group is not None else parallel_state.get_tensor_and_context_parallel_group()
 
-def selected_keys_per_query(block_idx_BSGK: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Mean number of causally visible keys in the selected blocks, over (B, S, G). fp32 scalar."""
+    def _dense_attention(self, q_BCHD, k_BJGD, v_BJGD, q_offset: int):
+        """Causal GQA attention of queries at positions q_offset.. over keys 0..q_offset+C-1."""
+        q, k, v = (t.transpose(1, 2) for t in (q_BCHD, k_BJGD, v_BJGD))
+        if q_offset == 0:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.config.softmax_scale, enable_gqa=True)
+        else:
+            C, J = q.shape[2], k.shape[2]
+            mask_CJ = torch.arange(J, device=q.device)[None, :] <= q_offset + torch.arange(C, device=q.device)[:, None]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_CJ, scale=self.config.softmax_scale,
+                                               enable_gqa=True)
+        return o.transpose(1, 2)
+
+
+def selected_keys_per_query(block_idx_BSGK: torch.Tensor, block_size: int, q_offset: int = 0) -> torch.Tensor:
+    """Mean number of causally visible keys in the selected blocks, over (B, S, G), for queries at
+    positions q_offset... fp32 scalar."""
     S = block_idx_BSGK.shape[1]
-    t = torch.arange(S, device=block_idx_BSGK.device).view(1, S, 1, 1)
+    t = q_offset + torch.arange(S, device=block_idx_BSGK.device).view(1, S, 1, 1)
     visible = (t - block_idx_BSGK.long() * block_size + 1).clamp(0, block_size)
     visible = torch.where(block_idx_BSGK >= 0, visible, torch.zeros_like(visible))
     return visible.sum(-1).float().mean()

@@ -244,6 +244,10 @@ def validate(cfg, world_size: Optional[int] = None) -> None:
                "otherwise top-k selection never switches on (use recipe=dense for a dense run)")
         _check(errors, m.seq_length % msa.block_size == 0,
                f"model.seq_length ({m.seq_length}) must be a multiple of model.msa.block_size ({msa.block_size})")
+    # whole GQA groups per tensor-parallel rank, so no group's indexer KL spans ranks
+    _check(errors, m.attention != "msa" or m.num_query_groups % p.tp == 0,
+           f"model.attention=msa needs whole GQA groups on each tensor-parallel rank: parallel.tp ({p.tp}) must "
+           f"divide model.num_query_groups ({m.num_query_groups}) (so tp <= num_query_groups)")
     _check(errors, m.num_query_groups % p.tp == 0 or p.tp % m.num_query_groups == 0,
            f"model.num_query_groups ({m.num_query_groups}) and parallel.tp ({p.tp}) must divide one another")
     _check(errors, m.num_layers % p.pp == 0, f"model.num_layers ({m.num_layers}) must be a multiple of parallel.pp ({p.pp})")

@@ -10,6 +10,7 @@ DP/TP/PP/EP over gloo. Nothing here changes numerics: it only answers "which dev
 | RNG tracker uses torch.cuda.get_rng_state/manual_seed   | alias the CUDA RNG calls to the CPU generator |
 | `torch.cuda.current_device()` as a device (~150 places) | return "cpu"                                  |
 | `device="cuda"`, `.cuda()` (optimizer, clip_grads, DDP) | a process-wide TorchFunctionMode maps cuda to cpu, `.cuda()` to identity |
+| `pin_memory=True` tensor factories (CP RoPE slicing)    | the same mode drops the flag                  |
 | `param.type() == "torch.cuda.FloatTensor"` checks       | the same mode reports `torch.cuda.*Tensor` for float tensors |
 | CUDA streams/events/synchronize (MoE dispatch, DDP, p2p) | no-op stand-ins                               |
 | alltoall dispatcher wants numpy split sizes (converted only for CUDA tensors) | convert CPU split tensors with `.numpy()` |
@@ -65,6 +66,9 @@ class _CudaToCpuMode(TorchFunctionMode):
                 return _CUDA_TENSOR_TYPES[dtype]
         if "device" in kwargs:
             kwargs["device"] = _to_cpu(kwargs["device"])
+        if kwargs.get("pin_memory"):
+            # e.g. the context-parallel RoPE slice builds its index tensor in pinned memory
+            kwargs["pin_memory"] = False
         if func is torch.Tensor.to:
             args = tuple(_to_cpu(a) for a in args)
         return func(*args, **kwargs)

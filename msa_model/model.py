@@ -15,11 +15,29 @@ from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from msa_model.attention import DuplicatedLinear, MSAOptions, MSASelfAttention, MSASelfAttentionSubmodules
+from msa_model.attention import (CoreAttentionPlaceholder, DuplicatedLinear, MSAOptions, MSASelfAttention,
+                                 MSASelfAttentionSubmodules)
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class TorchRMSNorm(torch.nn.RMSNorm):
+    """PyTorch RMSNorm with megatron's norm constructor, usable under sequence parallelism
+    (megatron's local wrapper refuses it): with SP its weight is marked `sequence_parallel`, so
+    finalize_model_grads sums its gradient over the tensor-parallel ranks that each saw a slice
+    of the sequence. Same numerics as the wrapper (both are torch.nn.RMSNorm)."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_):
+        super().__init__(normalized_shape=hidden_size, eps=eps)
+        for p in self.parameters():
+            p.sequence_parallel = config.sequence_parallel
+
+
+def _sp_norm(module):
+    return TorchRMSNorm if module is WrappedTorchNorm else module
 
 
 def padded_vocab_size(vocab_size: int, model_cfg, tp: int = 1) -> int:
@@ -98,23 +116,28 @@ def msa_options(model_cfg) -> MSAOptions:
                       backend=s.backend, rotary_base=model_cfg.rotary_base)
 
 
-def _with_msa_attention(layer_spec: ModuleSpec, options: MSAOptions) -> ModuleSpec:
+def _with_msa_attention(layer_spec: ModuleSpec, options: MSAOptions, context_parallel: bool = False) -> ModuleSpec:
     """A copy of a local GPT layer spec whose self-attention is MSASelfAttention."""
     layer_spec = copy.deepcopy(layer_spec)
+    layer_spec.submodules.input_layernorm = _sp_norm(layer_spec.submodules.input_layernorm)
+    layer_spec.submodules.pre_mlp_layernorm = _sp_norm(layer_spec.submodules.pre_mlp_layernorm)
     base = layer_spec.submodules.self_attention.submodules
+    qk_norm = _sp_norm(base.q_layernorm)
+    # MSASelfAttention never calls core attention; megatron's local one refuses CP when built
+    core_attention = CoreAttentionPlaceholder if context_parallel else base.core_attention
     layer_spec.submodules.self_attention = ModuleSpec(
         module=MSASelfAttention,
         params={"attn_mask_type": AttnMaskType.causal, "options": options},
         submodules=MSASelfAttentionSubmodules(
             linear_qkv=base.linear_qkv,
-            core_attention=base.core_attention,
+            core_attention=core_attention,
             linear_proj=base.linear_proj,
-            q_layernorm=base.q_layernorm,
-            k_layernorm=base.k_layernorm,
+            q_layernorm=qk_norm,
+            k_layernorm=qk_norm,
             index_q_proj=ColumnParallelLinear,
             index_k_proj=DuplicatedLinear,
-            index_q_layernorm=base.q_layernorm,
-            index_k_layernorm=base.k_layernorm,
+            index_q_layernorm=qk_norm,
+            index_k_layernorm=qk_norm,
         ),
     )
     return layer_spec
@@ -125,7 +148,9 @@ def decoder_block_spec(config: TransformerConfig, model_cfg, vp_stage=None, pp_r
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
                                        vp_stage=vp_stage, pp_rank=pp_rank)
     options = msa_options(model_cfg)
-    block.layer_specs = [_with_msa_attention(spec, options) for spec in block.layer_specs]
+    cp = config.context_parallel_size > 1
+    block.layer_specs = [_with_msa_attention(spec, options, cp) for spec in block.layer_specs]
+    block.layer_norm = _sp_norm(block.layer_norm)
     return block
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
 from msa_model.attention import KEYS_METRIC, KL_METRIC
@@ -25,9 +26,13 @@ def reduce_step_metrics(losses_reduced: list, num_microbatches: int, num_layers:
                         device: torch.device) -> dict[str, float]:
     """Global lm loss (token mean over all micro-batches and ranks) and layer-mean tracker metrics.
 
-    Every rank must call this (it all-reduces over the world). Layer metrics are averaged over
-    the replicas of each layer (world / pp ranks), the micro-batches, then the layers that
-    recorded them; absent metrics are left out of the result.
+    Every rank must call this; every rank gets the same result. Each tracker entry says how its
+    per-rank values combine (megatron's convention): summed over its `reduce_group`, averaged
+    over its `avg_group`, then over data-parallel replicas. Those groups lie within a pipeline
+    stage, so they are reduced first, and a sum over the pipeline stages then collects every
+    layer (a stage holds only its own layers; a metric a stage never records counts as zeros
+    there). The result is the micro-batch mean, averaged over the layers that recorded it.
+    `pp_size` is kept for callers; the stage count comes from megatron's groups.
     """
     lm = torch.zeros(2, dtype=torch.float64, device=device)
     for item in losses_reduced:
@@ -35,19 +40,33 @@ def reduce_step_metrics(losses_reduced: list, num_microbatches: int, num_layers:
     tracker = get_moe_metrics_tracker()
     per_layer = torch.zeros(len(LAYER_METRICS), num_layers, dtype=torch.float64, device=device)
     for row, name in enumerate(LAYER_METRICS):
-        if name in tracker.metrics:
-            per_layer[row] = tracker.metrics[name].values.to(device=device, dtype=torch.float64)
+        entry = tracker.metrics.get(name)
+        if entry is None:
+            continue
+        values = entry.values.to(device=device, dtype=torch.float64)
+        if entry.reduce_group is not None:
+            dist.all_reduce(values, group=entry.reduce_group)
+        if entry.avg_group is not None:
+            values = _group_mean(values, entry.avg_group)
+        if entry.needs_dp_avg:
+            values = _group_mean(values, parallel_state.get_data_parallel_group(with_context_parallel=False))
+        per_layer[row] = values
     tracker.clear()
-    packed = torch.cat([lm, per_layer.flatten()])
-    dist.all_reduce(packed)
-    lm, per_layer = packed[:2], packed[2:].view(len(LAYER_METRICS), num_layers)
-    per_layer = per_layer / (num_microbatches * dist.get_world_size() // pp_size)
+    dist.all_reduce(per_layer, group=parallel_state.get_pipeline_model_parallel_group())
+    dist.all_reduce(lm)
+    per_layer = per_layer / num_microbatches
     out = {"lm_loss": (lm[0] / lm[1].clamp(min=1)).item()}
     for row, key in enumerate(LAYER_METRICS.values()):
         recorded = per_layer[row] != 0
         if recorded.any():
             out[key] = per_layer[row][recorded].mean().item()
     return out
+
+
+def _group_mean(t: torch.Tensor, group) -> torch.Tensor:
+    # a sum and a division: gloo has no AVG reduction
+    dist.all_reduce(t, group=group)
+    return t / dist.get_world_size(group)
 
 
 def _fmt(value: float | None, spec: str) -> str:

@@ -11,6 +11,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from msa_model.context_parallel import slice_batch_for_cp
 from msa_model.training.callbacks import Callback, TrainState
 from msa_model.training.distributed import all_reduce_max
 from msa_model.training.metrics import reduce_step_metrics
@@ -31,6 +32,10 @@ def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 def _forward_step(data_iterator, model, device: torch.device):
     """One micro-batch through the model: (per-token loss [B, S], loss function)."""
     batch = next(data_iterator) if data_iterator is not None else None
+    if batch is not None:
+        # context parallel: every rank of a CP group reads the same samples and keeps its chunks
+        batch = slice_batch_for_cp(batch, parallel_state.get_context_parallel_rank(),
+                                   parallel_state.get_context_parallel_world_size())
     tokens = batch["tokens"].to(device) if batch is not None else None
     labels = batch["labels"].to(device) if batch is not None else None
     position_ids = batch["position_ids"].to(device) if batch is not None else None
