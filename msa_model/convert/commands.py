@@ -18,7 +18,7 @@ from msa_model.convert import megatron_io as mio
 from msa_model.convert.hf_families import FAMILIES, check_exportable, hf_config_from_model, model_config_from_hf
 from msa_model.convert.hf_io import CONFIG_FILE, ConversionError, HFCheckpoint, read_config, save_safetensors
 from msa_model.convert.hf_mapping import Rule, check_hf_shapes, fuse, hf_shapes, rules, split
-from msa_model.convert.index_init import DEFAULT, index_weights
+from msa_model.convert.index_init import DEFAULT, index_weight_names, index_weights
 
 log = logging.getLogger(__name__)
 
@@ -35,16 +35,28 @@ def check_layout(model: ModelConfig, tp: int, pp: int, ep: int) -> None:
     try:
         validate(TrainConfig(model=model, parallel=parallel, name="convert"))
     except ConfigError as e:
-        raise ConversionError(f"the converted model cannot run at tp={tp} pp={pp} ep={ep}: {e}") from e
+        raise ConversionError(f"the converted model cannot run at tp={tp} pp={pp} ep={ep} (or its config is "
+                              f"invalid): {e}") from e
 
 
-def _index_tensors(model: ModelConfig, method: str, layer_qk: dict[int, tuple], seed: int) -> dict[str, torch.Tensor]:
-    """Index-branch tensors (megatron names) of every layer. layer_qk[i] = (q [Hq*D, H], k, q_norm, k_norm)."""
-    gen = torch.Generator().manual_seed(seed)
+def _index_tensors(model: ModelConfig, method: str, layer_qk, seed: int) -> dict:
+    """Index-branch tensors (megatron names -> zero-argument functions computing them) of every
+    layer. layer_qk(i) = (q [Hq*D, H], k [Hkv*D, H], q_norm, k_norm) of layer i. Each layer is
+    computed once, when first asked for, from its own seeded generator (so the result does not
+    depend on the order of the calls)."""
+    cache: dict[int, dict[str, torch.Tensor]] = {}
+
+    def layer(i: int) -> dict[str, torch.Tensor]:
+        if i not in cache:
+            gen = torch.Generator().manual_seed(seed * 100_003 + i)
+            cache.clear()  # one layer at a time
+            cache[i] = index_weights(model, method, *layer_qk(i), generator=gen)
+        return cache[i]
+
     out = {}
     for i in range(model.num_layers):
-        for attr, t in index_weights(model, method, *layer_qk[i], generator=gen).items():
-            out[f"decoder.layers.{i}.self_attention.{attr}"] = t
+        for attr in index_weight_names(model):
+            out[f"decoder.layers.{i}.self_attention.{attr}"] = lambda i=i, attr=attr: layer(i)[attr]
     return out
 
 
@@ -74,14 +86,15 @@ def hf_to_msa(src: str, out: str, *, attention: str = "msa", index_init: str = D
                               f"{' ...' if len(unexpected) > 6 else ''}")
     source_dtype = _SAFETENSORS_DTYPES.get(ckpt.dtype(ckpt.names[0]), "float32")
 
-    tensors, layer_qk = {}, {}
-    for rule in rules(model, fam, with_index=has_index):
-        tensors[rule.mcore] = fuse(rule, [ckpt.get(n) for n in rule.hf], model)
+    # tensors are read and fused one at a time, as the model asks for them: memory stays at one model
+    tensors = {rule.mcore: lambda rule=rule: fuse(rule, [ckpt.get(n) for n in rule.hf], model)
+               for rule in rules(model, fam, with_index=has_index)}
     if msa and not has_index:
-        for i in range(model.num_layers):
+        def layer_qk(i):
             attn = f"model.layers.{i}.self_attn"
             norms = (ckpt.get(f"{attn}.q_norm.weight"), ckpt.get(f"{attn}.k_norm.weight")) if model.qk_layernorm else (None, None)
-            layer_qk[i] = (ckpt.get(f"{attn}.q_proj.weight"), ckpt.get(f"{attn}.k_proj.weight"), *norms)
+            return ckpt.get(f"{attn}.q_proj.weight"), ckpt.get(f"{attn}.k_proj.weight"), *norms
+
         tensors.update(_index_tensors(model, index_init, layer_qk, seed))
 
     parallel = mio.init_megatron()
@@ -136,13 +149,14 @@ def dense_to_msa(src: str, out: str, *, model_config: str | None = None, index_i
     msa_cfg = dataclasses.replace(cfg, attention="msa", msa=geometry, name=name or f"{cfg.name}-msa")
     tensors = mio.full_state_dict(dense)
     qkv_rule = Rule("", ("q", "k", "v"), "qkv")
-    layer_qk = {}
-    for i in range(cfg.num_layers):
+
+    def layer_qk(i):
         sa = f"decoder.layers.{i}.self_attention"
         q, k, _ = split(qkv_rule, tensors[f"{sa}.linear_qkv.weight"], cfg)
         norms = ((tensors[f"{sa}.q_layernorm.weight"], tensors[f"{sa}.k_layernorm.weight"])
                  if cfg.qk_layernorm else (None, None))
-        layer_qk[i] = (q, k, *norms)
+        return q, k, *norms
+
     tensors.update(_index_tensors(msa_cfg, index_init, layer_qk, seed))
 
     msa_model = mio.build(dataclasses.replace(msa_cfg, vocab_size=build_cfg.vocab_size), ParallelConfig())

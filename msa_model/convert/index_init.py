@@ -27,6 +27,12 @@ INIT_CHOICES = ("derived", "random")
 DEFAULT = "derived"
 
 
+def index_weight_names(model) -> tuple[str, ...]:
+    """MSASelfAttention attributes of the index branch, as keyed by `index_weights`."""
+    norms = ("index_q_layernorm.weight", "index_k_layernorm.weight") if model.qk_layernorm else ()
+    return ("index_q_proj.weight", "index_k_proj.weight", *norms)
+
+
 def index_weights(model, method: str, q_proj: torch.Tensor, k_proj: torch.Tensor,
                   q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
                   generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:

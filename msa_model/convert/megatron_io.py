@@ -51,10 +51,12 @@ def build(model_cfg: ModelConfig, parallel: ParallelConfig):
     return model.eval()
 
 
-def assign(model, tensors: dict[str, torch.Tensor], where: str) -> None:
+def assign(model, tensors: dict, where: str) -> None:
     """Copy unsharded tensors (megatron names) into a TP=1 model; every parameter must be given.
 
-    The embedding and output layer may be shorter than the padded vocabulary: padding rows are 0.
+    Values are tensors or zero-argument functions returning one (called once, in turn, so a
+    conversion holds one source tensor at a time). The embedding and output layer may be
+    shorter than the padded vocabulary: padding rows are 0.
     """
     state = {k: v for k, v in model.state_dict().items() if torch.is_tensor(v)}
     missing = sorted(set(state) - set(tensors))
@@ -66,6 +68,7 @@ def assign(model, tensors: dict[str, torch.Tensor], where: str) -> None:
     with torch.no_grad():
         for name, target in state.items():
             src = tensors[name]
+            src = src() if callable(src) else src
             padded_vocab = name in ("embedding.word_embeddings.weight", "output_layer.weight")
             if padded_vocab and src.shape[0] <= target.shape[0] and src.shape[1:] == target.shape[1:]:
                 target.zero_()
