@@ -126,3 +126,9 @@ def test_cli_reports_error_and_exit_code(llama, tmp_path):
     assert proc.returncode == 2
     assert "error: " in proc.stderr and "unsupported architecture ['GPT2LMHeadModel']" in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_derived_init_needs_index_head_dim_equal_head_dim(tmp_path):
+    src = save_tiny_hf("qwen3", tmp_path / "qwen3")
+    with pytest.raises(ConversionError, match=r"--index-init derived needs index_head_dim == head_dim \(8 != 24\)"):
+        hf_to_msa(str(src), str(tmp_path / "out"), index_head_dim=8, index_init="derived")

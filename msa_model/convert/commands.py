@@ -18,7 +18,7 @@ from msa_model.convert import megatron_io as mio
 from msa_model.convert.hf_families import FAMILIES, check_exportable, hf_config_from_model, model_config_from_hf
 from msa_model.convert.hf_io import CONFIG_FILE, ConversionError, HFCheckpoint, read_config, save_safetensors
 from msa_model.convert.hf_mapping import Rule, check_hf_shapes, fuse, hf_shapes, rules, split
-from msa_model.convert.index_init import DEFAULT, index_weight_names, index_weights
+from msa_model.convert.index_init import DEFAULT, check_method, index_weight_names, index_weights
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,8 @@ def hf_to_msa(src: str, out: str, *, attention: str = "msa", index_init: str = D
 
     ckpt = HFCheckpoint(src)
     msa = attention == "msa"
+    if msa:
+        check_method(model, index_init)
     index_names = set(hf_shapes(model, fam, with_index=True)) - set(hf_shapes(model, fam, with_index=False))
     has_index = msa and bool(index_names) and all(n in ckpt for n in index_names)
     expected = hf_shapes(model, fam, with_index=has_index)
@@ -147,6 +149,7 @@ def dense_to_msa(src: str, out: str, *, model_config: str | None = None, index_i
                          index_head_dim=index_head_dim or (cfg.head_dim if index_init == "derived" else s.index_head_dim),
                          kl_coeff=s.kl_coeff, force_sink=s.force_sink, backend=s.backend)
     msa_cfg = dataclasses.replace(cfg, attention="msa", msa=geometry, name=name or f"{cfg.name}-msa")
+    check_method(msa_cfg, index_init)
     tensors = mio.full_state_dict(dense)
     qkv_rule = Rule("", ("q", "k", "v"), "qkv")
 

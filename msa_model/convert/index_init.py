@@ -53,9 +53,7 @@ def index_weights(model, method: str, q_proj: torch.Tensor, k_proj: torch.Tensor
             out["index_q_layernorm.weight"] = torch.ones(di)
             out["index_k_layernorm.weight"] = torch.ones(di)
     elif method == "derived":
-        if di != d:
-            raise ConversionError(f"--index-init derived needs index_head_dim == head_dim ({di} != {d}); "
-                                  "use --index-init random or --index-head-dim {d}")
+        check_method(model, method)
         q_GGDH = q_proj.float().reshape(g, hq // g, d, h)
         k_GDH = k_proj.float().reshape(g, d, h)
         out["index_q_proj.weight"] = q_GGDH.mean(dim=1).reshape(g * d, h)
@@ -64,5 +62,15 @@ def index_weights(model, method: str, q_proj: torch.Tensor, k_proj: torch.Tensor
             out["index_q_layernorm.weight"] = q_norm.float().clone()
             out["index_k_layernorm.weight"] = k_norm.float().clone()
     else:
-        raise ConversionError(f"unknown index init {method!r}; choose from {INIT_CHOICES}")
+        check_method(model, method)
     return out
+
+
+def check_method(model, method: str) -> None:
+    """Raise ConversionError when `method` cannot initialise `model`'s index branch."""
+    if method not in INIT_CHOICES:
+        raise ConversionError(f"unknown index init {method!r}; choose from {INIT_CHOICES}")
+    d, di = model.head_dim, model.msa.index_head_dim
+    if method == "derived" and di != d:
+        raise ConversionError(f"--index-init derived needs index_head_dim == head_dim ({di} != {d}); "
+                              f"use --index-init random or --index-head-dim {d}")
