@@ -22,10 +22,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
+SEQ_LENGTH, GLOBAL_BATCH = 256, 8
 # a GQA geometry with 4 query heads per group (production has 16), short context for CPU
 MODEL = ["model=tiny", "model.num_attention_heads=8", "model.num_query_groups=2", "model.head_dim=32",
-         "model.seq_length=256", "model.msa.block_size=32", "model.msa.topk=4", "model.msa.index_head_dim=32"]
-COMMON = ["data.max_bytes=2000000", "parallel.micro_batch_size=4", "parallel.global_batch_size=8",
+         f"model.seq_length={SEQ_LENGTH}", "model.msa.block_size=32", "model.msa.topk=4", "model.msa.index_head_dim=32"]
+COMMON = ["data.max_bytes=2000000", "parallel.micro_batch_size=4", f"parallel.global_batch_size={GLOBAL_BATCH}",
           "logging.wandb_mode=disabled", "logging.tensorboard=false", "logging.log_interval=1",
           "logging.progress_bar=false", "checkpoint.interval=0", "trainer.stop_signals=[]"]
 
@@ -66,9 +67,12 @@ def main() -> None:
                            cwd=REPO, check=True)
         run = work / f"warmup-{tag}"
         if not (run / "metrics.jsonl").is_file():
-            # the whole run is indexer warmup; same data order and seed for every init
+            # every step is indexer warmup (the switch to top-k falls after the last one); same data
+            # order and seed for every init
+            run_tokens = args.warmup_steps * GLOBAL_BATCH * SEQ_LENGTH
             train(["recipe=cpt", f"hydra.searchpath=[file://{conv}]", f"model=msa-{tag}", *COMMON, f"run_dir={run}",
-                   f"init_from={conv}", f"trainer.max_steps={args.warmup_steps}", "trainer.indexer_warmup_tokens=10000000000",
+                   f"init_from={conv}", f"trainer.max_steps={args.warmup_steps}",
+                   f"trainer.indexer_warmup_tokens={run_tokens - 1}",
                    f"optim.warmup_steps={min(5, args.warmup_steps // 2)}", "checkpoint.save_at_end=false"])
         curves[label] = kl_curve(run)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from msa_model.convert.fixtures import TINY, save_tiny_hf
+from msa_model.convert.fixtures import TINY, save_tiny_hf, tiny_hf_model
 from msa_model.convert.hf_io import HFCheckpoint, load_all
 
 FAMILIES = sorted(TINY)
@@ -44,6 +44,9 @@ def _worker(root: Path) -> dict:
     # the dense-attention baseline model (no index branch) converts exactly as well
     hf_to_msa(str(root / "qwen3" / "hf"), str(root / "qwen3" / "dense"), attention="dense", **GEOMETRY)
     results["qwen3-dense"] = {"msa": verify(str(root / "qwen3" / "hf"), str(root / "qwen3" / "dense"))}
+    # a bf16 checkpoint stays bf16 (params_dtype bf16) and round-trips bit for bit
+    hf_to_msa(str(root / "qwen2-bf16" / "hf"), str(root / "qwen2-bf16" / "msa"), **GEOMETRY)
+    msa_to_hf(str(root / "qwen2-bf16" / "msa"), str(root / "qwen2-bf16" / "hf_back"))
     # MHA is GQA with one query head per group
     hf_to_msa(str(root / "llama-mha" / "hf"), str(root / "llama-mha" / "msa"), **GEOMETRY)
     results["llama-mha"] = {"msa": verify(str(root / "llama-mha" / "hf"), str(root / "llama-mha" / "msa"))}
@@ -59,6 +62,7 @@ def converted(tmp_path_factory):
         # Mixtral is saved in shards to exercise model.safetensors.index.json
         save_tiny_hf(fam, root / fam / "hf", seed=len(fam), max_shard_size="40KB" if fam == "mixtral" else None)
     save_tiny_hf("llama", root / "llama-mha" / "hf", seed=1, num_key_value_heads=4)
+    tiny_hf_model("qwen2", seed=2).to(torch.bfloat16).save_pretrained(str(root / "qwen2-bf16" / "hf"))
     out = root / "results.json"
     proc = subprocess.run([sys.executable, __file__, str(root), str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -79,6 +83,15 @@ def test_logits_parity(converted, family):
     print(f"{family}: max|diff| {r['max_abs_diff']:.2e} mean KL {r['mean_kl']:.2e} over {r['tokens']} tokens")
     assert r["max_abs_diff"] <= PARITY_MAX_ABS
     assert r["mean_kl"] <= PARITY_MEAN_KL
+
+
+def test_bf16_round_trip_bit_identical(converted):
+    root, _ = converted
+    src, back = load_all(root / "qwen2-bf16" / "hf"), load_all(root / "qwen2-bf16" / "hf_back")
+    assert all(t.dtype == torch.bfloat16 for t in src.values())
+    for name, t in src.items():
+        assert back[name].dtype == torch.bfloat16 and torch.equal(back[name], t), name
+    assert "params_dtype: bf16" in (root / "qwen2-bf16" / "msa" / "model" / "qwen2-converted.yaml").read_text()
 
 
 @pytest.mark.parametrize("family", FAMILIES)
