@@ -1,0 +1,97 @@
+"""Every parallel layout trains like one process: TP, PP, EP, DP and CP alone and TP combined with
+CP, under torchrun on CPU/gloo, fp32.
+
+Each layout runs two steps of the tiny MSA-MoE model from the same initial weights and data: step
+1 in the indexer warmup (dense attention, dense KL), step 2 sparse (top-k blocks). Compared with
+the one-process run, per step: the logged lm loss, indexer KL, MoE aux loss and grad norm, and
+every parameter's full-shape gradient just before the optimizer step (every rank's copy).
+
+Tolerance: 1e-5 relative (gradients: max |diff| over the tensor / max |reference|), about 100x
+the measured fp32 reduction-order noise (<= 5e-7); a wrong scale of any loss or gradient path
+(KL by TP or CP, a double-counted replica) shows as >= 1e-2.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from skeleton_helpers import REPO, TINY_TEST, _env, free_port
+
+RTOL = 1e-5
+TWO_STEPS = ["trainer.max_steps=2", "trainer.indexer_warmup_tokens=1024"]  # 4 x 256 tokens: step 1 only
+
+# name -> (processes, overrides). The padded vocabulary (a multiple of 64 x TP here) is the same
+# at every layout, or the padded logits would change the softmax.
+LAYOUTS = {
+    "tp2": (2, ["parallel.tp=2", "parallel.sequence_parallel=true", "model.make_vocab_size_divisible_by=64"]),
+    "pp2": (2, ["parallel.pp=2"]),
+    "ep2": (2, ["parallel.ep=2"]),
+    "dp2": (2, []),
+    "cp2": (2, ["parallel.cp=2"]),
+    "tp2_cp2": (4, ["parallel.tp=2", "parallel.cp=2", "parallel.sequence_parallel=true",
+                    "model.make_vocab_size_divisible_by=64"]),
+}
+
+
+def _run(out, nproc: int, *args: str, cache) -> list[list[dict]]:
+    """tests/parallel_main.py at `nproc` ranks -> per rank, per step {"metrics", "grads"}."""
+    vocab = [] if any(a.startswith("model.make_vocab_size_divisible_by") for a in args) else [
+        "model.make_vocab_size_divisible_by=128"]
+    argv = [str(out), *TINY_TEST, *TWO_STEPS, *vocab, f"data.cache_dir={cache}", f"run_dir={out}/run", *args]
+    script = str(REPO / "tests" / "parallel_main.py")
+    if nproc == 1:
+        cmd = [sys.executable, script, *argv]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               f"--master-port={free_port()}", script, *argv]
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(nproc)]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The one-process run; it also saves the initial weights every layout starts from (the
+    initialisation draws differ with the pipeline layout)."""
+    root = tmp_path_factory.mktemp("parallel")
+    steps = _run(root / "ws1", 1, f"--save-init={root / 'init'}", cache=root / "cache")[0]
+    return root, steps
+
+
+def max_differences(ref_steps: list[dict], ranks: list[list[dict]]) -> dict[str, float]:
+    """Largest relative difference of each logged metric and of any gradient, over steps and ranks."""
+    worst = {"lm_loss": 0.0, "kl_loss": 0.0, "moe_aux_loss": 0.0, "grad_norm": 0.0, "grads": 0.0}
+    for i, ref in enumerate(ref_steps):
+        for key in ("lm_loss", "kl_loss", "moe_aux_loss", "grad_norm"):
+            a, b = ref["metrics"][key], ranks[0][i]["metrics"][key]
+            worst[key] = max(worst[key], abs(a - b) / abs(a))
+        seen = set()
+        for steps in ranks:
+            assert steps[i]["metrics"]["phase"] == ref["metrics"]["phase"]
+            for name, grad in steps[i]["grads"].items():
+                want = ref["grads"][name]
+                assert grad.shape == want.shape, (name, grad.shape, want.shape)
+                diff = ((grad - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+                worst["grads"] = max(worst["grads"], diff)
+                seen.add(name)
+        # every parameter of the model is somewhere in the layout (all stages, all experts)
+        assert seen == set(ref["grads"]), sorted(set(ref["grads"]) ^ seen)[:8]
+    return worst
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_matches_one_process(reference, layout):
+    root, ref_steps = reference
+    nproc, overrides = LAYOUTS[layout]
+    ranks = _run(root / layout, nproc, *overrides, f"init_from={root / 'init'}", cache=root / "cache")
+    assert [s["metrics"]["phase"] for s in ref_steps] == ["warmup", "sparse"]
+    worst = max_differences(ref_steps, ranks)
+    print(f"{layout}: max relative difference " + " ".join(f"{k}={v:.1e}" for k, v in worst.items()))
+    for key, value in worst.items():
+        assert value <= RTOL, (layout, key, value)
