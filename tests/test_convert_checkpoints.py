@@ -1,5 +1,5 @@
 """Converted checkpoints in use: dense-to-msa on a trainer checkpoint, CPT from a converted
-Hugging Face model, and loading at other parallel layouts (TP=2, EP=2) over gloo.
+Hugging Face model, and loading at other parallel layouts (TP=2 dense and MoE, EP=2) over gloo.
 
 Everything runs the real entry points (train.py, `python -m msa_model.convert`, torchrun) in
 subprocesses, on CPU.
@@ -150,11 +150,10 @@ def test_moe_checkpoint_loads_at_ep2(tmp_path):
     assert r["ep"] == 2 and r["max_abs_diff"] <= 1e-4 and r["mean_kl"] <= 1e-6
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "MoE at TP>1 needs sequence parallelism, and the local layer spec's torch norms refuse it "
-    "(megatron torch_norm.py: 'sequence parallel not supported by torch LayerNorm'); parallelism work, issue 10"))
 def test_moe_checkpoint_loads_at_tp2(tmp_path):
+    """MoE at TP=2 runs with sequence parallelism: experts, router and SP norms load from a TP=1 save."""
     hf = save_tiny_hf("qwen3_moe", tmp_path / "hf")
     _convert("hf-to-msa", str(hf), str(tmp_path / "msa"), *GEOMETRY, "--tp", "2")
     r = _verify_json(_convert("verify", str(hf), str(tmp_path / "msa"), "--tp", "2", torchrun=2))
-    assert r["max_abs_diff"] <= 1e-4 and r["mean_kl"] <= 1e-6
+    print(f"qwen3_moe TP=2 (SP) vs HF: {r}")
+    assert r["tp"] == 2 and r["max_abs_diff"] <= 1e-4 and r["mean_kl"] <= 1e-6

@@ -244,6 +244,8 @@ def check_exportable(model, fam: Family) -> None:
         problems.append(f"num_experts={model.num_experts} but {fam.name} is {'an MoE' if fam.moe else 'a dense'} family")
     if fam.moe and model.first_dense_layers and fam.name != "qwen3_moe":
         problems.append(f"first_dense_layers={model.first_dense_layers}: {fam.name} has no dense layers")
+    if model.moe_shared_expert_size:
+        problems.append(f"moe_shared_expert_size={model.moe_shared_expert_size}: {fam.name} has no shared expert")
     if fam.name == "mixtral" and model.moe_router_pre_softmax:
         problems.append("mixtral renormalises top-k probabilities (moe_router_pre_softmax must be false)")
     if problems:
