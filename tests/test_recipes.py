@@ -139,3 +139,14 @@ def test_cpt_continues_a_converted_dense_run(tmp_path, data_cache):
     assert sorted(rows) == [1, 2, 3, 4]
     assert [rows[s]["phase"] for s in (1, 2, 3, 4)] == ["warmup", "warmup", "sparse", "sparse"]
     assert rows[1]["lm_loss"] < metrics(dense)[1]["lm_loss"] - 0.3
+
+
+def test_init_from_survives_the_first_bf16_step(tmp_path, data_cache):
+    """bf16 weights have fp32 main copies in the optimizer; loading must refresh them."""
+    dense = tmp_path / "dense"
+    run_train(dense, "recipe=dense", "model.params_dtype=bf16", "trainer.max_steps=3", data_cache=data_cache)
+    cpt = tmp_path / "cpt"
+    run_train(cpt, "recipe=cpt", "model.params_dtype=bf16", f"init_from={dense / 'checkpoints'}", "trainer.max_steps=3",
+              "trainer.indexer_warmup_tokens=1024", data_cache=data_cache)
+    fresh, rows = metrics(dense)[1]["lm_loss"], metrics(cpt)
+    assert all(rows[s]["lm_loss"] < fresh - 0.3 for s in (1, 2, 3)), (fresh, rows)

@@ -130,6 +130,9 @@ def run(cfg: DictConfig) -> None:
             ckpt.load_checkpoint(trainer, latest)
         elif cfg.init_from:
             ckpt.load_model_weights(model_chunks, cfg.init_from)
+            # bf16 training keeps fp32 main copies made when the optimizer was built: refresh them,
+            # or the first step would put the fresh initialisation back
+            optimizer.reload_model_params()
         if trainer.state.step >= cfg.trainer.max_steps:
             log.info("nothing to do: %s is already at step %d of %d (resume=auto); pass another run_dir= "
                      "to start a new run", run_dir, trainer.state.step, cfg.trainer.max_steps)
