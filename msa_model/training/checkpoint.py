@@ -9,8 +9,8 @@ Layout of a checkpoint root (default <run_dir>/checkpoints):
 A save writes into the .tmp directory, every rank finishes, then rank 0 renames it into place and
 replaces `latest` with os.replace, so `latest` only ever names a complete checkpoint.
 
-Content: "model" and "optimizer" are sharded (the distributed optimizer in its dp_reshardable
-format); "rng" is one object per rank; "trainer" (counters), "scheduler" (lr schedule) and
+Content: "model" and "optimizer" are sharded (the distributed optimizer in its fully_reshardable
+format, model-shaped optimizer state, so a checkpoint loads at another TP/PP/EP/DP layout); "rng" is one object per rank; "trainer" (counters), "scheduler" (lr schedule) and
 "callbacks" (e.g. the indexer warmup) are common state written by rank 0.
 """
 
@@ -35,7 +35,8 @@ from msa_model.training.callbacks import Callback
 log = logging.getLogger(__name__)
 
 LATEST = "latest"
-_OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+# model-space optimizer state: dp_reshardable (flat buffers) would only reshard over DP
+_OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
 def step_dir_name(step: int) -> str:
@@ -147,6 +148,28 @@ def _restore_adam_steps(optimizer) -> None:
                     inner.state[p]["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
 
 
+def _load_optimizer_state(optimizer, state: dict) -> None:
+    """optimizer.load_state_dict, working around megatron 0.19's fully_reshardable loader with torch
+    Adam: it restores the per-parameter `step` on its own, then asks the checkpoint for every
+    tensor of a parameter's state, `step` included, which it never passes along (KeyError).
+    A None `step` is skipped."""
+    patched = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        setter = getattr(opt, "_set_main_param_and_optimizer_states", None)
+        if setter is None:
+            continue
+        opt._set_main_param_and_optimizer_states = (
+            lambda model_param, tensors, _set=setter: _set(model_param, {"step": None, **tensors}))
+        patched.append(opt)
+    try:
+        # fp32 main params are written in place; outside no_grad autograd would track the copy
+        with torch.no_grad():
+            optimizer.load_state_dict(state)
+    finally:
+        for opt in patched:
+            del opt._set_main_param_and_optimizer_states
+
+
 def load_checkpoint(trainer, path: str | Path) -> None:
     """Restore model, optimizer, lr schedule, counters, callbacks and (same world size) RNG."""
     _allocate_adam_state(trainer.optimizer)
@@ -160,9 +183,7 @@ def load_checkpoint(trainer, path: str | Path) -> None:
         state.pop("rng")
     loaded = dist_checkpointing.load(state, str(path))
     _unwrap(trainer.model_chunks[0]).load_state_dict(loaded["model"])
-    # fp32 main params are written in place; outside no_grad autograd would track the copy
-    with torch.no_grad():
-        trainer.optimizer.load_state_dict(loaded["optimizer"])
+    _load_optimizer_state(trainer.optimizer, loaded["optimizer"])
     _restore_adam_steps(trainer.optimizer)
     trainer.scheduler.load_state_dict(loaded["scheduler"])
     trainer.state.load_state_dict(loaded["trainer"])
