@@ -14,7 +14,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from msa_model.estimate import format_estimate, memory_estimate
-from msa_model.model import count_parameters, padded_vocab_size
+from msa_model.model import count_parameters, model_vocab_size, padded_vocab_size
 
 
 def built_parameter_counts(cfg: DictConfig, vocab_size: int) -> dict[str, int]:
@@ -65,7 +65,8 @@ def dry_run_report(cfg: DictConfig, world_size: int) -> str:
     lines.append(f"active_params={built['active']}")
     lines.append(f"index_branch_params={analytic['index_branch']}  embedding_params={analytic['embedding']}  "
                  f"(total {built['total'] / 1e9:.2f}B, active {built['active'] / 1e9:.2f}B)")
-    lines.append(f"vocab={vocab} padded to {padded_vocab_size(vocab if cfg.model.vocab_size is None else cfg.model.vocab_size, cfg.model, cfg.parallel.tp)}")
+    rows = model_vocab_size(cfg.model, vocab)
+    lines.append(f"vocab={rows} padded to {padded_vocab_size(rows, cfg.model, cfg.parallel.tp)} (tokenizer: {vocab})")
     lines.append(f"# parallel layout on {layout_world} ranks")
     lines += [f"{k}={v}" for k, v in parallel_layout(cfg.parallel, layout_world).items()]
     tokens_per_step = cfg.parallel.global_batch_size * cfg.model.seq_length
