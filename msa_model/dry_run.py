@@ -51,6 +51,10 @@ def built_parameter_counts(cfg: DictConfig, vocab_size: int) -> dict[str, int]:
     return {"total": total, "active": active}
 
 
+def _human(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
 def dry_run_report(cfg: DictConfig, world_size: int) -> str:
     """What dry_run=true prints: config, `total_params=`/`active_params=`, layout, memory."""
     from data.tokenizer import build_tokenizer
@@ -64,7 +68,7 @@ def dry_run_report(cfg: DictConfig, world_size: int) -> str:
     lines.append(f"total_params={built['total']}")
     lines.append(f"active_params={built['active']}")
     lines.append(f"index_branch_params={analytic['index_branch']}  embedding_params={analytic['embedding']}  "
-                 f"(total {built['total'] / 1e9:.2f}B, active {built['active'] / 1e9:.2f}B)")
+                 f"(total {_human(built['total'])}, active {_human(built['active'])})")
     rows = model_vocab_size(cfg.model, vocab)
     lines.append(f"vocab={rows} padded to {padded_vocab_size(rows, cfg.model, cfg.parallel.tp)} (tokenizer: {vocab})")
     lines.append(f"# parallel layout on {layout_world} ranks")
