@@ -5,6 +5,10 @@ timed runs after a warm-up; peak memory is torch's max_memory_allocated over one
 included. Prints a markdown table; --json writes every number.
 
     PYTHONPATH=. python bench/bench_msa_layer.py --json $OUT/msa_layer.json
+
+--T picks the sparse lengths, --no-dense skips the warmup rows, QUICK_TUNE=1 tunes only the
+backward that reads the KL's kept teacher rows. Each sparse row also times the KL and the layer
+with the teacher recomputed in the backward (the earlier path) for a same-run comparison.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import time
 
 import torch
@@ -104,6 +109,11 @@ def sparse_rows(T: int, reps: int, res: dict) -> None:
 
     measure(r, "kl_fwd_ms", lambda: timed(lambda: indexer_kl_loss(q.detach(), k.detach(), iq, ik, bi, lse, BK, **TRITON), reps))
     measure(r, "kl_fwdbwd_ms", lambda: timed(kl_fb, reps))
+    # the sparse KL backward reads the teacher rows its forward kept; teacher_bytes = 0 recomputes them
+    kept = kl_triton.TUNING.teacher_bytes
+    kl_triton.TUNING.teacher_bytes = 0
+    measure(r, "kl_fwdbwd_recompute_ms", lambda: timed(kl_fb, reps))
+    kl_triton.TUNING.teacher_bytes = kept
 
     def layer_fb():
         o, kl = msa_attention(q, k, v, iq, ik, BK, TOPK, **TRITON)
@@ -113,6 +123,10 @@ def sparse_rows(T: int, reps: int, res: dict) -> None:
     measure(r, "layer_fwd_ms", lambda: timed(lambda: msa_attention(q, k, v, iq, ik, BK, TOPK, **TRITON), reps))
     measure(r, "layer_fwdbwd_ms", lambda: timed(layer_fb, reps))
     measure(r, "layer_peak_gib", lambda: peak_gib(layer_fb))
+    kl_triton.TUNING.teacher_bytes = 0
+    measure(r, "layer_fwdbwd_recompute_ms", lambda: timed(layer_fb, reps))
+    measure(r, "layer_peak_recompute_gib", lambda: peak_gib(layer_fb))
+    kl_triton.TUNING.teacher_bytes = kept
 
     def sdpa_fb():
         sdpa(q, k, v).backward(do)
@@ -203,7 +217,7 @@ def tune(T: int, res: dict) -> None:
     base = kl_triton.TUNING
     best = None
     # num_stages >= 2 at rows=128 exceeds the H200's shared memory (seen 2026-11-29)
-    for rows, warps, stages in ((128, 8, 1), (64, 4, 1)):
+    for rows, warps, stages in ((128, 8, 1), (64, 4, 1))[:1 if os.environ.get("QUICK_TUNE") else 2]:
         cfg = kl_triton.Tuning(**{**base.__dict__, "rows": rows, "warps": warps, "stages": stages})
         kl_triton.TUNING = cfg
 
@@ -229,6 +243,27 @@ def tune(T: int, res: dict) -> None:
         if best is None or ms + ms_dense < best[0]:
             best = (ms + ms_dense, cfg)
     kl_triton.TUNING = best[1] if best else base
+    # the backward from kept teacher rows: entries per tile, warps, pipeline stages
+    best = None
+    for sm, warps, stages in ((64, 8, 2), (64, 4, 2), (32, 4, 2), (128, 8, 2), (64, 8, 1), (32, 4, 3)):
+        cfg = kl_triton.Tuning(**{**kl_triton.TUNING.__dict__, "stored_M": sm, "stored_warps": warps,
+                                  "stored_stages": stages})
+        kl_triton.TUNING = cfg
+
+        def kl_fb():
+            indexer_kl_loss(q.detach(), k.detach(), iq, ik, bi, lse, BK, **TRITON).backward()
+            clear(iq, ik)
+
+        try:
+            ms = timed(kl_fb, 5)
+        except Exception as e:
+            print(f"tune stored M={sm} warps={warps} stages={stages}: failed ({type(e).__name__}: {e})"[:300])
+            continue
+        res.setdefault("tune_stored", []).append(dict(M=sm, warps=warps, stages=stages, sparse_ms=ms))
+        print(f"tune stored M={sm} warps={warps} stages={stages}: sparse KL fwd+bwd {ms:.2f} ms", flush=True)
+        if best is None or ms < best[0]:
+            best = (ms, cfg)
+    kl_triton.TUNING = best[1] if best else kl_triton.TUNING
     res["tuning"] = kl_triton.TUNING.__dict__
 
 
@@ -244,7 +279,7 @@ def table(res: dict) -> str:
     def add(name, value):
         lines.append(f"| {name} | {value} |")
 
-    for T in (32768, 131072):
+    for T in (8192, 32768, 131072):
         r = res.get(f"sparse_{T}")
         if not r:
             continue
@@ -253,7 +288,10 @@ def table(res: dict) -> str:
             f"{r['select_fwd_ms']:.1f} / {r['attn_fwd_ms']:.1f} / {r['attn_fwdbwd_ms']:.1f}")
         add(f"{t} sparse KL fwd / fwd+bwd (ms); KL over attention fwd+bwd",
             f"{r['kl_fwd_ms']:.1f} / {r['kl_fwdbwd_ms']:.1f}; {100 * r['kl_fwdbwd_ms'] / r['attn_fwdbwd_ms']:.0f}%")
+        add(f"{t} sparse KL fwd+bwd, teacher recomputed in the backward (ms)", f"{r['kl_fwdbwd_recompute_ms']:.1f}")
         add(f"{t} MSA layer fwd / fwd+bwd (ms)", f"{r['layer_fwd_ms']:.1f} / {r['layer_fwdbwd_ms']:.1f}")
+        add(f"{t} MSA layer fwd+bwd, teacher recomputed (ms); peak GiB",
+            f"{r['layer_fwdbwd_recompute_ms']:.1f}; {r['layer_peak_recompute_gib']:.1f}")
         add(f"{t} SDPA dense fwd / fwd+bwd (ms)", f"{r['sdpa_fwd_ms']:.1f} / {r['sdpa_fwdbwd_ms']:.1f}")
         add(f"{t} speed-up fwd / fwd+bwd",
             f"{r['sdpa_fwd_ms'] / r['layer_fwd_ms']:.1f}x / {r['sdpa_fwdbwd_ms'] / r['layer_fwdbwd_ms']:.1f}x")
@@ -287,6 +325,8 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-tune", action="store_true")
     ap.add_argument("--long", action="store_true", help="also 256K and 1M forward")
+    ap.add_argument("--T", default="32768,131072", help="lengths of the sparse rows")
+    ap.add_argument("--no-dense", action="store_true", help="skip the 32K dense warmup rows")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -294,8 +334,10 @@ def main():
     steps = [lambda: check(res)]
     if not args.no_tune:
         steps.append(lambda: tune(32768, res))
-    steps += [lambda: sparse_rows(32768, 5, res), lambda: dense_rows(32768, 3, res),
-              lambda: sparse_rows(131072, 3, res)]
+    for T in map(int, args.T.split(",")):
+        steps.append(lambda T=T: sparse_rows(T, 5 if T <= 32768 else 3, res))
+    if not args.no_dense:
+        steps.append(lambda: dense_rows(32768, 3, res))
     if args.long:
         steps += [lambda: forward_rows(262144, 2, res, with_sdpa=True),
                   lambda: forward_rows(1048576, 2, res, with_sdpa=False)]

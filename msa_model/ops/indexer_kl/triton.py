@@ -19,8 +19,10 @@ lse_z kept online. Its gradient in z is dz = exp(z - lse_z) - p/s_sum (times gra
 - sparse: every selection differs per query, so query-outer would re-read a key block (k and ik,
   J*(D+Di) values) for each (t, g, slot) while key-outer reads q's G*D values: key-outer it is, on
   an inverse index (for each (b, g, n): the entries that selected block n). The forward writes the
-  five sums per entry, a combine reduces them over the K slots. The backward recomputes teacher
-  and student, keeps d ik in registers and adds d iq with atomics (fp32, order not fixed).
+  five sums per entry, a combine reduces them over the K slots, and (when gradients are needed and
+  they fit in TUNING.teacher_bytes) each entry's teacher row. The backward reads those rows and
+  recomputes only the student (else both), keeps d ik in registers and adds d iq with atomics
+  (fp32, order not fixed).
 d ik is written per group and summed over groups afterwards (ik is shared by all groups).
 """
 
@@ -175,11 +177,12 @@ def _dense_fwd_kernel(q_ptr, k_ptr, lse_ptr, iq_ptr, ik_ptr, kl_ptr, lsez_ptr, i
 
 
 @triton.jit
-def _sparse_fwd_step(start, hi, q_ptr, lse_ptr, iq_ptr, ent_ptr, part_ptr, b, g, T, E, kT_DJ, ikT_IJ, kpos_J,
-                     sq_b, sq_t, sq_h, sl_b, sl_t, sl_h, si_b, si_t, si_h, scale_log2, index_scale,
+def _sparse_fwd_step(start, hi, q_ptr, lse_ptr, iq_ptr, ent_ptr, part_ptr, pbar_ptr, b, g, T, E, kT_DJ, ikT_IJ,
+                     kpos_J, sq_b, sq_t, sq_h, sl_b, sl_t, sl_h, si_b, si_t, si_h, scale_log2, index_scale,
                      G: tl.constexpr, K: tl.constexpr, H: tl.constexpr, HS: tl.constexpr, M: tl.constexpr,
-                     J: tl.constexpr, D: tl.constexpr, DI: tl.constexpr, PREC: tl.constexpr):
-    """M entries of one key block's list: writes their five sums."""
+                     J: tl.constexpr, D: tl.constexpr, DI: tl.constexpr, PREC: tl.constexpr, STORE: tl.constexpr):
+    """M entries of one key block's list: writes their five sums (and, with STORE, the teacher row
+    p [J] of each entry to pbar [E, J], so the backward need not recompute it)."""
     idx_M = start + tl.arange(0, M)
     row_M = idx_M < hi
     e_M = tl.load(ent_ptr + idx_M, mask=row_M, other=0)
@@ -203,14 +206,22 @@ def _sparse_fwd_step(start, hi, q_ptr, lse_ptr, iq_ptr, ent_ptr, part_ptr, b, g,
     tl.store(part_ptr + 2 * E + e64, s, mask=row_M)
     tl.store(part_ptr + 3 * E + e64, a, mask=row_M)
     tl.store(part_ptr + 4 * E + e64, bz, mask=row_M)
+    if STORE:
+        p_st = p_MJ
+        # fp16 storage: p <= 1 when lse came from the same support; the clamp only keeps a
+        # foreign lse from producing inf
+        if pbar_ptr.dtype.element_ty == tl.float16:
+            p_st = tl.minimum(p_st, 65504.0)
+        tl.store(pbar_ptr + e64[:, None] * J + tl.arange(0, J)[None, :], p_st.to(pbar_ptr.dtype.element_ty),
+                 mask=row_M[:, None])
 
 
 @triton.jit
-def _sparse_fwd_kernel(q_ptr, k_ptr, lse_ptr, iq_ptr, ik_ptr, ent_ptr, tb_ptr, ts_ptr, tc_ptr, part_ptr, T, E, N,
-                       sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sl_b, sl_t, sl_h, si_b, si_t, si_h, sik_b, sik_t,
+def _sparse_fwd_kernel(q_ptr, k_ptr, lse_ptr, iq_ptr, ik_ptr, ent_ptr, tb_ptr, ts_ptr, tc_ptr, part_ptr, pbar_ptr,
+                       T, E, N, sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sl_b, sl_t, sl_h, si_b, si_t, si_h, sik_b, sik_t,
                        scale_log2, index_scale, BLOCK: tl.constexpr, G: tl.constexpr, K: tl.constexpr,
                        H: tl.constexpr, HS: tl.constexpr, M: tl.constexpr, J: tl.constexpr, D: tl.constexpr,
-                       DI: tl.constexpr, PREC: tl.constexpr):
+                       DI: tl.constexpr, PREC: tl.constexpr, STORE: tl.constexpr):
     """Key-outer: program p takes a run of entries ent[ts[p] : ts[p] + tc[p]] that all selected
     block n of bucket tb[p] = (b*G + g)*N + n (-1: spare program) and writes their five sums
     (max z, sum exp(z - max z), s_sum, a, bz) to part [5, E] at each entry's index."""
@@ -236,15 +247,15 @@ def _sparse_fwd_kernel(q_ptr, k_ptr, lse_ptr, iq_ptr, ik_ptr, ent_ptr, tb_ptr, t
         if INTERPRETING:
             start = lo
             while start < hi:
-                _sparse_fwd_step(start, hi, q_ptr, lse_ptr, iq_ptr, ent_ptr, part_ptr, b, g, T, E, kT_DJ, ikT_IJ,
-                                 kpos_J, sq_b, sq_t, sq_h, sl_b, sl_t, sl_h, si_b, si_t, si_h, scale_log2,
-                                 index_scale, G, K, H, HS, M, J, D, DI, PREC)
+                _sparse_fwd_step(start, hi, q_ptr, lse_ptr, iq_ptr, ent_ptr, part_ptr, pbar_ptr, b, g, T, E, kT_DJ,
+                                 ikT_IJ, kpos_J, sq_b, sq_t, sq_h, sl_b, sl_t, sl_h, si_b, si_t, si_h, scale_log2,
+                                 index_scale, G, K, H, HS, M, J, D, DI, PREC, STORE)
                 start += M
         else:
             for start in range(lo, hi, M):
-                _sparse_fwd_step(start, hi, q_ptr, lse_ptr, iq_ptr, ent_ptr, part_ptr, b, g, T, E, kT_DJ, ikT_IJ,
-                                 kpos_J, sq_b, sq_t, sq_h, sl_b, sl_t, sl_h, si_b, si_t, si_h, scale_log2,
-                                 index_scale, G, K, H, HS, M, J, D, DI, PREC)
+                _sparse_fwd_step(start, hi, q_ptr, lse_ptr, iq_ptr, ent_ptr, part_ptr, pbar_ptr, b, g, T, E, kT_DJ,
+                                 ikT_IJ, kpos_J, sq_b, sq_t, sq_h, sl_b, sl_t, sl_h, si_b, si_t, si_h, scale_log2,
+                                 index_scale, G, K, H, HS, M, J, D, DI, PREC, STORE)
 
 
 @triton.jit
@@ -346,6 +357,75 @@ def _bwd_kernel(q_ptr, k_ptr, lse_ptr, iq_ptr, ik_ptr, lsez_ptr, invs_ptr, ent_p
         tl.store(dik_ptr + o_J[:, None] * DI + offs_i[None, :], dik_JI, mask=kin_J[:, None])
 
 
+@triton.jit
+def _stored_bwd_step(start, hi, dik_JI, iq_ptr, pbar_ptr, lsez_ptr, invs_ptr, ent_ptr, diq_ptr, b, g, T, ikT_IJ, ik_JI,
+                     kpos_J, si_b, si_t, si_h, index_scale, G: tl.constexpr, K: tl.constexpr, M: tl.constexpr,
+                     J: tl.constexpr, DI: tl.constexpr, PREC: tl.constexpr):
+    """M entries of one key block's list, teacher read from pbar [E, J]: only the student is recomputed."""
+    dt = iq_ptr.dtype.element_ty
+    offs_i = tl.arange(0, DI)
+    idx_M = start + tl.arange(0, M)
+    row_M = idx_M < hi
+    e_M = tl.load(ent_ptr + idx_M, mask=row_M, other=0)
+    t_M = e_M // (G * K) - b * T
+    t_M64 = t_M.to(tl.int64)
+    valid_MJ = row_M[:, None] & (kpos_J[None, :] <= t_M[:, None])
+    iq_MI = tl.load(iq_ptr + b * si_b + t_M64[:, None] * si_t + g * si_h + offs_i[None, :],
+                    mask=row_M[:, None], other=0.0)
+    p_MJ = tl.load(pbar_ptr + e_M.to(tl.int64)[:, None] * J + tl.arange(0, J)[None, :], mask=valid_MJ,
+                   other=0.0).to(tl.float32)
+    z_MJ = _dot(iq_MI, ikT_IJ, PREC) * index_scale
+    o_M = (b * T + t_M64) * G + g
+    lse_z = tl.load(lsez_ptr + o_M, mask=row_M, other=0.0)
+    lse_z = tl.where(lse_z == float("-inf"), 0.0, lse_z)
+    inv_s = tl.load(invs_ptr + o_M, mask=row_M, other=0.0)
+    dz_MJ = tl.where(valid_MJ, tl.exp(z_MJ - lse_z[:, None]) - p_MJ * inv_s[:, None], 0.0).to(dt)
+    dik_JI += _dot(tl.trans(dz_MJ), iq_MI, PREC)
+    dq_MI = _dot(dz_MJ, ik_JI, PREC)
+    tl.atomic_add(diq_ptr + o_M[:, None] * DI + offs_i[None, :], dq_MI, mask=row_M[:, None], sem="relaxed")
+    return dik_JI
+
+
+@triton.jit
+def _stored_bwd_kernel(iq_ptr, ik_ptr, pbar_ptr, lsez_ptr, invs_ptr, ent_ptr, tb_ptr, ts_ptr, tc_ptr, dik_ptr, diq_ptr,
+                       T, N, si_b, si_t, si_h, sik_b, sik_t, index_scale, BLOCK: tl.constexpr, G: tl.constexpr,
+                       K: tl.constexpr, M: tl.constexpr, J: tl.constexpr, DI: tl.constexpr, PREC: tl.constexpr):
+    """Sparse backward with the teacher stored by the forward: program p takes a run of a bucket's
+    entries (as `_bwd_kernel`); d ik [B, T, Di] and d iq [B, T, G, Di] by fp32 atomics."""
+    pid = tl.program_id(0)
+    bucket = tl.load(tb_ptr + pid)
+    if bucket >= 0:
+        pid_bg = bucket // N
+        n = bucket % N
+        b = pid_bg // G
+        g = pid_bg % G
+        lo = tl.load(ts_ptr + pid)
+        hi = lo + tl.load(tc_ptr + pid)
+        offs_j = tl.arange(0, J)
+        offs_i = tl.arange(0, DI)
+        kin_J = (offs_j < BLOCK) & (n * BLOCK + offs_j < T)
+        kpos_J = tl.where(kin_J, n * BLOCK + offs_j, 2147483647)
+        kpos64 = (n * BLOCK + offs_j).to(tl.int64)
+        ik_JI = tl.load(ik_ptr + b * sik_b + kpos64[:, None] * sik_t + offs_i[None, :],
+                        mask=kin_J[:, None], other=0.0)
+        ikT_IJ = tl.trans(ik_JI)
+        dik_JI = tl.zeros((J, DI), tl.float32)
+        if INTERPRETING:
+            start = lo
+            while start < hi:
+                dik_JI = _stored_bwd_step(start, hi, dik_JI, iq_ptr, pbar_ptr, lsez_ptr, invs_ptr, ent_ptr, diq_ptr,
+                                          b, g, T, ikT_IJ, ik_JI, kpos_J, si_b, si_t, si_h, index_scale, G, K, M,
+                                          J, DI, PREC)
+                start += M
+        else:
+            for start in range(lo, hi, M):
+                dik_JI = _stored_bwd_step(start, hi, dik_JI, iq_ptr, pbar_ptr, lsez_ptr, invs_ptr, ent_ptr, diq_ptr,
+                                          b, g, T, ikT_IJ, ik_JI, kpos_J, si_b, si_t, si_h, index_scale, G, K, M,
+                                          J, DI, PREC)
+        o_J = b * T + kpos64
+        tl.atomic_add(dik_ptr + o_J[:, None] * DI + offs_i[None, :], dik_JI, mask=kin_J[:, None], sem="relaxed")
+
+
 def _heads_per_dot(H: int, M: int, rows: int) -> int:
     """Largest power of two dividing H with M * HS <= rows: the teacher's dot has M*HS rows."""
     hs = 1
@@ -388,7 +468,11 @@ def inverse_index(block_idx: torch.Tensor, block_size: int) -> InverseIndex:
 @dataclass
 class Tuning:
     """Tile sizes: M queries per tile, teacher dots of up to `rows` rows, J keys per dense tile,
-    `per_program` entries per sparse program (a popular block is split into such runs)."""
+    `per_program` entries per sparse program (a popular block is split into such runs).
+
+    Sparse mode keeps the forward's teacher rows (fp16, or fp32 for fp32 inputs; E x J values)
+    for the backward when they fit in `teacher_bytes` (0: always recompute); the backward then
+    recomputes only the student, with tiles of `stored_M` entries."""
     M: int = 16
     rows: int = 128
     dense_fwd_j: int = 64
@@ -397,6 +481,10 @@ class Tuning:
     bwd_per_program: int = 512
     warps: int = 8
     stages: int = 1
+    teacher_bytes: int = 4 << 30
+    stored_M: int = 128
+    stored_warps: int = 8
+    stored_stages: int = 2
 
 
 TUNING = Tuning()
@@ -432,22 +520,49 @@ def _combine(part, B, T, G, K):
     return kl, lse_z, inv_s
 
 
-def _sparse_forward(q, k, lse, iq, ik, index, K, block_size, scale, index_scale, cfg):
+def _sparse_forward(q, k, lse, iq, ik, index, K, block_size, scale, index_scale, cfg, store):
+    """kl, lse_z, 1/s_sum (fp32 [B, T, G]) and, with `store`, the teacher rows pbar [E, J]."""
     B, T, Hq, D = q.shape
     G, Di = k.shape[2], iq.shape[3]
     H = Hq // G
     E = B * T * G * K
+    J = triton.next_power_of_2(block_size)
     HS = _heads_per_dot(H, cfg.M, cfg.rows)
     # entries no program visits (empty slots) keep sums that contribute nothing
     part = torch.zeros(5, E, dtype=torch.float32, device=q.device)
     part[0].fill_(float("-inf"))
+    # only the entries of the inverse index are written, and only they are read back
+    pbar = torch.empty(E, J, dtype=_teacher_dtype(q), device=q.device) if store else None
     tb, ts, tc = schedule(index, cfg.fwd_per_program)
     _sparse_fwd_kernel[(tb.numel(),)](
-        q, k, lse, iq, ik, index.entry, tb, ts, tc, part, T, E, index.n_blocks, *_strides(q, k, lse, iq, ik),
-        scale * LOG2E, index_scale, BLOCK=block_size, G=G, K=K, H=H, HS=HS, M=cfg.M,
-        J=triton.next_power_of_2(block_size), D=D, DI=Di, PREC=_precision(q, iq), num_warps=cfg.warps,
-        num_stages=cfg.stages)
-    return _combine(part, B, T, G, K)
+        q, k, lse, iq, ik, index.entry, tb, ts, tc, part, part if pbar is None else pbar, T, E, index.n_blocks,
+        *_strides(q, k, lse, iq, ik), scale * LOG2E, index_scale, BLOCK=block_size, G=G, K=K, H=H, HS=HS, M=cfg.M,
+        J=J, D=D, DI=Di, PREC=_precision(q, iq), STORE=store, num_warps=cfg.warps, num_stages=cfg.stages)
+    return (*_combine(part, B, T, G, K), pbar)
+
+
+def _teacher_dtype(q) -> torch.dtype:
+    return torch.float32 if q.dtype == torch.float32 else torch.float16
+
+
+def _store_teacher(q, G, K, block_size, cfg, needs_grad: bool) -> bool:
+    B, T = q.shape[:2]
+    nbytes = B * T * G * K * triton.next_power_of_2(block_size) * _teacher_dtype(q).itemsize
+    return needs_grad and nbytes <= cfg.teacher_bytes
+
+
+def _stored_backward(iq, ik, pbar, lse_z, inv_s, index, K, block_size, index_scale, cfg):
+    """Unscaled d ik fp32 [B, T, Di] and d iq fp32 [B, T, G, Di] from the stored teacher rows."""
+    B, T, G, Di = iq.shape
+    dik = torch.zeros(B, T, Di, dtype=torch.float32, device=iq.device)
+    diq = torch.zeros(B, T, G, Di, dtype=torch.float32, device=iq.device)
+    tb, ts, tc = schedule(index, cfg.bwd_per_program)
+    _stored_bwd_kernel[(tb.numel(),)](
+        iq, ik, pbar, lse_z, inv_s, index.entry, tb, ts, tc, dik, diq, T, index.n_blocks,
+        iq.stride(0), iq.stride(1), iq.stride(2), ik.stride(0), ik.stride(1), index_scale,
+        BLOCK=block_size, G=G, K=K, M=cfg.stored_M, J=triton.next_power_of_2(block_size),
+        DI=Di, PREC=_precision(iq, iq), num_warps=cfg.stored_warps, num_stages=cfg.stored_stages)
+    return dik, diq
 
 
 def _backward(q, k, lse, iq, ik, lse_z, inv_s, index, K, block_size, scale, index_scale, cfg):
@@ -487,25 +602,33 @@ class IndexerKLTriton(torch.autograd.Function):
         cfg = TUNING
         index = None
         K = 1
-        diq = None
+        diq = pbar = None
         if block_idx is None:
             kl, lse_z, inv_s, diq = _dense_forward(q, k, lse, iq, ik, scale, index_scale, cfg)
         else:
             K = block_idx.shape[-1]
             index = inverse_index(block_idx, block_size)
-            kl, lse_z, inv_s = _sparse_forward(q, k, lse, iq, ik, index, K, block_size, scale, index_scale, cfg)
-        ctx.save_for_backward(q, k, iq, ik, lse, lse_z, inv_s, diq)
+            store = _store_teacher(q, G, K, block_size, cfg, any(ctx.needs_input_grad[2:4]))
+            kl, lse_z, inv_s, pbar = _sparse_forward(q, k, lse, iq, ik, index, K, block_size, scale, index_scale,
+                                                     cfg, store)
+        # with the teacher rows kept, the backward needs neither q, k nor lse
+        if pbar is not None:
+            q = k = lse = None
+        ctx.save_for_backward(q, k, iq, ik, lse, lse_z, inv_s, diq, pbar)
         ctx.index = index
         ctx.args = (K, block_size, scale, index_scale, cfg)
         return (kl.sum(dtype=torch.float64) / (B * T * G)).float()
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, iq, ik, lse, lse_z, inv_s, diq = ctx.saved_tensors
+        q, k, iq, ik, lse, lse_z, inv_s, diq, pbar = ctx.saved_tensors
         K, block_size, scale, index_scale, cfg = ctx.args
         B, T, G = lse_z.shape
-        dik, diq_sparse = _backward(q, k, lse, iq, ik, lse_z, inv_s, ctx.index, K, block_size, scale,
-                                    index_scale, cfg)
+        if pbar is not None:
+            dik, diq_sparse = _stored_backward(iq, ik, pbar, lse_z, inv_s, ctx.index, K, block_size, index_scale, cfg)
+        else:
+            dik, diq_sparse = _backward(q, k, lse, iq, ik, lse_z, inv_s, ctx.index, K, block_size, scale,
+                                        index_scale, cfg)
         ctx.index = None
         diq = diq_sparse if diq is None else diq
         coef = grad.float() * (index_scale / (B * T * G))
