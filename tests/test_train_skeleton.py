@@ -69,7 +69,8 @@ def test_dense_baseline_then_cpt_from_its_checkpoint(tmp_path, data_cache):
     assert m[2]["phase"] == "dense" and "kl_loss" not in m[2] and m[2]["lm_loss"] < m[1]["lm_loss"]
 
     cpt_dir = tmp_path / "cpt"
-    proc = run_train(cpt_dir, "recipe=cpt", "trainer.max_steps=2", f"init_from={dense_dir / 'checkpoints'}",
+    proc = run_train(cpt_dir, "recipe=cpt", "trainer.max_steps=2", "trainer.indexer_warmup_tokens=1024",
+                     f"init_from={dense_dir / 'checkpoints'}",
                      data_cache=data_cache)
     out = proc.stdout + proc.stderr
     assert "initialised model weights" in out and "index-branch tensors absent" in out
