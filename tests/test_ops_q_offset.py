@@ -83,9 +83,105 @@ def test_q_offset_checks():
         select_blocks(iq, ik, block_size=8, topk=2, backend="reference", q_offset=-1)
     with pytest.raises(ValueError, match="q_offset"):
         sparse_attention(q, k[:, :10], v[:, :10], None, block_size=8, backend="reference")
-    for call in (lambda: select_blocks(iq[:, 8:], ik, block_size=8, topk=2, backend="triton", q_offset=8),
-                 lambda: sparse_attention(q[:, 8:], k, v, None, block_size=8, backend="triton", q_offset=8),
-                 lambda: msa_attention(q[:, 8:], k, v, iq[:, 8:], ik, block_size=8, topk=2, dense=True,
-                                       backend="triton", q_offset=8)):
-        with pytest.raises(NotImplementedError, match="q_offset"):
-            call()
+
+
+# the Triton kernels (Triton's interpreter on CPU, fp32 there: its bf16 dot is wrong): each slice
+# against the reference with the same q_offset, and the slices together against one q_offset=0 call
+TK, TQ_SLICES = 200, [(0, 37), (37, 130), (130, 200)]
+TRITON_DTYPE = torch.float32 if not torch.cuda.is_available() else torch.bfloat16
+TRITON_DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _triton_inputs(G: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda *s: torch.randn(*s, generator=g).to(TRITON_DEV, TRITON_DTYPE)  # noqa: E731
+    return mk(1, TK, 2 * G, D), mk(1, TK, G, D), mk(1, TK, G, D), mk(1, TK, G, 16) * 2, mk(1, TK, 16)
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def _tol(fp32: float) -> float:
+    return fp32 if TRITON_DTYPE == torch.float32 else 2e-2
+
+
+@pytest.mark.parametrize("G,block_size", [(1, 16), (2, 32), (2, 16)])
+def test_triton_select_blocks_q_offset(G, block_size):
+    _, _, _, iq, ik = _triton_inputs(G)
+    full = select_blocks(iq, ik, block_size=block_size, topk=3, force_sink=True, backend="triton")
+    parts = []
+    for t0, t1 in TQ_SLICES:
+        part = select_blocks(iq[:, t0:t1], ik, block_size=block_size, topk=3, force_sink=True, backend="triton",
+                             q_offset=t0)
+        ref = select_blocks(iq[:, t0:t1], ik, block_size=block_size, topk=3, force_sink=True, backend="reference",
+                            q_offset=t0)
+        assert torch.equal(part.sort(-1).values, ref.sort(-1).values), (t0, t1)
+        parts.append(part)
+    assert torch.equal(torch.cat(parts, 1).sort(-1).values, full.sort(-1).values)
+
+
+def _attention(q, k, v, idx, block_size, backend, q_offset, w):
+    q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    o, lse = sparse_attention(q, k, v, idx, block_size=block_size, backend=backend, q_offset=q_offset)
+    (o.float() * w).sum().backward()
+    return o, lse, q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense"])
+@pytest.mark.parametrize("G,block_size", [(1, 16), (2, 32)])
+def test_triton_sparse_attention_q_offset(G, block_size, dense):
+    q, k, v, iq, ik = _triton_inputs(G, seed=1)
+    idx = None if dense else select_blocks(iq, ik, block_size=block_size, topk=3, backend="reference")
+    w = torch.randn(q.shape, generator=torch.Generator().manual_seed(2)).to(TRITON_DEV)
+    full = _attention(q, k, v, idx, block_size, "triton", 0, w)
+    o_parts, lse_parts, dq_parts, dk, dv = [], [], [], 0, 0
+    for t0, t1 in TQ_SLICES:
+        idx_p = None if idx is None else idx[:, t0:t1]
+        out = _attention(q[:, t0:t1], k, v, idx_p, block_size, "triton", t0, w[:, t0:t1])
+        ref = _attention(q[:, t0:t1], k, v, idx_p, block_size, "reference", t0, w[:, t0:t1])
+        for name, x, r in zip(("o", "lse", "dq", "dk", "dv"), out, ref):
+            assert not torch.isnan(x).any(), (name, t0)
+            assert _rel(x, r) < _tol(1e-5), (name, t0, _rel(x, r))
+        o_parts.append(out[0]), lse_parts.append(out[1]), dq_parts.append(out[2])
+        dk, dv = dk + out[3].double(), dv + out[4].double()
+    for name, x, r in zip(("o", "lse", "dq", "dk", "dv"),
+                          (torch.cat(o_parts, 1), torch.cat(lse_parts, 1), torch.cat(dq_parts, 1), dk, dv), full):
+        assert _rel(x, r) < _tol(1e-5), (name, _rel(x, r))
+
+
+def _kl(q, k, iq, ik, idx, lse, block_size, backend, q_offset):
+    iq, ik = (x.detach().clone().requires_grad_() for x in (iq, ik))
+    loss = indexer_kl_loss(q, k, iq, ik, idx, lse, block_size=block_size, backend=backend, q_offset=q_offset)
+    loss.backward()
+    return loss.detach(), iq.grad, ik.grad
+
+
+@pytest.mark.parametrize("teacher_bytes", [None, 0], ids=["stored", "recompute"])
+@pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense"])
+@pytest.mark.parametrize("G,block_size", [(1, 16), (2, 32)])
+def test_triton_indexer_kl_q_offset(G, block_size, dense, teacher_bytes, monkeypatch):
+    if dense and teacher_bytes == 0:
+        pytest.skip("the dense mode keeps no teacher")
+    if teacher_bytes is not None:
+        from msa_model.ops.indexer_kl import triton as kl_triton
+        monkeypatch.setattr(kl_triton.TUNING, "teacher_bytes", teacher_bytes)
+    q, k, v, iq, ik = _triton_inputs(G, seed=3)
+    idx = None if dense else select_blocks(iq, ik, block_size=block_size, topk=3, backend="reference")
+    _, lse = sparse_attention(q, k, v, idx, block_size=block_size, backend="reference")
+    full = _kl(q, k, iq, ik, idx, lse, block_size, "triton", 0)
+    loss, diq_parts, dik = 0.0, [], 0
+    for t0, t1 in TQ_SLICES:
+        args = (q[:, t0:t1], k, iq[:, t0:t1], ik, None if idx is None else idx[:, t0:t1], lse[:, t0:t1], block_size)
+        out, ref = _kl(*args, "triton", t0), _kl(*args, "reference", t0)
+        assert abs(float(out[0]) - float(ref[0])) <= _tol(1e-5) * max(1.0, abs(float(ref[0]))), t0
+        for name, x, r in zip(("d iq", "d ik"), out[1:], ref[1:]):
+            assert _rel(x, r) < _tol(2e-5), (name, t0, _rel(x, r))
+        # the loss is a mean over this call's rows: weight each slice by its share of the sequence
+        share = (t1 - t0) / TK
+        loss += float(out[0]) * share
+        diq_parts.append(out[1].double() * share)
+        dik = dik + out[2].double() * share
+    assert abs(loss - float(full[0])) <= _tol(1e-5) * max(1.0, abs(float(full[0])))
+    assert _rel(torch.cat(diq_parts, 1), full[1]) < _tol(2e-5)
+    assert _rel(dik, full[2]) < _tol(2e-5)

@@ -83,12 +83,6 @@ def trim_keys(Tq: int, q_offset: int, *keys: torch.Tensor | None) -> tuple:
     return tuple(t if t is None or t.shape[1] == end else t[:, :end].contiguous() for t in keys)
 
 
-def no_triton_offset(op: str, q_offset: int) -> None:
-    if q_offset:
-        raise NotImplementedError(f"{op}: the Triton backend has no q_offset (queries that are a slice of "
-                                  f"the sequence); use backend='reference' or q_offset=0")
-
-
 def check_index(iq: torch.Tensor, ik: torch.Tensor, B: int | None = None, T: int | None = None,
                 Hkv: int | None = None, q_offset: int = 0) -> tuple[int, int, int, int]:
     """Validate iq [B,Tq,Hkv,Di], ik [B,Tk,Di] (Tk as in `check_qkv`); returns (B, Tq, Hkv, Di)."""

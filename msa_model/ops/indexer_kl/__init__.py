@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..common import (check_block_idx, check_block_size, check_index, check_qkv, default_scale, load_triton,
-                      no_triton_offset, resolve_backend, trim_keys)
+                      resolve_backend, trim_keys)
 from .reference import indexer_kl_loss_reference
 
 
@@ -35,9 +35,8 @@ def indexer_kl_loss(q: torch.Tensor, k: torch.Tensor, iq: torch.Tensor, ik: torc
     index_scale = default_scale(Di, index_scale)
     k, ik = trim_keys(T, q_offset, k, ik)
     if resolve_backend(backend, q, k, iq, ik) == "triton":
-        no_triton_offset("indexer_kl_loss", q_offset)
         return load_triton("indexer_kl").indexer_kl_loss_triton(q, k, iq, ik, block_idx, lse, block_size,
-                                                                 scale, index_scale)
+                                                                 scale, index_scale, q_offset)
     return indexer_kl_loss_reference(q, k, iq, ik, block_idx, lse, block_size, scale, index_scale, q_offset)
 
 

@@ -1,8 +1,8 @@
 """Fused Triton kernels of the indexer KL loss, sparse (top-k blocks) and dense (warmup) modes.
 
-Legend: B = batch, T = tokens, G = groups (= Hkv), H = heads per group, D = head dim, Di = index
-head dim, K = top-k slots, N = key blocks, E = B*T*G*K (query, group, slot) entries,
-M = queries in a tile, R = M*HS teacher rows (HS heads of each query), J = keys in a tile.
+Legend: B = batch, T = queries, TK = keys (query t sits at position QOFF + t; TK = QOFF + T),
+G = groups (= Hkv), H = heads per group, D = head dim, Di = index head dim, K = top-k slots,
+N = key blocks, E = B*T*G*K (query, group, slot) entries, M = queries in a tile, R = M*HS teacher rows (HS heads of each query), J = keys in a tile.
 
 Per (query t, group g) with support S, teacher p[j] = mean_h exp(q_h.k_j*scale - lse_h) (left
 unnormalised, its sum is s_sum), student z[j] = (iq.ik_j)*index_scale. The loss row
@@ -61,7 +61,8 @@ def _teacher_student(q_ptr, lse_ptr, iq_ptr, b, g, t_M, t_R, row_M, row_R, kT_DJ
     the support mask [M, J] and the iq tile [M, Di] for queries t_M against keys kpos_J.
 
     t_R / row_R repeat t_M / row_M HS times (row r is query r // HS), because Triton cannot
-    gather a register tensor; kpos_J holds a huge value where a key column does not exist.
+    gather a register tensor; kpos_J is a key's position minus QOFF (key j is visible to query t
+    iff j - QOFF <= t) and holds a huge value where a key column does not exist.
     """
     offs_d = tl.arange(0, D)
     offs_i = tl.arange(0, DI)
@@ -91,7 +92,8 @@ def _teacher_student(q_ptr, lse_ptr, iq_ptr, b, g, t_M, t_R, row_M, row_R, kT_DJ
 
 
 @triton.jit
-def _dense_fwd_step(j0, m_M, l_M, s_M, a_M, bz_M, acc_z, acc_p, q_ptr, k_ptr, lse_ptr, iq_ptr, ik_ptr, b, g, T, t_M, t_R, row_M, row_R,
+def _dense_fwd_step(j0, m_M, l_M, s_M, a_M, bz_M, acc_z, acc_p, q_ptr, k_ptr, lse_ptr, iq_ptr, ik_ptr, b, g, TK, QOFF,
+                    t_M, t_R, row_M, row_R,
                     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sl_b, sl_t, sl_h, si_b, si_t, si_h, sik_b, sik_t,
                     scale_log2, index_scale, H: tl.constexpr, HS: tl.constexpr, M: tl.constexpr,
                     J: tl.constexpr, D: tl.constexpr, DI: tl.constexpr, PREC: tl.constexpr):
@@ -100,14 +102,14 @@ def _dense_fwd_step(j0, m_M, l_M, s_M, a_M, bz_M, acc_z, acc_p, q_ptr, k_ptr, ls
     offs_d = tl.arange(0, D)
     offs_i = tl.arange(0, DI)
     kpos_J = j0 + tl.arange(0, J)
-    kin_J = kpos_J < T
+    kin_J = kpos_J < TK
     kpos64 = kpos_J.to(tl.int64)
     kT_DJ = tl.load(k_ptr + b * sk_b + kpos64[None, :] * sk_t + g * sk_h + offs_d[:, None],
                     mask=kin_J[None, :], other=0.0)
     ik_JI = tl.load(ik_ptr + b * sik_b + kpos64[:, None] * sik_t + offs_i[None, :],
                     mask=kin_J[:, None], other=0.0)
     p_MJ, z_MJ, valid_MJ, iq_MI = _teacher_student(
-        q_ptr, lse_ptr, iq_ptr, b, g, t_M, t_R, row_M, row_R, kT_DJ, tl.trans(ik_JI), kpos_J,
+        q_ptr, lse_ptr, iq_ptr, b, g, t_M, t_R, row_M, row_R, kT_DJ, tl.trans(ik_JI), kpos_J - QOFF,
         sq_b, sq_t, sq_h, sl_b, sl_t, sl_h, si_b, si_t, si_h, scale_log2, index_scale,
         H, HS, M, D, DI, J, PREC)
     m_new = tl.maximum(m_M, tl.max(z_MJ, axis=1))
@@ -124,7 +126,7 @@ def _dense_fwd_step(j0, m_M, l_M, s_M, a_M, bz_M, acc_z, acc_p, q_ptr, k_ptr, ls
 
 
 @triton.jit
-def _dense_fwd_kernel(q_ptr, k_ptr, lse_ptr, iq_ptr, ik_ptr, kl_ptr, lsez_ptr, invs_ptr, diq_ptr, T,
+def _dense_fwd_kernel(q_ptr, k_ptr, lse_ptr, iq_ptr, ik_ptr, kl_ptr, lsez_ptr, invs_ptr, diq_ptr, T, TK, QOFF,
                       sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sl_b, sl_t, sl_h, si_b, si_t, si_h, sik_b, sik_t,
                       scale_log2, index_scale, G: tl.constexpr, H: tl.constexpr, HS: tl.constexpr,
                       M: tl.constexpr, J: tl.constexpr, D: tl.constexpr, DI: tl.constexpr,
@@ -147,19 +149,19 @@ def _dense_fwd_kernel(q_ptr, k_ptr, lse_ptr, iq_ptr, ik_ptr, kl_ptr, lsez_ptr, i
     bz_M = tl.zeros((M,), tl.float32)
     acc_z = tl.zeros((M, DI), tl.float32)
     acc_p = tl.zeros((M, DI), tl.float32)
-    hi = tl.minimum((pid_m + 1) * M, T)
+    hi = QOFF + tl.minimum((pid_m + 1) * M, T)
     if INTERPRETING:
         j0 = 0
         while j0 < hi:
             m_M, l_M, s_M, a_M, bz_M, acc_z, acc_p = _dense_fwd_step(
-                j0, m_M, l_M, s_M, a_M, bz_M, acc_z, acc_p, q_ptr, k_ptr, lse_ptr, iq_ptr, ik_ptr, b, g, T, t_M,
+                j0, m_M, l_M, s_M, a_M, bz_M, acc_z, acc_p, q_ptr, k_ptr, lse_ptr, iq_ptr, ik_ptr, b, g, TK, QOFF, t_M,
                 t_R, row_M, row_R, sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sl_b, sl_t, sl_h, si_b, si_t, si_h, sik_b,
                 sik_t, scale_log2, index_scale, H, HS, M, J, D, DI, PREC)
             j0 += J
     else:
         for j0 in range(0, hi, J):
             m_M, l_M, s_M, a_M, bz_M, acc_z, acc_p = _dense_fwd_step(
-                j0, m_M, l_M, s_M, a_M, bz_M, acc_z, acc_p, q_ptr, k_ptr, lse_ptr, iq_ptr, ik_ptr, b, g, T, t_M,
+                j0, m_M, l_M, s_M, a_M, bz_M, acc_z, acc_p, q_ptr, k_ptr, lse_ptr, iq_ptr, ik_ptr, b, g, TK, QOFF, t_M,
                 t_R, row_M, row_R, sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sl_b, sl_t, sl_h, si_b, si_t, si_h, sik_b,
                 sik_t, scale_log2, index_scale, H, HS, M, J, D, DI, PREC)
 
@@ -218,7 +220,8 @@ def _sparse_fwd_step(start, hi, q_ptr, lse_ptr, iq_ptr, ent_ptr, part_ptr, pbar_
 
 @triton.jit
 def _sparse_fwd_kernel(q_ptr, k_ptr, lse_ptr, iq_ptr, ik_ptr, ent_ptr, tb_ptr, ts_ptr, tc_ptr, part_ptr, pbar_ptr,
-                       T, E, N, sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sl_b, sl_t, sl_h, si_b, si_t, si_h, sik_b, sik_t,
+                       T, TK, QOFF, E, N,
+                       sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sl_b, sl_t, sl_h, si_b, si_t, si_h, sik_b, sik_t,
                        scale_log2, index_scale, BLOCK: tl.constexpr, G: tl.constexpr, K: tl.constexpr,
                        H: tl.constexpr, HS: tl.constexpr, M: tl.constexpr, J: tl.constexpr, D: tl.constexpr,
                        DI: tl.constexpr, PREC: tl.constexpr, STORE: tl.constexpr):
@@ -237,8 +240,8 @@ def _sparse_fwd_kernel(q_ptr, k_ptr, lse_ptr, iq_ptr, ik_ptr, ent_ptr, tb_ptr, t
         offs_j = tl.arange(0, J)
         offs_d = tl.arange(0, D)
         offs_i = tl.arange(0, DI)
-        kin_J = (offs_j < BLOCK) & (n * BLOCK + offs_j < T)
-        kpos_J = tl.where(kin_J, n * BLOCK + offs_j, 2147483647)
+        kin_J = (offs_j < BLOCK) & (n * BLOCK + offs_j < TK)
+        kpos_J = tl.where(kin_J, n * BLOCK + offs_j - QOFF, 2147483647)
         kpos64 = (n * BLOCK + offs_j).to(tl.int64)
         kT_DJ = tl.load(k_ptr + b * sk_b + kpos64[None, :] * sk_t + g * sk_h + offs_d[:, None],
                         mask=kin_J[None, :], other=0.0)
@@ -295,15 +298,16 @@ def _bwd_step(start, hi, dik_JI, q_ptr, lse_ptr, iq_ptr, lsez_ptr, invs_ptr, ent
 
 @triton.jit
 def _bwd_kernel(q_ptr, k_ptr, lse_ptr, iq_ptr, ik_ptr, lsez_ptr, invs_ptr, ent_ptr, tb_ptr, ts_ptr, tc_ptr, dik_ptr,
-                diq_ptr, B, T, N, sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sl_b, sl_t, sl_h, si_b, si_t, si_h, sik_b,
+                diq_ptr, B, T, TK, QOFF, N,
+                sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sl_b, sl_t, sl_h, si_b, si_t, si_h, sik_b,
                 sik_t, scale_log2, index_scale, BLOCK: tl.constexpr, G: tl.constexpr, K: tl.constexpr,
                 H: tl.constexpr, HS: tl.constexpr, M: tl.constexpr, J: tl.constexpr, D: tl.constexpr,
                 DI: tl.constexpr, SPARSE: tl.constexpr, PREC: tl.constexpr):
     """Key-outer backward over the keys of block n (BLOCK keys).
 
     dense: program (n, b*G+g) streams every query after the block and stores group g's unscaled
-    d ik to dik [G, B, T, Di] (deterministic). sparse: program p takes a run of a bucket's
-    entries (as the forward) and adds its d ik into dik [B, T, Di] and d iq into diq [B, T, G, Di]
+    d ik to dik [G, B, TK, Di] (deterministic). sparse: program p takes a run of a bucket's
+    entries (as the forward) and adds its d ik into dik [B, TK, Di] and d iq into diq [B, T, G, Di]
     with fp32 atomics (a popular block is split over several programs).
     """
     if SPARSE:
@@ -320,15 +324,15 @@ def _bwd_kernel(q_ptr, k_ptr, lse_ptr, iq_ptr, ik_ptr, lsez_ptr, invs_ptr, ent_p
         pid_bg = tl.program_id(1)
         live = True
         # queries before the block cannot see it
-        lo = n * BLOCK
+        lo = tl.maximum(n * BLOCK - QOFF, 0)
         hi = T
     b = pid_bg // G
     g = pid_bg % G
     offs_j = tl.arange(0, J)
     offs_d = tl.arange(0, D)
     offs_i = tl.arange(0, DI)
-    kin_J = (offs_j < BLOCK) & (n * BLOCK + offs_j < T)
-    kpos_J = tl.where(kin_J, n * BLOCK + offs_j, 2147483647)
+    kin_J = (offs_j < BLOCK) & (n * BLOCK + offs_j < TK)
+    kpos_J = tl.where(kin_J, n * BLOCK + offs_j - QOFF, 2147483647)
     kpos64 = (n * BLOCK + offs_j).to(tl.int64)
     kT_DJ = tl.load(k_ptr + b * sk_b + kpos64[None, :] * sk_t + g * sk_h + offs_d[:, None],
                     mask=kin_J[None, :], other=0.0)
@@ -349,11 +353,11 @@ def _bwd_kernel(q_ptr, k_ptr, lse_ptr, iq_ptr, ik_ptr, lsez_ptr, invs_ptr, ent_p
                                g, T, kT_DJ, ikT_IJ, ik_JI, kpos_J, sq_b, sq_t, sq_h, sl_b, sl_t, sl_h, si_b, si_t,
                                si_h, scale_log2, index_scale, G, K, H, HS, M, J, D, DI, SPARSE, PREC)
     if SPARSE:
-        o_J = b * T + kpos64
+        o_J = b * TK + kpos64
         tl.atomic_add(dik_ptr + o_J[:, None] * DI + offs_i[None, :], dik_JI, mask=kin_J[:, None] & live,
                       sem="relaxed")
     else:
-        o_J = (g * B + b) * T + kpos64
+        o_J = (g * B + b) * TK + kpos64
         tl.store(dik_ptr + o_J[:, None] * DI + offs_i[None, :], dik_JI, mask=kin_J[:, None])
 
 
@@ -388,10 +392,11 @@ def _stored_bwd_step(start, hi, dik_JI, iq_ptr, pbar_ptr, lsez_ptr, invs_ptr, en
 
 @triton.jit
 def _stored_bwd_kernel(iq_ptr, ik_ptr, pbar_ptr, lsez_ptr, invs_ptr, ent_ptr, tb_ptr, ts_ptr, tc_ptr, dik_ptr, diq_ptr,
-                       T, N, si_b, si_t, si_h, sik_b, sik_t, index_scale, BLOCK: tl.constexpr, G: tl.constexpr,
+                       T, TK, QOFF, N, si_b, si_t, si_h, sik_b, sik_t, index_scale, BLOCK: tl.constexpr,
+                       G: tl.constexpr,
                        K: tl.constexpr, M: tl.constexpr, J: tl.constexpr, DI: tl.constexpr, PREC: tl.constexpr):
     """Sparse backward with the teacher stored by the forward: program p takes a run of a bucket's
-    entries (as `_bwd_kernel`); d ik [B, T, Di] and d iq [B, T, G, Di] by fp32 atomics."""
+    entries (as `_bwd_kernel`); d ik [B, TK, Di] and d iq [B, T, G, Di] by fp32 atomics."""
     pid = tl.program_id(0)
     bucket = tl.load(tb_ptr + pid)
     if bucket >= 0:
@@ -403,8 +408,8 @@ def _stored_bwd_kernel(iq_ptr, ik_ptr, pbar_ptr, lsez_ptr, invs_ptr, ent_ptr, tb
         hi = lo + tl.load(tc_ptr + pid)
         offs_j = tl.arange(0, J)
         offs_i = tl.arange(0, DI)
-        kin_J = (offs_j < BLOCK) & (n * BLOCK + offs_j < T)
-        kpos_J = tl.where(kin_J, n * BLOCK + offs_j, 2147483647)
+        kin_J = (offs_j < BLOCK) & (n * BLOCK + offs_j < TK)
+        kpos_J = tl.where(kin_J, n * BLOCK + offs_j - QOFF, 2147483647)
         kpos64 = (n * BLOCK + offs_j).to(tl.int64)
         ik_JI = tl.load(ik_ptr + b * sik_b + kpos64[:, None] * sik_t + offs_i[None, :],
                         mask=kin_J[:, None], other=0.0)
@@ -422,7 +427,7 @@ def _stored_bwd_kernel(iq_ptr, ik_ptr, pbar_ptr, lsez_ptr, invs_ptr, ent_ptr, tb
                 dik_JI = _stored_bwd_step(start, hi, dik_JI, iq_ptr, pbar_ptr, lsez_ptr, invs_ptr, ent_ptr, diq_ptr,
                                           b, g, T, ikT_IJ, ik_JI, kpos_J, si_b, si_t, si_h, index_scale, G, K, M,
                                           J, DI, PREC)
-        o_J = b * T + kpos64
+        o_J = b * TK + kpos64
         tl.atomic_add(dik_ptr + o_J[:, None] * DI + offs_i[None, :], dik_JI, mask=kin_J[:, None], sem="relaxed")
 
 
@@ -451,18 +456,19 @@ def _precision(q, iq) -> str:
     return "ieee" if torch.float32 in (q.dtype, iq.dtype) else "tf32"
 
 
-def inverse_index(block_idx: torch.Tensor, block_size: int) -> InverseIndex:
+def inverse_index(block_idx: torch.Tensor, block_size: int, q_offset: int = 0) -> InverseIndex:
     """For each bucket (b, g, n): the entries e = ((b*T + t)*G + g)*K + slot whose slot selects
     block n, t ascending (`InverseIndex` of sparse_attention's Triton path).
 
     block_idx int [B, T, G, K] (-1 = empty; repeats in a row and blocks after the query's own
-    are dropped, as the reference's support does).
+    are dropped, as the reference's support does); query t sits at position q_offset + t, so
+    the blocks are those of q_offset + T keys.
     """
     B, T, G, K = block_idx.shape
-    N = triton.cdiv(T, block_size)
+    N = triton.cdiv(q_offset + T, block_size)
     if B * T * G * K >= 2**31 or B * G * N >= 2**31:
         raise ValueError("block_idx too large for int32 entry ids")
-    return build_inverse_index(clean_block_idx(block_idx, block_size), N)
+    return build_inverse_index(clean_block_idx(block_idx, block_size, q_offset), N)
 
 
 @dataclass
@@ -490,7 +496,7 @@ class Tuning:
 TUNING = Tuning()
 
 
-def _dense_forward(q, k, lse, iq, ik, scale, index_scale, cfg):
+def _dense_forward(q, k, lse, iq, ik, scale, index_scale, cfg, q_offset):
     B, T, Hq, D = q.shape
     G, Di = k.shape[2], iq.shape[3]
     H = Hq // G
@@ -500,7 +506,8 @@ def _dense_forward(q, k, lse, iq, ik, scale, index_scale, cfg):
     inv_s = torch.empty_like(kl)
     diq = torch.empty(B, T, G, Di, dtype=torch.float32, device=q.device)
     grid = (triton.cdiv(T, cfg.M), B * G)
-    _dense_fwd_kernel[grid](q, k, lse, iq, ik, kl, lse_z, inv_s, diq, T, *_strides(q, k, lse, iq, ik),
+    _dense_fwd_kernel[grid](q, k, lse, iq, ik, kl, lse_z, inv_s, diq, T, k.shape[1], q_offset,
+                            *_strides(q, k, lse, iq, ik),
                             scale * LOG2E, index_scale, G=G, H=H, HS=HS, M=cfg.M, J=cfg.dense_fwd_j, D=D,
                             DI=Di, PREC=_precision(q, iq), num_warps=cfg.warps, num_stages=cfg.stages)
     return kl, lse_z, inv_s, diq
@@ -520,7 +527,7 @@ def _combine(part, B, T, G, K):
     return kl, lse_z, inv_s
 
 
-def _sparse_forward(q, k, lse, iq, ik, index, K, block_size, scale, index_scale, cfg, store):
+def _sparse_forward(q, k, lse, iq, ik, index, K, block_size, scale, index_scale, cfg, store, q_offset):
     """kl, lse_z, 1/s_sum (fp32 [B, T, G]) and, with `store`, the teacher rows pbar [E, J]."""
     B, T, Hq, D = q.shape
     G, Di = k.shape[2], iq.shape[3]
@@ -535,7 +542,8 @@ def _sparse_forward(q, k, lse, iq, ik, index, K, block_size, scale, index_scale,
     pbar = torch.empty(E, J, dtype=_teacher_dtype(q), device=q.device) if store else None
     tb, ts, tc = schedule(index, cfg.fwd_per_program)
     _sparse_fwd_kernel[(tb.numel(),)](
-        q, k, lse, iq, ik, index.entry, tb, ts, tc, part, part if pbar is None else pbar, T, E, index.n_blocks,
+        q, k, lse, iq, ik, index.entry, tb, ts, tc, part, part if pbar is None else pbar, T, k.shape[1], q_offset, E,
+        index.n_blocks,
         *_strides(q, k, lse, iq, ik), scale * LOG2E, index_scale, BLOCK=block_size, G=G, K=K, H=H, HS=HS, M=cfg.M,
         J=J, D=D, DI=Di, PREC=_precision(q, iq), STORE=store, num_warps=cfg.warps, num_stages=cfg.stages)
     return (*_combine(part, B, T, G, K), pbar)
@@ -551,23 +559,25 @@ def _store_teacher(q, G, K, block_size, cfg, needs_grad: bool) -> bool:
     return needs_grad and nbytes <= cfg.teacher_bytes
 
 
-def _stored_backward(iq, ik, pbar, lse_z, inv_s, index, K, block_size, index_scale, cfg):
-    """Unscaled d ik fp32 [B, T, Di] and d iq fp32 [B, T, G, Di] from the stored teacher rows."""
+def _stored_backward(iq, ik, pbar, lse_z, inv_s, index, K, block_size, index_scale, cfg, q_offset):
+    """Unscaled d ik fp32 [B, TK, Di] and d iq fp32 [B, T, G, Di] from the stored teacher rows."""
     B, T, G, Di = iq.shape
-    dik = torch.zeros(B, T, Di, dtype=torch.float32, device=iq.device)
+    TK = ik.shape[1]
+    dik = torch.zeros(B, TK, Di, dtype=torch.float32, device=iq.device)
     diq = torch.zeros(B, T, G, Di, dtype=torch.float32, device=iq.device)
     tb, ts, tc = schedule(index, cfg.bwd_per_program)
     _stored_bwd_kernel[(tb.numel(),)](
-        iq, ik, pbar, lse_z, inv_s, index.entry, tb, ts, tc, dik, diq, T, index.n_blocks,
+        iq, ik, pbar, lse_z, inv_s, index.entry, tb, ts, tc, dik, diq, T, TK, q_offset, index.n_blocks,
         iq.stride(0), iq.stride(1), iq.stride(2), ik.stride(0), ik.stride(1), index_scale,
         BLOCK=block_size, G=G, K=K, M=cfg.stored_M, J=triton.next_power_of_2(block_size),
         DI=Di, PREC=_precision(iq, iq), num_warps=cfg.stored_warps, num_stages=cfg.stored_stages)
     return dik, diq
 
 
-def _backward(q, k, lse, iq, ik, lse_z, inv_s, index, K, block_size, scale, index_scale, cfg):
-    """Unscaled d ik fp32 [B, T, Di] and, in sparse mode (index given), d iq fp32 [B, T, G, Di]."""
+def _backward(q, k, lse, iq, ik, lse_z, inv_s, index, K, block_size, scale, index_scale, cfg, q_offset):
+    """Unscaled d ik fp32 [B, TK, Di] and, in sparse mode (index given), d iq fp32 [B, T, G, Di]."""
     B, T, Hq, D = q.shape
+    TK = k.shape[1]
     G, Di = k.shape[2], iq.shape[3]
     H = Hq // G
     HS = _heads_per_dot(H, cfg.M, cfg.rows)
@@ -575,25 +585,26 @@ def _backward(q, k, lse, iq, ik, lse_z, inv_s, index, K, block_size, scale, inde
                   num_stages=cfg.stages)
     if index is None:
         block = cfg.dense_bwd_j
-        N = triton.cdiv(T, block)
-        dik = torch.empty(G, B, T, Di, dtype=torch.float32, device=q.device)
+        N = triton.cdiv(TK, block)
+        dik = torch.empty(G, B, TK, Di, dtype=torch.float32, device=q.device)
         unused = lse_z
         _bwd_kernel[(N, B * G)](q, k, lse, iq, ik, lse_z, inv_s, unused, unused, unused, unused, dik, unused,
-                                B, T, N, *_strides(q, k, lse, iq, ik), scale * LOG2E, index_scale, BLOCK=block,
+                                B, T, TK, q_offset, N, *_strides(q, k, lse, iq, ik), scale * LOG2E, index_scale,
+                                BLOCK=block,
                                 J=triton.next_power_of_2(block), SPARSE=False, **common)
         return dik.sum(0), None
-    dik = torch.zeros(B, T, Di, dtype=torch.float32, device=q.device)
+    dik = torch.zeros(B, TK, Di, dtype=torch.float32, device=q.device)
     diq = torch.zeros(B, T, G, Di, dtype=torch.float32, device=q.device)
     tb, ts, tc = schedule(index, cfg.bwd_per_program)
-    _bwd_kernel[(tb.numel(),)](q, k, lse, iq, ik, lse_z, inv_s, index.entry, tb, ts, tc, dik, diq, B, T,
-                               index.n_blocks, *_strides(q, k, lse, iq, ik), scale * LOG2E, index_scale,
+    _bwd_kernel[(tb.numel(),)](q, k, lse, iq, ik, lse_z, inv_s, index.entry, tb, ts, tc, dik, diq, B, T, TK,
+                               q_offset, index.n_blocks, *_strides(q, k, lse, iq, ik), scale * LOG2E, index_scale,
                                BLOCK=block_size, J=triton.next_power_of_2(block_size), SPARSE=True, **common)
     return dik, diq
 
 
 class IndexerKLTriton(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, iq, ik, block_idx, lse, block_size, scale, index_scale):
+    def forward(ctx, q, k, iq, ik, block_idx, lse, block_size, scale, index_scale, q_offset):
         B, T, Hq, D = q.shape
         G, Di = k.shape[2], iq.shape[3]
         _check_dims(D, Di)
@@ -604,46 +615,51 @@ class IndexerKLTriton(torch.autograd.Function):
         K = 1
         diq = pbar = None
         if block_idx is None:
-            kl, lse_z, inv_s, diq = _dense_forward(q, k, lse, iq, ik, scale, index_scale, cfg)
+            kl, lse_z, inv_s, diq = _dense_forward(q, k, lse, iq, ik, scale, index_scale, cfg, q_offset)
         else:
             K = block_idx.shape[-1]
-            index = inverse_index(block_idx, block_size)
+            index = inverse_index(block_idx, block_size, q_offset)
             store = _store_teacher(q, G, K, block_size, cfg, any(ctx.needs_input_grad[2:4]))
             kl, lse_z, inv_s, pbar = _sparse_forward(q, k, lse, iq, ik, index, K, block_size, scale, index_scale,
-                                                     cfg, store)
+                                                     cfg, store, q_offset)
         # with the teacher rows kept, the backward needs neither q, k nor lse
         if pbar is not None:
             q = k = lse = None
         ctx.save_for_backward(q, k, iq, ik, lse, lse_z, inv_s, diq, pbar)
         ctx.index = index
-        ctx.args = (K, block_size, scale, index_scale, cfg)
+        ctx.args = (K, block_size, scale, index_scale, cfg, q_offset)
         return (kl.sum(dtype=torch.float64) / (B * T * G)).float()
 
     @staticmethod
     def backward(ctx, grad):
         q, k, iq, ik, lse, lse_z, inv_s, diq, pbar = ctx.saved_tensors
-        K, block_size, scale, index_scale, cfg = ctx.args
+        K, block_size, scale, index_scale, cfg, q_offset = ctx.args
         B, T, G = lse_z.shape
         if pbar is not None:
-            dik, diq_sparse = _stored_backward(iq, ik, pbar, lse_z, inv_s, ctx.index, K, block_size, index_scale, cfg)
+            dik, diq_sparse = _stored_backward(iq, ik, pbar, lse_z, inv_s, ctx.index, K, block_size, index_scale, cfg,
+                                               q_offset)
         else:
             dik, diq_sparse = _backward(q, k, lse, iq, ik, lse_z, inv_s, ctx.index, K, block_size, scale,
-                                        index_scale, cfg)
+                                        index_scale, cfg, q_offset)
         ctx.index = None
         diq = diq_sparse if diq is None else diq
         coef = grad.float() * (index_scale / (B * T * G))
         d_iq = (diq * coef).to(iq.dtype) if ctx.needs_input_grad[2] else None
         d_ik = (dik * coef).to(ik.dtype) if ctx.needs_input_grad[3] else None
-        return None, None, d_iq, d_ik, None, None, None, None, None
+        return None, None, d_iq, d_ik, None, None, None, None, None, None
 
 
 def indexer_kl_loss_triton(q: torch.Tensor, k: torch.Tensor, iq: torch.Tensor, ik: torch.Tensor,
                            block_idx: torch.Tensor | None, lse: torch.Tensor, block_size: int, scale: float,
-                           index_scale: float) -> torch.Tensor:
-    """Fused indexer KL: fp32 scalar, differentiable in iq [B, T, G, Di] and ik [B, T, Di] only.
+                           index_scale: float, q_offset: int = 0) -> torch.Tensor:
+    """Fused indexer KL: fp32 scalar, differentiable in iq [B, T, G, Di] and ik [B, TK, Di] only.
 
-    q [B, T, Hq, D] and k [B, T, G, D] (same dtype), lse fp32 [B, T, Hq] are constants;
-    block_idx int [B, T, G, K] (-1 = empty) or None for the dense warmup support.
+    q [B, T, Hq, D] and k [B, TK, G, D] (same dtype), lse fp32 [B, T, Hq] are constants;
+    block_idx int [B, T, G, K] (-1 = empty) or None for the dense warmup support. Query t sits
+    at position q_offset + t and TK = q_offset + T (the keys of the causal prefix).
     """
+    if k.shape[1] != q_offset + q.shape[1] or ik.shape[1] != k.shape[1]:
+        raise ValueError(f"k and ik must cover q_offset + T = {q_offset + q.shape[1]} tokens, got "
+                         f"{k.shape[1]} and {ik.shape[1]}")
     return IndexerKLTriton.apply(q.detach(), k.detach(), iq, ik, block_idx, lse.detach(), block_size,
-                                 float(scale), float(index_scale))
+                                 float(scale), float(index_scale), int(q_offset))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..common import check_block_size, check_index, load_triton, no_triton_offset, resolve_backend, trim_keys
+from ..common import check_block_size, check_index, load_triton, resolve_backend, trim_keys
 from .reference import select_blocks_reference
 
 
@@ -24,8 +24,8 @@ def select_blocks(iq: torch.Tensor, ik: torch.Tensor, block_size: int = 128, top
     check_index(iq, ik, q_offset=q_offset)
     (ik,) = trim_keys(iq.shape[1], q_offset, ik)
     if resolve_backend(backend, iq, ik) == "triton":
-        no_triton_offset("select_blocks", q_offset)
-        return load_triton("select_blocks").select_blocks_triton(iq, ik, block_size, topk, force_sink)
+        return load_triton("select_blocks").select_blocks_triton(iq, ik, block_size, topk, force_sink,
+                                                                 q_offset=q_offset)
     return select_blocks_reference(iq, ik, block_size, topk, force_sink, q_offset)
 
 

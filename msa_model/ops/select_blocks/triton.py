@@ -1,7 +1,8 @@
 """Fused Triton kernels of the index branch: scores, block max and exp-free top-k in one pass.
 
-B = batch, T = tokens, G = GQA groups (= Hkv), Di = index head dim, N = key blocks of
-`block_size` tokens, K = top-k blocks. Inside kernels: R = rows of a program (BM queries x GP
+B = batch, T = queries, TK = keys (query t sits at position QOFF + t; TK = QOFF + T), G = GQA
+groups (= Hkv), Di = index head dim, N = key blocks of `block_size` tokens, K = top-k blocks. Inside
+kernels: R = rows of a program (BM queries x GP
 groups, row r is query t0 + r // GP, group r % GP), C = key columns of a tile, NB = blocks per tile.
 
 One program owns BM consecutive queries and every group: the G index queries of a token share
@@ -72,19 +73,19 @@ def _block_max(s_RC, R: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _score_tile(q_RD, ik_base, s_ik_t, kt, t_R, T, R: tl.constexpr, C: tl.constexpr, DI: tl.constexpr,
+def _score_tile(q_RD, ik_base, s_ik_t, kt, p_R, TK, R: tl.constexpr, C: tl.constexpr, DI: tl.constexpr,
                 DP: tl.constexpr, BLOCK: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr):
-    """Block maxima [R, C // BLOCK] of key tile kt; keys after a row's query (or past T) count -inf."""
+    """Block maxima [R, C // BLOCK] of key tile kt; keys after a row's position p_R (or past TK) count -inf."""
     j_C = kt * C + tl.arange(0, C)
     d_D = tl.arange(0, DP)
     k_CD = tl.load(ik_base + j_C[:, None].to(tl.int64) * s_ik_t + d_D[None, :],
-                   mask=(j_C[:, None] < T) & (d_D[None, :] < DI), other=0.0)
+                   mask=(j_C[:, None] < TK) & (d_D[None, :] < DI), other=0.0)
     if IEEE:
         s_RC = tl.dot(q_RD, tl.trans(k_CD), input_precision="ieee")
     else:
         s_RC = tl.dot(q_RD, tl.trans(k_CD))
     if CAUSAL:
-        s_RC = tl.where(j_C[None, :] <= t_R[:, None], s_RC, float("-inf"))
+        s_RC = tl.where(j_C[None, :] <= p_R[:, None], s_RC, float("-inf"))
     return _block_max(s_RC, R, C, BLOCK)
 
 
@@ -116,7 +117,7 @@ def _consume(bm_RN, kt, topv_RK, topi_RK, seen_R, slot_K, nloc_R, out_ptr, b, t_
 
 
 @triton.jit
-def _fused_kernel(iq_ptr, ik_ptr, out_ptr, T, N,
+def _fused_kernel(iq_ptr, ik_ptr, out_ptr, T, TK, QOFF, N,
                   s_iq_b, s_iq_t, s_iq_g, s_ik_b, s_ik_t, s_out_b, s_out_t, s_out_g,
                   G: tl.constexpr, GP: tl.constexpr, DI: tl.constexpr, DP: tl.constexpr,
                   BLOCK: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr,
@@ -136,32 +137,34 @@ def _fused_kernel(iq_ptr, ik_ptr, out_ptr, T, N,
     q_RD = tl.load(iq_ptr + b * s_iq_b + t_R[:, None].to(tl.int64) * s_iq_t + g_R[:, None] * s_iq_g + d_D[None, :],
                    mask=valid_R[:, None] & (d_D[None, :] < DI), other=0.0)
     ik_base = ik_ptr + b * s_ik_b
-    nloc_R = t_R // BLOCK
+    # causal positions of the rows
+    p_R = QOFF + t_R
+    nloc_R = p_R // BLOCK
     topv_RK, topi_RK, slot_K = _init_topk(nloc_R, R, K, KP, SINK)
     seen_R = tl.full([R], float("-inf"), tl.float32)
 
-    t_last = tl.minimum(t0 + BM, T) - 1
-    # tiles that end before the tile's first query need no causal mask and hold no local block
-    n_full = t0 // C
-    n_tiles = t_last // C + 1
+    p_last = QOFF + tl.minimum(t0 + BM, T) - 1
+    # tiles that end before the tile's first position need no causal mask and hold no local block
+    n_full = (QOFF + t0) // C
+    n_tiles = p_last // C + 1
     # Triton's interpreter (numpy >= 2.4) cannot take a program-dependent bound in range(); a
     # while loop runs there, the for loop (which the compiler software-pipelines) on the GPU
     if INTERP:
         kt = n_full * 0
         while kt < n_tiles:
-            bm_RN = _score_tile(q_RD, ik_base, s_ik_t, kt, t_R, T, R, C, DI, DP, BLOCK, True, IEEE)
+            bm_RN = _score_tile(q_RD, ik_base, s_ik_t, kt, p_R, TK, R, C, DI, DP, BLOCK, True, IEEE)
             topv_RK, topi_RK, seen_R = _consume(bm_RN, kt, topv_RK, topi_RK, seen_R, slot_K, nloc_R, out_ptr,
                                                 b, t_R, g_R, valid_R, N, s_out_b, s_out_t, s_out_g,
                                                 R, NB, SINK, MODE)
             kt += 1
     else:
         for kt in range(0, n_full):
-            bm_RN = _score_tile(q_RD, ik_base, s_ik_t, kt, t_R, T, R, C, DI, DP, BLOCK, False, IEEE)
+            bm_RN = _score_tile(q_RD, ik_base, s_ik_t, kt, p_R, TK, R, C, DI, DP, BLOCK, False, IEEE)
             topv_RK, topi_RK, seen_R = _consume(bm_RN, kt, topv_RK, topi_RK, seen_R, slot_K, nloc_R, out_ptr,
                                                 b, t_R, g_R, valid_R, N, s_out_b, s_out_t, s_out_g,
                                                 R, NB, SINK, MODE)
         for kt in range(n_full, n_tiles):
-            bm_RN = _score_tile(q_RD, ik_base, s_ik_t, kt, t_R, T, R, C, DI, DP, BLOCK, True, IEEE)
+            bm_RN = _score_tile(q_RD, ik_base, s_ik_t, kt, p_R, TK, R, C, DI, DP, BLOCK, True, IEEE)
             topv_RK, topi_RK, seen_R = _consume(bm_RN, kt, topv_RK, topi_RK, seen_R, slot_K, nloc_R, out_ptr,
                                                 b, t_R, g_R, valid_R, N, s_out_b, s_out_t, s_out_g,
                                                 R, NB, SINK, MODE)
@@ -246,8 +249,9 @@ def _check(block_size: int, di: int | None = None) -> None:
         raise ValueError(f"the Triton select_blocks needs a power-of-two block_size in [16, 128], got {block_size}")
 
 
-def _launch_fused(iq_BTGI, ik_BTI, out, block_size, topk, force_sink, mode, config):
+def _launch_fused(iq_BTGI, ik_BTI, out, block_size, topk, force_sink, mode, config, q_offset=0):
     B, T, G, Di = iq_BTGI.shape
+    TK = ik_BTI.shape[1]
     _check(block_size)
     cfg = default_config(G, block_size, iq_BTGI.device) | (config or {})
     GP = _next_pow2(G)
@@ -261,7 +265,7 @@ def _launch_fused(iq_BTGI, ik_BTI, out, block_size, topk, force_sink, mode, conf
     grid = (triton.cdiv(T, BM), B)
     s_out = out.stride()[:3] if mode != _BARE else (T * GP, 0, 0)
     _fused_kernel[grid](
-        iq_BTGI, ik_BTI, out, T, num_blocks(T, block_size),
+        iq_BTGI, ik_BTI, out, T, TK, q_offset, num_blocks(TK, block_size),
         iq_BTGI.stride(0), iq_BTGI.stride(1), iq_BTGI.stride(2), ik_BTI.stride(0), ik_BTI.stride(1),
         *s_out,
         G=G, GP=GP, DI=Di, DP=max(16, _next_pow2(Di)), BLOCK=block_size, K=topk, KP=_next_pow2(topk),
@@ -272,20 +276,23 @@ def _launch_fused(iq_BTGI, ik_BTI, out, block_size, topk, force_sink, mode, conf
 
 
 def select_blocks_triton(iq_BTGI: torch.Tensor, ik_BTI: torch.Tensor, block_size: int, topk: int,
-                         force_sink: bool = False, config: dict | None = None) -> torch.Tensor:
+                         force_sink: bool = False, config: dict | None = None, q_offset: int = 0) -> torch.Tensor:
     """Fused index scoring, block max and top-k.
 
-    iq_BTGI: [B, T, G, Di] and ik_BTI: [B, T, Di], bf16, fp16 or fp32 (scores accumulate in fp32;
-    fp32 inputs use full-precision products). Returns int32 [B, T, G, topk]: per (b, t, g) the
-    local block, block 0 too if `force_sink`, and the best other causally visible blocks by
+    iq_BTGI: [B, T, G, Di] and ik_BTI: [B, TK, Di], bf16, fp16 or fp32 (scores accumulate in fp32;
+    fp32 inputs use full-precision products); query t sits at position q_offset + t and
+    TK = q_offset + T. Returns int32 [B, T, G, topk]: per (b, t, g) the local block, block 0 too
+    if `force_sink`, and the best other causally visible blocks by
     max_j iq[t,g].ik[j] over visible keys j of the block. Slot 0 holds the local block, -1
     padding comes last, the rest is in no particular order.
     """
     B, T, G, _ = iq_BTGI.shape
+    if ik_BTI.shape[1] != q_offset + T:
+        raise ValueError(f"index keys cover {ik_BTI.shape[1]} tokens; q_offset + T = {q_offset + T}")
     out = torch.empty((B, T, G, topk), dtype=torch.int32, device=iq_BTGI.device)
     if T == 0:
         return out
-    return _launch_fused(iq_BTGI, ik_BTI, out, block_size, topk, force_sink, _SELECT, config)
+    return _launch_fused(iq_BTGI, ik_BTI, out, block_size, topk, force_sink, _SELECT, config, int(q_offset))
 
 
 def block_scores_triton(iq_BTGI: torch.Tensor, ik_BTI: torch.Tensor, block_size: int,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ..common import (check_block_idx, check_block_size, check_qkv, default_scale, load_triton, no_triton_offset,
-                      resolve_backend, trim_keys)
+from ..common import (check_block_idx, check_block_size, check_qkv, default_scale, load_triton, resolve_backend,
+                      trim_keys)
 from .reference import sparse_attention_reference
 
 
@@ -30,8 +30,8 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_id
     scale = default_scale(D, scale)
     k, v = trim_keys(T, q_offset, k, v)
     if resolve_backend(backend, q, k, v) == "triton":
-        no_triton_offset("sparse_attention", q_offset)
-        return load_triton("sparse_attention").sparse_attention_triton(q, k, v, block_idx, block_size, scale)
+        return load_triton("sparse_attention").sparse_attention_triton(q, k, v, block_idx, block_size, scale,
+                                                                       q_offset)
     return sparse_attention_reference(q, k, v, block_idx, block_size, scale, q_offset=q_offset)
 
 

@@ -1,7 +1,8 @@
 """Fused Triton path of sparse_attention: the inverse block -> queries index, launchers and autograd.
 
-B = batch, T = tokens, C = queries of a chunk, G = key/value heads (groups), H = query heads per
-group, K = top-k slots, N = key blocks, D = head dim, E = entries (B*C*G*K triples).
+B = batch, T = queries, TK = keys (query t at position q_offset + t), C = queries of a chunk,
+G = key/value heads (groups), H = query heads per group, K = top-k slots, N = key blocks,
+D = head dim, E = entries (B*C*G*K triples).
 
 The inverse index is plain torch (a stable sort of the entries by (batch, group, block)) and
 needs no host synchronisation: tile lists are sized by an upper bound, and spare programs exit.
@@ -34,12 +35,14 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def clean_block_idx(block_idx_BTGK: torch.Tensor, block_size: int) -> torch.Tensor:
+def clean_block_idx(block_idx_BTGK: torch.Tensor, block_size: int, q_offset: int = 0) -> torch.Tensor:
     """int32 [B, T, G, K] with set semantics made explicit: slots that repeat a block, name a block
-    after the query's own (no causal key) or hold -1 become -1; the rest are sorted ascending."""
+    after the query's own (no causal key) or hold -1 become -1; the rest are sorted ascending.
+    Query t sits at position q_offset + t."""
     B, T = block_idx_BTGK.shape[:2]
     idx = block_idx_BTGK.to(torch.int32)
-    local_T = (torch.arange(T, device=idx.device, dtype=torch.int32) // block_size)[None, :, None, None]
+    pos_T = torch.arange(q_offset, q_offset + T, device=idx.device, dtype=torch.int32)
+    local_T = (pos_T // block_size)[None, :, None, None]
     idx = torch.where((idx < 0) | (idx > local_T), -1, idx)
     idx, _ = idx.sort(dim=-1)
     dup = torch.zeros_like(idx, dtype=torch.bool)
@@ -114,11 +117,12 @@ def _chunk(T: int, per_query_bytes: int) -> int:
     return max(1, min(T, PARTIAL_BYTES // max(1, per_query_bytes)))
 
 
-def sparse_forward(q, k, v, idx, block_size, scale):
-    """o [B, T, Hq, D] (q dtype), lse fp32 [B, T, Hq]; idx cleaned int32 [B, T, G, K]."""
+def sparse_forward(q, k, v, idx, block_size, scale, q_offset=0):
+    """o [B, T, Hq, D] (q dtype), lse fp32 [B, T, Hq]; idx cleaned int32 [B, T, G, K]; k, v [B, TK, G, D]."""
     B, T, Hq, G, H, HP, D = _geometry(q, k, block_size)
+    TK = k.shape[1]
     K = idx.shape[-1]
-    N = triton.cdiv(T, block_size)
+    N = triton.cdiv(TK, block_size)
     part_dtype = q.dtype
     o = torch.empty_like(q)
     lse = torch.empty(B, T, Hq, dtype=torch.float32, device=q.device)
@@ -134,7 +138,7 @@ def sparse_forward(q, k, v, idx, block_size, scale):
         po = torch.empty(E * H, D, dtype=part_dtype, device=q.device)
         plse = torch.empty(E * H, dtype=torch.float32, device=q.device)
         sparse_fwd_kernel[(tb.numel(),)](
-            q, k, v, po, plse, index.entry, tb, ts, tc, T, t1 - t0, t0, N, scale * LOG2E,
+            q, k, v, po, plse, index.entry, tb, ts, tc, T, TK, t1 - t0, t0, q_offset, N, scale * LOG2E,
             HQ=Hq, HKV=G, SLOTS=K, H=H, HP=HP, QT=QT, BS=block_size, BN=BN, D=D,
             num_warps=TUNING["fwd_warps"], num_stages=TUNING["fwd_stages"])
         sparse_fwd_combine_kernel[(B * (t1 - t0) * G,)](
@@ -152,11 +156,12 @@ def _delta(do, o):
     return delta
 
 
-def sparse_backward(do, q, k, v, o, lse, idx, block_size, scale):
+def sparse_backward(do, q, k, v, o, lse, idx, block_size, scale, q_offset=0):
     """(dq, dk, dv) of `sparse_forward`, in the input dtype."""
     B, T, Hq, G, H, HP, D = _geometry(q, k, block_size)
+    TK = k.shape[1]
     K = idx.shape[-1]
-    N = triton.cdiv(T, block_size)
+    N = triton.cdiv(TK, block_size)
     delta = _delta(do, o)
     dq = torch.empty_like(q)
     dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
@@ -181,13 +186,13 @@ def sparse_backward(do, q, k, v, o, lse, idx, block_size, scale):
         dvp = torch.empty_like(dkp)
         sparse_bwd_kernel[(ib.numel(),)](
             q, k, v, do, lse, delta, dqp, dkp, dvp, index.entry, ib, istart, icount,
-            T, t1 - t0, t0, N, scale * LOG2E, scale,
+            T, TK, t1 - t0, t0, q_offset, N, scale * LOG2E, scale,
             HQ=Hq, HKV=G, SLOTS=K, H=H, HP=HP, QT=QT, BS=block_size, D=D,
             num_warps=TUNING["bwd_warps"], num_stages=TUNING["bwd_stages"])
         runs = (index.count + per_item - 1) // per_item
         first = (torch.cumsum(runs, 0) - runs).to(torch.int32)
         sparse_bwd_reduce_kernel[(runs.numel(), block_size // rb)](
-            dkp, dvp, dk, dv, first, runs.to(torch.int32), T, N,
+            dkp, dvp, dk, dv, first, runs.to(torch.int32), TK, N,
             HKV=G, BS=block_size, RB=rb, D=D, num_warps=4)
         sparse_dq_combine_kernel[(B * (t1 - t0) * G,)](
             dqp, idx_c, dq, T, t1 - t0, t0, HQ=Hq, HKV=G, SLOTS=K, H=H, HP=HP, D=D, num_warps=4)
@@ -200,33 +205,35 @@ def _dense_tiles(D: int) -> tuple[int, int]:
     return 128, 64
 
 
-def dense_forward(q, k, v, scale):
+def dense_forward(q, k, v, scale, q_offset=0):
     B, T, Hq, G, H, _, D = _geometry(q, k, 16)
     o = torch.empty_like(q)
     lse = torch.empty(B, T, Hq, dtype=torch.float32, device=q.device)
     BM, BN = _dense_tiles(D)
     dense_fwd_kernel[(triton.cdiv(T, BM), B * Hq)](
-        q, k, v, o, lse, T, scale * LOG2E, HQ=Hq, HKV=G, H=H, BM=BM, BN=BN, D=D, FOR_LOOPS=not _interpreting(),
+        q, k, v, o, lse, T, k.shape[1], q_offset, scale * LOG2E,
+        HQ=Hq, HKV=G, H=H, BM=BM, BN=BN, D=D, FOR_LOOPS=not _interpreting(),
         num_warps=8, num_stages=3)
     return o, lse
 
 
-def dense_backward(do, q, k, v, o, lse, scale):
+def dense_backward(do, q, k, v, o, lse, scale, q_offset=0):
     B, T, Hq, G, H, _, D = _geometry(q, k, 16)
+    TK = k.shape[1]
     delta = _delta(do, o)
     dq = torch.empty_like(q)
     BM, BN, warps, stages = (16, 32, 4, 1) if _interpreting() else TUNING["dense_dkdv"]
-    dkp = torch.empty(B, T, Hq, D, dtype=torch.float32, device=q.device)
+    dkp = torch.empty(B, TK, Hq, D, dtype=torch.float32, device=q.device)
     dvp = torch.empty_like(dkp)
-    dense_bwd_dkdv_kernel[(triton.cdiv(T, BN), B * Hq)](
-        q, k, v, do, lse, delta, dkp, dvp, T, scale * LOG2E, scale,
+    dense_bwd_dkdv_kernel[(triton.cdiv(TK, BN), B * Hq)](
+        q, k, v, do, lse, delta, dkp, dvp, T, TK, q_offset, scale * LOG2E, scale,
         HQ=Hq, HKV=G, H=H, BM=BM, BN=BN, D=D, FOR_LOOPS=not _interpreting(),
         num_warps=warps, num_stages=stages)
-    dk = dkp.view(B, T, G, H, D).sum(3).to(k.dtype)
-    dv = dvp.view(B, T, G, H, D).sum(3).to(v.dtype)
+    dk = dkp.view(B, TK, G, H, D).sum(3).to(k.dtype)
+    dv = dvp.view(B, TK, G, H, D).sum(3).to(v.dtype)
     BM, BN = (32, 16) if _interpreting() else (128, 32)
     dense_bwd_dq_kernel[(triton.cdiv(T, BM), B * Hq)](
-        q, k, v, do, lse, delta, dq, T, scale * LOG2E, scale,
+        q, k, v, do, lse, delta, dq, T, TK, q_offset, scale * LOG2E, scale,
         HQ=Hq, HKV=G, H=H, BM=BM, BN=BN, D=D, FOR_LOOPS=not _interpreting(),
         num_warps=8, num_stages=2)
     return dq, dk, dv
@@ -234,38 +241,41 @@ def dense_backward(do, q, k, v, o, lse, scale):
 
 class SparseAttentionTriton(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, block_idx, block_size, scale):
+    def forward(ctx, q, k, v, block_idx, block_size, scale, q_offset):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        idx = None if block_idx is None else clean_block_idx(block_idx, block_size)
+        idx = None if block_idx is None else clean_block_idx(block_idx, block_size, q_offset)
         if idx is None:
-            o, lse = dense_forward(q, k, v, scale)
+            o, lse = dense_forward(q, k, v, scale, q_offset)
         else:
-            o, lse = sparse_forward(q, k, v, idx, block_size, scale)
+            o, lse = sparse_forward(q, k, v, idx, block_size, scale, q_offset)
         ctx.save_for_backward(q, k, v, o, lse, idx)
-        ctx.args = (block_size, scale)
+        ctx.args = (block_size, scale, q_offset)
         ctx.mark_non_differentiable(lse)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, _dlse):
         q, k, v, o, lse, idx = ctx.saved_tensors
-        block_size, scale = ctx.args
+        block_size, scale, q_offset = ctx.args
         do = do.contiguous()
         if idx is None:
-            dq, dk, dv = dense_backward(do, q, k, v, o, lse, scale)
+            dq, dk, dv = dense_backward(do, q, k, v, o, lse, scale, q_offset)
         else:
-            dq, dk, dv = sparse_backward(do, q, k, v, o, lse, idx, block_size, scale)
-        return dq, dk, dv, None, None, None
+            dq, dk, dv = sparse_backward(do, q, k, v, o, lse, idx, block_size, scale, q_offset)
+        return dq, dk, dv, None, None, None, None
 
 
 def sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor | None,
-                            block_size: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                            block_size: int, scale: float, q_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused sparse (or, with block_idx None, dense causal) attention.
 
-    q [B, T, Hq, D], k/v [B, T, Hkv, D] in bf16 or fp16 (fp32 only under Triton's interpreter);
-    block_idx int [B, T, Hkv, K] or None. Returns o [B, T, Hq, D] (q dtype) and lse fp32 [B, T, Hq]
+    q [B, T, Hq, D], k/v [B, TK, Hkv, D] in bf16 or fp16 (fp32 only under Triton's interpreter);
+    block_idx int [B, T, Hkv, K] or None. Query t sits at position q_offset + t and TK = q_offset + T
+    (the keys of the causal prefix). Returns o [B, T, Hq, D] (q dtype) and lse fp32 [B, T, Hq]
     (not differentiable). Inputs are made contiguous.
     """
+    if k.shape[1] != q_offset + q.shape[1]:
+        raise ValueError(f"keys cover {k.shape[1]} tokens; q_offset + T = {q_offset + q.shape[1]}")
     if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise TypeError(f"the Triton sparse_attention supports bf16 and fp16, got {q.dtype}")
     # fp32 runs only in Triton's interpreter (exact): compiled on an H200 (triton 3.6) the tf32
@@ -273,4 +283,4 @@ def sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b
     if q.dtype == torch.float32 and not _interpreting():
         raise TypeError("the Triton sparse_attention does not take fp32 on GPUs; cast q, k, v to bf16/fp16 "
                         "or use backend='reference'")
-    return SparseAttentionTriton.apply(q, k, v, block_idx, block_size, scale)
+    return SparseAttentionTriton.apply(q, k, v, block_idx, block_size, scale, int(q_offset))

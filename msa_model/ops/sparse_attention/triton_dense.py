@@ -5,7 +5,8 @@ Backward: dK/dV shares per (key tile, query head), looping over the query tiles 
 tile (register accumulation), then summed over each group's heads (no atomics); dQ per (query
 tile, head).
 
-B = batch, T = tokens, HQ = query heads, HKV = key/value heads, H = heads per group, D = head dim.
+B = batch, T = queries, TK = keys (query t sits at position QOFF + t; TK = QOFF + T), HQ = query
+heads, HKV = key/value heads, H = heads per group, D = head dim.
 """
 
 from __future__ import annotations
@@ -17,13 +18,13 @@ from .triton_sparse import mm
 
 
 @triton.jit
-def _fwd_step(q, K, V, b, g, k0, tq, T, m, l, acc, qk_scale, HKV: tl.constexpr, BN: tl.constexpr,
+def _fwd_step(q, K, V, b, g, k0, pos, TK, m, l, acc, qk_scale, HKV: tl.constexpr, BN: tl.constexpr,
               D: tl.constexpr, MASK: tl.constexpr):
     d = tl.arange(0, D)
     j = k0 + tl.arange(0, BN)
-    kv = ((b * T + j) * HKV + g) * D
+    kv = ((b * TK + j) * HKV + g) * D
     if MASK:
-        kmask = j < T
+        kmask = j < TK
         kt = tl.load(K + kv[:, None] + d[None, :], mask=kmask[:, None], other=0.0)
         vt = tl.load(V + kv[:, None] + d[None, :], mask=kmask[:, None], other=0.0)
     else:
@@ -31,7 +32,7 @@ def _fwd_step(q, K, V, b, g, k0, tq, T, m, l, acc, qk_scale, HKV: tl.constexpr, 
         vt = tl.load(V + kv[:, None] + d[None, :])
     s = mm(q, tl.trans(kt)) * qk_scale
     if MASK:
-        s = tl.where(j[None, :] <= tq[:, None], s, float("-inf"))
+        s = tl.where(j[None, :] <= pos[:, None], s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(s - m_new[:, None])
@@ -41,7 +42,7 @@ def _fwd_step(q, K, V, b, g, k0, tq, T, m, l, acc, qk_scale, HKV: tl.constexpr, 
 
 
 @triton.jit
-def dense_fwd_kernel(Q, K, V, O, LSE, T, qk_scale,
+def dense_fwd_kernel(Q, K, V, O, LSE, T, TK, QOFF, qk_scale,
                      HQ: tl.constexpr, HKV: tl.constexpr, H: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, FOR_LOOPS: tl.constexpr):
     """o [B, T, HQ, D] (q dtype) and lse [B, T, HQ] (fp32, natural log)."""
@@ -58,28 +59,30 @@ def dense_fwd_kernel(Q, K, V, O, LSE, T, qk_scale,
     m = tl.full([BM], float("-inf"), tl.float32)
     l = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, D], tl.float32)
-    # key tiles strictly below the diagonal need no mask; BM is a multiple of BN
-    lo = mid * BM
-    hi = tl.minimum((mid + 1) * BM, T)
+    pos = QOFF + tq
+    # key tiles that end before the tile's first position need no mask (with QOFF = 0 that is
+    # every tile before mid * BM, BM being a multiple of BN)
+    lo = (QOFF + mid * BM) // BN * BN
+    hi = QOFF + tl.minimum((mid + 1) * BM, T)
     if FOR_LOOPS:
         for k0 in range(0, lo, BN):
-            m, l, acc = _fwd_step(q, K, V, b, g, k0, tq, T, m, l, acc, qk_scale, HKV, BN, D, False)
+            m, l, acc = _fwd_step(q, K, V, b, g, k0, pos, TK, m, l, acc, qk_scale, HKV, BN, D, False)
         for k0 in range(lo, hi, BN):
-            m, l, acc = _fwd_step(q, K, V, b, g, k0, tq, T, m, l, acc, qk_scale, HKV, BN, D, True)
+            m, l, acc = _fwd_step(q, K, V, b, g, k0, pos, TK, m, l, acc, qk_scale, HKV, BN, D, True)
     else:
         k0 = lo * 0
         while k0 < lo:
-            m, l, acc = _fwd_step(q, K, V, b, g, k0, tq, T, m, l, acc, qk_scale, HKV, BN, D, False)
+            m, l, acc = _fwd_step(q, K, V, b, g, k0, pos, TK, m, l, acc, qk_scale, HKV, BN, D, False)
             k0 += BN
         while k0 < hi:
-            m, l, acc = _fwd_step(q, K, V, b, g, k0, tq, T, m, l, acc, qk_scale, HKV, BN, D, True)
+            m, l, acc = _fwd_step(q, K, V, b, g, k0, pos, TK, m, l, acc, qk_scale, HKV, BN, D, True)
             k0 += BN
     tl.store(O + row[:, None] * D + d[None, :], (acc / l[:, None]).to(O.dtype.element_ty), mask=qmask[:, None])
     tl.store(LSE + row, (m + tl.log2(l)) * 0.6931471805599453, mask=qmask)
 
 
 @triton.jit
-def _dkdv_step(Q, DO, LSE, DELTA, kt, vt, dk, dv, b, h, m0, j, T, qk_scale, HQ: tl.constexpr,
+def _dkdv_step(Q, DO, LSE, DELTA, kt, vt, dk, dv, b, h, m0, j, T, QOFF, qk_scale, HQ: tl.constexpr,
                BM: tl.constexpr, D: tl.constexpr):
     d = tl.arange(0, D)
     tq = m0 + tl.arange(0, BM)
@@ -90,7 +93,7 @@ def _dkdv_step(Q, DO, LSE, DELTA, kt, vt, dk, dv, b, h, m0, j, T, qk_scale, HQ: 
     lse2 = tl.load(LSE + row, mask=qmask, other=0.0) * 1.4426950408889634
     delta = tl.load(DELTA + row, mask=qmask, other=0.0)
     s = mm(q, tl.trans(kt)) * qk_scale
-    vis = (j[None, :] <= tq[:, None]) & qmask[:, None]
+    vis = (j[None, :] <= QOFF + tq[:, None]) & qmask[:, None]
     p = tl.where(vis, tl.exp2(s - lse2[:, None]), 0.0)
     dv += mm(tl.trans(p.to(do.dtype)), do)
     dp = mm(do, tl.trans(vt))
@@ -100,10 +103,10 @@ def _dkdv_step(Q, DO, LSE, DELTA, kt, vt, dk, dv, b, h, m0, j, T, qk_scale, HQ: 
 
 
 @triton.jit
-def dense_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, T, qk_scale, sm_scale,
+def dense_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, T, TK, QOFF, qk_scale, sm_scale,
                           HQ: tl.constexpr, HKV: tl.constexpr, H: tl.constexpr,
                           BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, FOR_LOOPS: tl.constexpr):
-    """Per-head shares of dk, dv (fp32 [B, T, HQ, D]) for one key tile of BN and one query head;
+    """Per-head shares of dk, dv (fp32 [B, TK, HQ, D]) for one key tile of BN and one query head;
     the caller sums the heads of each group (one program per head keeps the grid wide)."""
     nid = tl.program_id(0)
     bh = tl.program_id(1)
@@ -112,37 +115,38 @@ def dense_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, T, qk_scale, sm_scale
     g = h // H
     d = tl.arange(0, D)
     j = nid * BN + tl.arange(0, BN)
-    kmask = j < T
-    kv = ((b * T + j) * HKV + g) * D
+    kmask = j < TK
+    kv = ((b * TK + j) * HKV + g) * D
     kt = tl.load(K + kv[:, None] + d[None, :], mask=kmask[:, None], other=0.0)
     vt = tl.load(V + kv[:, None] + d[None, :], mask=kmask[:, None], other=0.0)
     dk = tl.zeros([BN, D], tl.float32)
     dv = tl.zeros([BN, D], tl.float32)
-    m_lo = (nid * BN // BM) * BM
+    # the first query tile holding a position at or after the key tile's first key
+    m_lo = (tl.maximum(nid * BN - QOFF, 0) // BM) * BM
     if FOR_LOOPS:
         for m0 in range(m_lo, T, BM):
-            dk, dv = _dkdv_step(Q, DO, LSE, DELTA, kt, vt, dk, dv, b, h, m0, j, T, qk_scale, HQ, BM, D)
+            dk, dv = _dkdv_step(Q, DO, LSE, DELTA, kt, vt, dk, dv, b, h, m0, j, T, QOFF, qk_scale, HQ, BM, D)
     else:
         m0 = m_lo
         while m0 < T:
-            dk, dv = _dkdv_step(Q, DO, LSE, DELTA, kt, vt, dk, dv, b, h, m0, j, T, qk_scale, HQ, BM, D)
+            dk, dv = _dkdv_step(Q, DO, LSE, DELTA, kt, vt, dk, dv, b, h, m0, j, T, QOFF, qk_scale, HQ, BM, D)
             m0 += BM
-    out = ((b * T + j) * HQ + h)[:, None] * D + d[None, :]
+    out = ((b * TK + j) * HQ + h)[:, None] * D + d[None, :]
     tl.store(DK + out, dk * sm_scale, mask=kmask[:, None])
     tl.store(DV + out, dv, mask=kmask[:, None])
 
 
 @triton.jit
-def _dq_step(K, V, q, do, lse2, delta, dq, b, g, k0, tq, qmask, T, qk_scale, HKV: tl.constexpr,
+def _dq_step(K, V, q, do, lse2, delta, dq, b, g, k0, pos, qmask, TK, qk_scale, HKV: tl.constexpr,
              BN: tl.constexpr, D: tl.constexpr):
     d = tl.arange(0, D)
     j = k0 + tl.arange(0, BN)
-    kmask = j < T
-    kv = ((b * T + j) * HKV + g) * D
+    kmask = j < TK
+    kv = ((b * TK + j) * HKV + g) * D
     kt = tl.load(K + kv[:, None] + d[None, :], mask=kmask[:, None], other=0.0)
     vt = tl.load(V + kv[:, None] + d[None, :], mask=kmask[:, None], other=0.0)
     s = mm(q, tl.trans(kt)) * qk_scale
-    vis = (j[None, :] <= tq[:, None]) & qmask[:, None]
+    vis = (j[None, :] <= pos[:, None]) & qmask[:, None]
     p = tl.where(vis, tl.exp2(s - lse2[:, None]), 0.0)
     dp = mm(do, tl.trans(vt))
     ds = p * (dp - delta[:, None])
@@ -151,7 +155,7 @@ def _dq_step(K, V, q, do, lse2, delta, dq, b, g, k0, tq, qmask, T, qk_scale, HKV
 
 
 @triton.jit
-def dense_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, T, qk_scale, sm_scale,
+def dense_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, T, TK, QOFF, qk_scale, sm_scale,
                         HQ: tl.constexpr, HKV: tl.constexpr, H: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, FOR_LOOPS: tl.constexpr):
     """dq [B, T, HQ, D] for one query tile of BM and one head."""
@@ -169,13 +173,14 @@ def dense_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, T, qk_scale, sm_scale,
     lse2 = tl.load(LSE + row, mask=qmask, other=0.0) * 1.4426950408889634
     delta = tl.load(DELTA + row, mask=qmask, other=0.0)
     dq = tl.zeros([BM, D], tl.float32)
-    hi = tl.minimum((mid + 1) * BM, T)
+    hi = QOFF + tl.minimum((mid + 1) * BM, T)
+    pos = QOFF + tq
     if FOR_LOOPS:
         for k0 in range(0, hi, BN):
-            dq = _dq_step(K, V, q, do, lse2, delta, dq, b, g, k0, tq, qmask, T, qk_scale, HKV, BN, D)
+            dq = _dq_step(K, V, q, do, lse2, delta, dq, b, g, k0, pos, qmask, TK, qk_scale, HKV, BN, D)
     else:
         k0 = hi * 0
         while k0 < hi:
-            dq = _dq_step(K, V, q, do, lse2, delta, dq, b, g, k0, tq, qmask, T, qk_scale, HKV, BN, D)
+            dq = _dq_step(K, V, q, do, lse2, delta, dq, b, g, k0, pos, qmask, TK, qk_scale, HKV, BN, D)
             k0 += BN
     tl.store(DQ + row[:, None] * D + d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty), mask=qmask[:, None])

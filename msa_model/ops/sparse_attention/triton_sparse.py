@@ -8,9 +8,10 @@ kernel merges each query's K partials (no atomics, any block popularity). The ba
 same buckets: dK/dV accumulate in registers over a run of tiles (a *work item*), dQ partials are
 written per entry and summed per query; everything is deterministic.
 
-B = batch, T = tokens, C = queries of the current chunk, G = key/value heads (groups),
-H = query heads per group (HP: next power of two), K = top-k slots, N = key blocks,
-BS = block size, D = head dim, E = entries of a chunk (B*C*G*K), R = matrix rows of a tile.
+B = batch, T = queries, TK = keys (query t sits at position QOFF + t; TK = QOFF + T), C = queries
+of the current chunk, G = key/value heads (groups), H = query heads per group (HP: next power of
+two), K = top-k slots, N = key blocks, BS = block size, D = head dim, E = entries of a chunk
+(B*C*G*K), R = matrix rows of a tile.
 Triple id of (b, c, g, slot) = ((b*C + c)*G + g)*K + slot, the flat index into [B, C, G, K].
 """
 
@@ -54,7 +55,7 @@ def _tile_rows(ENTRY, start, i0, count, C, t0, HKV: tl.constexpr, SLOTS: tl.cons
 
 @triton.jit
 def sparse_fwd_kernel(Q, K, V, PO, PLSE, ENTRY, TILE_BUCKET, TILE_START, TILE_COUNT,
-                      T, C, t0, NBLK, qk_scale,
+                      T, TK, C, t0, QOFF, NBLK, qk_scale,
                       HQ: tl.constexpr, HKV: tl.constexpr, SLOTS: tl.constexpr, H: tl.constexpr,
                       HP: tl.constexpr, QT: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
                       D: tl.constexpr):
@@ -79,13 +80,13 @@ def sparse_fwd_kernel(Q, K, V, PO, PLSE, ENTRY, TILE_BUCKET, TILE_START, TILE_CO
     acc = tl.zeros([R, D], tl.float32)
     for c0 in range(0, BS, BN):
         j = n * BS + c0 + tl.arange(0, BN)
-        kv = ((b * T + j) * HKV + g) * D
-        kmask = j < T
+        kv = ((b * TK + j) * HKV + g) * D
+        kmask = j < TK
         kt = tl.load(K + kv[:, None] + d[None, :], mask=kmask[:, None], other=0.0)
         vt = tl.load(V + kv[:, None] + d[None, :], mask=kmask[:, None], other=0.0)
         s = mm(q, tl.trans(kt)) * qk_scale
-        # j <= t also keeps j < T; rows past `count` see nothing
-        vis = (j[None, :] <= t[:, None]) & row_ok[:, None]
+        # query t sits at position QOFF + t; j <= QOFF + t also keeps j < TK; rows past `count` see nothing
+        vis = (j[None, :] <= QOFF + t[:, None]) & row_ok[:, None]
         s = tl.where(vis, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -137,7 +138,7 @@ def sparse_fwd_combine_kernel(PO, PLSE, IDX, O, LSE, T, C, t0,
 
 @triton.jit
 def sparse_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQP, DKP, DVP, ENTRY, ITEM_BUCKET, ITEM_START, ITEM_COUNT,
-                      T, C, t0, NBLK, qk_scale, sm_scale,
+                      T, TK, C, t0, QOFF, NBLK, qk_scale, sm_scale,
                       HQ: tl.constexpr, HKV: tl.constexpr, SLOTS: tl.constexpr, H: tl.constexpr,
                       HP: tl.constexpr, QT: tl.constexpr, BS: tl.constexpr, D: tl.constexpr):
     """One work item (a run of tiles of one bucket): dK/dV partials [items, BS, D] (fp32), dQ partials
@@ -153,8 +154,8 @@ def sparse_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQP, DKP, DVP, ENTRY, ITEM_BUCKET
     b = (bucket // (NBLK * HKV)).to(tl.int64)
     d = tl.arange(0, D)
     j = n * BS + tl.arange(0, BS)
-    kv = ((b * T + j) * HKV + g) * D
-    kmask = j < T
+    kv = ((b * TK + j) * HKV + g) * D
+    kmask = j < TK
     kt = tl.load(K + kv[:, None] + d[None, :], mask=kmask[:, None], other=0.0)
     vt = tl.load(V + kv[:, None] + d[None, :], mask=kmask[:, None], other=0.0)
     dk = tl.zeros([BS, D], tl.float32)
@@ -169,7 +170,7 @@ def sparse_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQP, DKP, DVP, ENTRY, ITEM_BUCKET
         lse2 = tl.load(LSE + row, mask=row_ok, other=0.0) * 1.4426950408889634
         delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
         s = mm(q, tl.trans(kt)) * qk_scale
-        vis = (j[None, :] <= t[:, None]) & row_ok[:, None]
+        vis = (j[None, :] <= QOFF + t[:, None]) & row_ok[:, None]
         p = tl.where(vis, tl.exp2(s - lse2[:, None]), 0.0)
         dv += mm(tl.trans(p.to(do.dtype)), do)
         dp = mm(do, tl.trans(vt))
@@ -185,9 +186,9 @@ def sparse_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQP, DKP, DVP, ENTRY, ITEM_BUCKET
 
 
 @triton.jit
-def sparse_bwd_reduce_kernel(DKP, DVP, DK, DV, ITEM_FIRST, ITEM_NUM, T, NBLK,
+def sparse_bwd_reduce_kernel(DKP, DVP, DK, DV, ITEM_FIRST, ITEM_NUM, TK, NBLK,
                              HKV: tl.constexpr, BS: tl.constexpr, RB: tl.constexpr, D: tl.constexpr):
-    """dK/dV (fp32 [B, T, G, D], accumulated across query chunks) += the work items of one bucket,
+    """dK/dV (fp32 [B, TK, G, D], accumulated across query chunks) += the work items of one bucket,
     in order (deterministic)."""
     bucket = tl.program_id(0)
     nitem = tl.load(ITEM_NUM + bucket)
@@ -200,8 +201,8 @@ def sparse_bwd_reduce_kernel(DKP, DVP, DK, DV, ITEM_FIRST, ITEM_NUM, T, NBLK,
     rr = tl.program_id(1) * RB + tl.arange(0, RB)
     d = tl.arange(0, D)
     j = n * BS + rr
-    dst = ((b * T + j) * HKV + g)[:, None] * D + d[None, :]
-    jmask = (j < T)[:, None]
+    dst = ((b * TK + j) * HKV + g)[:, None] * D + d[None, :]
+    jmask = (j < TK)[:, None]
     acc_k = tl.load(DK + dst, mask=jmask, other=0.0)
     acc_v = tl.load(DV + dst, mask=jmask, other=0.0)
     it = first.to(tl.int64)
