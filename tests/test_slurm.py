@@ -30,9 +30,11 @@ REPO = Path(__file__).resolve().parents[1]
 CLUSTER = REPO / "launch" / "local_cluster.sh"
 PY = sys.executable
 MAX_STEPS = 8
-# a few seconds per step on 2 shared cores; start-up (imports, rendezvous) dominates
+# a few seconds per step on 2 shared cores; start-up (imports, rendezvous) dominates. 256 tokens a
+# step: indexer warmup for steps 1-3, top-k from step 4
 TINY = [
     f"trainer.max_steps={MAX_STEPS}", "model.seq_length=64", "model.msa.block_size=16", "model.msa.topk=2",
+    "trainer.indexer_warmup_tokens=768",
     "parallel.micro_batch_size=2", "parallel.global_batch_size=4", "optim.warmup_steps=1",
     "data.max_bytes=300000", "checkpoint.keep=0", "logging.log_interval=1", "logging.wandb_mode=disabled",
     "logging.tensorboard=false", "logging.progress_bar=false",
