@@ -22,13 +22,17 @@ def _chunks(T: int, heads: int, q_offset: int = 0):
         yield t0, min(T, t0 + step)
 
 
-def _probs(q_BCGHD, k_BJGD, mask_BCGJ, scale, lse_BCGH, cdt):
-    """Softmax probabilities [B, C, G, H, J] (fp32, fp64 for fp64 inputs) from the saved lse; zero off the support."""
+def _scores(q_BCGHD, k_BJGD, mask_BCGJ, scale, cdt):
+    """Scaled logits [B, C, G, H, J] (fp32, fp64 for fp64 inputs), -inf off the support; the
+    matmul runs in `cdt`."""
     acc = torch.promote_types(cdt, torch.float32)
     s = torch.einsum("bcghd,bjgd->bcghj", q_BCGHD.to(cdt), k_BJGD.to(cdt)).to(acc) * scale
-    s = s.masked_fill(~mask_BCGJ[:, :, :, None, :], float("-inf"))
-    lse = torch.where(torch.isinf(lse_BCGH), torch.zeros_like(lse_BCGH), lse_BCGH)
-    return torch.exp(s - lse[..., None])
+    return s.masked_fill(~mask_BCGJ[:, :, :, None, :], float("-inf"))
+
+
+def _exp_minus(s, lse):
+    """exp(s - lse), where an empty support (lse = -inf, every s = -inf) gives zeros, not NaN."""
+    return torch.exp(s - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)[..., None])
 
 
 def sparse_attention_forward(q, k, v, block_idx, block_size, scale, upcast=True, q_offset=0):
@@ -46,10 +50,9 @@ def sparse_attention_forward(q, k, v, block_idx, block_size, scale, upcast=True,
     for t0, t1 in _chunks(T, Hq, q_offset):
         e = q_offset + t1
         mask = support_mask(block_idx, t0, t1, e, block_size, G, B, q.device, q_offset)
-        s = torch.einsum("bcghd,bjgd->bcghj", q5[:, t0:t1].to(cdt), k[:, :e].to(cdt)).to(acc) * scale
-        s = s.masked_fill(~mask[:, :, :, None, :], float("-inf"))
+        s = _scores(q5[:, t0:t1], k[:, :e], mask, scale, cdt)
         lse_c = torch.logsumexp(s, dim=-1)
-        p = torch.exp(s - torch.where(torch.isinf(lse_c), torch.zeros_like(lse_c), lse_c)[..., None])
+        p = _exp_minus(s, lse_c)
         o_c = torch.einsum("bcghj,bjgd->bcghd", p.to(cdt), v[:, :e].to(cdt))
         o[:, t0:t1] = o_c.reshape(B, t1 - t0, Hq, D).to(q.dtype)
         lse[:, t0:t1] = lse_c.reshape(B, t1 - t0, Hq)
@@ -73,7 +76,7 @@ def sparse_attention_backward(do, q, k, v, o, lse, block_idx, block_size, scale,
     for t0, t1 in _chunks(T, Hq, q_offset):
         e = q_offset + t1
         mask = support_mask(block_idx, t0, t1, e, block_size, G, B, q.device, q_offset)
-        p = _probs(q5[:, t0:t1], k[:, :e], mask, scale, lse5[:, t0:t1], cdt)
+        p = _exp_minus(_scores(q5[:, t0:t1], k[:, :e], mask, scale, cdt), lse5[:, t0:t1])
         do_c = do5[:, t0:t1].to(cdt)
         dp = torch.einsum("bcghd,bjgd->bcghj", do_c, v[:, :e].to(cdt)).to(acc)
         ds = p * (dp - delta[:, t0:t1, ..., None])
