@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -17,11 +16,6 @@ from skeleton_helpers import REPO, TINY_TEST, _env, metrics, run_train
 # switch to top-k after step 4, i.e. after the resume point: the warmup state must survive it
 COMMON = ("trainer.max_steps=6", "trainer.indexer_warmup_tokens=4096", "checkpoint.interval=0")
 COMPARED = ("lm_loss", "kl_loss", "moe_aux_loss", "grad_norm", "lr", "keys_per_query", "phase", "tokens")
-
-
-@pytest.fixture(scope="module")
-def data_cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("data-cache")
 
 
 def test_stop_and_resume_reproduces_the_uninterrupted_run_exactly(tmp_path, data_cache):

@@ -3,7 +3,6 @@ and run files appear; the dense baseline trains; a dense checkpoint initialises 
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
@@ -11,11 +10,6 @@ from skeleton_helpers import metrics, run_train
 
 # 4 samples x 256 tokens per step: warmup covers steps 1-3, top-k from step 4
 WARMUP_3_STEPS = "trainer.indexer_warmup_tokens=3072"
-
-
-@pytest.fixture(scope="module")
-def data_cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("data-cache")
 
 
 @pytest.fixture(scope="module")
