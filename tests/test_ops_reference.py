@@ -80,7 +80,8 @@ def brute_force_select(iq, ik, block_size, topk, force_sink=False):
                 for n in range(local + 1):
                     keys = range(n * block_size, min((n + 1) * block_size, t + 1))
                     best = max(s[b, t, g, j].item() for j in keys)
-                    forced = n == local or (force_sink and n == 0)
+                    # the local block outranks the sink, which outranks every scored block
+                    forced = 2 if n == local else int(force_sink and n == 0)
                     scores.append((forced, best, n))
                 scores.sort(reverse=True)
                 out[b, t, g] = sorted(n for _, _, n in scores[:topk])
@@ -95,7 +96,7 @@ def as_sets(block_idx):
 
 @pytest.mark.parametrize("T,block_size,topk,Hkv,force_sink", [
     (1, 16, 4, 1, False), (63, 16, 2, 2, False), (200, 16, 3, 4, True), (130, 64, 2, 2, False),
-    (300, 128, 1, 1, False), (97, 16, 16, 2, True),
+    (300, 128, 1, 1, False), (97, 16, 16, 2, True), (96, 16, 1, 2, True), (96, 16, 2, 2, True),
 ])
 def test_selection_matches_brute_force(T, block_size, topk, Hkv, force_sink):
     _, _, _, iq, ik = rand_inputs(2, T, Hkv, Hkv, 8, 8, seed=T)

@@ -108,7 +108,10 @@ def check_block_idx(block_idx: torch.Tensor, B: int, T: int, Hkv: int, block_siz
     if block_idx.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"block_idx must be int32 or int64, got {block_idx.dtype}")
     n = num_blocks(q_offset + T, block_size)
-    if block_idx.numel() and (int(block_idx.min()) < -1 or int(block_idx.max()) >= n):
+    lo, hi = torch.aminmax(block_idx) if block_idx.numel() else (torch.tensor(-1), torch.tensor(-1))
+    # one host sync for both bounds
+    lo, hi = torch.stack([lo, hi]).tolist()
+    if lo < -1 or hi >= n:
         raise ValueError(f"block_idx holds ids outside [-1, {n - 1}] for {q_offset} + {T} keys, block_size={block_size}")
 
 

@@ -20,7 +20,7 @@ def indexer_kl_loss(q: torch.Tensor, k: torch.Tensor, iq: torch.Tensor, ik: torc
     block_idx int [B, T, Hkv, K] or None (dense warmup: support = all causal keys);
     lse float32 [B, T, Hq] from `sparse_attention` with the same block_idx (treated as constant).
     `scale` (default 1/sqrt(D)) is the main branch's, `index_scale` (default 1/sqrt(Di)) the
-    student's. Returns a float32 scalar; the KL coefficient is applied by the caller.
+    student's. Returns a float32 scalar (float64 for float64 index inputs); the KL coefficient is applied by the caller.
     `q_offset`: query t sits at position q_offset + t; k, ik hold the whole causal prefix
     [B, >= q_offset + T, ...] (context parallelism); the mean is over this call's queries.
     """
@@ -29,6 +29,8 @@ def indexer_kl_loss(q: torch.Tensor, k: torch.Tensor, iq: torch.Tensor, ik: torc
     _, _, _, Di = check_index(iq, ik, B, T, Hkv, q_offset)
     if block_idx is not None:
         check_block_idx(block_idx, B, T, Hkv, block_size, q_offset)
+    if not lse.is_floating_point():
+        raise TypeError(f"lse must be a floating tensor (float32 from sparse_attention), got {lse.dtype}")
     if lse.shape != (B, T, Hq):
         raise ValueError(f"lse must be [B, T, Hq] = {(B, T, Hq)}, got {tuple(lse.shape)}")
     scale = default_scale(D, scale)

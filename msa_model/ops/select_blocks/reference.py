@@ -38,10 +38,11 @@ def select_blocks_reference(iq_BTGI: torch.Tensor, ik_BTI: torch.Tensor, block_s
         pad = n_blk * block_size - key_end
         s_BCGJ = torch.nn.functional.pad(s_BCGJ, (0, pad), value=float("-inf"))
         bmax_BCGN = s_BCGJ.view(B, t1 - t0, G, n_blk, block_size).amax(-1)
-        forced_CN = torch.arange(n_blk, device=pos.device)[None, :] == (qpos_C // block_size)[:, None]
+        local_CN = torch.arange(n_blk, device=pos.device)[None, :] == (qpos_C // block_size)[:, None]
         if force_sink:
-            forced_CN[:, 0] = True
-        bmax_BCGN = bmax_BCGN.masked_fill(forced_CN[None, :, None, :], float("inf"))
+            # the sink ranks right below the local block, so topk=1 still keeps the local block
+            bmax_BCGN[..., 0] = torch.finfo(bmax_BCGN.dtype).max
+        bmax_BCGN = bmax_BCGN.masked_fill(local_CN[None, :, None, :], float("inf"))
         k = min(topk, n_blk)
         val_BCGK, idx_BCGK = bmax_BCGN.topk(k, dim=-1)
         # blocks past the causal horizon have every key masked: never select them

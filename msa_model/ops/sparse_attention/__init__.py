@@ -17,7 +17,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_id
     q: [B, T, Hq, D]; k, v: [B, T, Hkv, D] (same dtype); block_idx: int [B, T, Hkv, K] block ids,
     -1 = empty slot, or None for dense causal attention (indexer warmup). A key j is read by
     query t of group g iff j <= t and block(j) is among block_idx[b, t, g].
-    Returns o [B, T, Hq, D] in q's dtype and lse float32 [B, T, Hq], the natural-log
+    Returns o [B, T, Hq, D] in q's dtype and lse float32 (float64 for float64 inputs) [B, T, Hq], the natural-log
     normaliser over the support (-inf where the support is empty, and then o = 0).
     Differentiable in q, k, v. `scale` defaults to 1/sqrt(D).
     `q_offset`: query t sits at position q_offset + t; k, v [B, >= q_offset + T, Hkv, D] hold
@@ -29,7 +29,9 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_id
         check_block_idx(block_idx, B, T, Hkv, block_size, q_offset)
     scale = default_scale(D, scale)
     k, v = trim_keys(T, q_offset, k, v)
-    if resolve_backend(backend, q, k, v) == "triton":
+    # the fused kernels take fp16/bf16 on GPUs; "auto" keeps fp32 inputs on the exact reference
+    auto_fp32 = backend == "auto" and q.dtype not in (torch.float16, torch.bfloat16) and q.is_cuda
+    if not auto_fp32 and resolve_backend(backend, q, k, v) == "triton":
         return load_triton("sparse_attention").sparse_attention_triton(q, k, v, block_idx, block_size, scale,
                                                                        q_offset)
     return sparse_attention_reference(q, k, v, block_idx, block_size, scale, q_offset=q_offset)
