@@ -206,6 +206,21 @@ def validate(cfg, world_size: Optional[int] = None) -> None:
     """
     errors: list[str] = []
     m, msa, p, o, t = cfg.model, cfg.model.msa, cfg.parallel, cfg.optim, cfg.trainer
+    # sizes first: the divisibility checks below would divide by them
+    for name, value in (("model.num_layers", m.num_layers), ("model.hidden_size", m.hidden_size),
+                        ("model.num_attention_heads", m.num_attention_heads),
+                        ("model.num_query_groups", m.num_query_groups), ("model.head_dim", m.head_dim),
+                        ("model.seq_length", m.seq_length), ("model.msa.block_size", msa.block_size),
+                        ("model.msa.topk", msa.topk), ("model.msa.index_head_dim", msa.index_head_dim),
+                        ("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.ep", p.ep), ("parallel.cp", p.cp),
+                        ("parallel.micro_batch_size", p.micro_batch_size),
+                        ("parallel.global_batch_size", p.global_batch_size),
+                        ("logging.log_interval", cfg.logging.log_interval)):
+        _check(errors, value > 0, f"{name} must be positive, got {value}")
+    _check(errors, t.stop_at_step is None or 0 < t.stop_at_step < t.max_steps,
+           f"trainer.stop_at_step ({t.stop_at_step}) must be in (0, trainer.max_steps={t.max_steps})")
+    if errors:
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
     _check(errors, m.attention in ("msa", "dense"), f"model.attention must be msa or dense, got {m.attention!r}")
     _check(errors, m.num_attention_heads % m.num_query_groups == 0,
            f"model.num_attention_heads ({m.num_attention_heads}) must be a multiple of "

@@ -71,6 +71,10 @@ def test_wrong_type_is_an_error():
     (["model.moe_router_topk=8"], "model.moe_router_topk"),
     (["model.attention=sparse"], "model.attention"),
     (["resume=sometimes"], "resume"),
+    (["parallel.micro_batch_size=0"], "parallel.micro_batch_size must be positive"),
+    (["model.msa.block_size=0"], "model.msa.block_size must be positive"),
+    (["logging.log_interval=0"], "logging.log_interval must be positive"),
+    (["trainer.stop_at_step=500"], "trainer.stop_at_step"),
 ])
 def test_bad_values_fail_early_naming_the_field(overrides, field):
     cfg = _compose(*overrides)

@@ -91,3 +91,26 @@ def test_sigterm_finishes_the_step_saves_and_exits_cleanly(tmp_path, data_cache)
     assert f"stop requested by {sig.name}" in out
     # save_at_end=false: this checkpoint exists only because of the signal
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{last:08d}"
+
+
+def test_relaunch_with_stop_at_step_and_a_longer_schedule(tmp_path, data_cache):
+    """A job stopped at step 3 and relaunched with the same stop runs no step; a relaunch that
+    trains longer follows the new config's lr schedule, not the checkpoint's."""
+    base = ("trainer.indexer_warmup_tokens=2048", "checkpoint.interval=0", "checkpoint.keep=1")
+    straight = tmp_path / "straight"
+    run_train(straight, *base, "trainer.max_steps=6", data_cache=data_cache)
+
+    run = tmp_path / "run"
+    run_train(run, *base, "trainer.max_steps=4", "trainer.stop_at_step=3", data_cache=data_cache)
+    run_train(run, *base, "trainer.max_steps=4", "trainer.stop_at_step=3", data_cache=data_cache)
+    assert max(metrics(run)) == 3 and (run / "checkpoints" / "latest").read_text().strip() == "step_00000003"
+    assert "stop_at_step" not in (run / "launch.sh").read_text()
+
+    run_train(run, *base, "trainer.max_steps=6", data_cache=data_cache)
+    a, b = metrics(straight), metrics(run)
+    assert sorted(b) == list(range(1, 7))
+    # steps 4-6 run on the 6-step schedule; steps 1-3 ran on the 4-step one (a different decay)
+    for step in (4, 5, 6):
+        assert b[step]["lr"] == a[step]["lr"], step
+    assert b[3]["lr"] != a[3]["lr"]
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_00000006"]

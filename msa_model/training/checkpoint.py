@@ -49,7 +49,11 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     if not pointer.is_file():
         return None
     path = Path(root) / pointer.read_text().strip()
-    return path if path.is_dir() else None
+    if not path.is_dir():
+        # resuming from scratch here would silently throw a run away
+        raise FileNotFoundError(f"{pointer} names {path.name}, which does not exist; point it at a complete "
+                                "step_* directory or remove it")
+    return path
 
 
 def _rng_state() -> dict:
@@ -98,6 +102,10 @@ def save_checkpoint(trainer, root: str | Path, keep: int = 0) -> Path:
     root = Path(root)
     name = step_dir_name(trainer.state.step)
     tmp, final = root / f".tmp-{name}", root / name
+    if final.is_dir():
+        # a complete save of this very step exists (a relaunch that ran no step): replacing it
+        # would open a window in which `latest` names nothing
+        return final
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -105,8 +113,6 @@ def save_checkpoint(trainer, root: str | Path, keep: int = 0) -> Path:
     dist_checkpointing.save(_sharded_state(trainer, is_loading=False), str(tmp))
     dist.barrier()
     if dist.get_rank() == 0:
-        if final.exists():
-            shutil.rmtree(final)
         os.rename(tmp, final)
         pointer_tmp = root / f".{LATEST}.tmp"
         with open(pointer_tmp, "w") as f:
@@ -115,7 +121,10 @@ def save_checkpoint(trainer, root: str | Path, keep: int = 0) -> Path:
             os.fsync(f.fileno())
         os.replace(pointer_tmp, root / LATEST)
         if keep > 0:
-            for old in sorted(root.glob("step_*"))[:-keep]:
+            # only saves older than this one: a newer directory (left by a rollback of `latest`)
+            # is not ours to judge, and the one just saved is never pruned
+            older = sorted(p for p in root.glob("step_*") if p.name < name)
+            for old in older[: max(0, len(older) - (keep - 1))]:
                 shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final

@@ -42,6 +42,9 @@ def _build_optimizer(cfg, model_chunks):
         optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=o.warmup_steps,
         lr_decay_steps=o.decay_steps or max_steps, lr_decay_style=o.decay_style,
         start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=max_steps, wd_incr_style="constant",
+        # on resume the config's schedule wins (a relaunch may train longer or lower the lr); only
+        # the step count comes from the checkpoint
+        use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True,
     )
     return optimizer, scheduler
 

@@ -63,7 +63,8 @@ def git_description() -> str:
 
 def relaunch_command(run_dir: str) -> str:
     """The command that re-runs this job in the same run dir (so resume=auto continues it)."""
-    args = [a for a in sys.argv[1:] if not a.startswith(("run_dir=", "resume=", "dry_run="))]
+    # one-job settings stay out of the relaunch command
+    args = [a for a in sys.argv[1:] if not a.startswith(("run_dir=", "resume=", "dry_run=", "trainer.stop_at_step="))]
     args.append(f"run_dir={run_dir}")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and "LOCAL_WORLD_SIZE" in os.environ:

@@ -94,6 +94,9 @@ class Trainer:
             chunk.train()
         self._call("on_train_start")
         step_tokens = self.global_batch_size * self.seq_length
+        # a relaunch of a job that stopped at stop_at_step must not run one step more
+        if self.stop_at_step is not None and self.state.step >= self.stop_at_step:
+            self.state.stop_requested = True
         while self.state.step < self.max_steps and not self.state.stop_requested:
             self._call("on_step_start")
             metrics = self.train_step()
