@@ -89,7 +89,7 @@ def save(model, out: str | Path, metadata: dict) -> Path:
     """Write `model` as OUT/step_00000000 with a `latest` pointer (the trainer's layout)."""
     from megatron.core import dist_checkpointing
 
-    from msa_model.training.checkpoint import LATEST, step_dir_name
+    from msa_model.training.checkpoint import step_dir_name, write_latest
 
     out = Path(out)
     name = step_dir_name(0)
@@ -104,7 +104,7 @@ def save(model, out: str | Path, metadata: dict) -> Path:
     if dist.get_rank() == 0:
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
-        (out / LATEST).write_text(name + "\n")
+        write_latest(out, name)
     dist.barrier()
     return final
 

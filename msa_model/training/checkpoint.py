@@ -43,6 +43,16 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
+def write_latest(root: Path, name: str) -> None:
+    """Point `latest` at the complete save `name`: written aside, synced, then renamed over."""
+    pointer_tmp = root / f".{LATEST}.tmp"
+    with open(pointer_tmp, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(pointer_tmp, root / LATEST)
+
+
 def latest_checkpoint(root: str | Path) -> Path | None:
     """The complete checkpoint `latest` points at, or None."""
     pointer = Path(root) / LATEST
@@ -114,12 +124,7 @@ def save_checkpoint(trainer, root: str | Path, keep: int = 0) -> Path:
     dist.barrier()
     if dist.get_rank() == 0:
         os.rename(tmp, final)
-        pointer_tmp = root / f".{LATEST}.tmp"
-        with open(pointer_tmp, "w") as f:
-            f.write(name + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(pointer_tmp, root / LATEST)
+        write_latest(root, name)
         if keep > 0:
             # only saves older than this one: a newer directory (left by a rollback of `latest`)
             # is not ours to judge, and the one just saved is never pruned
