@@ -302,32 +302,40 @@ def profile(T, pat):
         log(f"  {ms:8.2f}  {name[:90]}")
 
 
+def _regs(name):
+    k = sa_triton.COMPILED.get(name)
+    return f"{getattr(k, 'n_regs', '?')} regs / {getattr(k, 'n_spills', '?')} spills"
+
+
 def tune(T):
-    q, k, v, do = inputs(T)
+    """Launch-shape variants: forward ones timed forward-only at T and 8K, backward ones fwd+bwd at T."""
     idx = random_sets(T, HKV, TOPK, BS, "cuda")
-    base = dict(sa_triton.TUNING)
-    variants = [{}, {"fwd_rows": 64, "fwd_warps": 4}, {"fwd_rows": 64, "fwd_warps": 4, "fwd_bn": 64},
-                {"bwd_rows": 64}, {"bwd_tiles": 256}, {"bwd_warps": 4}]
-    for var in variants:
-        sa_triton.TUNING.clear()
-        sa_triton.TUNING.update(base, **var)
-        try:
-            with torch.no_grad():
-                fw = timeit(lambda: ours(idx)(q, k, v))
-            fb = timeit(fwd_bwd(ours(idx), q, k, v, do))
-            log(f"tune T={T} {var}: fwd {fw:.2f} ms, fwd+bwd {fb:.2f} ms")
-        except Exception as e:  # a variant may not fit in registers or shared memory
-            log(f"tune T={T} {var}: failed {type(e).__name__}: {str(e)[:120]}")
-    # dense backward launch shapes at 32K (the warmup path), with the dk error of each
-    T = 32768
+    idx8 = random_sets(8192, HKV, TOPK, BS, "cuda")
     q, k, v, do = inputs(T)
-    for cfg in [(64, 64, 8, 2), (64, 64, 8, 1), (128, 64, 8, 2), (64, 128, 8, 2), (32, 128, 8, 1)]:
-        sa_triton.TUNING.update(base, dense_dkdv=cfg)
-        try:
-            fb = timeit(fwd_bwd(ours(None), q, k, v, do))
-            log(f"tune dense T={T} dkdv={cfg}: fwd+bwd {fb:.2f} ms")
-        except Exception as e:
-            log(f"tune dense dkdv={cfg}: failed {type(e).__name__}: {str(e)[:120]}")
+    q8, k8, v8, _ = inputs(8192)
+    base = dict(sa_triton.TUNING)
+    with torch.no_grad():
+        log(f"tune SDPA fwd: T={T} {timeit(lambda: sdpa(q, k, v)):.2f} ms, 8K {timeit(lambda: sdpa(q8, k8, v8)):.3f} ms")
+    fwd_variants = [{}, {"fwd_stages": 2}, {"fwd_rows": 128, "fwd_warps": 8}, {"fwd_tiles": 32}]
+    bwd_variants = [{}, {"bwd_stages": 2}, {"bwd_rows": 32}, {"bwd_tiles": 32}]
+    # TUNE_FWD / TUNE_BWD: JSON lists of variants replacing the ones above
+    fwd_variants = json.loads(os.environ.get("TUNE_FWD", "null")) or fwd_variants
+    bwd_variants = json.loads(os.environ.get("TUNE_BWD", "null")) or bwd_variants
+    for kind, variants in (("fwd", fwd_variants), ("bwd", bwd_variants)):
+        for var in variants:
+            sa_triton.TUNING.clear()
+            sa_triton.TUNING.update(base, **var)
+            try:
+                if kind == "fwd":
+                    with torch.no_grad():
+                        fw = timeit(lambda: ours(idx)(q, k, v))
+                        fw8 = timeit(lambda: ours(idx8)(q8, k8, v8))
+                    log(f"tune fwd T={T} {var}: fwd {fw:.2f} ms, 8K fwd {fw8:.3f} ms ({_regs('fwd')})")
+                else:
+                    fb = timeit(fwd_bwd(ours(idx), q, k, v, do))
+                    log(f"tune bwd T={T} {var}: fwd+bwd {fb:.2f} ms ({_regs('bwd')})")
+            except Exception as e:  # a variant may not fit in registers or shared memory
+                log(f"tune {kind} T={T} {var}: failed {type(e).__name__}: {str(e)[:120]}")
     sa_triton.TUNING.clear()
     sa_triton.TUNING.update(base)
 

@@ -11,9 +11,33 @@ import pytest
 import torch
 
 from msa_model.ops.sparse_attention import sparse_attention
+from msa_model.ops.sparse_attention import triton as sa_triton
 from msa_model.ops.sparse_attention.reference import sparse_attention_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class _PoisonedTorch:
+    """torch, except that empty / empty_like hand out NaN-filled (float) or garbage (int) memory,
+    so an output or partial the kernels forget to write shows up."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def _poison(x):
+        return x.fill_(float("nan") if x.is_floating_point() else -7)
+
+    def empty(self, *a, **kw):
+        return self._poison(torch.empty(*a, **kw))
+
+    def empty_like(self, *a, **kw):
+        return self._poison(torch.empty_like(*a, **kw))
+
+
+@pytest.fixture(autouse=True)
+def poisoned(monkeypatch):
+    monkeypatch.setattr(sa_triton, "torch", _PoisonedTorch())
 
 
 def random_block_idx(B, T, G, K, block_size, gen, empty_frac=0.2, dup=True):
@@ -108,6 +132,15 @@ def test_dense(B, T, Hq, G, D, dtype):
     if DEVICE == "cuda" and dtype == torch.float32:
         pytest.skip("fp32 runs only under the interpreter")
     run_case(B, T, Hq, G, D, 16, 0, dtype, dense=True)
+
+
+def test_query_chunks(monkeypatch):
+    """Partial buffers over budget: queries run in several chunks (here 7 tokens each), same results."""
+    B, T, Hq, G, K, bs = 2, 90, 4, 2, 4, 16
+    per_query = B * G * K * (Hq // G) * 16 * 4  # fp32 partial o of one query (D = 16)
+    monkeypatch.setitem(sa_triton.TUNING, "partial_bytes", 7 * per_query)
+    assert sa_triton._chunk(torch.empty(B, T, Hq, 16), per_query) == 7
+    run_case(B, T, Hq, G, 16, bs, K, torch.float32 if DEVICE == "cpu" else torch.bfloat16)
 
 
 def test_empty_support_and_duplicates():

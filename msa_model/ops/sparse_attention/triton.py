@@ -6,8 +6,10 @@ D = head dim, E = entries (B*C*G*K triples).
 
 The inverse index is plain torch (a stable sort of the entries by (batch, group, block)) and
 needs no host synchronisation: tile lists are sized by an upper bound, and spare programs exit.
-Partial buffers (forward o/lse, backward dq) are per entry, so queries are processed in chunks
-that keep them under `PARTIAL_BYTES`.
+Partial buffers (forward o/lse, backward dq) are per entry (K times the size of q), so queries
+are processed in chunks that keep them under `TUNING["partial_bytes"]`. Each chunk re-indexes and
+relaunches: at 8K, 33 chunks instead of 1 made the forward 10x slower (H200, 2026-11-29), so the
+budget is a fixed 4 GiB, not a fraction of q.
 """
 
 from __future__ import annotations
@@ -23,12 +25,16 @@ from .triton_dense import dense_bwd_dkdv_kernel, dense_bwd_dq_kernel, dense_fwd_
 from .triton_sparse import (LOG2E, delta_kernel, sparse_bwd_kernel, sparse_bwd_reduce_kernel, sparse_dq_combine_kernel,
                             sparse_fwd_combine_kernel, sparse_fwd_kernel)
 
-# bytes allowed for one chunk's per-entry partial buffers
-PARTIAL_BYTES = 4 << 30
-# launch shapes of the sparse kernels (rows = gathered query heads per tile; a work item of the
-# backward is `bwd_tiles` tiles of one block); benchmarks may override them
-TUNING = dict(fwd_rows=128, fwd_bn=32, fwd_warps=8, fwd_stages=3, bwd_rows=128, bwd_warps=8, bwd_stages=1, bwd_tiles=64,
-              dense_dkdv=(128, 64, 8, 2))
+# launch shapes of the sparse kernels: rows = gathered query heads per tile (query tokens x the
+# group's heads); a work item (one program) is `*_tiles` tiles of one bucket, so a key/value block
+# is loaded once per item and a popular block (the sink, the local block) spreads over programs.
+# Benchmarks may override them (bench/bench_sparse_attention.py --parts tune; chosen on an H200 at
+# 128K: single-stage loops beat 2-3 stages in both kernels).
+TUNING = dict(fwd_rows=64, fwd_warps=4, fwd_stages=1, fwd_tiles=16,
+              bwd_rows=64, bwd_warps=8, bwd_stages=1, bwd_tiles=128,
+              dense_dkdv=(128, 64, 8, 2), partial_bytes=4 << 30)
+# the last compiled sparse kernels (registers and spills for benchmarks: .n_regs, .n_spills)
+COMPILED = {}
 
 
 def _interpreting() -> bool:
@@ -113,8 +119,9 @@ def _geometry(q, k, block_size):
     return B, T, Hq, G, H, HP, D
 
 
-def _chunk(T: int, per_query_bytes: int) -> int:
-    return max(1, min(T, PARTIAL_BYTES // max(1, per_query_bytes)))
+def _chunk(q: torch.Tensor, per_query_bytes: int) -> int:
+    """Queries per chunk: a chunk's partial buffers stay under TUNING["partial_bytes"]."""
+    return max(1, min(q.shape[1], TUNING["partial_bytes"] // max(1, per_query_bytes)))
 
 
 def sparse_forward(q, k, v, idx, block_size, scale, q_offset=0):
@@ -127,19 +134,18 @@ def sparse_forward(q, k, v, idx, block_size, scale, q_offset=0):
     o = torch.empty_like(q)
     lse = torch.empty(B, T, Hq, dtype=torch.float32, device=q.device)
     QT = max(TUNING["fwd_rows"], HP) // HP
-    BN = min(block_size, TUNING["fwd_bn"])
-    C = _chunk(T, B * G * K * H * (D * part_dtype.itemsize + 4))
+    C = _chunk(q, B * G * K * H * (D * part_dtype.itemsize + 4))
     for t0 in range(0, T, C):
         t1 = min(T, t0 + C)
         idx_c = idx[:, t0:t1].contiguous()
         index = build_inverse_index(idx_c, N)
-        tb, ts, tc = schedule(index, QT)
+        tb, ts, tc = schedule(index, QT * TUNING["fwd_tiles"])
         E = idx_c.numel()
         po = torch.empty(E * H, D, dtype=part_dtype, device=q.device)
         plse = torch.empty(E * H, dtype=torch.float32, device=q.device)
-        sparse_fwd_kernel[(tb.numel(),)](
+        COMPILED["fwd"] = sparse_fwd_kernel[(tb.numel(),)](
             q, k, v, po, plse, index.entry, tb, ts, tc, T, TK, t1 - t0, t0, q_offset, N, scale * LOG2E,
-            HQ=Hq, HKV=G, SLOTS=K, H=H, HP=HP, QT=QT, BS=block_size, BN=BN, D=D,
+            HQ=Hq, HKV=G, SLOTS=K, H=H, HP=HP, QT=QT, BS=block_size, D=D, FOR_LOOPS=not _interpreting(),
             num_warps=TUNING["fwd_warps"], num_stages=TUNING["fwd_stages"])
         sparse_fwd_combine_kernel[(B * (t1 - t0) * G,)](
             po, plse, idx_c, o, lse, T, t1 - t0, t0,
@@ -173,7 +179,7 @@ def sparse_backward(do, q, k, v, o, lse, idx, block_size, scale, q_offset=0):
     # dq partials in the input dtype: each is one block's share, rounded once like torch's own
     # bf16 matmul output, and it halves the bytes of the pass that dominates the backward
     dq_dtype = q.dtype
-    C = _chunk(T, B * G * K * H * D * dq_dtype.itemsize)
+    C = _chunk(q, B * G * K * H * D * dq_dtype.itemsize)
     rb = min(32, block_size)
     for t0 in range(0, T, C):
         t1 = min(T, t0 + C)
@@ -184,10 +190,10 @@ def sparse_backward(do, q, k, v, o, lse, idx, block_size, scale, q_offset=0):
         dqp = torch.empty(E * H, D, dtype=dq_dtype, device=q.device)
         dkp = torch.empty(ib.numel(), block_size, D, dtype=torch.float32, device=q.device)
         dvp = torch.empty_like(dkp)
-        sparse_bwd_kernel[(ib.numel(),)](
+        COMPILED["bwd"] = sparse_bwd_kernel[(ib.numel(),)](
             q, k, v, do, lse, delta, dqp, dkp, dvp, index.entry, ib, istart, icount,
             T, TK, t1 - t0, t0, q_offset, N, scale * LOG2E, scale,
-            HQ=Hq, HKV=G, SLOTS=K, H=H, HP=HP, QT=QT, BS=block_size, D=D,
+            HQ=Hq, HKV=G, SLOTS=K, H=H, HP=HP, QT=QT, BS=block_size, D=D, FOR_LOOPS=not _interpreting(),
             num_warps=TUNING["bwd_warps"], num_stages=TUNING["bwd_stages"])
         runs = (index.count + per_item - 1) // per_item
         first = (torch.cumsum(runs, 0) - runs).to(torch.int32)
