@@ -99,7 +99,8 @@ def test_fp32_matches_reference(shape, dense, teacher):
     assert abs(float(out[0]) - float(ref[0])) <= 1e-5 * max(1.0, abs(float(ref[0])))
     for name, x, r in zip(("d iq", "d ik"), out[1:], ref[1:]):
         assert x.dtype == torch.float32
-        assert rel(x, r) < 2e-5, name
+        # one query and one key: the exact gradient is 0 and a GPU's exp2 leaves ~1e-8
+        assert (x - r).norm() <= 2e-5 * r.norm() + 1e-6, (name, rel(x, r))
 
 
 @pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense"])
@@ -116,6 +117,22 @@ def test_bf16_within_torch_error(shape, dense, teacher):
         if name != "loss":
             assert x.dtype == torch.bfloat16
         assert rel(x, t) <= 2 * rel(p, t) + 2e-3, name
+
+
+def test_heads_over_several_teacher_dots(monkeypatch, teacher):
+    """8 heads per group with teacher dots of 2 heads: the group mean is summed over 4 dots (in the
+    key-major forward and, with the teacher recomputed, in the backward)."""
+    from msa_model.ops.indexer_kl import triton as kl_triton
+
+    monkeypatch.setattr(kl_triton.TUNING, "keys_rows", 2 * kl_triton.TUNING.M)
+    monkeypatch.setattr(kl_triton.TUNING, "rows", 2 * kl_triton.TUNING.M)
+    B, T, Hq, G, D, Di, bs, topk = 1, 90, 16, 2, 16, 16, 16, 3
+    case = make_case(B, T, Hq, G, D, Di, bs, topk, False, torch.float32, seed=5)
+    ref = loss_and_grads(*case, bs, "reference")
+    out = loss_and_grads(*case, bs, "triton")
+    assert abs(float(out[0]) - float(ref[0])) <= 1e-5 * max(1.0, abs(float(ref[0])))
+    for name, x, r in zip(("d iq", "d ik"), out[1:], ref[1:]):
+        assert rel(x, r) < 2e-5, name
 
 
 def test_slots_empty_repeated_and_past_the_query(monkeypatch, teacher):

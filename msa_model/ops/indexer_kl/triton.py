@@ -179,29 +179,53 @@ def _dense_fwd_kernel(q_ptr, k_ptr, lse_ptr, iq_ptr, ik_ptr, kl_ptr, lsez_ptr, i
 
 
 @triton.jit
-def _sparse_fwd_step(start, hi, q_ptr, lse_ptr, iq_ptr, ent_ptr, part_ptr, pbar_ptr, b, g, T, E, kT_DJ, ikT_IJ,
+def _sparse_fwd_step(start, hi, q_ptr, lse_ptr, iq_ptr, ent_ptr, part_ptr, pbar_ptr, b, g, T, E, k_JD, ik_JI,
                      kpos_J, sq_b, sq_t, sq_h, sl_b, sl_t, sl_h, si_b, si_t, si_h, scale_log2, index_scale,
                      G: tl.constexpr, K: tl.constexpr, H: tl.constexpr, HS: tl.constexpr, M: tl.constexpr,
                      J: tl.constexpr, D: tl.constexpr, DI: tl.constexpr, PREC: tl.constexpr, STORE: tl.constexpr):
     """M entries of one key block's list: writes their five sums (and, with STORE, the teacher row
-    p [J] of each entry to pbar [E, J], so the backward need not recompute it)."""
+    p [J] of each entry to pbar [E, J], so the backward need not recompute it).
+
+    Tiles are key-major, [J keys, rows] (S^T = K Q^T), and the mean over a query's heads is a product
+    with a constant [R, M] averaging matrix: the [J, R] probabilities feed a matrix product from
+    registers instead of a reduction across threads (H200, 2026-11-29: KL forward 60 -> 39 ms at 128K)."""
+    offs_d = tl.arange(0, D)
+    offs_i = tl.arange(0, DI)
+    offs_j = tl.arange(0, J)
     idx_M = start + tl.arange(0, M)
     row_M = idx_M < hi
     e_M = tl.load(ent_ptr + idx_M, mask=row_M, other=0)
     t_M = e_M // (G * K) - b * T
-    idx_R = start + tl.arange(0, M * HS) // HS
+    r_R = tl.arange(0, M * HS)
+    idx_R = start + r_R // HS
     row_R = idx_R < hi
     t_R = tl.load(ent_ptr + idx_R, mask=row_R, other=0) // (G * K) - b * T
-    p_MJ, z_MJ, valid_MJ, iq_MI = _teacher_student(
-        q_ptr, lse_ptr, iq_ptr, b, g, t_M, t_R, row_M, row_R, kT_DJ, ikT_IJ, kpos_J,
-        sq_b, sq_t, sq_h, sl_b, sl_t, sl_h, si_b, si_t, si_h, scale_log2, index_scale,
-        H, HS, M, D, DI, J, PREC)
-    mz = tl.max(z_MJ, axis=1)
+    t_R64 = t_R.to(tl.int64)
+    # probabilities <= 1 go to the averaging product in fp16 (fp32 when the inputs are fp32)
+    P_DT = tl.float32 if q_ptr.dtype.element_ty == tl.float32 else tl.float16
+    avg_RM = tl.where(r_R[:, None] // HS == tl.arange(0, M)[None, :], 1.0 / H, 0.0).to(P_DT)
+    valid_JR = (kpos_J[:, None] <= t_R[None, :]) & row_R[None, :]
+    p_JM = tl.zeros((J, M), dtype=tl.float32)
+    for hs in tl.static_range(H // HS):
+        head_R = g * H + hs * HS + r_R % HS
+        q_RD = tl.load(q_ptr + b * sq_b + t_R64[:, None] * sq_t + head_R[:, None] * sq_h + offs_d[None, :],
+                       mask=row_R[:, None], other=0.0)
+        lse_R = tl.load(lse_ptr + b * sl_b + t_R64 * sl_t + head_R * sl_h, mask=row_R, other=0.0)
+        # an empty support has lse = -inf; its column is all masked, any finite stand-in will do
+        lse_R = tl.where(lse_R == float("-inf"), 0.0, lse_R)
+        s_JR = _dot(k_JD, tl.trans(q_RD), PREC)
+        e_JR = tl.where(valid_JR, tl.exp2(s_JR * scale_log2 - lse_R[None, :] * 1.4426950408889634), 0.0)
+        p_JM += _dot(e_JR.to(P_DT), avg_RM, PREC)
+    iq_MI = tl.load(iq_ptr + b * si_b + t_M.to(tl.int64)[:, None] * si_t + g * si_h + offs_i[None, :],
+                    mask=row_M[:, None], other=0.0)
+    valid_JM = (kpos_J[:, None] <= t_M[None, :]) & row_M[None, :]
+    z_JM = tl.where(valid_JM, _dot(ik_JI, tl.trans(iq_MI), PREC) * index_scale, float("-inf"))
+    mz = tl.max(z_JM, axis=0)
     mz_safe = tl.where(mz == float("-inf"), 0.0, mz)
-    lz = tl.sum(tl.exp(z_MJ - mz_safe[:, None]), axis=1)
-    s = tl.sum(p_MJ, axis=1)
-    a = tl.sum(p_MJ * tl.log(tl.maximum(p_MJ, 1.1754943508222875e-38)), axis=1)
-    bz = tl.sum(tl.where(valid_MJ, p_MJ * z_MJ, 0.0), axis=1)
+    lz = tl.sum(tl.exp(z_JM - mz_safe[None, :]), axis=0)
+    s = tl.sum(p_JM, axis=0)
+    a = tl.sum(p_JM * tl.log(tl.maximum(p_JM, 1.1754943508222875e-38)), axis=0)
+    bz = tl.sum(tl.where(valid_JM, p_JM * z_JM, 0.0), axis=0)
     e64 = e_M.to(tl.int64)
     tl.store(part_ptr + e64, mz, mask=row_M)
     tl.store(part_ptr + E + e64, lz, mask=row_M)
@@ -209,13 +233,11 @@ def _sparse_fwd_step(start, hi, q_ptr, lse_ptr, iq_ptr, ent_ptr, part_ptr, pbar_
     tl.store(part_ptr + 3 * E + e64, a, mask=row_M)
     tl.store(part_ptr + 4 * E + e64, bz, mask=row_M)
     if STORE:
-        p_st = p_MJ
-        # fp16 storage: p <= 1 when lse came from the same support; the clamp only keeps a
-        # foreign lse from producing inf
+        p_st = p_JM
         if pbar_ptr.dtype.element_ty == tl.float16:
             p_st = tl.minimum(p_st, 65504.0)
-        tl.store(pbar_ptr + e64[:, None] * J + tl.arange(0, J)[None, :], p_st.to(pbar_ptr.dtype.element_ty),
-                 mask=row_M[:, None])
+        tl.store(pbar_ptr + e64[None, :] * J + offs_j[:, None], p_st.to(pbar_ptr.dtype.element_ty),
+                 mask=row_M[None, :])
 
 
 @triton.jit
@@ -243,22 +265,22 @@ def _sparse_fwd_kernel(q_ptr, k_ptr, lse_ptr, iq_ptr, ik_ptr, ent_ptr, tb_ptr, t
         kin_J = (offs_j < BLOCK) & (n * BLOCK + offs_j < TK)
         kpos_J = tl.where(kin_J, n * BLOCK + offs_j - QOFF, 2147483647)
         kpos64 = (n * BLOCK + offs_j).to(tl.int64)
-        kT_DJ = tl.load(k_ptr + b * sk_b + kpos64[None, :] * sk_t + g * sk_h + offs_d[:, None],
-                        mask=kin_J[None, :], other=0.0)
-        ikT_IJ = tl.load(ik_ptr + b * sik_b + kpos64[None, :] * sik_t + offs_i[:, None],
-                         mask=kin_J[None, :], other=0.0)
+        k_JD = tl.load(k_ptr + b * sk_b + kpos64[:, None] * sk_t + g * sk_h + offs_d[None, :],
+                       mask=kin_J[:, None], other=0.0)
+        ik_JI = tl.load(ik_ptr + b * sik_b + kpos64[:, None] * sik_t + offs_i[None, :],
+                        mask=kin_J[:, None], other=0.0)
         if INTERPRETING:
             start = lo
             while start < hi:
-                _sparse_fwd_step(start, hi, q_ptr, lse_ptr, iq_ptr, ent_ptr, part_ptr, pbar_ptr, b, g, T, E, kT_DJ,
-                                 ikT_IJ, kpos_J, sq_b, sq_t, sq_h, sl_b, sl_t, sl_h, si_b, si_t, si_h, scale_log2,
-                                 index_scale, G, K, H, HS, M, J, D, DI, PREC, STORE)
+                _sparse_fwd_step(start, hi, q_ptr, lse_ptr, iq_ptr, ent_ptr, part_ptr, pbar_ptr, b, g, T, E,
+                                 k_JD, ik_JI, kpos_J, sq_b, sq_t, sq_h, sl_b, sl_t, sl_h, si_b, si_t, si_h,
+                                 scale_log2, index_scale, G, K, H, HS, M, J, D, DI, PREC, STORE)
                 start += M
         else:
             for start in range(lo, hi, M):
-                _sparse_fwd_step(start, hi, q_ptr, lse_ptr, iq_ptr, ent_ptr, part_ptr, pbar_ptr, b, g, T, E, kT_DJ,
-                                 ikT_IJ, kpos_J, sq_b, sq_t, sq_h, sl_b, sl_t, sl_h, si_b, si_t, si_h, scale_log2,
-                                 index_scale, G, K, H, HS, M, J, D, DI, PREC, STORE)
+                _sparse_fwd_step(start, hi, q_ptr, lse_ptr, iq_ptr, ent_ptr, part_ptr, pbar_ptr, b, g, T, E,
+                                 k_JD, ik_JI, kpos_J, sq_b, sq_t, sq_h, sl_b, sl_t, sl_h, si_b, si_t, si_h,
+                                 scale_log2, index_scale, G, K, H, HS, M, J, D, DI, PREC, STORE)
 
 
 @triton.jit
@@ -478,18 +500,25 @@ class Tuning:
 
     Sparse mode keeps the forward's teacher rows (fp16, or fp32 for fp32 inputs; E x J values)
     for the backward when they fit in `teacher_bytes` (0: always recompute); the backward then
-    recomputes only the student, with tiles of `stored_M` entries."""
+    recomputes only the student, with tiles of `stored_M` entries. The sparse forward's teacher dots
+    (key-major, `_sparse_fwd_step`) have `keys_rows` rows and `keys_stages` pipeline stages.
+    `dense_stages` pipelines the
+    dense (warmup) kernels. Defaults chosen on an H200 (bench/bench_msa_layer.py tune, 2026-11-29):
+    rows = 256 puts all 16 heads of a group in one teacher dot."""
     M: int = 16
-    rows: int = 128
+    rows: int = 256
     dense_fwd_j: int = 64
     dense_bwd_j: int = 128
     fwd_per_program: int = 256
     bwd_per_program: int = 512
     warps: int = 8
     stages: int = 1
+    keys_rows: int = 128
+    keys_stages: int = 2
+    dense_stages: int = 2
     teacher_bytes: int = 4 << 30
-    stored_M: int = 128
-    stored_warps: int = 8
+    stored_M: int = 64
+    stored_warps: int = 4
     stored_stages: int = 2
 
 
@@ -509,7 +538,7 @@ def _dense_forward(q, k, lse, iq, ik, scale, index_scale, cfg, q_offset):
     _dense_fwd_kernel[grid](q, k, lse, iq, ik, kl, lse_z, inv_s, diq, T, k.shape[1], q_offset,
                             *_strides(q, k, lse, iq, ik),
                             scale * LOG2E, index_scale, G=G, H=H, HS=HS, M=cfg.M, J=cfg.dense_fwd_j, D=D,
-                            DI=Di, PREC=_precision(q, iq), num_warps=cfg.warps, num_stages=cfg.stages)
+                            DI=Di, PREC=_precision(q, iq), num_warps=cfg.warps, num_stages=cfg.dense_stages)
     return kl, lse_z, inv_s, diq
 
 
@@ -540,12 +569,14 @@ def _sparse_forward(q, k, lse, iq, ik, index, K, block_size, scale, index_scale,
     part[0].fill_(float("-inf"))
     # only the entries of the inverse index are written, and only they are read back
     pbar = torch.empty(E, J, dtype=_teacher_dtype(q), device=q.device) if store else None
+    HS = _heads_per_dot(H, cfg.M, cfg.keys_rows)
     tb, ts, tc = schedule(index, cfg.fwd_per_program)
     _sparse_fwd_kernel[(tb.numel(),)](
         q, k, lse, iq, ik, index.entry, tb, ts, tc, part, part if pbar is None else pbar, T, k.shape[1], q_offset, E,
         index.n_blocks,
         *_strides(q, k, lse, iq, ik), scale * LOG2E, index_scale, BLOCK=block_size, G=G, K=K, H=H, HS=HS, M=cfg.M,
-        J=J, D=D, DI=Di, PREC=_precision(q, iq), STORE=store, num_warps=cfg.warps, num_stages=cfg.stages)
+        J=J, D=D, DI=Di, PREC=_precision(q, iq), STORE=store, num_warps=cfg.warps,
+        num_stages=cfg.keys_stages)
     return (*_combine(part, B, T, G, K), pbar)
 
 
@@ -590,8 +621,8 @@ def _backward(q, k, lse, iq, ik, lse_z, inv_s, index, K, block_size, scale, inde
         unused = lse_z
         _bwd_kernel[(N, B * G)](q, k, lse, iq, ik, lse_z, inv_s, unused, unused, unused, unused, dik, unused,
                                 B, T, TK, q_offset, N, *_strides(q, k, lse, iq, ik), scale * LOG2E, index_scale,
-                                BLOCK=block,
-                                J=triton.next_power_of_2(block), SPARSE=False, **common)
+                                BLOCK=block, J=triton.next_power_of_2(block), SPARSE=False,
+                                **{**common, "num_stages": cfg.dense_stages})
         return dik.sum(0), None
     dik = torch.zeros(B, TK, Di, dtype=torch.float32, device=q.device)
     diq = torch.zeros(B, T, G, Di, dtype=torch.float32, device=q.device)
