@@ -14,6 +14,7 @@ attention's partial buffers capped at 1 GiB (more query chunks, less memory) for
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import os
@@ -168,6 +169,8 @@ def dense_rows(T: int, reps: int, res: dict) -> None:
     measure(r, "layer_peak_gib", lambda: peak_gib(layer_fb))
     measure(r, "sdpa_fwdbwd_ms", lambda: timed(sdpa_fb, reps))
     measure(r, "sdpa_peak_gib", lambda: peak_gib(sdpa_fb))
+    msa_mod = importlib.import_module("msa_model.ops.msa_attention")
+    r["dense_attention"] = "cudnn" if msa_mod._CUDNN["ok"] else "flash"
 
 
 def forward_rows(T: int, reps: int, res: dict, with_sdpa: bool) -> None:
@@ -214,12 +217,12 @@ def tune(T: int, res: dict) -> None:
     dense_T = min(T, 16384)
     base = kl_triton.TUNING
     best = None
-    # the sparse forward's key-major teacher dots (rows, pipeline stages), then the rows of the dense
-    # and recompute kernels' teacher dots (M = 16 entries per tile; rows = 256 takes all 16 heads of
-    # a group in one dot). H200, 2026-11-29: key-major 128 rows / 2 stages 10.6 ms sparse KL forward
-    # at 32K against 15.5 ms for the row-major step it replaced
-    variants = [dict(keys_rows=r, keys_stages=st) for r, st in ((128, 2), (128, 1), (256, 2), (64, 2))]
-    variants += [dict(rows=r) for r in (128, 256)]
+    # teacher dot rows (M = 16 entries x heads) of the key-major kernels, pipeline stages of the
+    # sparse forward and the dense kernels, rows of the row-major dense forward (H200, 2026-11-29:
+    # key-major 128 rows / 2 stages gave a 10.6 ms sparse KL forward at 32K against 15.5 ms for the
+    # row-major tiles they replaced)
+    variants = [dict(rows=r, fwd_stages=st, dense_stages=st) for r, st in ((128, 2), (128, 1), (256, 2), (64, 2))]
+    variants += [dict(dense_rows=r) for r in (128, 256)]
     # KL_VARIANTS: a JSON list of Tuning overrides replacing the ones above
     variants = json.loads(os.environ.get("KL_VARIANTS", "null")) or variants
     for var in [] if os.environ.get("QUICK_TUNE") else variants:
@@ -310,6 +313,7 @@ def table(res: dict) -> str:
             f"{r['layer_fwdbwd_ms']:.1f} / {r['sdpa_fwdbwd_ms']:.1f} ms = "
             f"{r['layer_fwdbwd_ms'] / r['sdpa_fwdbwd_ms']:.2f}x")
         add("32K warmup peak memory MSA / SDPA (GiB)", f"{r['layer_peak_gib']:.1f} / {r['sdpa_peak_gib']:.1f}")
+        add("32K warmup attention kernel", r.get("dense_attention", "?"))
     for T in (262144, 1048576):
         r = res.get(f"fwd_{T}")
         if not r:

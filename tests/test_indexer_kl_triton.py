@@ -119,15 +119,18 @@ def test_bf16_within_torch_error(shape, dense, teacher):
         assert rel(x, t) <= 2 * rel(p, t) + 2e-3, name
 
 
-def test_heads_over_several_teacher_dots(monkeypatch, teacher):
+@pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense"])
+def test_heads_over_several_teacher_dots(monkeypatch, teacher, dense):
     """8 heads per group with teacher dots of 2 heads: the group mean is summed over 4 dots (in the
-    key-major forward and, with the teacher recomputed, in the backward)."""
+    forward and, with the teacher recomputed, in the backward)."""
     from msa_model.ops.indexer_kl import triton as kl_triton
 
-    monkeypatch.setattr(kl_triton.TUNING, "keys_rows", 2 * kl_triton.TUNING.M)
     monkeypatch.setattr(kl_triton.TUNING, "rows", 2 * kl_triton.TUNING.M)
+    monkeypatch.setattr(kl_triton.TUNING, "dense_rows", 2 * kl_triton.TUNING.M)
     B, T, Hq, G, D, Di, bs, topk = 1, 90, 16, 2, 16, 16, 16, 3
-    case = make_case(B, T, Hq, G, D, Di, bs, topk, False, torch.float32, seed=5)
+    if dense and teacher == "recompute":
+        pytest.skip("the dense mode keeps no teacher")
+    case = make_case(B, T, Hq, G, D, Di, bs, topk, dense, torch.float32, seed=5)
     ref = loss_and_grads(*case, bs, "reference")
     out = loss_and_grads(*case, bs, "triton")
     assert abs(float(out[0]) - float(ref[0])) <= 1e-5 * max(1.0, abs(float(ref[0])))

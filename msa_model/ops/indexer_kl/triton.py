@@ -53,12 +53,55 @@ def _dot(a, b, PREC: tl.constexpr):
 
 
 @triton.jit
-def _teacher_student(q_ptr, lse_ptr, iq_ptr, b, g, t_M, t_R, row_M, row_R, kT_DJ, ikT_IJ, kpos_J,
+def _teacher_student(q_ptr, lse_ptr, iq_ptr, b, g, t_M, t_R, row_M, row_R, k_JD, ik_JI, kpos_J,
                      sq_b, sq_t, sq_h, sl_b, sl_t, sl_h, si_b, si_t, si_h, scale_log2, index_scale,
                      H: tl.constexpr, HS: tl.constexpr, M: tl.constexpr, D: tl.constexpr,
                      DI: tl.constexpr, J: tl.constexpr, PREC: tl.constexpr):
-    """Teacher p [M, J] (unnormalised group mean), student z [M, J] (-inf off the support),
-    the support mask [M, J] and the iq tile [M, Di] for queries t_M against keys kpos_J.
+    """Key-major tiles for queries t_M against keys kpos_J: teacher p [J, M] (unnormalised group
+    mean), student z [J, M] (-inf off the support), the support mask [J, M] and the iq tile [M, Di].
+
+    Scores are S^T = K Q^T over R = M*HS rows (HS heads of each query; t_R / row_R repeat t_M /
+    row_M HS times, row r is query r // HS, because Triton cannot gather a register tensor). The
+    mean over a query's heads is a product with a constant [R, M] averaging matrix, so the [J, R]
+    probabilities feed a matrix product from registers instead of a reduction across threads
+    (H200, 2026-11-29: sparse KL forward 60 -> 39 ms at 128K). kpos_J is a key's position minus
+    QOFF (key j is visible to query t iff j - QOFF <= t), huge where a key column does not exist.
+    """
+    offs_d = tl.arange(0, D)
+    offs_i = tl.arange(0, DI)
+    r_R = tl.arange(0, M * HS)
+    t_R64 = t_R.to(tl.int64)
+    # probabilities <= 1 go to the averaging product in fp16 (fp32 when the inputs are fp32)
+    P_DT = tl.float32 if q_ptr.dtype.element_ty == tl.float32 else tl.float16
+    avg_RM = tl.where(r_R[:, None] // HS == tl.arange(0, M)[None, :], 1.0 / H, 0.0).to(P_DT)
+    valid_JR = (kpos_J[:, None] <= t_R[None, :]) & row_R[None, :]
+    p_JM = tl.zeros((J, M), dtype=tl.float32)
+    for hs in tl.static_range(H // HS):
+        head_R = g * H + hs * HS + r_R % HS
+        q_RD = tl.load(q_ptr + b * sq_b + t_R64[:, None] * sq_t + head_R[:, None] * sq_h + offs_d[None, :],
+                       mask=row_R[:, None], other=0.0)
+        lse_R = tl.load(lse_ptr + b * sl_b + t_R64 * sl_t + head_R * sl_h, mask=row_R, other=0.0)
+        # an empty support has lse = -inf; its column is all masked, any finite stand-in will do
+        lse_R = tl.where(lse_R == float("-inf"), 0.0, lse_R)
+        s_JR = _dot(k_JD, tl.trans(q_RD), PREC)
+        e_JR = tl.where(valid_JR, tl.exp2(s_JR * scale_log2 - lse_R[None, :] * 1.4426950408889634), 0.0)
+        p_JM += _dot(e_JR.to(P_DT), avg_RM, PREC)
+    iq_MI = tl.load(iq_ptr + b * si_b + t_M.to(tl.int64)[:, None] * si_t + g * si_h + offs_i[None, :],
+                    mask=row_M[:, None], other=0.0)
+    valid_JM = (kpos_J[:, None] <= t_M[None, :]) & row_M[None, :]
+    z_JM = tl.where(valid_JM, _dot(ik_JI, tl.trans(iq_MI), PREC) * index_scale, float("-inf"))
+    return p_JM, z_JM, valid_JM, iq_MI
+
+
+@triton.jit
+def _teacher_student_rows(q_ptr, lse_ptr, iq_ptr, b, g, t_M, t_R, row_M, row_R, kT_DJ, ikT_IJ, kpos_J,
+                     sq_b, sq_t, sq_h, sl_b, sl_t, sl_h, si_b, si_t, si_h, scale_log2, index_scale,
+                     H: tl.constexpr, HS: tl.constexpr, M: tl.constexpr, D: tl.constexpr,
+                     DI: tl.constexpr, J: tl.constexpr, PREC: tl.constexpr):
+    """Row-major `_teacher_student` for the dense forward: teacher p [M, J], student z [M, J],
+    the support mask [M, J] and the iq tile [M, Di]. The dense forward's online softmax reduces
+    over keys every tile, which is cheap along rows and costly across warps: there this form was
+    faster (H200, 2026-11-29, 32K: 83 ms against 106 ms key-major).
 
     t_R / row_R repeat t_M / row_M HS times (row r is query r // HS), because Triton cannot
     gather a register tensor; kpos_J is a key's position minus QOFF (key j is visible to query t
@@ -108,7 +151,7 @@ def _dense_fwd_step(j0, m_M, l_M, s_M, a_M, bz_M, acc_z, acc_p, q_ptr, k_ptr, ls
                     mask=kin_J[None, :], other=0.0)
     ik_JI = tl.load(ik_ptr + b * sik_b + kpos64[:, None] * sik_t + offs_i[None, :],
                     mask=kin_J[:, None], other=0.0)
-    p_MJ, z_MJ, valid_MJ, iq_MI = _teacher_student(
+    p_MJ, z_MJ, valid_MJ, iq_MI = _teacher_student_rows(
         q_ptr, lse_ptr, iq_ptr, b, g, t_M, t_R, row_M, row_R, kT_DJ, tl.trans(ik_JI), kpos_J - QOFF,
         sq_b, sq_t, sq_h, sl_b, sl_t, sl_h, si_b, si_t, si_h, scale_log2, index_scale,
         H, HS, M, D, DI, J, PREC)
@@ -184,42 +227,19 @@ def _sparse_fwd_step(start, hi, q_ptr, lse_ptr, iq_ptr, ent_ptr, part_ptr, pbar_
                      G: tl.constexpr, K: tl.constexpr, H: tl.constexpr, HS: tl.constexpr, M: tl.constexpr,
                      J: tl.constexpr, D: tl.constexpr, DI: tl.constexpr, PREC: tl.constexpr, STORE: tl.constexpr):
     """M entries of one key block's list: writes their five sums (and, with STORE, the teacher row
-    p [J] of each entry to pbar [E, J], so the backward need not recompute it).
-
-    Tiles are key-major, [J keys, rows] (S^T = K Q^T), and the mean over a query's heads is a product
-    with a constant [R, M] averaging matrix: the [J, R] probabilities feed a matrix product from
-    registers instead of a reduction across threads (H200, 2026-11-29: KL forward 60 -> 39 ms at 128K)."""
-    offs_d = tl.arange(0, D)
-    offs_i = tl.arange(0, DI)
+    p [J] of each entry to pbar [E, J], so the backward need not recompute it)."""
     offs_j = tl.arange(0, J)
     idx_M = start + tl.arange(0, M)
     row_M = idx_M < hi
     e_M = tl.load(ent_ptr + idx_M, mask=row_M, other=0)
     t_M = e_M // (G * K) - b * T
-    r_R = tl.arange(0, M * HS)
-    idx_R = start + r_R // HS
+    idx_R = start + tl.arange(0, M * HS) // HS
     row_R = idx_R < hi
     t_R = tl.load(ent_ptr + idx_R, mask=row_R, other=0) // (G * K) - b * T
-    t_R64 = t_R.to(tl.int64)
-    # probabilities <= 1 go to the averaging product in fp16 (fp32 when the inputs are fp32)
-    P_DT = tl.float32 if q_ptr.dtype.element_ty == tl.float32 else tl.float16
-    avg_RM = tl.where(r_R[:, None] // HS == tl.arange(0, M)[None, :], 1.0 / H, 0.0).to(P_DT)
-    valid_JR = (kpos_J[:, None] <= t_R[None, :]) & row_R[None, :]
-    p_JM = tl.zeros((J, M), dtype=tl.float32)
-    for hs in tl.static_range(H // HS):
-        head_R = g * H + hs * HS + r_R % HS
-        q_RD = tl.load(q_ptr + b * sq_b + t_R64[:, None] * sq_t + head_R[:, None] * sq_h + offs_d[None, :],
-                       mask=row_R[:, None], other=0.0)
-        lse_R = tl.load(lse_ptr + b * sl_b + t_R64 * sl_t + head_R * sl_h, mask=row_R, other=0.0)
-        # an empty support has lse = -inf; its column is all masked, any finite stand-in will do
-        lse_R = tl.where(lse_R == float("-inf"), 0.0, lse_R)
-        s_JR = _dot(k_JD, tl.trans(q_RD), PREC)
-        e_JR = tl.where(valid_JR, tl.exp2(s_JR * scale_log2 - lse_R[None, :] * 1.4426950408889634), 0.0)
-        p_JM += _dot(e_JR.to(P_DT), avg_RM, PREC)
-    iq_MI = tl.load(iq_ptr + b * si_b + t_M.to(tl.int64)[:, None] * si_t + g * si_h + offs_i[None, :],
-                    mask=row_M[:, None], other=0.0)
-    valid_JM = (kpos_J[:, None] <= t_M[None, :]) & row_M[None, :]
-    z_JM = tl.where(valid_JM, _dot(ik_JI, tl.trans(iq_MI), PREC) * index_scale, float("-inf"))
+    p_JM, z_JM, valid_JM, iq_MI = _teacher_student(
+        q_ptr, lse_ptr, iq_ptr, b, g, t_M, t_R, row_M, row_R, k_JD, ik_JI, kpos_J,
+        sq_b, sq_t, sq_h, sl_b, sl_t, sl_h, si_b, si_t, si_h, scale_log2, index_scale,
+        H, HS, M, D, DI, J, PREC)
     mz = tl.max(z_JM, axis=0)
     mz_safe = tl.where(mz == float("-inf"), 0.0, mz)
     lz = tl.sum(tl.exp(z_JM - mz_safe[None, :]), axis=0)
@@ -285,7 +305,7 @@ def _sparse_fwd_kernel(q_ptr, k_ptr, lse_ptr, iq_ptr, ik_ptr, ent_ptr, tb_ptr, t
 
 @triton.jit
 def _bwd_step(start, hi, dik_JI, q_ptr, lse_ptr, iq_ptr, lsez_ptr, invs_ptr, ent_ptr, diq_ptr, b, g, T,
-              kT_DJ, ikT_IJ, ik_JI, kpos_J, sq_b, sq_t, sq_h, sl_b, sl_t, sl_h, si_b, si_t, si_h, scale_log2,
+              k_JD, ik_JI, kpos_J, sq_b, sq_t, sq_h, sl_b, sl_t, sl_h, si_b, si_t, si_h, scale_log2,
               index_scale, G: tl.constexpr, K: tl.constexpr, H: tl.constexpr, HS: tl.constexpr,
               M: tl.constexpr, J: tl.constexpr, D: tl.constexpr, DI: tl.constexpr, SPARSE: tl.constexpr,
               PREC: tl.constexpr):
@@ -302,19 +322,19 @@ def _bwd_step(start, hi, dik_JI, q_ptr, lse_ptr, iq_ptr, lsez_ptr, invs_ptr, ent
     else:
         t_M = idx_M
         t_R = idx_R
-    p_MJ, z_MJ, valid_MJ, iq_MI = _teacher_student(
-        q_ptr, lse_ptr, iq_ptr, b, g, t_M, t_R, row_M, row_R, kT_DJ, ikT_IJ, kpos_J,
+    p_JM, z_JM, valid_JM, iq_MI = _teacher_student(
+        q_ptr, lse_ptr, iq_ptr, b, g, t_M, t_R, row_M, row_R, k_JD, ik_JI, kpos_J,
         sq_b, sq_t, sq_h, sl_b, sl_t, sl_h, si_b, si_t, si_h, scale_log2, index_scale,
         H, HS, M, D, DI, J, PREC)
     o_M = (b * T + t_M.to(tl.int64)) * G + g
     lse_z = tl.load(lsez_ptr + o_M, mask=row_M, other=0.0)
     lse_z = tl.where(lse_z == float("-inf"), 0.0, lse_z)
     inv_s = tl.load(invs_ptr + o_M, mask=row_M, other=0.0)
-    dz_MJ = tl.where(valid_MJ, tl.exp(z_MJ - lse_z[:, None]) - p_MJ * inv_s[:, None], 0.0).to(dt)
-    dik_JI += _dot(tl.trans(dz_MJ), iq_MI, PREC)
+    dz_JM = tl.where(valid_JM, tl.exp(z_JM - lse_z[None, :]) - p_JM * inv_s[None, :], 0.0).to(dt)
+    dik_JI += _dot(dz_JM, iq_MI, PREC)
     if SPARSE:
-        dq_MI = _dot(dz_MJ, ik_JI, PREC)
-        tl.atomic_add(diq_ptr + o_M[:, None] * DI + offs_i[None, :], dq_MI, mask=row_M[:, None], sem="relaxed")
+        dq_IM = _dot(tl.trans(ik_JI), dz_JM, PREC)
+        tl.atomic_add(diq_ptr + o_M[None, :] * DI + offs_i[:, None], dq_IM, mask=row_M[None, :], sem="relaxed")
     return dik_JI
 
 
@@ -356,23 +376,22 @@ def _bwd_kernel(q_ptr, k_ptr, lse_ptr, iq_ptr, ik_ptr, lsez_ptr, invs_ptr, ent_p
     kin_J = (offs_j < BLOCK) & (n * BLOCK + offs_j < TK)
     kpos_J = tl.where(kin_J, n * BLOCK + offs_j - QOFF, 2147483647)
     kpos64 = (n * BLOCK + offs_j).to(tl.int64)
-    kT_DJ = tl.load(k_ptr + b * sk_b + kpos64[None, :] * sk_t + g * sk_h + offs_d[:, None],
-                    mask=kin_J[None, :], other=0.0)
+    k_JD = tl.load(k_ptr + b * sk_b + kpos64[:, None] * sk_t + g * sk_h + offs_d[None, :],
+                   mask=kin_J[:, None], other=0.0)
     ik_JI = tl.load(ik_ptr + b * sik_b + kpos64[:, None] * sik_t + offs_i[None, :],
                     mask=kin_J[:, None], other=0.0)
-    ikT_IJ = tl.trans(ik_JI)
     dik_JI = tl.zeros((J, DI), tl.float32)
     if INTERPRETING:
         start = lo
         while start < hi:
             dik_JI = _bwd_step(start, hi, dik_JI, q_ptr, lse_ptr, iq_ptr, lsez_ptr, invs_ptr, ent_ptr, diq_ptr, b,
-                               g, T, kT_DJ, ikT_IJ, ik_JI, kpos_J, sq_b, sq_t, sq_h, sl_b, sl_t, sl_h, si_b, si_t,
+                               g, T, k_JD, ik_JI, kpos_J, sq_b, sq_t, sq_h, sl_b, sl_t, sl_h, si_b, si_t,
                                si_h, scale_log2, index_scale, G, K, H, HS, M, J, D, DI, SPARSE, PREC)
             start += M
     else:
         for start in range(lo, hi, M):
             dik_JI = _bwd_step(start, hi, dik_JI, q_ptr, lse_ptr, iq_ptr, lsez_ptr, invs_ptr, ent_ptr, diq_ptr, b,
-                               g, T, kT_DJ, ikT_IJ, ik_JI, kpos_J, sq_b, sq_t, sq_h, sl_b, sl_t, sl_h, si_b, si_t,
+                               g, T, k_JD, ik_JI, kpos_J, sq_b, sq_t, sq_h, sl_b, sl_t, sl_h, si_b, si_t,
                                si_h, scale_log2, index_scale, G, K, H, HS, M, J, D, DI, SPARSE, PREC)
     if SPARSE:
         o_J = b * TK + kpos64
@@ -495,26 +514,26 @@ def inverse_index(block_idx: torch.Tensor, block_size: int, q_offset: int = 0) -
 
 @dataclass
 class Tuning:
-    """Tile sizes: M queries per tile, teacher dots of up to `rows` rows, J keys per dense tile,
-    `per_program` entries per sparse program (a popular block is split into such runs).
+    """Tile sizes: M queries per tile, teacher dots of up to `rows` rows (M x heads; `dense_rows`
+    in the dense forward, which is row-major), J keys per
+    dense tile, `per_program` entries per sparse program (a popular block is split into such runs),
+    pipeline stages of the sparse forward (`fwd_stages`), the dense kernels (`dense_stages`) and
+    the sparse backward that recomputes the teacher (`stages`).
 
     Sparse mode keeps the forward's teacher rows (fp16, or fp32 for fp32 inputs; E x J values)
     for the backward when they fit in `teacher_bytes` (0: always recompute); the backward then
-    recomputes only the student, with tiles of `stored_M` entries. The sparse forward's teacher dots
-    (key-major, `_sparse_fwd_step`) have `keys_rows` rows and `keys_stages` pipeline stages.
-    `dense_stages` pipelines the
-    dense (warmup) kernels. Defaults chosen on an H200 (bench/bench_msa_layer.py tune, 2026-11-29):
-    rows = 256 puts all 16 heads of a group in one teacher dot."""
+    recomputes only the student, with tiles of `stored_M` entries. Defaults chosen on an H200
+    (bench/bench_msa_layer.py tune, 2026-11-29)."""
     M: int = 16
-    rows: int = 256
+    rows: int = 128
+    dense_rows: int = 256
     dense_fwd_j: int = 64
     dense_bwd_j: int = 128
     fwd_per_program: int = 256
     bwd_per_program: int = 512
     warps: int = 8
     stages: int = 1
-    keys_rows: int = 128
-    keys_stages: int = 2
+    fwd_stages: int = 2
     dense_stages: int = 2
     teacher_bytes: int = 4 << 30
     stored_M: int = 64
@@ -529,7 +548,7 @@ def _dense_forward(q, k, lse, iq, ik, scale, index_scale, cfg, q_offset):
     B, T, Hq, D = q.shape
     G, Di = k.shape[2], iq.shape[3]
     H = Hq // G
-    HS = _heads_per_dot(H, cfg.M, cfg.rows)
+    HS = _heads_per_dot(H, cfg.M, cfg.dense_rows)
     kl = torch.empty(B, T, G, dtype=torch.float32, device=q.device)
     lse_z = torch.empty_like(kl)
     inv_s = torch.empty_like(kl)
@@ -569,14 +588,13 @@ def _sparse_forward(q, k, lse, iq, ik, index, K, block_size, scale, index_scale,
     part[0].fill_(float("-inf"))
     # only the entries of the inverse index are written, and only they are read back
     pbar = torch.empty(E, J, dtype=_teacher_dtype(q), device=q.device) if store else None
-    HS = _heads_per_dot(H, cfg.M, cfg.keys_rows)
     tb, ts, tc = schedule(index, cfg.fwd_per_program)
     _sparse_fwd_kernel[(tb.numel(),)](
         q, k, lse, iq, ik, index.entry, tb, ts, tc, part, part if pbar is None else pbar, T, k.shape[1], q_offset, E,
         index.n_blocks,
         *_strides(q, k, lse, iq, ik), scale * LOG2E, index_scale, BLOCK=block_size, G=G, K=K, H=H, HS=HS, M=cfg.M,
         J=J, D=D, DI=Di, PREC=_precision(q, iq), STORE=store, num_warps=cfg.warps,
-        num_stages=cfg.keys_stages)
+        num_stages=cfg.fwd_stages)
     return (*_combine(part, B, T, G, K), pbar)
 
 
