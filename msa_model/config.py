@@ -8,6 +8,8 @@ and names the offending fields.
 
 from __future__ import annotations
 
+import signal
+
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -284,6 +286,10 @@ def validate(cfg, world_size: Optional[int] = None) -> None:
            f"recipe {cfg.name} continues a dense checkpoint: set init_from=PATH (an MSA checkpoint made by "
            "`python -m msa_model.convert dense-to-msa` or `hf-to-msa`)")
     _check(errors, cfg.resume in ("auto", "never"), f"resume must be auto or never, got {cfg.resume!r}")
+    for field_name, names in (("trainer.stop_signals", t.stop_signals),
+                              ("launch.requeue_signals", cfg.launch.requeue_signals)):
+        bad = [n for n in names if not isinstance(getattr(signal, str(n), None), signal.Signals)]
+        _check(errors, not bad, f"{field_name}: unknown signal name(s) {bad} (use names like SIGUSR1, SIGTERM)")
     _check(errors, cfg.logging.wandb_mode in ("offline", "online", "disabled"),
            f"logging.wandb_mode must be offline, online or disabled, got {cfg.logging.wandb_mode!r}")
     if world_size is not None:

@@ -75,6 +75,8 @@ def test_wrong_type_is_an_error():
     (["model.msa.block_size=0"], "model.msa.block_size must be positive"),
     (["logging.log_interval=0"], "logging.log_interval must be positive"),
     (["trainer.stop_at_step=500"], "trainer.stop_at_step"),
+    (["trainer.stop_signals=[SIGUSR1,USR2]"], "trainer.stop_signals: unknown signal"),
+    (["launch.requeue_signals=[SIGHUP,sigterm]"], "launch.requeue_signals: unknown signal"),
 ])
 def test_bad_values_fail_early_naming_the_field(overrides, field):
     cfg = _compose(*overrides)

@@ -3,6 +3,7 @@ dies half-way never becomes `latest`; a stop signal finishes the step, saves and
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -52,6 +53,9 @@ def test_a_save_killed_half_way_never_becomes_latest(tmp_path, data_cache):
     assert "step_00000002 at step 2" in out and "removing incomplete checkpoint" in out
     assert not (ckpts / ".tmp-step_00000004").exists()
     assert (ckpts / "latest").read_text().strip() == "step_00000006"
+    # the killed run logged steps 3-4 after the checkpoint it resumed from; they are logged once
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 7)), steps
 
 
 def test_stop_signal_handler_records_the_signal():

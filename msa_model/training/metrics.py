@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -94,7 +95,9 @@ class MetricsLogger(Callback):
         if not self.enabled:
             return
         if self.cfg.jsonl:
-            self.jsonl = open(self.run_dir / "metrics.jsonl", "a")
+            path = self.run_dir / "metrics.jsonl"
+            trim_metrics_after(path, trainer.state.step)
+            self.jsonl = open(path, "a")
         if self.cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -165,6 +168,32 @@ class MetricsLogger(Callback):
             self.wandb_run.finish()
             # offline mode leaves a wandb-core helper process behind otherwise
             wandb.teardown()
+
+
+def trim_metrics_after(path: Path, step: int) -> int:
+    """Drop the records of steps after `step` from a metrics.jsonl (those a crashed run wrote after
+    the checkpoint a relaunch resumes from; the relaunch writes them again). The file is replaced
+    atomically; a torn last line is dropped too. Returns the number of lines removed."""
+    if not path.exists():
+        return 0
+    keep, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            dropped += 1
+            continue
+        if record.get("step", 0) <= step:
+            keep.append(line)
+        else:
+            dropped += 1
+    if dropped:
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(f"{line}\n" for line in keep))
+        os.replace(tmp, path)
+        log.info("metrics.jsonl: removed %d record(s) after step %d (written after the checkpoint this run "
+                 "resumes from)", dropped, step)
+    return dropped
 
 
 def _phase(trainer) -> str:

@@ -1,6 +1,6 @@
 """What a run directory records so that a relaunch is one command, and where logs go.
 
-<run_dir>/config.yaml   the resolved configuration
+<run_dir>/config.yaml   the resolved configuration (earlier ones of relaunches: config.yaml.1, ...)
 <run_dir>/git.txt       commit of the code (and whether the tree had local changes)
 <run_dir>/launch.sh     the command line that relaunches (and so resumes) this run
 <run_dir>/train.log     the console log of rank 0
@@ -78,8 +78,16 @@ def relaunch_command(run_dir: str) -> str:
 
 
 def write_run_files(cfg, run_dir: Path) -> None:
-    """config.yaml, git.txt and launch.sh (rank 0 only)."""
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    """config.yaml, git.txt and launch.sh (rank 0 only). A relaunch with a different configuration
+    keeps the earlier one as config.yaml.1, .2, ... (oldest first)."""
+    config = run_dir / "config.yaml"
+    text = OmegaConf.to_yaml(cfg, resolve=True)
+    if config.exists() and config.read_text() != text:
+        n = 1
+        while (run_dir / f"config.yaml.{n}").exists():
+            n += 1
+        config.rename(run_dir / f"config.yaml.{n}")
+    config.write_text(text)
     (run_dir / "git.txt").write_text(git_description())
     launch = run_dir / "launch.sh"
     launch.write_text("#!/usr/bin/env bash\n# relaunch this run; resume=auto continues from its latest checkpoint\n"

@@ -1,0 +1,35 @@
+"""What a relaunch does to the run directory's records: metrics.jsonl rows written after the
+checkpoint it resumes from are dropped (they are written again), and a changed configuration keeps
+the earlier config.yaml."""
+
+from __future__ import annotations
+
+import json
+
+from omegaconf import OmegaConf
+
+from msa_model.training.metrics import trim_metrics_after
+from msa_model.training.run_dir import write_run_files
+
+
+def test_trim_metrics_after_the_resume_step(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": s, "lm_loss": 1.0 / s} for s in (2, 4, 6, 8)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 10, "lm_lo')  # torn by a crash
+    assert trim_metrics_after(path, 4) == 3
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [2, 4]
+    assert trim_metrics_after(path, 4) == 0
+    assert trim_metrics_after(tmp_path / "absent.jsonl", 0) == 0
+
+
+def test_a_changed_config_keeps_the_earlier_one(tmp_path):
+    first, second = OmegaConf.create({"lr": 1e-3}), OmegaConf.create({"lr": 5e-4})
+    write_run_files(first, tmp_path)
+    write_run_files(first, tmp_path)  # unchanged: nothing kept aside
+    assert not (tmp_path / "config.yaml.1").exists()
+    write_run_files(second, tmp_path)
+    write_run_files(first, tmp_path)
+    assert OmegaConf.load(tmp_path / "config.yaml.1").lr == 1e-3
+    assert OmegaConf.load(tmp_path / "config.yaml.2").lr == 5e-4
+    assert OmegaConf.load(tmp_path / "config.yaml").lr == 1e-3
+    assert (tmp_path / "launch.sh").exists() and (tmp_path / "git.txt").exists()
