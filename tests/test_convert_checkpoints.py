@@ -157,3 +157,22 @@ def test_moe_checkpoint_loads_at_tp2(tmp_path):
     r = _verify_json(_convert("verify", str(hf), str(tmp_path / "msa"), "--tp", "2", torchrun=2))
     print(f"qwen3_moe TP=2 (SP) vs HF: {r}")
     assert r["tp"] == 2 and r["max_abs_diff"] <= 1e-4 and r["mean_kl"] <= 1e-6
+
+
+def test_converted_checkpoint_loads_at_pp2(tmp_path):
+    """A converted Llama at PP=2 (one layer per stage, 2 gloo processes): the first step's loss and KL
+    (a function of the loaded weights alone, dense warmup) and the second's (top-k) equal those of
+    the same run at PP=1."""
+    hf = save_tiny_hf("llama", tmp_path / "hf")
+    conv = tmp_path / "conv"
+    _convert("hf-to-msa", str(hf), str(conv), *GEOMETRY, "--name", "llama-tiny")
+    common = ["train.py", "recipe=cpt", f"hydra.searchpath=[file://{conv}]", "model=llama-tiny", f"init_from={conv}",
+              *RUN, "trainer.max_steps=2", "trainer.indexer_warmup_tokens=256", "checkpoint.save_at_end=false"]
+    _run([*common, f"run_dir={tmp_path / 'pp1'}"])
+    _run([*common, f"run_dir={tmp_path / 'pp2'}", "parallel.pp=2"], torchrun=2)
+    one, two = ([json.loads(line) for line in (tmp_path / r / "metrics.jsonl").read_text().splitlines()]
+                for r in ("pp1", "pp2"))
+    assert [r["phase"] for r in one] == [r["phase"] for r in two] == ["warmup", "sparse"]
+    for a, b in zip(one, two):
+        for key in ("lm_loss", "kl_loss"):
+            assert abs(b[key] - a[key]) <= 1e-5 * abs(a[key]), (a["step"], key, a[key], b[key])
