@@ -150,3 +150,17 @@ def test_init_from_survives_the_first_bf16_step(tmp_path, data_cache):
               "trainer.indexer_warmup_tokens=1024", data_cache=data_cache)
     fresh, rows = metrics(dense)[1]["lm_loss"], metrics(cpt)
     assert all(rows[s]["lm_loss"] < fresh - 0.3 for s in (1, 2, 3)), (fresh, rows)
+
+
+def test_init_from_another_model_names_the_missing_parameters(tmp_path, data_cache):
+    """Only index-branch tensors may be absent from an init_from checkpoint: a 1-layer checkpoint
+    under the 2-layer model is refused, naming the missing layer, before any step."""
+    small = tmp_path / "small"
+    run_train(small, "recipe=dense", "model.num_layers=1", "trainer.max_steps=2", data_cache=data_cache)
+    cpt = tmp_path / "cpt"
+    proc = run_train(cpt, "recipe=cpt", f"init_from={small / 'checkpoints'}", "trainer.max_steps=2",
+                     "trainer.indexer_warmup_tokens=1024", data_cache=data_cache, check=False)
+    assert proc.returncode != 0
+    err = proc.stdout + proc.stderr
+    assert "the checkpoint lacks model parameters" in err and "decoder.layers.1." in err, err[-3000:]
+    assert not (cpt / "metrics.jsonl").exists() or not (cpt / "metrics.jsonl").read_text().strip()

@@ -110,21 +110,15 @@ def save(model, out: str | Path, metadata: dict) -> Path:
 
 
 def load(model, path: str | Path, allow_missing_index: bool = False) -> None:
-    """Load model weights from a checkpoint root or step directory (what `init_from=` does).
+    """Load model weights from a checkpoint root or step directory (the rule of `init_from=`).
 
     With `allow_missing_index`, index-branch tensors absent from the checkpoint keep their
     values; any other absent tensor is an error.
     """
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.validation import StrictHandling
+    from msa_model.training.checkpoint import load_weights
 
     step = checkpoint_step_dir(path)
-    sharded = model.sharded_state_dict()
-    loaded, _, absent = dist_checkpointing.load({"model": sharded}, str(step), strict=StrictHandling.RETURN_ALL)
-    absent = sorted(k for k in absent if not k.endswith("_extra_state"))
-    if absent and not (allow_missing_index and all(".index_" in k for k in absent)):
-        raise ConversionError(f"{step}: the checkpoint lacks model tensors {absent[:6]}")
-    model.load_state_dict(loaded["model"], strict=not absent)
+    load_weights(model, step, allow_missing_index, what="checkpoint", error=ConversionError)
 
 
 def checkpoint_step_dir(path: str | Path) -> Path:

@@ -26,7 +26,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
-from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
@@ -214,6 +215,36 @@ def load_checkpoint(trainer, path: str | Path) -> None:
 _NEW_IN_MSA = ("index_q_proj", "index_k_proj", "index_q_layernorm", "index_k_layernorm")
 
 
+def is_index_branch_key(key: str) -> bool:
+    """Whether a checkpoint key belongs to the index branch (absent from dense checkpoints)."""
+    return any(n in key for n in _NEW_IN_MSA)
+
+
+def load_weights(module, step_dir: str | Path, allow_missing_index: bool, what: str = "init_from",
+                 error: type[Exception] = KeyError) -> int:
+    """Load `module`'s parameters (not optimizer or counters) from a checkpoint step directory.
+
+    With `allow_missing_index`, index-branch tensors absent from the checkpoint keep their current
+    values; any other absent tensor raises `error` naming it. Returns the number of absent
+    index-branch tensors. The trainer's `init_from` and the conversion tools share this rule."""
+    sharded = module.sharded_state_dict()
+    # compare keys before loading: a tensor factory (e.g. fused expert weights) without stored
+    # values fails deep inside dist_checkpointing with a message that names no parameter
+    stored = set(dist_checkpointing.load_tensors_metadata(str(step_dir)))
+    wanted = {v.key for v in nested_values(sharded) if isinstance(v, (ShardedTensor, ShardedTensorFactory))}
+    bad = sorted(k for k in wanted - stored if not (allow_missing_index and is_index_branch_key(k)))
+    if bad:
+        raise error(f"{what} {step_dir}: the checkpoint lacks model parameters {bad[:8]}"
+                    f"{f' and {len(bad) - 8} more' if len(bad) > 8 else ''} (is it a checkpoint of this model?)")
+    loaded, _, absent = dist_checkpointing.load({"model": sharded}, str(step_dir), strict=StrictHandling.RETURN_ALL)
+    absent = sorted(absent)
+    bad = [k for k in absent if not k.endswith("_extra_state") and not (allow_missing_index and is_index_branch_key(k))]
+    if bad:
+        raise error(f"{what} {step_dir}: the checkpoint lacks model parameters {bad[:8]}")
+    module.load_state_dict(loaded["model"], strict=not absent)
+    return sum(is_index_branch_key(k) for k in absent)
+
+
 def load_model_weights(model_chunks, path: str | Path) -> None:
     """Load only the model weights (no optimizer/counters), e.g. a dense GQA checkpoint into MSA.
 
@@ -226,15 +257,10 @@ def load_model_weights(model_chunks, path: str | Path) -> None:
         path = latest_checkpoint(path)
     if path is None or not path.is_dir():
         raise FileNotFoundError(f"init_from: no checkpoint at {path}")
-    model_sd = _model_sharded_state_dict(model_chunks)
-    loaded, _, unexpected = dist_checkpointing.load({"model": model_sd}, str(path), strict=StrictHandling.RETURN_ALL)
-    absent = sorted(k for k in unexpected)
-    not_index = [k for k in absent if not any(n in k for n in _NEW_IN_MSA) and not k.endswith("_extra_state")]
-    if not_index:
-        raise KeyError(f"init_from {path}: the checkpoint lacks model parameters {not_index[:8]}")
-    _unwrap(model_chunks[0]).load_state_dict(loaded["model"], strict=not absent)
+    assert len(model_chunks) == 1, "virtual pipeline chunks are not supported yet"
+    fresh = load_weights(_unwrap(model_chunks[0]), path, allow_missing_index=True)
     log.info("initialised model weights from %s%s", path,
-             f" ({len(absent)} index-branch tensors absent, kept fresh)" if absent else "")
+             f" ({fresh} index-branch tensors absent, kept fresh)" if fresh else "")
 
 
 def cleanup_partial_saves(root: str | Path) -> None:
