@@ -119,9 +119,9 @@ def _geometry(q, k, block_size):
     return B, T, Hq, G, H, HP, D
 
 
-def _chunk(q: torch.Tensor, per_query_bytes: int) -> int:
+def _chunk(T: int, per_query_bytes: int) -> int:
     """Queries per chunk: a chunk's partial buffers stay under TUNING["partial_bytes"]."""
-    return max(1, min(q.shape[1], TUNING["partial_bytes"] // max(1, per_query_bytes)))
+    return max(1, min(T, TUNING["partial_bytes"] // max(1, per_query_bytes)))
 
 
 def sparse_forward(q, k, v, idx, block_size, scale, q_offset=0):
@@ -134,7 +134,7 @@ def sparse_forward(q, k, v, idx, block_size, scale, q_offset=0):
     o = torch.empty_like(q)
     lse = torch.empty(B, T, Hq, dtype=torch.float32, device=q.device)
     QT = max(TUNING["fwd_rows"], HP) // HP
-    C = _chunk(q, B * G * K * H * (D * part_dtype.itemsize + 4))
+    C = _chunk(T, B * G * K * H * (D * part_dtype.itemsize + 4))
     for t0 in range(0, T, C):
         t1 = min(T, t0 + C)
         idx_c = idx[:, t0:t1].contiguous()
@@ -179,7 +179,7 @@ def sparse_backward(do, q, k, v, o, lse, idx, block_size, scale, q_offset=0):
     # dq partials in the input dtype: each is one block's share, rounded once like torch's own
     # bf16 matmul output, and it halves the bytes of the pass that dominates the backward
     dq_dtype = q.dtype
-    C = _chunk(q, B * G * K * H * D * dq_dtype.itemsize)
+    C = _chunk(T, B * G * K * H * D * dq_dtype.itemsize)
     rb = min(32, block_size)
     for t0 in range(0, T, C):
         t1 = min(T, t0 + C)
