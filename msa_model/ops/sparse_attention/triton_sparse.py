@@ -1,12 +1,13 @@
 """Triton kernels of sparse attention over selected key blocks, KV-outer with query gathering.
 
 Every (query, group, slot) triple that names a key block is one *entry*. Entries are sorted by
-(batch, group, block) into *buckets* (the inverse block -> queries index), so one program loads a
-key/value block once and multiplies it against QT gathered queries x H heads = R matrix rows.
-Forward programs write a normalised partial output and a partial lse per entry, and a combine
-kernel merges each query's K partials (no atomics, any block popularity). The backward walks the
-same buckets: dK/dV accumulate in registers over a run of tiles (a *work item*), dQ partials are
-written per entry and summed per query; everything is deterministic.
+(batch, group, block) into *buckets* (the inverse block -> queries index). One program takes a
+run of tiles of one bucket (a *work item*): it loads the key/value block once and multiplies it
+against each tile of QT gathered queries x H heads = R matrix rows. Forward programs write a
+normalised partial output and a partial lse per entry, and a combine kernel merges each query's K
+partials (no atomics, any block popularity). The backward walks the same buckets: dK/dV
+accumulate in registers over the work item, dQ partials are written per entry and summed per
+query; everything is deterministic.
 
 B = batch, T = queries, TK = keys (query t sits at position QOFF + t; TK = QOFF + T), C = queries
 of the current chunk, G = key/value heads (groups), H = query heads per group (HP: next power of
