@@ -218,11 +218,12 @@ def tune(T: int, res: dict) -> None:
     base = kl_triton.TUNING
     best = None
     # teacher dot rows (M = 16 entries x heads) of the key-major kernels, pipeline stages of the
-    # sparse forward and the dense kernels, rows of the row-major dense forward (H200, 2026-11-29:
-    # key-major 128 rows / 2 stages gave a 10.6 ms sparse KL forward at 32K against 15.5 ms for the
-    # row-major tiles they replaced)
+    # sparse forward and the dense kernels, tiles of the dense forward's second pass (H200,
+    # 2026-11-29, dense 16K fwd+bwd: 16 queries x 8 heads against 128 keys, 8 warps, 2 stages
+    # 23.1 ms; 256 rows 24.7; 4 warps 27.9; 1 stage 27.5; 64 keys 37.5; 32 queries out of
+    # shared memory)
     variants = [dict(rows=r, fwd_stages=st, dense_stages=st) for r, st in ((128, 2), (128, 1), (256, 2), (64, 2))]
-    variants += [dict(dense_rows=r) for r in (128, 256)]
+    variants += [dict(dense_rows=256), dict(dense_warps=4), dict(dense_fwd_j=64)]
     # KL_VARIANTS: a JSON list of Tuning overrides replacing the ones above
     variants = json.loads(os.environ.get("KL_VARIANTS", "null")) or variants
     for var in [] if os.environ.get("QUICK_TUNE") else variants:
@@ -337,13 +338,14 @@ def main():
     ap.add_argument("--long", action="store_true", help="also 256K and 1M forward")
     ap.add_argument("--T", default="32768,131072", help="lengths of the sparse rows")
     ap.add_argument("--no-dense", action="store_true", help="skip the 32K dense warmup rows")
+    ap.add_argument("--tune-T", type=int, default=32768, help="length of the KL tuning runs")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                  "date": time.strftime("%Y-%m-%d")}
     steps = [lambda: check(res)]
     if not args.no_tune:
-        steps.append(lambda: tune(32768, res))
+        steps.append(lambda: tune(args.tune_T, res))
     for T in (int(x) for x in args.T.split(",") if x):
         steps.append(lambda T=T: sparse_rows(T, 5 if T <= 32768 else 3, res))
     if not args.no_dense:

@@ -143,6 +143,26 @@ def test_query_chunks(monkeypatch):
     run_case(B, T, Hq, G, 16, bs, K, torch.float32 if DEVICE == "cpu" else torch.bfloat16)
 
 
+def test_inverse_index_lists_every_entry_once_in_its_bucket():
+    """Each valid (b, c, g, slot) entry sits in the bucket of its (b, g, block), buckets list their
+    queries ascending, and empty slots sort after every bucket."""
+    B, C, G, K, N = 2, 23, 3, 4, 4
+    gen = torch.Generator().manual_seed(1)
+    idx = torch.randint(-1, N, (B, C, G, K), generator=gen, dtype=torch.int32)
+    idx = sa_triton.clean_block_idx(idx, 1, q_offset=N)  # every block is causal at offset N
+    index = sa_triton.build_inverse_index(idx, N)
+    flat = idx.flatten()
+    valid = (flat >= 0).nonzero().flatten()
+    assert int(index.count.sum()) == valid.numel() and index.start.numel() == B * G * N
+    assert sorted(index.entry[:valid.numel()].tolist()) == valid.tolist()
+    for bucket in range(B * G * N):
+        lo, n_e = int(index.start[bucket]), int(index.count[bucket])
+        ent = index.entry[lo:lo + n_e].long()
+        b, c, g = ent // (C * G * K), (ent // (G * K)) % C, (ent // K) % G
+        assert ((b * G + g) * N + flat[ent] == bucket).all()
+        assert (c[1:] > c[:-1]).all()
+
+
 def test_empty_support_and_duplicates():
     """Rows whose slots are all -1 or future blocks give o = 0, lse = -inf, zero gradients."""
     B, T, Hq, G, D, bs = 1, 48, 2, 1, 16, 16
