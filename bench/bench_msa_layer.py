@@ -1,14 +1,14 @@
 """The whole MSA layer (select + sparse attention + indexer KL) against SDPA dense attention.
 
 Geometry: Hq=64, Hkv=4, D=Di=128, Bk=128, k=16, bf16, B=1, causal. Times are medians of CUDA-event
-timed runs after a warm-up; peak memory is torch's max_memory_allocated over one step, inputs
+timed back-to-back runs after a warm-up; peak memory is torch's max_memory_allocated over one step, inputs
 included. Prints a markdown table; --json writes every number.
 
     PYTHONPATH=. python bench/bench_msa_layer.py --json $OUT/msa_layer.json
 
 --T picks the sparse lengths, --no-dense skips the warmup rows, QUICK_TUNE=1 keeps the KL's
 default tiles (no tuning), KL_VARIANTS='[{...}, ...]' replaces the tuned tile variants. Each sparse row also times the layer with the
-attention's partial buffers capped at 1 GiB (more query chunks, less memory) for a same-run comparison.
+attention's partial buffers capped at each --budgets value (MiB; more query chunks, less memory).
 """
 
 from __future__ import annotations
@@ -28,22 +28,24 @@ from msa_model.ops.indexer_kl import triton as kl_triton
 from msa_model.ops.sparse_attention import triton as sa_triton
 
 HQ, HKV, D, DI, BK, TOPK = 64, 4, 128, 128, 128, 16
+# partial-buffer budgets (MiB) timed beside the default in each sparse row (--budgets)
+BUDGETS_MIB = [1024]
 TRITON = dict(backend="triton")
 
 
 def timed(fn, reps: int, warmup: int = 1) -> float:
-    """Median milliseconds of `fn` over `reps` runs."""
+    """Median milliseconds of `fn` over `reps` back-to-back runs (CUDA events around each; the host
+    issues the next run while the device works, as in training)."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, end in events:
         start.record()
         fn()
         end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    torch.cuda.synchronize()
+    return sorted(s.elapsed_time(e) for s, e in events)[len(events) // 2]
 
 
 def peak_gib(fn) -> float:
@@ -120,12 +122,14 @@ def sparse_rows(T: int, reps: int, res: dict) -> None:
     measure(r, "layer_fwd_ms", lambda: timed(lambda: msa_attention(q, k, v, iq, ik, BK, TOPK, **TRITON), reps))
     measure(r, "layer_fwdbwd_ms", lambda: timed(layer_fb, reps))
     measure(r, "layer_peak_gib", lambda: peak_gib(layer_fb))
-    # attention partial buffers of at most 1 GiB (more query chunks) against the default 4 GiB
-    kept = sa_triton.TUNING["partial_bytes"]
-    sa_triton.TUNING["partial_bytes"] = 1 << 30
-    measure(r, "layer_fwdbwd_smallchunks_ms", lambda: timed(layer_fb, reps))
-    measure(r, "layer_peak_smallchunks_gib", lambda: peak_gib(layer_fb))
-    sa_triton.TUNING["partial_bytes"] = kept
+    # other budgets for the attention's partial buffers (more query chunks, less memory)
+    kept = dict(sa_triton.TUNING)
+    for mib in BUDGETS_MIB:
+        sa_triton.TUNING.update(partial_bytes=mib << 20, partial_q_ratio=float("inf"))
+        measure(r, f"layer_fwdbwd_{mib}MiB_ms", lambda: timed(layer_fb, reps))
+        measure(r, f"layer_peak_{mib}MiB_gib", lambda: peak_gib(layer_fb))
+        measure(r, f"attn_fwd_{mib}MiB_ms", lambda: timed(lambda: sparse_attention(q, k, v, bi, BK, **TRITON), reps))
+    sa_triton.TUNING.update(kept)
 
     def sdpa_fb():
         sdpa(q, k, v).backward(do)
@@ -290,7 +294,7 @@ def table(res: dict) -> str:
     def add(name, value):
         lines.append(f"| {name} | {value} |")
 
-    for T in (8192, 32768, 131072):
+    for T in sorted(int(key.split("_")[1]) for key in res if key.startswith("sparse_")):
         r = res.get(f"sparse_{T}")
         if not r:
             continue
@@ -300,8 +304,10 @@ def table(res: dict) -> str:
         add(f"{t} sparse KL fwd / fwd+bwd (ms); KL over attention fwd+bwd",
             f"{r['kl_fwd_ms']:.1f} / {r['kl_fwdbwd_ms']:.1f}; {100 * r['kl_fwdbwd_ms'] / r['attn_fwdbwd_ms']:.0f}%")
         add(f"{t} MSA layer fwd / fwd+bwd (ms)", f"{r['layer_fwd_ms']:.1f} / {r['layer_fwdbwd_ms']:.1f}")
-        add(f"{t} MSA layer fwd+bwd with attention partials up to 1 GiB (ms); peak GiB",
-            f"{r['layer_fwdbwd_smallchunks_ms']:.1f}; {r['layer_peak_smallchunks_gib']:.1f}")
+        for mib in BUDGETS_MIB:
+            add(f"{t} with attention partials up to {mib} MiB: layer fwd+bwd (ms); peak GiB; attention fwd (ms)",
+                f"{r[f'layer_fwdbwd_{mib}MiB_ms']:.1f}; {r[f'layer_peak_{mib}MiB_gib']:.2f}; "
+                f"{r[f'attn_fwd_{mib}MiB_ms']:.2f}")
         add(f"{t} SDPA dense fwd / fwd+bwd (ms)", f"{r['sdpa_fwd_ms']:.1f} / {r['sdpa_fwdbwd_ms']:.1f}")
         add(f"{t} speed-up fwd / fwd+bwd",
             f"{r['sdpa_fwd_ms'] / r['layer_fwd_ms']:.1f}x / {r['sdpa_fwdbwd_ms'] / r['layer_fwdbwd_ms']:.1f}x")
@@ -339,7 +345,9 @@ def main():
     ap.add_argument("--T", default="32768,131072", help="lengths of the sparse rows")
     ap.add_argument("--no-dense", action="store_true", help="skip the 32K dense warmup rows")
     ap.add_argument("--tune-T", type=int, default=32768, help="length of the KL tuning runs")
+    ap.add_argument("--budgets", default="1024", help="attention partial budgets (MiB) also timed per sparse row")
     args = ap.parse_args()
+    BUDGETS_MIB[:] = [int(x) for x in args.budgets.split(",") if x]
     torch.backends.cuda.matmul.allow_tf32 = True
     res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                  "date": time.strftime("%Y-%m-%d")}

@@ -73,7 +73,8 @@ def realistic_sets(T, G, K, bs, device):
 
 
 def timeit(fn, budget_ms=400.0, max_iters=50):
-    """Median ms of fn over CUDA events, after warm-up; fewer iterations for slow functions."""
+    """Median ms of fn over CUDA events around each of back-to-back calls, after warm-up; fewer
+    iterations for slow functions."""
     fn()
     torch.cuda.synchronize()
     t = time.perf_counter()
@@ -81,15 +82,15 @@ def timeit(fn, budget_ms=400.0, max_iters=50):
     torch.cuda.synchronize()
     est = (time.perf_counter() - t) * 1e3
     iters = int(max(2, min(max_iters, budget_ms / max(est, 1e-3))))
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    # back to back, as in a training step: the host issues the next call while the device runs
+    # this one, so launch overhead shows only where the host is slower than the device
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for a, b in events:
         a.record()
         fn()
         b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in events)
 
 
 def inputs(T, dtype=torch.bfloat16, seed=0):
@@ -111,8 +112,11 @@ def fwd_bwd(fn, q, k, v, do):
     return run
 
 
-def ours(idx, bs=BS):
-    return lambda q, k, v: sparse_attention(q, k, v, idx, block_size=bs, backend="triton")[0]
+def ours(idx, bs=BS, check_ids=False):
+    """The Triton op. The benchmark's sets are in range, so by default without the id range check
+    (a host synchronisation that msa_attention skips for select_blocks' ids); the table also times
+    the forward with it."""
+    return lambda q, k, v: sparse_attention(q, k, v, idx, block_size=bs, backend="triton", check_ids=check_ids)[0]
 
 
 def sdpa(q, k, v):
@@ -248,6 +252,7 @@ def time_table(Ts, fwd_only_Ts, sdpa_max, with_flex, patterns):
             idx = random_sets(T, HKV, TOPK, BS, "cuda") if pat == "random" else realistic_sets(T, HKV, TOPK, BS, "cuda")
             with torch.no_grad():
                 r[f"{pat}_fwd"] = timeit(lambda: ours(idx)(q, k, v))
+                r[f"{pat}_fwd_checked"] = timeit(lambda: ours(idx, check_ids=True)(q, k, v))
             if not fwd_only:
                 r[f"{pat}_fb"] = timeit(fwd_bwd(ours(idx), q, k, v, do))
             if with_flex and not fwd_only:
@@ -265,8 +270,8 @@ def time_table(Ts, fwd_only_Ts, sdpa_max, with_flex, patterns):
 
 def print_table(rows, patterns):
     log("\n| T | pattern | ours fwd ms | ours fwd+bwd ms | SDPA fwd / fwd+bwd ms | speedup fwd / fwd+bwd vs SDPA "
-        "| Flex fwd / fwd+bwd ms | fwd TFLOP/s | fwd+bwd TFLOP/s |")
-    log("|---|---|---|---|---|---|---|---|---|")
+        "| Flex fwd / fwd+bwd ms | fwd TFLOP/s | fwd+bwd TFLOP/s | fwd ms with the id check |")
+    log("|---|---|---|---|---|---|---|---|---|---|")
     f = lambda x: "-" if x is None else f"{x:.2f}"
     for r in rows:
         T = r["T"]
@@ -278,16 +283,28 @@ def print_table(rows, patterns):
             tf = flops_fwd(T) / fw / 1e9 if fw else None
             tfb = 3.5 * flops_fwd(T) / fb / 1e9 if fb else None
             log(f"| {T // 1024}K | {pat} | {f(fw)} | {f(fb)} | {f(sf)}{anchor} / {f(sb)} | {sp} | "
-                f"{f(r.get(f'flex_{pat}_fwd'))} / {f(r.get(f'flex_{pat}_fb'))} | {f(tf)} | {f(tfb)} |")
+                f"{f(r.get(f'flex_{pat}_fwd'))} / {f(r.get(f'flex_{pat}_fb'))} | {f(tf)} | {f(tfb)} | "
+                f"{f(r.get(f'{pat}_fwd_checked'))} |")
         log(f"| {T // 1024}K | dense (ours) | {f(r.get('dense_fwd'))} | {f(r.get('dense_fb'))} | "
-            f"{f(r.get('sdpa_fwd'))} / {f(r.get('sdpa_fb'))} | | | | |")
+            f"{f(r.get('sdpa_fwd'))} / {f(r.get('sdpa_fb'))} | | | | | |")
 
 
-def profile(T, pat):
+def profile(T, pat, forward_only=False):
+    """Per-kernel device time of one call (torch profiler), against its wall time and the time the
+    host takes to issue it: a call whose device time falls short of its wall time waits on the host."""
     q, k, v, do = inputs(T)
     idx = random_sets(T, HKV, TOPK, BS, "cuda") if pat == "random" else realistic_sets(T, HKV, TOPK, BS, "cuda")
-    run = fwd_bwd(ours(idx), q, k, v, do)
+    if forward_only:
+        def run():
+            with torch.no_grad():
+                ours(idx)(q, k, v)
+    else:
+        run = fwd_bwd(ours(idx), q, k, v, do)
+    wall = timeit(run)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
     run()
+    issue = (time.perf_counter() - t) * 1e3
     torch.cuda.synchronize()
     from torch.profiler import ProfilerActivity, profile as prof
     with prof(activities=[ProfilerActivity.CUDA]) as p:
@@ -297,9 +314,19 @@ def profile(T, pat):
     for e in p.key_averages():
         if e.device_time_total > 0:
             tot[e.key] = e.device_time_total / 1e3
-    log(f"profile T={T} {pat} fwd+bwd, ms per kernel (top 12):")
+    what = "fwd" if forward_only else "fwd+bwd"
+    log(f"profile T={T} {pat} {what}: wall {wall:.2f} ms, device kernels {sum(tot.values()):.2f} ms, "
+        f"host issue {issue:.2f} ms, partial_bytes {sa_triton.TUNING['partial_bytes']}; ms per kernel (top 12):")
     for name, ms in sorted(tot.items(), key=lambda x: -x[1])[:12]:
         log(f"  {ms:8.2f}  {name[:90]}")
+    # where the host's issue time goes: the Python frames and torch calls by their own time
+    with prof(activities=[ProfilerActivity.CPU], with_stack=True) as p:
+        run()
+    torch.cuda.synchronize()
+    log("host time of one call by frame (self ms, top 15):")
+    for e in sorted(p.key_averages(group_by_stack_n=1), key=lambda e: -e.self_cpu_time_total)[:15]:
+        stack = e.stack[0] if e.stack else ""
+        log(f"  {e.self_cpu_time_total / 1e3:8.3f}  {e.count:4d}x  {e.key[:50]}  {stack[:70]}")
 
 
 def _regs(name):
@@ -349,6 +376,8 @@ def main():
     ap.add_argument("--flex", action="store_true")
     ap.add_argument("--patterns", default="random,realistic")
     ap.add_argument("--tune-T", type=int, default=131072)
+    ap.add_argument("--profile-T", default="131072")
+    ap.add_argument("--profile-fwd", action="store_true", help="profile the forward alone")
     ap.add_argument("--tuning", default="", help="JSON overrides of the kernels' TUNING")
     a = ap.parse_args()
     if a.tuning:
@@ -366,8 +395,9 @@ def main():
             tune(a.tune_T)
             log(f"[tune done {time.time() - t0:.0f}s]")
         if "profile" in parts:
-            profile(131072, "random")
-            profile(131072, "realistic")
+            for T in (int(x) for x in a.profile_T.split(",") if x):
+                for pat in patterns:
+                    profile(T, pat, forward_only=a.profile_fwd)
             log(f"[profile done {time.time() - t0:.0f}s]")
         if "time" in parts:
             Ts = [int(x) for x in a.T.split(",") if x]

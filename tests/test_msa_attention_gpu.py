@@ -38,3 +38,26 @@ def test_composition_matches_reference(dense):
     for name, x, r in zip(("o", "kl", "dq", "dk", "dv", "d iq", "d ik"), got, want):
         assert torch.isfinite(x).all(), name
         assert rel(x, r) < 2e-2, (name, rel(x, r))
+
+
+@pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense"])
+def test_a_training_step_never_waits_on_the_device(dense):
+    """Forward and backward of the layer issue their work without a host synchronisation (one
+    would drain the queue every layer): CUDA's sync debug mode turns any into an error."""
+    B, T, Hq, G, D, Di, bs, topk = 1, 1000, 8, 2, 64, 64, 64, 4
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    mk = lambda *s: torch.randn(*s, device="cuda", generator=gen).bfloat16().requires_grad_()  # noqa: E731
+    q, k, v, iq, ik = mk(B, T, Hq, D), mk(B, T, G, D), mk(B, T, G, D), mk(B, T, G, Di), mk(B, T, Di)
+
+    def step():
+        o, kl = msa_attention(q, k, v, iq, ik, bs, topk, dense=dense, backend="triton")
+        torch.autograd.backward([o, kl], [torch.ones_like(o), torch.ones_like(kl)])
+
+    step()  # compiles the kernels and fills the allocator's cache
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()

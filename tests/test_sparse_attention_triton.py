@@ -135,32 +135,70 @@ def test_dense(B, T, Hq, G, D, dtype):
 
 
 def test_query_chunks(monkeypatch):
-    """Partial buffers over budget: queries run in several chunks (here 7 tokens each), same results."""
+    """Partial buffers over budget: queries run in several chunks (here 7 tokens each, the last
+    6), same results."""
     B, T, Hq, G, K, bs = 2, 90, 4, 2, 4, 16
-    per_query = B * G * K * (Hq // G) * 16 * 4  # fp32 partial o of one query (D = 16)
+    per_query = B * G * K * (Hq // G) * (16 * 4 + 4)  # fp32 partial o and lse of one query (D = 16)
     monkeypatch.setitem(sa_triton.TUNING, "partial_bytes", 7 * per_query)
     assert sa_triton._chunk(T, per_query) == 7
     run_case(B, T, Hq, G, 16, bs, K, torch.float32 if DEVICE == "cpu" else torch.bfloat16)
 
 
-def test_inverse_index_lists_every_entry_once_in_its_bucket():
-    """Each valid (b, c, g, slot) entry sits in the bucket of its (b, g, block), buckets list their
-    queries ascending, and empty slots sort after every bucket."""
-    B, C, G, K, N = 2, 23, 3, 4, 4
+@pytest.mark.parametrize("chunk", [0, 5, 23])
+def test_inverse_index_lists_every_entry_once_in_its_bucket(chunk):
+    """Each valid (b, t, g, slot) entry sits in the bucket of its (chunk of t, b, g, block),
+    buckets list their queries ascending, and empty slots sort after every bucket; the schedule
+    covers each bucket's entries once, in runs inside its chunk's row."""
+    B, T, G, K, N = 2, 23, 3, 4, 4
     gen = torch.Generator().manual_seed(1)
-    idx = torch.randint(-1, N, (B, C, G, K), generator=gen, dtype=torch.int32)
+    idx = torch.randint(-1, N, (B, T, G, K), generator=gen, dtype=torch.int32)
     idx = sa_triton.clean_block_idx(idx, 1, q_offset=N)  # every block is causal at offset N
-    index = sa_triton.build_inverse_index(idx, N)
+    index = sa_triton.build_inverse_index(idx, N, chunk)
+    C = T if chunk == 0 else chunk
+    S = -(-T // C)
+    assert index.n_chunks == S and index.chunk_size == C and index.chunk_entries == B * C * G * K
     flat = idx.flatten()
     valid = (flat >= 0).nonzero().flatten()
-    assert int(index.count.sum()) == valid.numel() and index.start.numel() == B * G * N
+    assert int(index.count.sum()) == valid.numel() and index.start.numel() == S * B * G * N
     assert sorted(index.entry[:valid.numel()].tolist()) == valid.tolist()
-    for bucket in range(B * G * N):
+    for bucket in range(S * B * G * N):
         lo, n_e = int(index.start[bucket]), int(index.count[bucket])
         ent = index.entry[lo:lo + n_e].long()
-        b, c, g = ent // (C * G * K), (ent // (G * K)) % C, (ent // K) % G
-        assert ((b * G + g) * N + flat[ent] == bucket).all()
-        assert (c[1:] > c[:-1]).all()
+        b, t, g = ent // (T * G * K), (ent // (G * K)) % T, (ent // K) % G
+        assert ((((t // C) * B + b) * G + g) * N + flat[ent] == bucket).all()
+        assert (t[1:] > t[:-1]).all()
+    per = 3
+    tb, ts, tc = sa_triton.schedule(index, per)
+    assert tb.shape[0] == S
+    for c in range(S):
+        seen = {}
+        for bucket, start, count in zip(tb[c].tolist(), ts[c].tolist(), tc[c].tolist()):
+            if bucket >= 0:
+                assert 0 < count <= per
+                seen.setdefault(bucket, []).append((start, count))
+        for bl in range(B * G * N):
+            runs = seen.get(bl, [])
+            g_bucket = c * B * G * N + bl
+            lo, n_e = int(index.start[g_bucket]), int(index.count[g_bucket])
+            assert [s for s, _ in runs] == list(range(lo, lo + n_e, per)) and sum(n for _, n in runs) == n_e
+
+
+def test_unchecked_ids_out_of_range_read_nothing():
+    """check_ids=False skips the (synchronising) range check; ids below -1 or past the last block
+    then read nothing, like -1 and future blocks, and the default still refuses them."""
+    B, T, Hq, G, D, bs = 1, 40, 2, 1, 16, 16
+    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    q, k, v = (torch.randn(B, T, h, D, device=DEVICE).to(dtype) for h in (Hq, G, G))
+    idx = torch.full((B, T, G, 3), -1, dtype=torch.int32, device=DEVICE)
+    idx[..., 0] = (torch.arange(T, device=DEVICE) // bs)[None, :, None]
+    bad = idx.clone()
+    bad[..., 1] = 99
+    bad[..., 2] = -5
+    with pytest.raises(ValueError, match="outside"):
+        sparse_attention(q, k, v, bad, bs, backend="triton")
+    o, lse = sparse_attention(q, k, v, bad, bs, backend="triton", check_ids=False)
+    o_ref, lse_ref = sparse_attention(q, k, v, idx, bs, backend="triton")
+    assert torch.equal(o, o_ref) and torch.equal(lse, lse_ref)
 
 
 def test_empty_support_and_duplicates():

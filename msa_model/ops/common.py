@@ -101,12 +101,18 @@ def check_index(iq: torch.Tensor, ik: torch.Tensor, B: int | None = None, T: int
     return b, t, hkv, di
 
 
-def check_block_idx(block_idx: torch.Tensor, B: int, T: int, Hkv: int, block_size: int, q_offset: int = 0) -> None:
-    """block_idx [B, T, Hkv, K] of T queries at positions q_offset.. (ids < blocks of q_offset + T keys)."""
+def check_block_idx(block_idx: torch.Tensor, B: int, T: int, Hkv: int, block_size: int, q_offset: int = 0,
+                    ids: bool = True) -> None:
+    """block_idx [B, T, Hkv, K] of T queries at positions q_offset.. (ids < blocks of q_offset + T keys).
+
+    The id range check reads the values back (a host synchronisation, which stalls a training
+    step's queue); `ids=False` skips it for selections known to be in range (select_blocks')."""
     if block_idx.dim() != 4 or tuple(block_idx.shape[:3]) != (B, T, Hkv):
         raise ValueError(f"block_idx must be [B, T, Hkv, K] = [{B}, {T}, {Hkv}, K], got {tuple(block_idx.shape)}")
     if block_idx.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"block_idx must be int32 or int64, got {block_idx.dtype}")
+    if not ids:
+        return
     n = num_blocks(q_offset + T, block_size)
     lo, hi = torch.aminmax(block_idx) if block_idx.numel() else (torch.tensor(-1), torch.tensor(-1))
     # one host sync for both bounds

@@ -32,13 +32,15 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iq: torch.T
     if not dense:
         block_idx = select_blocks(iq.detach(), ik.detach(), block_size=block_size, topk=topk,
                                   force_sink=force_sink, backend=backend, q_offset=q_offset)
+    # select_blocks' ids are in range: no id check (check_ids), so the layer issues its work with
+    # no host synchronisation
     if dense and q_offset == 0 and _use_flash(q, k, v, backend):
         o, lse = _flash_dense(q, k, v, default_scale(q.shape[-1], scale))
     else:
         o, lse = sparse_attention(q, k, v, block_idx, block_size=block_size, scale=scale, backend=backend,
-                                  q_offset=q_offset)
+                                  q_offset=q_offset, check_ids=False)
     kl = indexer_kl_loss(q.detach(), k.detach(), iq, ik, block_idx, lse.detach(), block_size=block_size,
-                         scale=scale, index_scale=index_scale, backend=backend, q_offset=q_offset)
+                         scale=scale, index_scale=index_scale, backend=backend, q_offset=q_offset, check_ids=False)
     if return_block_idx:
         return o, kl, block_idx
     return o, kl

@@ -12,7 +12,7 @@ from .reference import indexer_kl_loss_reference
 def indexer_kl_loss(q: torch.Tensor, k: torch.Tensor, iq: torch.Tensor, ik: torch.Tensor,
                     block_idx: torch.Tensor | None, lse: torch.Tensor, block_size: int = 128,
                     scale: float | None = None, index_scale: float | None = None,
-                    backend: str = "auto", q_offset: int = 0) -> torch.Tensor:
+                    backend: str = "auto", q_offset: int = 0, check_ids: bool = True) -> torch.Tensor:
     """Mean over (b, t, g) of KL(teacher || student) on each (query, group)'s support.
 
     q [B, T, Hq, D], k [B, T, Hkv, D]: the main branch's inputs (treated as constants);
@@ -23,12 +23,13 @@ def indexer_kl_loss(q: torch.Tensor, k: torch.Tensor, iq: torch.Tensor, ik: torc
     student's. Returns a float32 scalar (float64 for float64 index inputs); the KL coefficient is applied by the caller.
     `q_offset`: query t sits at position q_offset + t; k, ik hold the whole causal prefix
     [B, >= q_offset + T, ...] (context parallelism); the mean is over this call's queries.
+    `check_ids=False` skips the range check of block_idx's values (a host synchronisation).
     """
     check_block_size(block_size)
     B, T, Hq, Hkv, D = check_qkv(q, k, q_offset=q_offset)
     _, _, _, Di = check_index(iq, ik, B, T, Hkv, q_offset)
     if block_idx is not None:
-        check_block_idx(block_idx, B, T, Hkv, block_size, q_offset)
+        check_block_idx(block_idx, B, T, Hkv, block_size, q_offset, ids=check_ids)
     if not lse.is_floating_point():
         raise TypeError(f"lse must be a floating tensor (float32 from sparse_attention), got {lse.dtype}")
     if lse.shape != (B, T, Hq):

@@ -11,7 +11,8 @@ from .reference import sparse_attention_reference
 
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor | None,
                      block_size: int = 128, scale: float | None = None,
-                     backend: str = "auto", q_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                     backend: str = "auto", q_offset: int = 0,
+                     check_ids: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of every query head over the key blocks its GQA group selected.
 
     q: [B, T, Hq, D]; k, v: [B, T, Hkv, D] (same dtype); block_idx: int [B, T, Hkv, K] block ids,
@@ -22,11 +23,13 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_id
     Differentiable in q, k, v. `scale` defaults to 1/sqrt(D).
     `q_offset`: query t sits at position q_offset + t; k, v [B, >= q_offset + T, Hkv, D] hold
     the whole causal prefix (context parallelism); dk, dv cover it.
+    `check_ids=False` skips the range check of block_idx's values, which synchronises with the
+    device; select_blocks' output is always in range.
     """
     check_block_size(block_size)
     B, T, _, Hkv, D = check_qkv(q, k, v, q_offset)
     if block_idx is not None:
-        check_block_idx(block_idx, B, T, Hkv, block_size, q_offset)
+        check_block_idx(block_idx, B, T, Hkv, block_size, q_offset, ids=check_ids)
     scale = default_scale(D, scale)
     k, v = trim_keys(T, q_offset, k, v)
     # the fused kernels take fp16/bf16 on GPUs; "auto" keeps fp32 inputs on the exact reference

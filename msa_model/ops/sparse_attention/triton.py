@@ -4,12 +4,12 @@ B = batch, T = queries, TK = keys (query t at position q_offset + t), C = querie
 G = key/value heads (groups), H = query heads per group, K = top-k slots, N = key blocks,
 D = head dim, E = entries (B*C*G*K triples).
 
-The inverse index is plain torch (a stable sort of the entries by (batch, group, block)) and
-needs no host synchronisation: tile lists are sized by an upper bound, and spare programs exit.
-Partial buffers (forward o/lse, backward dq) are per entry (K times the size of q), so queries
-are processed in chunks that keep them under `TUNING["partial_bytes"]`. Each chunk re-indexes and
-relaunches: at 8K, 33 chunks instead of 1 made the forward 10x slower (H200, 2026-11-29), so the
-budget is a fixed 4 GiB, not a fraction of q.
+The inverse index is plain torch (one stable sort of the entries by (query chunk, batch, group,
+block)) and needs no host synchronisation: tile lists are sized by an upper bound, and spare
+programs exit. Partial buffers (forward o/lse, backward dq) are per entry (K times the size of
+q), so queries are processed in chunks that keep them under `TUNING["partial_bytes"]`; the
+forward and the backward walk the same index, and a chunk adds only its kernel launches (the
+buffers are allocated once and reused).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from .triton_sparse import (LOG2E, delta_kernel, sparse_bwd_kernel, sparse_bwd_r
 # 128K: single-stage loops beat 2-3 stages in both kernels).
 TUNING = dict(fwd_rows=64, fwd_warps=4, fwd_stages=1, fwd_tiles=16,
               bwd_rows=64, bwd_warps=8, bwd_stages=1, bwd_tiles=128,
-              dense_dkdv=(128, 64, 8, 2), partial_bytes=4 << 30)
+              dense_dkdv=(128, 64, 8, 2), partial_bytes=4 << 30, partial_q_ratio=2.0)
 # the last compiled sparse kernels (registers and spills for benchmarks: .n_regs, .n_spills)
 COMPILED = {}
 
@@ -58,25 +58,35 @@ def clean_block_idx(block_idx_BTGK: torch.Tensor, block_size: int, q_offset: int
 
 @dataclass
 class InverseIndex:
-    """Entries of a query chunk grouped by bucket (b, g, n), bucket id = (b*G + g)*N + n.
+    """Entries grouped by bucket (query chunk, b, g, n), bucket id ((chunk*B + b)*G + g)*N + n;
+    chunk = t // chunk_size (one chunk: chunk_size = T).
 
-    entry: int32 [E] triple ids ((b*C + c)*G + g)*K + slot, sorted by bucket, then by query.
-    start, count: int64 [B*G*N] each bucket's range in `entry`.
+    entry: int32 [E] triple ids ((b*T + t)*G + g)*K + slot, sorted by bucket, then by query.
+    start, count: int64 [n_chunks*B*G*N] each bucket's range in `entry`.
     """
 
     entry: torch.Tensor
     start: torch.Tensor
     count: torch.Tensor
     n_blocks: int
+    n_chunks: int = 1
+    chunk_size: int = 0  # queries per chunk (the last may have fewer)
+    chunk_entries: int = 0  # entries of a whole chunk, B*chunk_size*G*K (an upper bound per chunk)
 
 
-def build_inverse_index(idx_BCGK: torch.Tensor, n_blocks: int) -> InverseIndex:
-    """Inverse (block -> queries) index of a cleaned chunk of block_idx (see `clean_block_idx`)."""
-    B, _, G, _ = idx_BCGK.shape
-    nb = B * G * n_blocks
-    bg = (torch.arange(B, device=idx_BCGK.device)[:, None] * G
-          + torch.arange(G, device=idx_BCGK.device)[None, :])[:, None, :, None]
-    key = torch.where(idx_BCGK >= 0, bg * n_blocks + idx_BCGK, nb).flatten()
+def build_inverse_index(idx_BTGK: torch.Tensor, n_blocks: int, chunk_size: int = 0) -> InverseIndex:
+    """Inverse (block -> queries) index of a cleaned block_idx (see `clean_block_idx`), bucketed
+    per chunk of `chunk_size` queries (0: one chunk). One sort serves every chunk, so a chunk
+    costs its launches alone."""
+    B, T, G, K = idx_BTGK.shape
+    chunk_size = T if chunk_size <= 0 else min(chunk_size, T)
+    n_chunks = triton.cdiv(T, chunk_size)
+    nb = n_chunks * B * G * n_blocks
+    dev = idx_BTGK.device
+    chunk_T = torch.arange(T, device=dev) // chunk_size
+    bucket = ((chunk_T[None, :, None] * B + torch.arange(B, device=dev)[:, None, None]) * G
+              + torch.arange(G, device=dev)[None, None, :])[..., None] * n_blocks
+    key = torch.where(idx_BTGK >= 0, bucket + idx_BTGK, nb).flatten()
     # stable: the flat order is query-major, so each bucket lists its queries in order
     key_sorted, entry = torch.sort(key, stable=True)
     # bucket ranges by binary search in the sorted keys (a histogram would serialise on the
@@ -84,27 +94,32 @@ def build_inverse_index(idx_BCGK: torch.Tensor, n_blocks: int) -> InverseIndex:
     bounds = torch.searchsorted(key_sorted, torch.arange(nb + 1, device=key.device, dtype=key.dtype))
     start = bounds[:-1]
     count = bounds[1:] - start
-    return InverseIndex(entry.to(torch.int32), start, count, n_blocks)
+    return InverseIndex(entry.to(torch.int32), start, count, n_blocks, n_chunks, chunk_size, B * chunk_size * G * K)
 
 
 def schedule(index: InverseIndex, per_program: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split every bucket into runs of at most `per_program` entries, one per program.
 
-    Returns int32 (bucket, start, count), each of an upper-bound length; bucket = -1 for spare
-    programs. Runs of one bucket are consecutive.
+    Returns int32 (bucket, start, count), each [n_chunks, P]: row c holds chunk c's programs, P an
+    upper bound (no host synchronisation), bucket the chunk's own bucket id (b*G + g)*N + n, or -1
+    for spare programs. Runs of one bucket are consecutive.
     """
+    S = index.n_chunks
     nb = index.count.numel()
+    per_chunk = nb // S
     runs = (index.count + per_program - 1) // per_program
     ends = torch.cumsum(runs, 0)
-    total_max = (index.entry.numel() + per_program - 1) // per_program + nb
-    i = torch.arange(total_max, device=runs.device)
-    bucket = torch.searchsorted(ends, i, right=True)
-    ok = bucket < nb
-    bc = bucket.clamp(max=nb - 1)
-    within = i - (ends[bc] - runs[bc])
-    start = index.start[bc] + within * per_program
-    count = (index.count[bc] - within * per_program).clamp(0, per_program)
-    return (torch.where(ok, bc, -1).to(torch.int32), start.to(torch.int32), count.to(torch.int32))
+    P = triton.cdiv(max(index.chunk_entries, 1), per_program) + per_chunk
+    first = (ends - runs).view(S, per_chunk)[:, :1]  # the chunk's first run, over all chunks
+    last = ends.view(S, per_chunk)[:, -1:]
+    run = first + torch.arange(P, device=runs.device)[None, :]
+    ok = run < last
+    bucket = torch.searchsorted(ends, run.flatten(), right=True).view(S, P).clamp(max=nb - 1)
+    within = run - (ends[bucket] - runs[bucket])
+    start = index.start[bucket] + within * per_program
+    count = (index.count[bucket] - within * per_program).clamp(0, per_program)
+    local = bucket - torch.arange(S, device=runs.device)[:, None] * per_chunk
+    return (torch.where(ok, local, -1).to(torch.int32), start.to(torch.int32), count.to(torch.int32))
 
 
 def _geometry(q, k, block_size):
@@ -119,38 +134,58 @@ def _geometry(q, k, block_size):
     return B, T, Hq, G, H, HP, D
 
 
-def _chunk(T: int, per_query_bytes: int) -> int:
-    """Queries per chunk: a chunk's partial buffers stay under TUNING["partial_bytes"]."""
-    return max(1, min(T, TUNING["partial_bytes"] // max(1, per_query_bytes)))
+def _chunk(T: int, per_query_bytes: int, budget: int | None = None) -> int:
+    """Queries per chunk: a chunk's partial buffers stay under `budget` (TUNING["partial_bytes"]
+    when None), and the chunks are of about equal size (no short last chunk)."""
+    budget = TUNING["partial_bytes"] if budget is None else budget
+    most = max(1, min(T, budget // max(1, per_query_bytes)))
+    return triton.cdiv(T, triton.cdiv(T, most))
 
 
-def sparse_forward(q, k, v, idx, block_size, scale, q_offset=0):
-    """o [B, T, Hq, D] (q dtype), lse fp32 [B, T, Hq]; idx cleaned int32 [B, T, G, K]; k, v [B, TK, G, D]."""
+def sparse_index(idx, H, D, itemsize, n_blocks) -> InverseIndex:
+    """The inverse index both passes walk, chunked so that the forward's partials (o in the input
+    dtype and an fp32 lse per entry and head) fit the budget; the backward's dq partials are smaller.
+
+    The budget is TUNING["partial_q_ratio"] times the bytes of q, at most TUNING["partial_bytes"]:
+    the layer's peak memory then stays under dense attention's at every length (H200, 2026-11-29:
+    8K 1.05 vs 1.24 GiB, 32K 4.0 vs 4.8, 128K 15.9 vs 18.8), for 2-22% more time than one chunk."""
+    B, T, G, K = idx.shape
+    budget = int(min(TUNING["partial_bytes"], TUNING["partial_q_ratio"] * B * T * G * H * D * itemsize))
+    return build_inverse_index(idx, n_blocks, _chunk(T, B * G * K * H * (D * itemsize + 4), budget))
+
+
+def _chunks(index: InverseIndex, T: int):
+    """(chunk, t0, t1) of each query chunk."""
+    C = index.chunk_size
+    return [(c, c * C, min(T, (c + 1) * C)) for c in range(index.n_chunks)]
+
+
+def sparse_forward(q, k, v, idx, block_size, scale, q_offset=0, index=None):
+    """o [B, T, Hq, D] (q dtype), lse fp32 [B, T, Hq] and the inverse index (for the backward);
+    idx cleaned int32 [B, T, G, K]; k, v [B, TK, G, D]."""
     B, T, Hq, G, H, HP, D = _geometry(q, k, block_size)
     TK = k.shape[1]
     K = idx.shape[-1]
     N = triton.cdiv(TK, block_size)
-    part_dtype = q.dtype
+    if index is None:
+        index = sparse_index(idx, H, D, q.element_size(), N)
     o = torch.empty_like(q)
     lse = torch.empty(B, T, Hq, dtype=torch.float32, device=q.device)
     QT = max(TUNING["fwd_rows"], HP) // HP
-    C = _chunk(T, B * G * K * H * (D * part_dtype.itemsize + 4))
-    for t0 in range(0, T, C):
-        t1 = min(T, t0 + C)
-        idx_c = idx[:, t0:t1].contiguous()
-        index = build_inverse_index(idx_c, N)
-        tb, ts, tc = schedule(index, QT * TUNING["fwd_tiles"])
-        E = idx_c.numel()
-        po = torch.empty(E * H, D, dtype=part_dtype, device=q.device)
-        plse = torch.empty(E * H, dtype=torch.float32, device=q.device)
-        COMPILED["fwd"] = sparse_fwd_kernel[(tb.numel(),)](
-            q, k, v, po, plse, index.entry, tb, ts, tc, T, TK, t1 - t0, t0, q_offset, N, scale * LOG2E,
+    tb, ts, tc = schedule(index, QT * TUNING["fwd_tiles"])
+    # one partial buffer, reused by every chunk (the stream orders a chunk's combine before the
+    # next chunk's writes)
+    po = torch.empty(index.chunk_entries * H, D, dtype=q.dtype, device=q.device)
+    plse = torch.empty(index.chunk_entries * H, dtype=torch.float32, device=q.device)
+    for c, t0, t1 in _chunks(index, T):
+        COMPILED["fwd"] = sparse_fwd_kernel[(tb.shape[1],)](
+            q, k, v, po, plse, index.entry, tb[c], ts[c], tc[c], T, TK, t1 - t0, t0, q_offset, N, scale * LOG2E,
             HQ=Hq, HKV=G, SLOTS=K, H=H, HP=HP, QT=QT, BS=block_size, D=D, FOR_LOOPS=not _interpreting(),
             num_warps=TUNING["fwd_warps"], num_stages=TUNING["fwd_stages"])
         sparse_fwd_combine_kernel[(B * (t1 - t0) * G,)](
-            po, plse, idx_c, o, lse, T, t1 - t0, t0,
+            po, plse, idx, o, lse, T, t1 - t0, t0,
             HQ=Hq, HKV=G, SLOTS=K, KP=triton.next_power_of_2(K), H=H, HP=HP, D=D, num_warps=4)
-    return o, lse
+    return o, lse, index
 
 
 def _delta(do, o):
@@ -162,12 +197,14 @@ def _delta(do, o):
     return delta
 
 
-def sparse_backward(do, q, k, v, o, lse, idx, block_size, scale, q_offset=0):
-    """(dq, dk, dv) of `sparse_forward`, in the input dtype."""
+def sparse_backward(do, q, k, v, o, lse, idx, block_size, scale, q_offset=0, index=None):
+    """(dq, dk, dv) of `sparse_forward` (given its inverse index, or building it), in the input dtype."""
     B, T, Hq, G, H, HP, D = _geometry(q, k, block_size)
     TK = k.shape[1]
     K = idx.shape[-1]
     N = triton.cdiv(TK, block_size)
+    if index is None:
+        index = sparse_index(idx, H, D, q.element_size(), N)
     delta = _delta(do, o)
     dq = torch.empty_like(q)
     dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
@@ -176,32 +213,28 @@ def sparse_backward(do, q, k, v, o, lse, idx, block_size, scale, q_offset=0):
     # entries per work item: enough tiles to amortise the dK/dV partial, few enough to spread
     # a popular block (the sink, the local block) over many programs
     per_item = QT * TUNING["bwd_tiles"]
+    ib, istart, icount = schedule(index, per_item)
+    # each bucket's work items, numbered from its chunk's first
+    runs = ((index.count + per_item - 1) // per_item).view(index.n_chunks, -1)
+    first = (torch.cumsum(runs, 1) - runs).to(torch.int32)
+    runs = runs.to(torch.int32)
     # dq partials in the input dtype: each is one block's share, rounded once like torch's own
     # bf16 matmul output, and it halves the bytes of the pass that dominates the backward
-    dq_dtype = q.dtype
-    C = _chunk(T, B * G * K * H * D * dq_dtype.itemsize)
+    dqp = torch.empty(index.chunk_entries * H, D, dtype=q.dtype, device=q.device)
+    dkp = torch.empty(ib.shape[1], block_size, D, dtype=torch.float32, device=q.device)
+    dvp = torch.empty_like(dkp)
     rb = min(32, block_size)
-    for t0 in range(0, T, C):
-        t1 = min(T, t0 + C)
-        idx_c = idx[:, t0:t1].contiguous()
-        index = build_inverse_index(idx_c, N)
-        ib, istart, icount = schedule(index, per_item)
-        E = idx_c.numel()
-        dqp = torch.empty(E * H, D, dtype=dq_dtype, device=q.device)
-        dkp = torch.empty(ib.numel(), block_size, D, dtype=torch.float32, device=q.device)
-        dvp = torch.empty_like(dkp)
-        COMPILED["bwd"] = sparse_bwd_kernel[(ib.numel(),)](
-            q, k, v, do, lse, delta, dqp, dkp, dvp, index.entry, ib, istart, icount,
+    for c, t0, t1 in _chunks(index, T):
+        COMPILED["bwd"] = sparse_bwd_kernel[(ib.shape[1],)](
+            q, k, v, do, lse, delta, dqp, dkp, dvp, index.entry, ib[c], istart[c], icount[c],
             T, TK, t1 - t0, t0, q_offset, N, scale * LOG2E, scale,
             HQ=Hq, HKV=G, SLOTS=K, H=H, HP=HP, QT=QT, BS=block_size, D=D, FOR_LOOPS=not _interpreting(),
             num_warps=TUNING["bwd_warps"], num_stages=TUNING["bwd_stages"])
-        runs = (index.count + per_item - 1) // per_item
-        first = (torch.cumsum(runs, 0) - runs).to(torch.int32)
-        sparse_bwd_reduce_kernel[(runs.numel(), block_size // rb)](
-            dkp, dvp, dk, dv, first, runs.to(torch.int32), TK, N,
+        sparse_bwd_reduce_kernel[(runs.shape[1], block_size // rb)](
+            dkp, dvp, dk, dv, first[c], runs[c], TK, N,
             HKV=G, BS=block_size, RB=rb, D=D, num_warps=4)
         sparse_dq_combine_kernel[(B * (t1 - t0) * G,)](
-            dqp, idx_c, dq, T, t1 - t0, t0, HQ=Hq, HKV=G, SLOTS=K, H=H, HP=HP, D=D, num_warps=4)
+            dqp, idx, dq, T, t1 - t0, t0, HQ=Hq, HKV=G, SLOTS=K, H=H, HP=HP, D=D, num_warps=4)
     return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -250,10 +283,11 @@ class SparseAttentionTriton(torch.autograd.Function):
     def forward(ctx, q, k, v, block_idx, block_size, scale, q_offset):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         idx = None if block_idx is None else clean_block_idx(block_idx, block_size, q_offset)
+        ctx.index = None
         if idx is None:
             o, lse = dense_forward(q, k, v, scale, q_offset)
         else:
-            o, lse = sparse_forward(q, k, v, idx, block_size, scale, q_offset)
+            o, lse, ctx.index = sparse_forward(q, k, v, idx, block_size, scale, q_offset)
         ctx.save_for_backward(q, k, v, o, lse, idx)
         ctx.args = (block_size, scale, q_offset)
         ctx.mark_non_differentiable(lse)
@@ -267,7 +301,8 @@ class SparseAttentionTriton(torch.autograd.Function):
         if idx is None:
             dq, dk, dv = dense_backward(do, q, k, v, o, lse, scale, q_offset)
         else:
-            dq, dk, dv = sparse_backward(do, q, k, v, o, lse, idx, block_size, scale, q_offset)
+            dq, dk, dv = sparse_backward(do, q, k, v, o, lse, idx, block_size, scale, q_offset, ctx.index)
+        ctx.index = None
         return dq, dk, dv, None, None, None, None
 
 

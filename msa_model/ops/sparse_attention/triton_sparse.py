@@ -1,7 +1,7 @@
 """Triton kernels of sparse attention over selected key blocks, KV-outer with query gathering.
 
 Every (query, group, slot) triple that names a key block is one *entry*. Entries are sorted by
-(batch, group, block) into *buckets* (the inverse block -> queries index). One program takes a
+(query chunk, batch, group, block) into *buckets* (the inverse block -> queries index). One program takes a
 run of tiles of one bucket (a *work item*): it loads the key/value block once and multiplies it
 against each tile of QT gathered queries x H heads = R matrix rows. Forward programs write a
 normalised partial output and a partial lse per entry, and a combine kernel merges each query's K
@@ -13,7 +13,9 @@ B = batch, T = queries, TK = keys (query t sits at position QOFF + t; TK = QOFF 
 of the current chunk, G = key/value heads (groups), H = query heads per group (HP: next power of
 two), K = top-k slots, N = key blocks, BS = block size, D = head dim, E = entries of a chunk
 (B*C*G*K), R = matrix rows of a tile.
-Triple id of (b, c, g, slot) = ((b*C + c)*G + g)*K + slot, the flat index into [B, C, G, K].
+The inverse index lists entries by their id over all queries, ((b*T + t)*G + g)*K + slot (the
+flat index into block_idx [B, T, G, K]); a chunk's partial buffers are indexed by its own
+triple id ((b*C + c)*G + g)*K + slot, c = t - t0.
 """
 
 from __future__ import annotations
@@ -42,16 +44,19 @@ def mm(a, b):
 
 
 @triton.jit
-def _tile_rows(ENTRY, start, i0, count, C, t0, HKV: tl.constexpr, SLOTS: tl.constexpr,
+def _tile_rows(ENTRY, start, i0, count, b, T, C, t0, HKV: tl.constexpr, SLOTS: tl.constexpr,
                H: tl.constexpr, HP: tl.constexpr, QT: tl.constexpr):
-    """Rows of a tile: entries start+i0 .. start+i0+QT-1, each as HP head rows."""
+    """Rows of a tile: entries start+i0 .. start+i0+QT-1, each as HP head rows. Returns each row's
+    head, validity, query t and its entry's index in the chunk's partial buffers, the triple id
+    ((b*C + t - t0)*G + g)*K + slot (ENTRY holds ids over all T queries)."""
     r = tl.arange(0, QT * HP)
     qi = i0 + r // HP
     hh = r % HP
     row_ok = (qi < count) & (hh < H)
     trip = tl.load(ENTRY + start + qi, mask=row_ok, other=0).to(tl.int64)
-    t = t0 + (trip // (SLOTS * HKV)) % C
-    return hh, row_ok, trip, t
+    t = (trip // (SLOTS * HKV)) % T
+    part = (b * C + t - t0) * (HKV * SLOTS) + trip % (HKV * SLOTS)
+    return hh, row_ok, part, t
 
 
 @triton.jit
@@ -59,7 +64,7 @@ def _fwd_tile(Q, PO, PLSE, ENTRY, kt, vt, j, b, g, start, i0, count, T, C, t0, Q
               HQ: tl.constexpr, HKV: tl.constexpr, SLOTS: tl.constexpr, H: tl.constexpr, HP: tl.constexpr,
               QT: tl.constexpr, D: tl.constexpr):
     """QT entries of one bucket against its whole key block: one softmax, no rescaling."""
-    hh, row_ok, trip, t = _tile_rows(ENTRY, start, i0, count, C, t0, HKV, SLOTS, H, HP, QT)
+    hh, row_ok, trip, t = _tile_rows(ENTRY, start, i0, count, b, T, C, t0, HKV, SLOTS, H, HP, QT)
     d = tl.arange(0, D)
     row = (b * T + t) * HQ + g * H + hh
     q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
@@ -126,7 +131,8 @@ def sparse_fwd_combine_kernel(PO, PLSE, IDX, O, LSE, T, C, t0,
     hmask = h < H
     d = tl.arange(0, D)
     slot = tl.arange(0, KP)
-    idx = tl.load(IDX + pid * SLOTS + slot, mask=slot < SLOTS, other=-1)
+    irow = ((b * T + t0 + c) * HKV + g) * SLOTS  # IDX is the whole [B, T, G, K]
+    idx = tl.load(IDX + irow + slot, mask=slot < SLOTS, other=-1)
     trip0 = pid * SLOTS
     plse = tl.load(PLSE + (trip0 + slot)[:, None] * H + h[None, :],
                    mask=(idx >= 0)[:, None] & hmask[None, :], other=float("-inf"))
@@ -137,7 +143,7 @@ def sparse_fwd_combine_kernel(PO, PLSE, IDX, O, LSE, T, C, t0,
     lse_safe = tl.where(wsum == 0.0, 0.0, lse)
     acc = tl.zeros([HP, D], tl.float32)
     for s in range(SLOTS):
-        if tl.load(IDX + trip0 + s) >= 0:
+        if tl.load(IDX + irow + s) >= 0:
             part = (trip0 + s) * H + h
             w = tl.exp(tl.load(PLSE + part, mask=hmask, other=float("-inf")) - lse_safe)
             po = tl.load(PO + part[:, None] * D + d[None, :], mask=hmask[:, None], other=0.0)
@@ -156,7 +162,7 @@ def _bwd_tile(Q, DO, LSE, DELTA, DQP, ENTRY, kt, vt, dk, dv, j, b, g, start, i0,
     Score tiles are computed transposed, [keys, rows] (S^T = K Q^T, ...): the block's keys are the
     products' M dimension, so a small tile of rows keeps them small in registers (measured at 128K,
     2026-11-29: 172 ms fwd+bwd against 200 ms with rows as M)."""
-    hh, row_ok, trip, t = _tile_rows(ENTRY, start, i0, count, C, t0, HKV, SLOTS, H, HP, QT)
+    hh, row_ok, trip, t = _tile_rows(ENTRY, start, i0, count, b, T, C, t0, HKV, SLOTS, H, HP, QT)
     d = tl.arange(0, D)
     row = (b * T + t) * HQ + g * H + hh
     q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
@@ -258,8 +264,9 @@ def sparse_dq_combine_kernel(DQP, IDX, DQ, T, C, t0,
     d = tl.arange(0, D)
     acc = tl.zeros([HP, D], tl.float32)
     trip0 = pid * SLOTS
+    irow = ((b * T + t0 + c) * HKV + g) * SLOTS  # IDX is the whole [B, T, G, K]
     for s in range(SLOTS):
-        if tl.load(IDX + trip0 + s) >= 0:
+        if tl.load(IDX + irow + s) >= 0:
             part = (trip0 + s) * H + h
             acc += tl.load(DQP + part[:, None] * D + d[None, :], mask=hmask[:, None], other=0.0).to(tl.float32)
     row = (b * T + t0 + c) * HQ + g * H + h
