@@ -511,6 +511,12 @@ def inverse_index(block_idx: torch.Tensor, block_size: int, q_offset: int = 0) -
     return build_inverse_index(clean_block_idx(block_idx, block_size, q_offset), N)
 
 
+def _programs(index: InverseIndex, per_program: int):
+    """(bucket, start, count) per program of the KL's index, which is one query chunk (row 0 of
+    `schedule`)."""
+    return tuple(x[0] for x in schedule(index, per_program))
+
+
 @dataclass
 class Tuning:
     """Tile sizes: M queries per tile, teacher dots of up to `rows` rows (M x heads), J keys per
@@ -595,7 +601,7 @@ def _sparse_forward(q, k, lse, iq, ik, index, K, block_size, scale, index_scale,
     part[0].fill_(float("-inf"))
     # only the entries of the inverse index are written, and only they are read back
     pbar = torch.empty(E, J, dtype=_teacher_dtype(q), device=q.device) if store else None
-    tb, ts, tc = schedule(index, cfg.fwd_per_program)
+    tb, ts, tc = _programs(index, cfg.fwd_per_program)
     _sparse_fwd_kernel[(tb.numel(),)](
         q, k, lse, iq, ik, index.entry, tb, ts, tc, part, part if pbar is None else pbar, T, k.shape[1], q_offset, E,
         index.n_blocks,
@@ -621,7 +627,7 @@ def _stored_backward(iq, ik, pbar, lse_z, inv_s, index, K, block_size, index_sca
     TK = ik.shape[1]
     dik = torch.zeros(B, TK, Di, dtype=torch.float32, device=iq.device)
     diq = torch.zeros(B, T, G, Di, dtype=torch.float32, device=iq.device)
-    tb, ts, tc = schedule(index, cfg.bwd_per_program)
+    tb, ts, tc = _programs(index, cfg.bwd_per_program)
     _stored_bwd_kernel[(tb.numel(),)](
         iq, ik, pbar, lse_z, inv_s, index.entry, tb, ts, tc, dik, diq, T, TK, q_offset, index.n_blocks,
         iq.stride(0), iq.stride(1), iq.stride(2), ik.stride(0), ik.stride(1), index_scale,
@@ -651,7 +657,7 @@ def _backward(q, k, lse, iq, ik, lse_z, inv_s, index, K, block_size, scale, inde
         return dik.sum(0), None
     dik = torch.zeros(B, TK, Di, dtype=torch.float32, device=q.device)
     diq = torch.zeros(B, T, G, Di, dtype=torch.float32, device=q.device)
-    tb, ts, tc = schedule(index, cfg.bwd_per_program)
+    tb, ts, tc = _programs(index, cfg.bwd_per_program)
     _bwd_kernel[(tb.numel(),)](q, k, lse, iq, ik, lse_z, inv_s, index.entry, tb, ts, tc, dik, diq, B, T, TK,
                                q_offset, index.n_blocks, *_strides(q, k, lse, iq, ik), scale * LOG2E, index_scale,
                                BLOCK=block_size, J=triton.next_power_of_2(block_size), SPARSE=True, **common)
