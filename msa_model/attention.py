@@ -36,6 +36,7 @@ from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from megatron.core import parallel_state
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
@@ -64,6 +65,9 @@ class MSAOptions:
     force_sink: bool = False
     backend: str = "auto"
     rotary_base: int = 10000
+    # checkpoint the attention core (selection, attention, KL; or dense attention) and rerun it
+    # in backward: only its inputs stay alive between forward and backward
+    recompute_core: bool = False
 
 
 @dataclass
@@ -200,39 +204,35 @@ class MSASelfAttention(SelfAttention):
         k_SBGD, v_SBGD = gather_sequence(k_SBGD, cp_group), gather_sequence(v_SBGD, cp_group)
         # ops use [B, S, H, D]
         q, k, v = (t.transpose(0, 1).contiguous() for t in (q_SBHD, k_SBGD, v_SBGD))
-        S, B = q.shape[1], q.shape[0]
-        chunks = local_query_chunks(S, cp_group.rank(), cp_group.size())
-
-        kl = None
+        S = q.shape[1]
         if self.options.attention == "dense":
-            o_BSHD = torch.cat([self._dense_attention(q[:, a:b], k[:, :off + b - a], v[:, :off + b - a], off)
-                                for a, b, off in chunks], dim=1)
-            keys = torch.tensor(sum((off + (b - a + 1) / 2) * (b - a) for a, b, off in chunks) / S, device=q.device)
+            iq = ik = None
         else:
             index_freqs = q_freqs
             if self.index_rotary is not None and q_freqs is not None:
                 index_freqs = self.index_rotary(S * cp_group.size(), cp_group=cp_group)
-            iq_SBGI, ik_SBI = self._index_branch(hidden_states, index_freqs)
+            if torch.is_grad_enabled():
+                # cheap to rebuild (projections to G*Di + Di features, norms, RoPE): keep only its
+                # outputs, which the KL needs anyway, not the intermediates
+                iq_SBGI, ik_SBI = torch.utils.checkpoint.checkpoint(self._index_branch, hidden_states, index_freqs,
+                                                                    use_reentrant=False)
+            else:
+                iq_SBGI, ik_SBI = self._index_branch(hidden_states, index_freqs)
             ik = gather_sequence(ik_SBI, cp_group).transpose(0, 1).contiguous()
             iq = iq_SBGI.transpose(0, 1).contiguous()
-            outs, kls, keys = [], [], 0.0
-            for a, b, off in chunks:
-                o_c, kl_c, block_idx_c = msa_attention(
-                    q[:, a:b], k, v, iq[:, a:b], ik, block_size=self.options.block_size, topk=self.options.topk,
-                    dense=not self.sparse, scale=self.config.softmax_scale, force_sink=self.options.force_sink,
-                    backend=self.options.backend, return_block_idx=True, q_offset=off,
-                )
-                outs.append(o_c)
-                kls.append(kl_c)
-                keys = keys + (b - a) / S * (
-                    selected_keys_per_query(block_idx_c, self.options.block_size, off) if block_idx_c is not None
-                    else torch.tensor(off + (b - a + 1) / 2, device=q.device))
-            o_BSHD = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
-            # the chunks have equal lengths: the mean of their means is the mean over this rank's queries
-            kl = torch.stack(kls).mean() if len(kls) > 1 else kls[0]
+        if self.options.recompute_core and torch.is_grad_enabled():
+            # non-reentrant: the core's own autograd graph is rebuilt in backward; its inputs
+            # (q, k, v, iq, ik) are what stays alive
+            o_BSHD, kl, keys = torch.utils.checkpoint.checkpoint(self._core, q, k, v, iq, ik, use_reentrant=False)
+        else:
+            o_BSHD, kl, keys = self._core(q, k, v, iq, ik)
 
-        context_SBX = o_BSHD.transpose(0, 1).reshape(S, B, -1)
+        context_SBX = o_BSHD.transpose(0, 1).reshape(S, o_BSHD.shape[0], -1)
         output, bias = self.linear_proj(context_SBX)
+        if not torch.is_grad_enabled():
+            # no graph to attach the KL to (evaluation, or the first pass of a layer that
+            # megatron's full recompute reruns in backward: it records and attaches then, once)
+            return output, bias
 
         # per-rank means over this rank's groups (TP) and queries (CP): their mean is the layer's value
         tracker, avg_group = get_moe_metrics_tracker(), self._tp_cp_group()
@@ -245,6 +245,38 @@ class MSASelfAttention(SelfAttention):
                 # itself), while each rank's KL here is its local mean: divide CP back out
                 output = MoEAuxLossAutoScaler.apply(output, kl * (self.options.kl_coeff / cp_group.size()))
         return output, bias
+
+    def _core(self, q, k, v, iq, ik):
+        """The attention core over this rank's query chunks: (o [B, S, Hq, D], KL fp32 scalar or
+        None for the dense baseline, mean causally visible keys per query fp32 scalar).
+        q [B, S, Hq, D] (this rank's queries), k/v [B, S_all, G, D], iq [B, S, G, Di],
+        ik [B, S_all, Di] (keys of the whole sequence under context parallelism)."""
+        cp_group = self.pg_collection.cp
+        S = q.shape[1]
+        chunks = local_query_chunks(S, cp_group.rank(), cp_group.size())
+        if self.options.attention == "dense":
+            o = torch.cat([self._dense_attention(q[:, a:b], k[:, :off + b - a], v[:, :off + b - a], off)
+                           for a, b, off in chunks], dim=1)
+            return o, None, _scalar(sum((off + (b - a + 1) / 2) * (b - a) for a, b, off in chunks) / S, q.device)
+        outs, kls, keys = [], [], 0.0
+        for a, b, off in chunks:
+            o_c, kl_c, block_idx_c = msa_attention(
+                q[:, a:b], k, v, iq[:, a:b], ik, block_size=self.options.block_size, topk=self.options.topk,
+                dense=not self.sparse, scale=self.config.softmax_scale, force_sink=self.options.force_sink,
+                backend=self.options.backend, return_block_idx=True, q_offset=off,
+                # under recompute the KL's forward reruns right before its backward: keeping its
+                # teacher rows then costs memory only for the length of one layer's backward
+                keep_teacher=True if self.options.recompute_core else None,
+            )
+            outs.append(o_c)
+            kls.append(kl_c)
+            keys = keys + (b - a) / S * (
+                selected_keys_per_query(block_idx_c, self.options.block_size, off) if block_idx_c is not None
+                else _scalar(off + (b - a + 1) / 2, q.device))
+        o = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+        # the chunks have equal lengths: the mean of their means is the mean over this rank's queries
+        kl = torch.stack(kls).mean() if len(kls) > 1 else kls[0]
+        return o, kl, keys
 
     def _tp_cp_group(self):
         group = getattr(self.pg_collection, "tp_cp", None)
@@ -261,6 +293,11 @@ class MSASelfAttention(SelfAttention):
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_CJ, scale=self.config.softmax_scale,
                                                enable_gqa=True)
         return o.transpose(1, 2)
+
+
+def _scalar(value: float, device) -> torch.Tensor:
+    # torch.full fills on the device; torch.tensor(value, device=cuda) would copy from the host and wait
+    return torch.full((), float(value), dtype=torch.float32, device=device)
 
 
 def selected_keys_per_query(block_idx_BSGK: torch.Tensor, block_size: int, q_offset: int = 0) -> torch.Tensor:

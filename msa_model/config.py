@@ -77,6 +77,12 @@ class ModelConfig:
     vocab_size: Optional[int] = None
     make_vocab_size_divisible_by: int = 64
     params_dtype: str = "fp32"  # fp32 | bf16
+    # activation recomputation: none | selective (the attention core: MSA selection, sparse
+    # attention and KL, or the dense baseline's attention; expert activations are always
+    # recomputed by the grouped experts) | full (every layer from its input, megatron's "full")
+    recompute: str = "none"
+    # routed experts as grouped GEMMs (msa_model/experts.py); None: on CUDA yes, on CPU the loop
+    moe_grouped_gemm: Optional[bool] = None
     msa: MSAConfig = field(default_factory=MSAConfig)
 
 
@@ -125,6 +131,9 @@ class ParallelConfig:
 class LoggingConfig:
     log_interval: int = 10
     progress_bar: bool = True
+    # time each layer's attention and MLP block, forward and backward (msa_model/training/module_timer.py;
+    # one device synchronisation per step)
+    time_modules: bool = False
     tensorboard: bool = True
     jsonl: bool = True
     wandb_mode: str = "offline"  # offline | online | disabled
@@ -228,6 +237,8 @@ def validate(cfg, world_size: Optional[int] = None) -> None:
            f"model.num_attention_heads ({m.num_attention_heads}) must be a multiple of "
            f"model.num_query_groups ({m.num_query_groups})")
     _check(errors, m.params_dtype in ("fp32", "bf16"), f"model.params_dtype must be fp32 or bf16, got {m.params_dtype!r}")
+    _check(errors, m.recompute in ("none", "selective", "full"),
+           f"model.recompute must be none, selective or full, got {m.recompute!r}")
     _check(errors, m.moe_token_dispatcher in ("alltoall", "allgather"),
            f"model.moe_token_dispatcher must be alltoall or allgather, got {m.moe_token_dispatcher!r}")
     _check(errors, 0 <= m.first_dense_layers <= m.num_layers,

@@ -2,7 +2,8 @@
 
 An estimate, not a measurement: it counts the bytes of weights, gradients and optimizer state
 exactly from the parameter shapes and the sharding rules below, and activations from a per-token
-count of the tensors a layer keeps for backward (bf16, no activation recomputation). It ignores
+count of the tensors a layer keeps for backward (bf16; `model.recompute=full` keeps each layer's
+input and rebuilds one layer at a time, `selective` drops the attention output). It ignores
 allocator fragmentation, communication buffers and temporary workspace, so leave ~10-15% headroom.
 
 Sharding rules (megatron-core with the distributed optimizer):
@@ -72,6 +73,13 @@ def memory_estimate(cfg, tokenizer_vocab: int, world_size: int | None = None) ->
     n_dense = m.num_layers - n_moe
     layer_elements = (m.num_layers * per_token["attention"] + n_dense * per_token["dense_mlp"]
                       + n_moe * per_token["moe_mlp"])
+    if m.recompute == "full":
+        # each layer keeps only its input; one layer at a time is rebuilt with all of its own
+        heaviest = max(per_token["attention"] + per_token["dense_mlp"], per_token["attention"] + per_token["moe_mlp"])
+        layer_elements = m.num_layers * m.hidden_size + heaviest
+    elif m.recompute == "selective":
+        # the attention core keeps its inputs (q, k, v and the index branch), not its output
+        layer_elements -= m.num_layers * m.num_attention_heads * m.head_dim
     # 1F1B: the first stage keeps PP micro-batches of its L/PP layers = L layers of one micro-batch
     activations = layer_elements * layer_tokens * 2
     if cp > 1 and m.attention == "msa":

@@ -7,6 +7,8 @@ through `parallel` (a ParallelConfig); nothing here initialises distributed stat
 from __future__ import annotations
 
 import copy
+import dataclasses
+import functools
 import math
 
 import torch
@@ -14,12 +16,15 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from msa_model.attention import (CoreAttentionPlaceholder, DuplicatedLinear, MSAOptions, MSASelfAttention,
                                  MSASelfAttentionSubmodules)
+from msa_model.experts import GroupedExperts, LocalDispatchMoELayer
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -51,6 +56,9 @@ def transformer_config(model_cfg, parallel_cfg, on_cpu: bool) -> TransformerConf
     m, p = model_cfg, parallel_cfg
     dtype = _DTYPES[m.params_dtype]
     moe = m.num_experts > 0
+    # "full": megatron checkpoints each layer and reruns it in backward. "selective" is ours
+    # (MSASelfAttention checkpoints its attention core; GroupedExperts never keeps activations)
+    full = m.recompute == "full"
     return TransformerConfig(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
@@ -89,6 +97,9 @@ def transformer_config(model_cfg, parallel_cfg, on_cpu: bool) -> TransformerConf
         moe_grouped_gemm=False,
         moe_permute_fusion=False,
         moe_router_fusion=False,
+        recompute_granularity="full" if full else None,
+        recompute_method="uniform" if full else None,
+        recompute_num_layers=1 if full else None,
         # the fused kernels below need CUDA (and some TE/apex); the unfused paths are exact
         use_cpu_initialization=on_cpu,
         gradient_accumulation_fusion=False,
@@ -113,7 +124,35 @@ def msa_options(model_cfg) -> MSAOptions:
     s = model_cfg.msa
     return MSAOptions(attention=model_cfg.attention, block_size=s.block_size, topk=s.topk,
                       index_head_dim=s.index_head_dim, kl_coeff=s.kl_coeff, force_sink=s.force_sink,
-                      backend=s.backend, rotary_base=model_cfg.rotary_base)
+                      backend=s.backend, rotary_base=model_cfg.rotary_base,
+                      recompute_core=model_cfg.recompute == "selective")
+
+
+def use_grouped_gemm(model_cfg, on_cpu: bool) -> bool:
+    """model.moe_grouped_gemm, where None means grouped GEMMs on CUDA and the expert loop on CPU."""
+    if model_cfg.num_experts == 0:
+        return False
+    return (not on_cpu) if model_cfg.moe_grouped_gemm is None else bool(model_cfg.moe_grouped_gemm)
+
+
+def _with_grouped_experts(layer_spec: ModuleSpec) -> ModuleSpec:
+    """Swap megatron's SequentialMLP experts of a MoE layer spec for GroupedExperts (same weights).
+
+    megatron-core 0.19 writes the MoE block as builders (functools.partial of MoELayer with
+    MoESubmodules whose `experts` is a partial of SequentialMLP); dense layers are left alone."""
+    mlp = layer_spec.submodules.mlp
+    moe = mlp.keywords.get("submodules") if isinstance(mlp, functools.partial) else None
+    if not isinstance(moe, MoESubmodules):
+        return layer_spec
+    experts = moe.experts
+    if not (isinstance(experts, functools.partial) and experts.func is SequentialMLP):
+        raise TypeError(f"expected SequentialMLP experts in the local layer spec, found {experts!r}")
+    grouped = functools.partial(GroupedExperts, *experts.args, **experts.keywords)
+    # grouped experts take device-side token counts: on one expert rank nothing needs the host
+    layer = LocalDispatchMoELayer if mlp.func is MoELayer else mlp.func
+    layer_spec.submodules.mlp = functools.partial(
+        layer, *mlp.args, **{**mlp.keywords, "submodules": dataclasses.replace(moe, experts=grouped)})
+    return layer_spec
 
 
 def _with_msa_attention(layer_spec: ModuleSpec, options: MSAOptions, context_parallel: bool = False) -> ModuleSpec:
@@ -143,13 +182,16 @@ def _with_msa_attention(layer_spec: ModuleSpec, options: MSAOptions, context_par
     return layer_spec
 
 
-def decoder_block_spec(config: TransformerConfig, model_cfg, vp_stage=None, pp_rank=None):
-    """megatron's local decoder block spec (dense first layers, MoE after) with MSA attention."""
+def decoder_block_spec(config: TransformerConfig, model_cfg, vp_stage=None, pp_rank=None, grouped_gemm: bool = False):
+    """megatron's local decoder block spec (dense first layers, MoE after) with MSA attention,
+    and with `grouped_gemm` the routed experts as GroupedExperts."""
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
                                        vp_stage=vp_stage, pp_rank=pp_rank)
     options = msa_options(model_cfg)
     cp = config.context_parallel_size > 1
     block.layer_specs = [_with_msa_attention(spec, options, cp) for spec in block.layer_specs]
+    if grouped_gemm:
+        block.layer_specs = [_with_grouped_experts(spec) for spec in block.layer_specs]
     block.layer_norm = _sp_norm(block.layer_norm)
     return block
 
@@ -167,7 +209,8 @@ def build_model(model_cfg, parallel_cfg, vocab_size: int, *, on_cpu: bool,
     scaling = model_cfg.rope_scaling
     model = GPTModel(
         config=config,
-        transformer_layer_spec=decoder_block_spec(config, model_cfg, vp_stage=vp_stage),
+        transformer_layer_spec=decoder_block_spec(config, model_cfg, vp_stage=vp_stage,
+                                                  grouped_gemm=use_grouped_gemm(model_cfg, on_cpu)),
         vocab_size=padded_vocab_size(vocab_size, model_cfg, parallel_cfg.tp),
         max_sequence_length=model_cfg.seq_length,
         pre_process=pre_process,

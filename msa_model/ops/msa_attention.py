@@ -13,7 +13,7 @@ from .sparse_attention import sparse_attention
 def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iq: torch.Tensor, ik: torch.Tensor,
                   block_size: int = 128, topk: int = 16, dense: bool = False, scale: float | None = None,
                   index_scale: float | None = None, force_sink: bool = False, backend: str = "auto",
-                  return_block_idx: bool = False, q_offset: int = 0):
+                  return_block_idx: bool = False, q_offset: int = 0, keep_teacher: bool | None = None):
     """MSA attention: o [B, T, Hq, D] and the indexer KL (fp32 scalar, no coefficient applied).
 
     q [B, T, Hq, D], k/v [B, T, Hkv, D], iq [B, T, Hkv, Di], ik [B, T, Di].
@@ -24,6 +24,7 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iq: torch.T
     `q_offset`: the queries (q, iq) are positions q_offset .. q_offset + T - 1 of a sequence whose
     k, v, ik [B, >= q_offset + T, ...] are passed whole (context parallelism: a rank's query
     chunk against all-gathered keys); selection, output and KL equal those rows of the full call.
+    `keep_teacher`: see `indexer_kl_loss` (a memory/time trade of the KL's backward).
     """
     _, T, _, Hkv, _ = check_qkv(q, k, v, q_offset)
     check_index(iq, ik, q.shape[0], T, Hkv, q_offset)
@@ -40,7 +41,8 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iq: torch.T
         o, lse = sparse_attention(q, k, v, block_idx, block_size=block_size, scale=scale, backend=backend,
                                   q_offset=q_offset, check_ids=False)
     kl = indexer_kl_loss(q.detach(), k.detach(), iq, ik, block_idx, lse.detach(), block_size=block_size,
-                         scale=scale, index_scale=index_scale, backend=backend, q_offset=q_offset, check_ids=False)
+                         scale=scale, index_scale=index_scale, backend=backend, q_offset=q_offset, check_ids=False,
+                         keep_teacher=keep_teacher)
     if return_block_idx:
         return o, kl, block_idx
     return o, kl

@@ -527,7 +527,10 @@ class Tuning:
     student's lse) takes `lse_M` queries against `lse_J` keys per step.
 
     Sparse mode keeps the forward's teacher rows (fp16, or fp32 for fp32 inputs; E x J values)
-    for the backward when they fit in `teacher_bytes` (0: always recompute); the backward then
+    for the backward when they fit in `teacher_bytes` (0: always recompute) and in
+    `teacher_q_ratio` times the bytes of q (they live from this layer's forward to its backward,
+    like its other activations: at most about what the layer keeps anyway; a caller that reruns
+    the forward just before the backward lifts this second bound); the backward then
     recomputes only the student, with tiles of `stored_M` entries. Defaults chosen on an H200
     (bench/bench_msa_layer.py tune, 2026-11-29)."""
     M: int = 16
@@ -546,6 +549,7 @@ class Tuning:
     fwd_stages: int = 2
     dense_stages: int = 2
     teacher_bytes: int = 4 << 30
+    teacher_q_ratio: float = 1.0
     stored_M: int = 64
     stored_warps: int = 4
     stored_stages: int = 2
@@ -615,10 +619,14 @@ def _teacher_dtype(q) -> torch.dtype:
     return torch.float32 if q.dtype == torch.float32 else torch.float16
 
 
-def _store_teacher(q, G, K, block_size, cfg, needs_grad: bool) -> bool:
+def _store_teacher(q, G, K, block_size, cfg, needs_grad: bool, keep: bool | None) -> bool:
+    """Whether the forward keeps the teacher rows for the backward. keep=None: when they fit both
+    budgets; True: when they fit `teacher_bytes` (the caller recomputes the forward right before
+    the backward, so they are short-lived); False: never."""
     B, T = q.shape[:2]
     nbytes = B * T * G * K * triton.next_power_of_2(block_size) * _teacher_dtype(q).itemsize
-    return needs_grad and nbytes <= cfg.teacher_bytes
+    fits = nbytes <= cfg.teacher_bytes and (keep or nbytes <= cfg.teacher_q_ratio * q.numel() * q.element_size())
+    return needs_grad and keep is not False and fits
 
 
 def _stored_backward(iq, ik, pbar, lse_z, inv_s, index, K, block_size, index_scale, cfg, q_offset):
@@ -666,7 +674,7 @@ def _backward(q, k, lse, iq, ik, lse_z, inv_s, index, K, block_size, scale, inde
 
 class IndexerKLTriton(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, iq, ik, block_idx, lse, block_size, scale, index_scale, q_offset):
+    def forward(ctx, q, k, iq, ik, block_idx, lse, block_size, scale, index_scale, q_offset, keep_teacher):
         B, T, Hq, D = q.shape
         G, Di = k.shape[2], iq.shape[3]
         _check_dims(D, Di)
@@ -681,7 +689,7 @@ class IndexerKLTriton(torch.autograd.Function):
         else:
             K = block_idx.shape[-1]
             index = inverse_index(block_idx, block_size, q_offset)
-            store = _store_teacher(q, G, K, block_size, cfg, any(ctx.needs_input_grad[2:4]))
+            store = _store_teacher(q, G, K, block_size, cfg, any(ctx.needs_input_grad[2:4]), keep_teacher)
             kl, lse_z, inv_s, pbar = _sparse_forward(q, k, lse, iq, ik, index, K, block_size, scale, index_scale,
                                                      cfg, store, q_offset)
         # with the teacher rows kept, the backward needs neither q, k nor lse
@@ -708,20 +716,21 @@ class IndexerKLTriton(torch.autograd.Function):
         coef = grad.float() * (index_scale / (B * T * G))
         d_iq = (diq * coef).to(iq.dtype) if ctx.needs_input_grad[2] else None
         d_ik = (dik * coef).to(ik.dtype) if ctx.needs_input_grad[3] else None
-        return None, None, d_iq, d_ik, None, None, None, None, None, None
+        return None, None, d_iq, d_ik, None, None, None, None, None, None, None
 
 
 def indexer_kl_loss_triton(q: torch.Tensor, k: torch.Tensor, iq: torch.Tensor, ik: torch.Tensor,
                            block_idx: torch.Tensor | None, lse: torch.Tensor, block_size: int, scale: float,
-                           index_scale: float, q_offset: int = 0) -> torch.Tensor:
+                           index_scale: float, q_offset: int = 0, keep_teacher: bool | None = None) -> torch.Tensor:
     """Fused indexer KL: fp32 scalar, differentiable in iq [B, T, G, Di] and ik [B, TK, Di] only.
 
     q [B, T, Hq, D] and k [B, TK, G, D] (same dtype), lse fp32 [B, T, Hq] are constants;
     block_idx int [B, T, G, K] (-1 = empty) or None for the dense warmup support. Query t sits
     at position q_offset + t and TK = q_offset + T (the keys of the causal prefix).
+    `keep_teacher`: the sparse forward's teacher rows for the backward (see `Tuning`).
     """
     if k.shape[1] != q_offset + q.shape[1] or ik.shape[1] != k.shape[1]:
         raise ValueError(f"k and ik must cover q_offset + T = {q_offset + q.shape[1]} tokens, got "
                          f"{k.shape[1]} and {ik.shape[1]}")
     return IndexerKLTriton.apply(q.detach(), k.detach(), iq, ik, block_idx, lse.detach(), block_size,
-                                 float(scale), float(index_scale), int(q_offset))
+                                 float(scale), float(index_scale), int(q_offset), keep_teacher)

@@ -30,10 +30,12 @@ from .triton_sparse import (LOG2E, delta_kernel, sparse_bwd_kernel, sparse_bwd_r
 # is loaded once per item and a popular block (the sink, the local block) spreads over programs.
 # Benchmarks may override them (bench/bench_sparse_attention.py --parts tune; chosen on an H200 at
 # 128K: single-stage loops beat 2-3 stages in both kernels). The partial buffers' budget is
-# partial_q_ratio x the bytes of q, at most partial_bytes (see `sparse_index`).
+# partial_q_ratio x the bytes of q, at least partial_min_bytes, at most partial_bytes (see
+# `sparse_index`).
 TUNING = dict(fwd_rows=64, fwd_warps=4, fwd_stages=1, fwd_tiles=16,
               bwd_rows=64, bwd_warps=8, bwd_stages=1, bwd_tiles=128,
-              dense_dkdv=(128, 64, 8, 2), partial_bytes=4 << 30, partial_q_ratio=2.0)
+              dense_dkdv=(128, 64, 8, 2), partial_bytes=4 << 30, partial_q_ratio=2.0,
+              partial_min_bytes=512 << 20)
 # the last compiled sparse kernels (registers and spills for benchmarks: .n_regs, .n_spills)
 COMPILED = {}
 
@@ -150,9 +152,11 @@ def sparse_index(idx, H, D, itemsize, n_blocks) -> InverseIndex:
     The budget is TUNING["partial_q_ratio"] times the bytes of q, at most TUNING["partial_bytes"]:
     the layer's peak memory then stays under dense attention's at every length (H200, 2026-11-29:
     8K 1.05 vs 1.24 GiB, 32K 4.0 vs 4.8, 128K 15.9 vs 18.8), for up to 23% more layer time (8K)
-    than a 4 GiB budget."""
+    than a 4 GiB budget. Below TUNING["partial_min_bytes"] the budget is not cut: small layers
+    (few heads, short sequences) would otherwise pay each chunk's launches for a few MiB."""
     B, T, G, K = idx.shape
-    budget = int(min(TUNING["partial_bytes"], TUNING["partial_q_ratio"] * B * T * G * H * D * itemsize))
+    budget = int(min(TUNING["partial_bytes"],
+                     max(TUNING["partial_min_bytes"], TUNING["partial_q_ratio"] * B * T * G * H * D * itemsize)))
     return build_inverse_index(idx, n_blocks, _chunk(T, B * G * K * H * (D * itemsize + 4), budget))
 
 
