@@ -16,7 +16,7 @@ WARMUP_3_STEPS = "trainer.indexer_warmup_tokens=3072"
 def short_run(tmp_path_factory, data_cache):
     run_dir = tmp_path_factory.mktemp("short") / "run"
     proc = run_train(run_dir, "trainer.max_steps=8", WARMUP_3_STEPS, "checkpoint.interval=4", "checkpoint.keep=2",
-                     data_cache=data_cache)
+                     "logging.time_modules=true", data_cache=data_cache)
     return run_dir, proc
 
 
@@ -32,6 +32,10 @@ def test_loss_falls_and_phases_follow_the_token_schedule(short_run):
     assert m[1]["keys_per_query"] == pytest.approx(128.5)
     assert 16 < m[8]["keys_per_query"] <= 64
     assert all(m[s]["moe_aux_loss"] > 0 and m[s]["grad_norm"] > 0 for s in m)
+    # model FLOPs per second, and the step split by logging.time_modules (wall clocks on CPU)
+    assert all(m[s]["tflops_per_gpu"] > 0 for s in m)
+    assert all(0 < m[s]["attention_ms"] and 0 < m[s]["moe_ms"] for s in m)
+    assert all(m[s]["attention_ms"] + m[s]["moe_ms"] < m[s]["step_ms"] for s in m)
 
 
 def test_checkpoints_latest_and_run_files(short_run):

@@ -79,11 +79,16 @@ class MetricsLogger(Callback):
     and <run_dir>/metrics.jsonl (interval means of per-step values). Only rank 0 writes."""
 
     name = "metrics"
-    SCALARS = ("lm_loss", "kl_loss", "moe_aux_loss", "lr", "grad_norm", "tokens_per_s", "keys_per_query")
+    SCALARS = ("lm_loss", "kl_loss", "moe_aux_loss", "lr", "grad_norm", "tokens_per_s", "keys_per_query",
+               "tflops_per_gpu", "peak_mem_gib", "step_ms", "attention_ms", "moe_ms")
 
-    def __init__(self, logging_cfg, run_dir: str | Path, enabled: bool, max_steps: int, hparams: dict):
+    def __init__(self, logging_cfg, run_dir: str | Path, enabled: bool, max_steps: int, hparams: dict,
+                 flops_per_token=None, world_size: int = 1):
+        """flops_per_token(keys_per_query, sparse) -> model FLOPs per token (msa_model.flops), for
+        the TFLOP/s per GPU of each line; None leaves it out."""
         self.cfg, self.run_dir, self.enabled = logging_cfg, Path(run_dir), enabled
         self.max_steps, self.hparams = max_steps, hparams
+        self.flops_per_token, self.world_size = flops_per_token, world_size
         self.bar = self.tb = self.wandb_run = self.jsonl = None
         self._sums: dict[str, float] = {}
         self._counts: dict[str, int] = {}
@@ -132,14 +137,23 @@ class MetricsLogger(Callback):
         scalars = {k: self._sums[k] / self._counts[k] for k in self._sums}
         scalars["tokens_per_s"] = self._interval_tokens / max(elapsed, 1e-9)
         self._sums, self._counts, self._interval_tokens, self._t0 = {}, {}, 0, time.perf_counter()
+        s, phase = trainer.state, _phase(trainer)
+        if self.flops_per_token is not None:
+            flops = self.flops_per_token(scalars.get("keys_per_query"), phase != "warmup")
+            scalars["tflops_per_gpu"] = flops * scalars["tokens_per_s"] / self.world_size / 1e12
+        if torch.cuda.is_available() and trainer.device.type == "cuda":
+            # peak of this interval, this rank (the same on every rank of a balanced layout)
+            scalars["peak_mem_gib"] = torch.cuda.max_memory_allocated(trainer.device) / 2**30
+            torch.cuda.reset_peak_memory_stats(trainer.device)
         if not self.enabled:
             return
-        s, phase = trainer.state, _phase(trainer)
-        log.info("step %*d/%d | tokens %s | lm %s | kl %s | aux %s | lr %s | gnorm %s | %s tok/s | %s | keys/q %s",
-                 len(str(self.max_steps)), s.step, self.max_steps, f"{s.tokens:,}",
+        log.info("step %*d/%d | tokens %s | lm %s | kl %s | aux %s | lr %s | gnorm %s | %s tok/s | %s TFLOP/s%s | "
+                 "%s | keys/q %s", len(str(self.max_steps)), s.step, self.max_steps, f"{s.tokens:,}",
                  _fmt(scalars.get("lm_loss"), ".4f"), _fmt(scalars.get("kl_loss"), ".4f"),
                  _fmt(scalars.get("moe_aux_loss"), ".4f"), _fmt(scalars.get("lr"), ".2e"),
-                 _fmt(scalars.get("grad_norm"), ".3f"), f"{scalars['tokens_per_s']:,.0f}", phase,
+                 _fmt(scalars.get("grad_norm"), ".3f"), f"{scalars['tokens_per_s']:,.0f}",
+                 _fmt(scalars.get("tflops_per_gpu"), ".1f"),
+                 f" | mem {scalars['peak_mem_gib']:.1f} GiB" if "peak_mem_gib" in scalars else "", phase,
                  _fmt(scalars.get("keys_per_query"), ".1f"))
         record = {"step": s.step, "tokens": s.tokens, "phase": phase,
                   **{k: scalars[k] for k in self.SCALARS if k in scalars}}

@@ -12,6 +12,8 @@ warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distri
 warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
 
 import logging  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
@@ -73,6 +75,14 @@ def _build_model(cfg, env):
     return [ddp]
 
 
+def _flops_counter(cfg):
+    from data.tokenizer import build_tokenizer
+    from msa_model.flops import flops_per_token
+
+    vocab = build_tokenizer(cfg.data.tokenizer).vocab_size
+    return lambda keys_per_query, sparse: flops_per_token(cfg.model, vocab, keys_per_query, sparse)
+
+
 def run(cfg: DictConfig) -> None:
     OmegaConf.resolve(cfg)
     rank, world_size, _ = launch_env()
@@ -93,7 +103,7 @@ def run(cfg: DictConfig) -> None:
     from msa_model.training.indexer_warmup import IndexerWarmup
     from msa_model.training.metrics import MetricsLogger
     from msa_model.training.preemption import StopSignal, requeue_slurm_job, should_requeue
-    from msa_model.training.trainer import Trainer
+    from msa_model.training.trainer import OutOfMemory, Trainer
 
     run_dir = Path(cfg.run_dir)
     ckpt_root = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
@@ -116,11 +126,17 @@ def run(cfg: DictConfig) -> None:
         model_chunks[0].config.grad_scale_func = optimizer.scale_loss
 
         callbacks = []
+        if cfg.logging.time_modules:
+            from msa_model.training.module_timer import ModuleTimer
+
+            # first, so its step end is marked before any other callback's work
+            callbacks.append(ModuleTimer(env.device))
         if cfg.model.attention == "msa":
             callbacks.append(IndexerWarmup(cfg.trainer.indexer_warmup_tokens, cfg.model.msa))
         callbacks.append(ckpt.Checkpointer(ckpt_root, cfg.checkpoint.interval, cfg.checkpoint.keep, cfg.checkpoint.save_at_end))
         callbacks.append(MetricsLogger(cfg.logging, run_dir, env.is_main, cfg.trainer.max_steps,
-                                       OmegaConf.to_container(cfg, resolve=True)))
+                                       OmegaConf.to_container(cfg, resolve=True),
+                                       flops_per_token=_flops_counter(cfg), world_size=world_size))
         stop_signal = StopSignal(list(cfg.trainer.stop_signals)) if cfg.trainer.stop_signals else None
         trainer = Trainer(
             model_chunks=model_chunks, optimizer=optimizer, scheduler=scheduler, data_iterator=None,
@@ -145,7 +161,14 @@ def run(cfg: DictConfig) -> None:
         dp_rank, dp_size = data_parallel_info()
         trainer.data_iterator = build_train_iterator(dataset, trainer.state.consumed_samples,
                                                      cfg.parallel.micro_batch_size, dp_rank, dp_size)
-        state = trainer.train()
+        try:
+            state = trainer.train()
+        except OutOfMemory as e:
+            log.error("%s", e)
+            # the message says it all; the process group cannot be shut down cleanly after it
+            logging.shutdown()
+            sys.stdout.flush()
+            os._exit(1)
         log.info("finished at step %d (%s tokens); checkpoints in %s", state.step, f"{state.tokens:,}", ckpt_root)
         requeue = should_requeue(stop_signal, list(cfg.launch.requeue_signals), state.step >= cfg.trainer.max_steps)
         if stop_signal is not None:

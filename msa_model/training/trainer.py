@@ -19,6 +19,32 @@ from msa_model.training.metrics import reduce_step_metrics
 log = logging.getLogger(__name__)
 
 
+class OutOfMemory(RuntimeError):
+    """The GPU ran out of memory; the message names the stage, the peak and the remedies."""
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """torch's OutOfMemoryError, or an allocation failure surfacing through NCCL or cuBLAS
+    (e.g. DistBackendError "Failed to CUDA calloc async" inside the gradient reduction)."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and any(
+        s in text for s in ("out of memory", "cuda calloc", "cuda malloc", "cublas_status_alloc_failed"))
+
+
+def out_of_memory_message(device: torch.device, stage: str, step: int, seq_length: int, micro_batch_size: int) -> str:
+    peak = total = float("nan")
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) / 2**30
+        total = torch.cuda.get_device_properties(device).total_memory / 2**30
+    return (f"out of memory on {device} during the {stage} of step {step} (sequence {seq_length:,} tokens, "
+            f"micro-batch {micro_batch_size}): peak {peak:.1f} GiB allocated of {total:.1f} GiB. Remedies: "
+            "model.recompute=selective (rerun the attention core in backward) or model.recompute=full (rerun "
+            "whole layers); parallel.cp=2 or more (context parallelism splits the sequence over GPUs); "
+            "a smaller parallel.micro_batch_size or a shorter model.seq_length")
+
+
 def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     """Per-token losses [B, S] -> (sum, token count, logging payload [sum, count])."""
     losses = output_tensor.float()
@@ -54,6 +80,7 @@ class Trainer:
         self.seq_length, self.micro_batch_size, self.global_batch_size = seq_length, micro_batch_size, global_batch_size
         self.num_layers, self.device, self.stop_signal = num_layers, device, stop_signal
         self.state = TrainState()
+        self.stage = "start"  # what the step is doing, for error messages
         dp = parallel_state.get_data_parallel_world_size()
         self.num_microbatches = global_batch_size // (micro_batch_size * dp)
 
@@ -66,6 +93,7 @@ class Trainer:
         for chunk in self.model_chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
+        self.stage = "forward and backward"
         losses_reduced = get_forward_backward_func()(
             forward_step_func=partial(_forward_step, device=self.device),
             data_iterator=self.data_iterator,
@@ -75,6 +103,7 @@ class Trainer:
             micro_batch_size=self.micro_batch_size,
             forward_only=False,
         )
+        self.stage = "gradient reduction and optimizer step"
         _, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
         metrics = reduce_step_metrics(losses_reduced, self.num_microbatches, self.num_layers,
@@ -99,7 +128,13 @@ class Trainer:
             self.state.stop_requested = True
         while self.state.step < self.max_steps and not self.state.stop_requested:
             self._call("on_step_start")
-            metrics = self.train_step()
+            try:
+                metrics = self.train_step()
+            except Exception as e:
+                if not is_out_of_memory(e):
+                    raise
+                raise OutOfMemory(out_of_memory_message(self.device, self.stage, self.state.step + 1, self.seq_length,
+                                                        self.micro_batch_size)) from e
             self.state.step += 1
             self.state.consumed_samples += self.global_batch_size
             self.state.tokens += step_tokens
