@@ -77,7 +77,10 @@ def summarise(run_dir: Path, returncode: int, log: str) -> dict:
     return out
 
 
-def run_jobs(jobs: list[dict], gpus: list[str], timeout: int) -> None:
+def run_jobs(jobs: list[dict], gpus: list[str], timeout: int, out: Path) -> None:
+    """Run every job, one per GPU at a time; OUT/training.json is rewritten after each, so a
+    call cut short keeps what finished."""
+    lock = threading.Lock()
     todo: queue.Queue = queue.Queue()
     for job in jobs:
         todo.put(job)
@@ -101,8 +104,10 @@ def run_jobs(jobs: list[dict], gpus: list[str], timeout: int) -> None:
             job["result"] = summarise(Path(job["run_dir"]), rc, log if isinstance(log, str) else "")
             job["result"]["wall_s"] = round(time.time() - start, 1)
             job["result"]["gpu"] = gpu
-            print(f"[gpu {gpu}] {job['variant']} T={job['T']} recompute={job['recompute']}: "
-                  f"{json.dumps(job['result'])}", flush=True)
+            with lock:
+                (out / "training.json").write_text(json.dumps([j for j in jobs if "result" in j], indent=1))
+                print(f"[gpu {gpu}] {job['variant']} T={job['T']} recompute={job['recompute']}: "
+                      f"{json.dumps(job['result'])}", flush=True)
 
     threads = [threading.Thread(target=worker, args=(g,)) for g in gpus]
     for t in threads:
@@ -116,6 +121,7 @@ def _k(T: int) -> str:
 
 
 def table(jobs: list[dict]) -> str:
+    jobs = [j for j in jobs if "result" in j]
     lines = ["| T | variant | recompute | tok/s | TFLOP/s/GPU | MFU | step ms | attention ms | MLP ms | rest ms | "
              "peak GiB | vs dense |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     dense = {j["T"]: j["result"] for j in jobs if j["variant"] == "dense"}
@@ -137,7 +143,8 @@ def table(jobs: list[dict]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out")
+    ap.add_argument("--table", help="print the table of an existing training.json and exit")
     ap.add_argument("--preset", default="small")
     ap.add_argument("--lengths", default="8192,32768,65536,131072,262144")
     ap.add_argument("--variants", default="dense,pt,warmup")
@@ -151,6 +158,11 @@ def main() -> None:
     ap.add_argument("--timeout", type=int, default=900, help="seconds per job")
     ap.add_argument("extra", nargs="*", help="more train.py overrides for every job")
     a = ap.parse_args()
+    if a.table:
+        print(table(json.loads(Path(a.table).read_text())))
+        return
+    if not a.out:
+        ap.error("--out is required")
     out = Path(a.out)
     cache = out / "data-cache"
     jobs = []
@@ -163,8 +175,8 @@ def main() -> None:
                                           cache, a.extra, a.micro_tokens)})
     # longest first: the slow jobs start early and the short ones fill the gaps
     jobs.sort(key=lambda j: -j["T"])
-    run_jobs(jobs, a.gpus.split(","), a.timeout)
-    (out / "training.json").write_text(json.dumps(jobs, indent=1))
+    out.mkdir(parents=True, exist_ok=True)
+    run_jobs(jobs, a.gpus.split(","), a.timeout, out)
     print(table(jobs))
 
 
