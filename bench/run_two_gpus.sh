@@ -17,7 +17,7 @@ two() { "$py" -m torch.distributed.run --standalone --nproc-per-node=2 train.py 
 show() { grep -E "step [0-9]+/|out of memory|Error" "$1" | sed "s|^|$2 |" || true; }
 
 # shared starting weights at 32K
-one model.seq_length=32768 parallel.global_batch_size=2 trainer.max_steps=1 run_dir="$out/init" \
+one model.seq_length=32768 parallel.global_batch_size=2 trainer.max_steps=1 optim.warmup_steps=0 run_dir="$out/init" \
     > "$out/init.log" 2>&1
 init="$out/init/checkpoints"
 parity=(model.seq_length=32768 parallel.global_batch_size=2 trainer.max_steps=3 checkpoint.save_at_end=false
