@@ -8,6 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gpu_sync import assert_no_host_sync
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
 
@@ -45,14 +47,7 @@ def test_model_step_never_waits_on_the_device(megatron_one_gpu, sparse, recomput
         loss = model(tokens, positions, None, labels=tokens)
         loss.float().mean().backward()
 
-    step()  # compiles kernels, picks attention plans, fills the allocator's cache
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
+    assert_no_host_sync(step)
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
     get_moe_metrics_tracker().clear()
