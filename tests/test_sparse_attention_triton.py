@@ -89,7 +89,9 @@ def run_case(B, T, Hq, G, D, block_size, K, dtype, dense=False, seed=0):
         tol = 1e-5
         for name, x, r in zip(names, out, ref):
             if name != "lse":
-                assert rel(x, r) < tol, (name, rel(x, r))
+                # one key per query (T = 1): the exact dq is 0 and fp32 rounding leaves ~1e-8
+                err = (x.double() - r.double()).norm().item()
+                assert err <= tol * r.double().norm().item() + 1e-6, (name, rel(x, r))
         assert (lse[fin].double() - lse_ref[fin]).abs().max().item() < 10 * tol
         return
     base = grads(lambda *a: sparse_attention_reference(*a, scale, upcast=False), dtype)
