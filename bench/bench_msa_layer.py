@@ -14,6 +14,7 @@ attention's partial buffers capped at each --budgets value (MiB; more query chun
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import math
@@ -31,6 +32,17 @@ HQ, HKV, D, DI, BK, TOPK = 64, 4, 128, 128, 128, 16
 # partial-buffer budgets (MiB) timed beside the default in each sparse row (--budgets)
 BUDGETS_MIB = [1024]
 TRITON = dict(backend="triton")
+# the kernels' settings every timing passes explicitly; `tune` replaces the KL's with the best found
+TUNED = {"indexer_kl": kl_triton.DEFAULT_TUNING}
+
+
+def kl_args() -> dict:
+    return dict(backend="triton", tuning=TUNED["indexer_kl"])
+
+
+def layer_args(**tuning) -> dict:
+    """msa_attention's keywords: the Triton backend with the tuned settings (and `tuning` overrides)."""
+    return dict(backend="triton", tuning={**TUNED, **tuning})
 
 
 def timed(fn, reps: int, warmup: int = 1) -> float:
@@ -108,28 +120,28 @@ def sparse_rows(T: int, reps: int, res: dict) -> None:
         _, lse = sparse_attention(q, k, v, bi, BK, **TRITON)
 
     def kl_fb():
-        indexer_kl_loss(q.detach(), k.detach(), iq, ik, bi, lse, BK, **TRITON).backward()
+        indexer_kl_loss(q.detach(), k.detach(), iq, ik, bi, lse, BK, **kl_args()).backward()
         clear(iq, ik)
 
-    measure(r, "kl_fwd_ms", lambda: timed(lambda: indexer_kl_loss(q.detach(), k.detach(), iq, ik, bi, lse, BK, **TRITON), reps))
+    measure(r, "kl_fwd_ms",
+            lambda: timed(lambda: indexer_kl_loss(q.detach(), k.detach(), iq, ik, bi, lse, BK, **kl_args()), reps))
     measure(r, "kl_fwdbwd_ms", lambda: timed(kl_fb, reps))
 
-    def layer_fb():
-        o, kl = msa_attention(q, k, v, iq, ik, BK, TOPK, **TRITON)
+    def layer_fb(**tuning):
+        o, kl = msa_attention(q, k, v, iq, ik, BK, TOPK, **layer_args(**tuning))
         torch.autograd.backward([o, kl], [do, torch.ones_like(kl)])
         clear(q, k, v, iq, ik)
 
-    measure(r, "layer_fwd_ms", lambda: timed(lambda: msa_attention(q, k, v, iq, ik, BK, TOPK, **TRITON), reps))
+    measure(r, "layer_fwd_ms", lambda: timed(lambda: msa_attention(q, k, v, iq, ik, BK, TOPK, **layer_args()), reps))
     measure(r, "layer_fwdbwd_ms", lambda: timed(layer_fb, reps))
     measure(r, "layer_peak_gib", lambda: peak_gib(layer_fb))
     # other budgets for the attention's partial buffers (more query chunks, less memory)
-    kept = dict(sa_triton.TUNING)
     for mib in BUDGETS_MIB:
-        sa_triton.TUNING.update(partial_bytes=mib << 20, partial_q_ratio=float("inf"))
-        measure(r, f"layer_fwdbwd_{mib}MiB_ms", lambda: timed(layer_fb, reps))
-        measure(r, f"layer_peak_{mib}MiB_gib", lambda: peak_gib(layer_fb))
-        measure(r, f"attn_fwd_{mib}MiB_ms", lambda: timed(lambda: sparse_attention(q, k, v, bi, BK, **TRITON), reps))
-    sa_triton.TUNING.update(kept)
+        sa = dataclasses.replace(sa_triton.DEFAULT_TUNING, partial_bytes=mib << 20, partial_q_ratio=float("inf"))
+        measure(r, f"layer_fwdbwd_{mib}MiB_ms", lambda: timed(lambda: layer_fb(sparse_attention=sa), reps))
+        measure(r, f"layer_peak_{mib}MiB_gib", lambda: peak_gib(lambda: layer_fb(sparse_attention=sa)))
+        measure(r, f"attn_fwd_{mib}MiB_ms",
+                lambda: timed(lambda: sparse_attention(q, k, v, bi, BK, backend="triton", tuning=sa), reps))
 
     def sdpa_fb():
         sdpa(q, k, v).backward(do)
@@ -146,7 +158,7 @@ def dense_rows(T: int, reps: int, res: dict) -> None:
     r = res.setdefault(f"dense_{T}", {})
 
     def layer_fb():
-        o, kl = msa_attention(q, k, v, iq, ik, BK, TOPK, dense=True, **TRITON)
+        o, kl = msa_attention(q, k, v, iq, ik, BK, TOPK, dense=True, **layer_args())
         torch.autograd.backward([o, kl], [do, torch.ones_like(kl)])
         clear(q, k, v, iq, ik)
 
@@ -159,14 +171,15 @@ def dense_rows(T: int, reps: int, res: dict) -> None:
         _, lse = sparse_attention(q, k, v, None, BK, **TRITON)
 
     def kl_fb():
-        indexer_kl_loss(q.detach(), k.detach(), iq, ik, None, lse, BK, **TRITON).backward()
+        indexer_kl_loss(q.detach(), k.detach(), iq, ik, None, lse, BK, **kl_args()).backward()
         clear(iq, ik)
 
     def sdpa_fb():
         sdpa(q, k, v).backward(do)
         clear(q, k, v)
 
-    measure(r, "kl_fwd_ms", lambda: timed(lambda: indexer_kl_loss(q.detach(), k.detach(), iq, ik, None, lse, BK, **TRITON), reps))
+    measure(r, "kl_fwd_ms",
+            lambda: timed(lambda: indexer_kl_loss(q.detach(), k.detach(), iq, ik, None, lse, BK, **kl_args()), reps))
     measure(r, "kl_fwdbwd_ms", lambda: timed(kl_fb, reps))
     measure(r, "attn_fwdbwd_ms", lambda: timed(attn_fb, reps))
     measure(r, "layer_fwdbwd_ms", lambda: timed(layer_fb, reps))
@@ -181,8 +194,10 @@ def forward_rows(T: int, reps: int, res: dict, with_sdpa: bool) -> None:
     q, k, v, iq, ik = make_inputs(T, grad=False)
     r = res.setdefault(f"fwd_{T}", {})
     with torch.no_grad():
-        measure(r, "layer_fwd_ms", lambda: timed(lambda: msa_attention(q, k, v, iq, ik, BK, TOPK, **TRITON), reps))
-        measure(r, "layer_fwd_peak_gib", lambda: peak_gib(lambda: msa_attention(q, k, v, iq, ik, BK, TOPK, **TRITON)))
+        measure(r, "layer_fwd_ms",
+                lambda: timed(lambda: msa_attention(q, k, v, iq, ik, BK, TOPK, **layer_args()), reps))
+        measure(r, "layer_fwd_peak_gib",
+                lambda: peak_gib(lambda: msa_attention(q, k, v, iq, ik, BK, TOPK, **layer_args())))
         if with_sdpa:
             measure(r, "sdpa_fwd_ms", lambda: timed(lambda: sdpa(q, k, v), reps))
 
@@ -219,33 +234,30 @@ def tune(T: int, res: dict) -> None:
     with torch.no_grad():
         _, lse = sparse_attention(q, k, v, bi, BK, **TRITON)
     dense_T = min(T, 16384)
-    base = kl_triton.TUNING
+    base = TUNED["indexer_kl"]
     best = None
     # teacher dot rows (M = 16 entries x heads) of the key-major kernels, pipeline stages of the
-    # sparse forward and the dense kernels, tiles of the dense forward's second pass (H200,
-    # 2026-11-29, dense 16K fwd+bwd: 16 queries x 8 heads against 128 keys, 8 warps, 2 stages
-    # 23.1 ms; 256 rows 24.7; 4 warps 27.9; 1 stage 27.5; 64 keys 37.5; 32 queries out of
-    # shared memory)
+    # sparse forward and the dense kernels, tiles of the dense forward's second pass (results of
+    # earlier runs: bench/RESULTS.md, round 4)
     variants = [dict(rows=r, fwd_stages=st, dense_stages=st) for r, st in ((128, 2), (128, 1), (256, 2), (64, 2))]
     variants += [dict(dense_rows=256), dict(dense_warps=4), dict(dense_fwd_j=64)]
     # KL_VARIANTS: a JSON list of Tuning overrides replacing the ones above
     variants = json.loads(os.environ.get("KL_VARIANTS", "null")) or variants
     for var in [] if os.environ.get("QUICK_TUNE") else variants:
-        cfg = kl_triton.Tuning(**{**base.__dict__, **var})
-        m, rows, warps, stages = cfg.M, cfg.rows, cfg.warps, cfg.stages
-        kl_triton.TUNING = cfg
+        cfg = dataclasses.replace(base, **var)
+        TUNED["indexer_kl"] = cfg
 
         def kl_fb():
-            indexer_kl_loss(q.detach(), k.detach(), iq, ik, bi, lse, BK, **TRITON).backward()
+            indexer_kl_loss(q.detach(), k.detach(), iq, ik, bi, lse, BK, **kl_args()).backward()
             clear(iq, ik)
 
         def kl_dense_fb():
             indexer_kl_loss(q[:, :dense_T].detach(), k[:, :dense_T].detach(), iq[:, :dense_T], ik[:, :dense_T],
-                            None, lse[:, :dense_T], BK, **TRITON).backward()
+                            None, lse[:, :dense_T], BK, **kl_args()).backward()
             clear(iq, ik)
 
         try:
-            ms_fwd = timed(lambda: indexer_kl_loss(q.detach(), k.detach(), iq, ik, bi, lse, BK, **TRITON), 3)
+            ms_fwd = timed(lambda: indexer_kl_loss(q.detach(), k.detach(), iq, ik, bi, lse, BK, **kl_args()), 3)
             ms = timed(kl_fb, 3)
             ms_dense = timed(kl_dense_fb, 3)
         except Exception as e:  # a configuration can exceed shared memory or registers
@@ -257,16 +269,16 @@ def tune(T: int, res: dict) -> None:
               f"dense {dense_T} fwd+bwd {ms_dense:.1f} ms", flush=True)
         if best is None or ms + ms_dense < best[0]:
             best = (ms + ms_dense, cfg)
-    kl_triton.TUNING = best[1] if best else base
+    TUNED["indexer_kl"] = best[1] if best else base
     # the backward from kept teacher rows: entries per tile, warps, pipeline stages
     best = None
+    chosen = TUNED["indexer_kl"]
     for sm, warps, stages in () if os.environ.get("QUICK_TUNE") else ((128, 8, 2), (64, 4, 2)):
-        cfg = kl_triton.Tuning(**{**kl_triton.TUNING.__dict__, "stored_M": sm, "stored_warps": warps,
-                                  "stored_stages": stages})
-        kl_triton.TUNING = cfg
+        cfg = dataclasses.replace(chosen, stored_M=sm, stored_warps=warps, stored_stages=stages)
+        TUNED["indexer_kl"] = cfg
 
         def kl_fb():
-            indexer_kl_loss(q.detach(), k.detach(), iq, ik, bi, lse, BK, **TRITON).backward()
+            indexer_kl_loss(q.detach(), k.detach(), iq, ik, bi, lse, BK, **kl_args()).backward()
             clear(iq, ik)
 
         try:
@@ -278,8 +290,8 @@ def tune(T: int, res: dict) -> None:
         print(f"tune stored M={sm} warps={warps} stages={stages}: sparse KL fwd+bwd {ms:.2f} ms", flush=True)
         if best is None or ms < best[0]:
             best = (ms, cfg)
-    kl_triton.TUNING = best[1] if best else kl_triton.TUNING
-    res["tuning"] = kl_triton.TUNING.__dict__
+    TUNED["indexer_kl"] = best[1] if best else chosen
+    res["tuning"] = dataclasses.asdict(TUNED["indexer_kl"])
 
 
 class _Missing(dict):

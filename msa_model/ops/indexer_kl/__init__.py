@@ -12,7 +12,7 @@ from .reference import indexer_kl_loss_reference
 def indexer_kl_loss(q: torch.Tensor, k: torch.Tensor, iq: torch.Tensor, ik: torch.Tensor,
                     block_idx: torch.Tensor | None, lse: torch.Tensor, block_size: int = 128,
                     scale: float | None = None, index_scale: float | None = None,
-                    backend: str = "auto", q_offset: int = 0, check_ids: bool = True) -> torch.Tensor:
+                    backend: str = "auto", q_offset: int = 0, check_ids: bool = True, tuning=None) -> torch.Tensor:
     """Mean over (b, t, g) of KL(teacher || student) on each (query, group)'s support.
 
     q [B, T, Hq, D], k [B, T, Hkv, D]: the main branch's inputs (treated as constants);
@@ -24,6 +24,7 @@ def indexer_kl_loss(q: torch.Tensor, k: torch.Tensor, iq: torch.Tensor, ik: torc
     `q_offset`: query t sits at position q_offset + t; k, ik hold the whole causal prefix
     [B, >= q_offset + T, ...] (context parallelism); the mean is over this call's queries.
     `check_ids=False` skips the range check of block_idx's values (a host synchronisation).
+    `tuning`: the Triton kernels' tile shapes and memory budget (`indexer_kl.triton.Tuning`).
     """
     check_block_size(block_size)
     B, T, Hq, Hkv, D = check_qkv(q, k, q_offset=q_offset)
@@ -39,7 +40,7 @@ def indexer_kl_loss(q: torch.Tensor, k: torch.Tensor, iq: torch.Tensor, ik: torc
     k, ik = trim_keys(T, q_offset, k, ik)
     if resolve_backend(backend, q, k, iq, ik) == "triton":
         return load_triton("indexer_kl").indexer_kl_loss_triton(q, k, iq, ik, block_idx, lse, block_size,
-                                                                 scale, index_scale, q_offset)
+                                                                 scale, index_scale, q_offset, tuning)
     return indexer_kl_loss_reference(q, k, iq, ik, block_idx, lse, block_size, scale, index_scale, q_offset)
 
 

@@ -12,7 +12,7 @@ from .reference import sparse_attention_reference
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor | None,
                      block_size: int = 128, scale: float | None = None,
                      backend: str = "auto", q_offset: int = 0,
-                     check_ids: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                     check_ids: bool = True, tuning=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of every query head over the key blocks its GQA group selected.
 
     q: [B, T, Hq, D]; k, v: [B, T, Hkv, D] (same dtype); block_idx: int [B, T, Hkv, K] block ids,
@@ -25,6 +25,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_id
     the whole causal prefix (context parallelism); dk, dv cover it.
     `check_ids=False` skips the range check of block_idx's values, which synchronises with the
     device; select_blocks' output is always in range.
+    `tuning`: the Triton kernels' launch shapes (`sparse_attention.triton.Tuning`; None: defaults).
     """
     check_block_size(block_size)
     B, T, _, Hkv, D = check_qkv(q, k, v, q_offset)
@@ -36,7 +37,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_id
     auto_fp32 = backend == "auto" and q.dtype not in (torch.float16, torch.bfloat16) and q.is_cuda
     if not auto_fp32 and resolve_backend(backend, q, k, v) == "triton":
         return load_triton("sparse_attention").sparse_attention_triton(q, k, v, block_idx, block_size, scale,
-                                                                       q_offset)
+                                                                       q_offset, tuning)
     return sparse_attention_reference(q, k, v, block_idx, block_size, scale, q_offset=q_offset)
 
 

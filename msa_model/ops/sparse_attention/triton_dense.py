@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_sparse import mm
+from ..triton_utils import INTERPRET, LN2, LOG2E, mm
 
 
 @triton.jit
@@ -44,7 +44,7 @@ def _fwd_step(q, K, V, b, g, k0, pos, TK, m, l, acc, qk_scale, HKV: tl.constexpr
 @triton.jit
 def dense_fwd_kernel(Q, K, V, O, LSE, T, TK, QOFF, qk_scale,
                      HQ: tl.constexpr, HKV: tl.constexpr, H: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, FOR_LOOPS: tl.constexpr):
+                     BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
     """o [B, T, HQ, D] (q dtype) and lse [B, T, HQ] (fp32, natural log)."""
     mid = tl.program_id(0)
     bh = tl.program_id(1)
@@ -64,7 +64,7 @@ def dense_fwd_kernel(Q, K, V, O, LSE, T, TK, QOFF, qk_scale,
     # every tile before mid * BM, BM being a multiple of BN)
     lo = (QOFF + mid * BM) // BN * BN
     hi = QOFF + tl.minimum((mid + 1) * BM, T)
-    if FOR_LOOPS:
+    if not INTERPRET:
         for k0 in range(0, lo, BN):
             m, l, acc = _fwd_step(q, K, V, b, g, k0, pos, TK, m, l, acc, qk_scale, HKV, BN, D, False)
         for k0 in range(lo, hi, BN):
@@ -78,7 +78,7 @@ def dense_fwd_kernel(Q, K, V, O, LSE, T, TK, QOFF, qk_scale,
             m, l, acc = _fwd_step(q, K, V, b, g, k0, pos, TK, m, l, acc, qk_scale, HKV, BN, D, True)
             k0 += BN
     tl.store(O + row[:, None] * D + d[None, :], (acc / l[:, None]).to(O.dtype.element_ty), mask=qmask[:, None])
-    tl.store(LSE + row, (m + tl.log2(l)) * 0.6931471805599453, mask=qmask)
+    tl.store(LSE + row, (m + tl.log2(l)) * LN2, mask=qmask)
 
 
 @triton.jit
@@ -90,7 +90,7 @@ def _dkdv_step(Q, DO, LSE, DELTA, kt, vt, dk, dv, b, h, m0, j, T, QOFF, qk_scale
     row = (b * T + tq) * HQ + h
     q = tl.load(Q + row[:, None] * D + d[None, :], mask=qmask[:, None], other=0.0)
     do = tl.load(DO + row[:, None] * D + d[None, :], mask=qmask[:, None], other=0.0)
-    lse2 = tl.load(LSE + row, mask=qmask, other=0.0) * 1.4426950408889634
+    lse2 = tl.load(LSE + row, mask=qmask, other=0.0) * LOG2E
     delta = tl.load(DELTA + row, mask=qmask, other=0.0)
     s = mm(q, tl.trans(kt)) * qk_scale
     vis = (j[None, :] <= QOFF + tq[:, None]) & qmask[:, None]
@@ -105,7 +105,7 @@ def _dkdv_step(Q, DO, LSE, DELTA, kt, vt, dk, dv, b, h, m0, j, T, QOFF, qk_scale
 @triton.jit
 def dense_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, T, TK, QOFF, qk_scale, sm_scale,
                           HQ: tl.constexpr, HKV: tl.constexpr, H: tl.constexpr,
-                          BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, FOR_LOOPS: tl.constexpr):
+                          BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
     """Per-head shares of dk, dv (fp32 [B, TK, HQ, D]) for one key tile of BN and one query head;
     the caller sums the heads of each group (one program per head keeps the grid wide)."""
     nid = tl.program_id(0)
@@ -123,7 +123,7 @@ def dense_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, T, TK, QOFF, qk_scale
     dv = tl.zeros([BN, D], tl.float32)
     # the first query tile holding a position at or after the key tile's first key
     m_lo = (tl.maximum(nid * BN - QOFF, 0) // BM) * BM
-    if FOR_LOOPS:
+    if not INTERPRET:
         for m0 in range(m_lo, T, BM):
             dk, dv = _dkdv_step(Q, DO, LSE, DELTA, kt, vt, dk, dv, b, h, m0, j, T, QOFF, qk_scale, HQ, BM, D)
     else:
@@ -157,7 +157,7 @@ def _dq_step(K, V, q, do, lse2, delta, dq, b, g, k0, pos, qmask, TK, qk_scale, H
 @triton.jit
 def dense_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, T, TK, QOFF, qk_scale, sm_scale,
                         HQ: tl.constexpr, HKV: tl.constexpr, H: tl.constexpr,
-                        BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, FOR_LOOPS: tl.constexpr):
+                        BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
     """dq [B, T, HQ, D] for one query tile of BM and one head."""
     mid = tl.program_id(0)
     bh = tl.program_id(1)
@@ -170,12 +170,12 @@ def dense_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, T, TK, QOFF, qk_scale, sm_s
     row = (b * T + tq) * HQ + h
     q = tl.load(Q + row[:, None] * D + d[None, :], mask=qmask[:, None], other=0.0)
     do = tl.load(DO + row[:, None] * D + d[None, :], mask=qmask[:, None], other=0.0)
-    lse2 = tl.load(LSE + row, mask=qmask, other=0.0) * 1.4426950408889634
+    lse2 = tl.load(LSE + row, mask=qmask, other=0.0) * LOG2E
     delta = tl.load(DELTA + row, mask=qmask, other=0.0)
     dq = tl.zeros([BM, D], tl.float32)
     hi = QOFF + tl.minimum((mid + 1) * BM, T)
     pos = QOFF + tq
-    if FOR_LOOPS:
+    if not INTERPRET:
         for k0 in range(0, hi, BN):
             dq = _dq_step(K, V, q, do, lse2, delta, dq, b, g, k0, pos, qmask, TK, qk_scale, HKV, BN, D)
     else:
