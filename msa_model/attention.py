@@ -1,7 +1,7 @@
 """MiniMax Sparse Attention as a megatron-core self-attention module.
 
 `MSASelfAttention` is a `SelfAttention` (same linear_qkv, q/k norms, RoPE and linear_proj, so
-its main-branch weights are a plain GQA layer's) plus the index branch of MSA_SPEC.md:
+its main-branch weights are a plain GQA layer's) plus the index branch of docs/msa.md:
 
     x = normed hidden state, detached       (no gradient from the index branch to the backbone)
     iq = index_q_layernorm(index_q_proj(x)) one index query per GQA group   [S, B, G, Di]

@@ -23,7 +23,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class MSAConfig:
-    """Geometry of MiniMax Sparse Attention (see MSA_SPEC.md)."""
+    """Geometry of MiniMax Sparse Attention (see docs/msa.md)."""
 
     block_size: int = 32  # Bk: tokens per key block
     topk: int = 4  # k: blocks read per (query, group); topk * block_size keys per query
