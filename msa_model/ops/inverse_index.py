@@ -1,10 +1,18 @@
-"""The inverse (key block -> queries) index that the key-outer kernels walk, and its schedule.
+"""The inverse (key block -> queries) index that the key-outer kernels walk, its schedule, and the
+key blocks of packed documents.
 
 sparse_attention and indexer_kl both read each selected key block once and gather the queries
 that selected it. Each `(query, group, slot)` naming a block is an *entry*; entries are sorted by
 *bucket* `(query chunk, b, g, n)`, and a *work item* (one program) is a run of at most
 `per_program` entries of one bucket. Plain torch, no host synchronisation: tile lists are sized
 by an upper bound, and spare programs exit.
+
+Packed documents (`doc_start`): a query's block ids count from its document's first token, so
+the same id names different keys in different documents. The key blocks of a row's documents
+are then listed in a table (`DocumentBlocks`), one entry per (document, document-relative block)
+with the block's first and last key, and buckets name table entries instead of block ids: the
+kernels read "the keys start .. end - 1" where without documents they read block n's keys,
+start = n * block_size. Documents share no keys, so the table's blocks never overlap.
 
 B = batch, T = queries (query t at position q_offset + t), G = groups, K = top-k slots,
 N = key blocks, E = entries (B*T*G*K), S = query chunks, P = programs per chunk.
@@ -19,14 +27,18 @@ import triton
 import triton.language as tl
 
 
-def clean_block_idx(block_idx_BTGK: torch.Tensor, block_size: int, q_offset: int = 0) -> torch.Tensor:
+def clean_block_idx(block_idx_BTGK: torch.Tensor, block_size: int, q_offset: int = 0,
+                    doc_start_BT: torch.Tensor | None = None) -> torch.Tensor:
     """int32 [B, T, G, K] with set semantics made explicit: slots that repeat a block, name a block
     after the query's own (no causal key) or hold -1 become -1; the rest are sorted ascending.
-    Query t sits at position q_offset + t."""
+    Query t sits at position q_offset + t; with doc_start its blocks count from its document's start."""
     B, T = block_idx_BTGK.shape[:2]
     idx = block_idx_BTGK.to(torch.int32)
     pos_T = torch.arange(q_offset, q_offset + T, device=idx.device, dtype=torch.int32)
-    local_T = (pos_T // block_size)[None, :, None, None]
+    if doc_start_BT is None:
+        local_T = (pos_T // block_size)[None, :, None, None]
+    else:
+        local_T = ((pos_T[None, :] - doc_start_BT.to(torch.int32)) // block_size)[:, :, None, None]
     idx = torch.where((idx < 0) | (idx > local_T), -1, idx)
     idx, _ = idx.sort(dim=-1)
     dup = torch.zeros_like(idx, dtype=torch.bool)
@@ -52,10 +64,67 @@ class InverseIndex:
     chunk_entries: int = 0  # entries of a whole chunk, B*chunk_size*G*K (an upper bound per chunk)
 
 
-def build_inverse_index(idx_BTGK: torch.Tensor, n_blocks: int, chunk_size: int = 0) -> InverseIndex:
+@dataclass
+class DocumentBlocks:
+    """The key blocks of packed documents, for the queries of one call.
+
+    Each row's documents (those its queries belong to) list their blocks in order: document d,
+    starting at position s, has blocks n = 0 .. (last query of d - s) // block_size, keys
+    s + n*block_size .. min(s + (n+1)*block_size, end of d) - 1.
+
+    base: int32 [B, T] table id of block 0 of query t's document (its block n is base + n).
+    start, end: int32 [B, N] first and one-past-last key position of each table block; ids past a
+    row's last block have start = end = 0 (no keys).
+    n_blocks: N, the longest row's block count.
+    """
+
+    base: torch.Tensor
+    start: torch.Tensor
+    end: torch.Tensor
+    n_blocks: int
+
+
+def document_blocks(doc_start_BT: torch.Tensor, block_size: int, q_offset: int = 0) -> DocumentBlocks:
+    """The block table of doc_start int [B, T] (query t at position q_offset + t). Its size is read
+    back to the host: one synchronisation."""
+    B, T = doc_start_BT.shape
+    dev = doc_start_BT.device
+    s_BT = doc_start_BT.long()
+    pos_T = torch.arange(q_offset, q_offset + T, device=dev)
+    last_BT = torch.ones(B, T, dtype=torch.bool, device=dev)
+    last_BT[:, :-1] = s_BT[:, 1:] != s_BT[:, :-1]
+    # each document's block count, at its last query
+    nblk_BT = torch.where(last_BT, (pos_T - s_BT) // block_size + 1, 0)
+    ends_BT = torch.cumsum(nblk_BT, 1)
+    base_BT = ends_BT - nblk_BT
+    n = int(ends_BT[:, -1].max()) if T else 0
+    m_BN = torch.arange(n, device=dev).expand(B, n).contiguous()
+    # the document holding table block m ends at the first query whose running count exceeds m
+    t_BN = torch.searchsorted(ends_BT, m_BN, right=True)
+    used_BN = t_BN < T
+    t_BN = t_BN.clamp(max=max(T - 1, 0))
+    start_BN = s_BT.gather(1, t_BN) + (m_BN - base_BT.gather(1, t_BN)) * block_size
+    end_BN = torch.minimum(start_BN + block_size, q_offset + t_BN + 1)
+    zero = torch.zeros_like(start_BN)
+    return DocumentBlocks(base_BT.to(torch.int32), torch.where(used_BN, start_BN, zero).to(torch.int32).contiguous(),
+                          torch.where(used_BN, end_BN, zero).to(torch.int32).contiguous(), n)
+
+
+def query_ends(doc_start_BT: torch.Tensor, TK: int, tile: int) -> torch.Tensor:
+    """int32 [B, cdiv(TK, tile)]: for each key tile of `tile` keys, the first query whose document
+    starts after the tile's last key; it and later queries cannot see the tile (dense kernels
+    that loop over queries per key tile stop there). doc_start int32 [B, T], non-decreasing."""
+    last = (torch.arange(triton.cdiv(TK, tile), device=doc_start_BT.device) + 1) * tile - 1
+    last = last.clamp(max=TK - 1).to(doc_start_BT.dtype).expand(doc_start_BT.shape[0], -1).contiguous()
+    return torch.searchsorted(doc_start_BT, last, right=True).to(torch.int32).contiguous()
+
+
+def build_inverse_index(idx_BTGK: torch.Tensor, n_blocks: int, chunk_size: int = 0,
+                        base_BT: torch.Tensor | None = None) -> InverseIndex:
     """Inverse (block -> queries) index of a cleaned block_idx (see `clean_block_idx`), bucketed
     per chunk of `chunk_size` queries (0: one chunk). One sort serves every chunk, so a chunk
-    costs its launches alone."""
+    costs its launches alone. With packed documents `base_BT` (`DocumentBlocks.base`) turns
+    document-relative ids into table ids, and n_blocks is the table's size."""
     B, T, G, K = idx_BTGK.shape
     chunk_size = T if chunk_size <= 0 else min(chunk_size, T)
     n_chunks = triton.cdiv(T, chunk_size)
@@ -64,6 +133,8 @@ def build_inverse_index(idx_BTGK: torch.Tensor, n_blocks: int, chunk_size: int =
     chunk_T = torch.arange(T, device=dev) // chunk_size
     bucket = ((chunk_T[None, :, None] * B + torch.arange(B, device=dev)[:, None, None]) * G
               + torch.arange(G, device=dev)[None, None, :])[..., None] * n_blocks
+    if base_BT is not None:
+        bucket = bucket + base_BT[:, :, None, None]
     key = torch.where(idx_BTGK >= 0, bucket + idx_BTGK, nb).flatten()
     # stable: the flat order is query-major, so each bucket lists its queries in order
     key_sorted, entry = torch.sort(key, stable=True)

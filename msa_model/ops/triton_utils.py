@@ -43,6 +43,16 @@ def dot(a, b, PREC: tl.constexpr):
 
 
 @triton.jit
+def row_documents(doc_ptr, rows, mask, first_row, TILE: tl.constexpr):
+    """Packed documents, for query-outer kernels: the document starts of a tile's query rows
+    (doc_ptr + rows; 0 where masked) and the first key tile of TILE keys they read. Starts do not
+    decrease along a row, so the tile's first row has the least."""
+    start = tl.load(doc_ptr + rows, mask=mask, other=0)
+    first = tl.load(doc_ptr + first_row) // TILE * TILE
+    return start, first
+
+
+@triton.jit
 def mm(a, b):
     """`dot` at the default precision (the inputs are bf16 or fp16 on a GPU). Written out rather
     than calling `dot`: the interpreter pays for every nested jit call."""

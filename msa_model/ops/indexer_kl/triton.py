@@ -28,6 +28,8 @@ lse_z kept online. Its gradient in z is dz = exp(z - lse_z) - p/s_sum (times gra
   recomputes only the student (else both), keeps d ik in registers and adds d iq with atomics
   (fp32, order not fixed).
 d ik is written per group and summed over groups afterwards (ik is shared by all groups).
+Packed documents: the sparse kernels read the documents' block table, the dense ones each
+query's document start (see triton_kernels.py).
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from ..inverse_index import InverseIndex, build_inverse_index, clean_block_idx, schedule
+from ..inverse_index import (DocumentBlocks, InverseIndex, build_inverse_index, clean_block_idx, document_blocks,
+                             query_ends, schedule)
 from ..triton_utils import LOG2E
 from .triton_kernels import (kl_bwd_kernel, kl_dense_keys_kernel, kl_sparse_fwd_kernel, kl_stored_bwd_kernel,
                              kl_student_lse_kernel)
@@ -68,19 +71,22 @@ def _precision(q, iq) -> str:
     return "ieee" if torch.float32 in (q.dtype, iq.dtype) else "tf32"
 
 
-def inverse_index(block_idx: torch.Tensor, block_size: int, q_offset: int = 0) -> InverseIndex:
+def inverse_index(block_idx: torch.Tensor, block_size: int, q_offset: int = 0, doc_start=None,
+                  docs: DocumentBlocks | None = None) -> InverseIndex:
     """For each bucket (b, g, n): the entries e = ((b*T + t)*G + g)*K + slot whose slot selects
     block n, t ascending (`InverseIndex` of sparse_attention's Triton path).
 
     block_idx int [B, T, G, K] (-1 = empty; repeats in a row and blocks after the query's own
     are dropped, as the reference's support does); query t sits at position q_offset + t, so
-    the blocks are those of q_offset + T keys.
+    the blocks are those of q_offset + T keys, or with packed documents (doc_start int32 [B, T]
+    and its block table `docs`) the table's.
     """
     B, T, G, K = block_idx.shape
-    N = triton.cdiv(q_offset + T, block_size)
+    N = triton.cdiv(q_offset + T, block_size) if docs is None else docs.n_blocks
     if B * T * G * K >= 2**31 or B * G * N >= 2**31:
         raise ValueError("block_idx too large for int32 entry ids")
-    return build_inverse_index(clean_block_idx(block_idx, block_size, q_offset), N)
+    return build_inverse_index(clean_block_idx(block_idx, block_size, q_offset, doc_start), N, 0,
+                               None if docs is None else docs.base)
 
 
 def _programs(index: InverseIndex, per_program: int):
@@ -126,7 +132,12 @@ class Tuning:
 DEFAULT_TUNING = Tuning()
 
 
-def _dense_forward(q, k, lse, iq, ik, scale, index_scale, cfg, q_offset):
+def _tables(docs: DocumentBlocks | None, dummy: torch.Tensor):
+    """(block starts, block ends, DOCS) of the sparse kernels: the documents' table or unused."""
+    return (dummy, dummy, False) if docs is None else (docs.start, docs.end, True)
+
+
+def _dense_forward(q, k, lse, iq, ik, scale, index_scale, cfg, q_offset, doc_start=None):
     B, T, Hq, D = q.shape
     G, Di = k.shape[2], iq.shape[3]
     H = Hq // G
@@ -135,14 +146,15 @@ def _dense_forward(q, k, lse, iq, ik, scale, index_scale, cfg, q_offset):
     inv_s = torch.empty_like(kl)
     diq = torch.empty(B, T, G, Di, dtype=torch.float32, device=q.device)
     strides = _strides(q, k, lse, iq, ik)
+    doc = lse_z if doc_start is None else doc_start
     kl_student_lse_kernel[(triton.cdiv(T, cfg.lse_M), B * G)](
-        iq, ik, lse_z, T, k.shape[1], q_offset, *strides[9:], index_scale, G=G, M=cfg.lse_M, J=cfg.lse_J, DI=Di,
-        PREC=_precision(q, iq), num_warps=4, num_stages=2)
+        iq, ik, lse_z, doc, T, k.shape[1], q_offset, *strides[9:], index_scale, G=G, M=cfg.lse_M, J=cfg.lse_J, DI=Di,
+        PREC=_precision(q, iq), DOCS=doc_start is not None, num_warps=4, num_stages=2)
     HS = _heads_per_dot(H, cfg.dense_M, cfg.dense_rows)
     kl_dense_keys_kernel[(triton.cdiv(T, cfg.dense_M), B * G)](
-        q, k, lse, iq, ik, kl, lse_z, inv_s, diq, T, k.shape[1], q_offset, *strides, scale * LOG2E.value, index_scale,
-        G=G, H=H, HS=HS, M=cfg.dense_M, J=cfg.dense_fwd_j, D=D, DI=Di, PREC=_precision(q, iq),
-        num_warps=cfg.dense_warps, num_stages=cfg.dense_stages)
+        q, k, lse, iq, ik, kl, lse_z, inv_s, diq, doc, T, k.shape[1], q_offset, *strides, scale * LOG2E.value,
+        index_scale, G=G, H=H, HS=HS, M=cfg.dense_M, J=cfg.dense_fwd_j, D=D, DI=Di, PREC=_precision(q, iq),
+        DOCS=doc_start is not None, num_warps=cfg.dense_warps, num_stages=cfg.dense_stages)
     return kl, lse_z, inv_s, diq
 
 
@@ -160,7 +172,7 @@ def _combine(part, B, T, G, K):
     return kl, lse_z, inv_s
 
 
-def _sparse_forward(q, k, lse, iq, ik, index, K, block_size, scale, index_scale, cfg, store, q_offset):
+def _sparse_forward(q, k, lse, iq, ik, index, K, block_size, scale, index_scale, cfg, store, q_offset, docs=None):
     """kl, lse_z, 1/s_sum (fp32 [B, T, G]) and, with `store`, the teacher rows pbar [E, J]."""
     B, T, Hq, D = q.shape
     G, Di = k.shape[2], iq.shape[3]
@@ -174,12 +186,12 @@ def _sparse_forward(q, k, lse, iq, ik, index, K, block_size, scale, index_scale,
     # only the entries of the inverse index are written, and only they are read back
     pbar = torch.empty(E, J, dtype=_teacher_dtype(q), device=q.device) if store else None
     tb, ts, tc = _programs(index, cfg.fwd_per_program)
+    bstart, bend, docs_on = _tables(docs, index.entry)
     kl_sparse_fwd_kernel[(tb.numel(),)](
-        q, k, lse, iq, ik, index.entry, tb, ts, tc, part, part if pbar is None else pbar, T, k.shape[1], q_offset, E,
-        index.n_blocks,
-        *_strides(q, k, lse, iq, ik), scale * LOG2E.value, index_scale, BLOCK=block_size, G=G, K=K, H=H, HS=HS, M=cfg.M,
-        J=J, D=D, DI=Di, PREC=_precision(q, iq), STORE=store, num_warps=cfg.warps,
-        num_stages=cfg.fwd_stages)
+        q, k, lse, iq, ik, index.entry, tb, ts, tc, part, part if pbar is None else pbar, bstart, bend, T, k.shape[1],
+        q_offset, E, index.n_blocks, *_strides(q, k, lse, iq, ik), scale * LOG2E.value, index_scale,
+        BLOCK=block_size, G=G, K=K, H=H, HS=HS, M=cfg.M, J=J, D=D, DI=Di, PREC=_precision(q, iq), STORE=store,
+        DOCS=docs_on, num_warps=cfg.warps, num_stages=cfg.fwd_stages)
     return (*_combine(part, B, T, G, K), pbar)
 
 
@@ -193,22 +205,24 @@ def _store_teacher(q, G, K, block_size, cfg, needs_grad: bool) -> bool:
     return needs_grad and nbytes <= cfg.teacher_bytes
 
 
-def _stored_backward(iq, ik, pbar, lse_z, inv_s, index, K, block_size, index_scale, cfg, q_offset):
+def _stored_backward(iq, ik, pbar, lse_z, inv_s, index, K, block_size, index_scale, cfg, q_offset, docs=None):
     """Unscaled d ik fp32 [B, TK, Di] and d iq fp32 [B, T, G, Di] from the stored teacher rows."""
     B, T, G, Di = iq.shape
     TK = ik.shape[1]
     dik = torch.zeros(B, TK, Di, dtype=torch.float32, device=iq.device)
     diq = torch.zeros(B, T, G, Di, dtype=torch.float32, device=iq.device)
     tb, ts, tc = _programs(index, cfg.bwd_per_program)
+    bstart, bend, docs_on = _tables(docs, index.entry)
     kl_stored_bwd_kernel[(tb.numel(),)](
-        iq, ik, pbar, lse_z, inv_s, index.entry, tb, ts, tc, dik, diq, T, TK, q_offset, index.n_blocks,
+        iq, ik, pbar, lse_z, inv_s, index.entry, tb, ts, tc, dik, diq, bstart, bend, T, TK, q_offset, index.n_blocks,
         iq.stride(0), iq.stride(1), iq.stride(2), ik.stride(0), ik.stride(1), index_scale,
         BLOCK=block_size, G=G, K=K, M=cfg.stored_M, J=triton.next_power_of_2(block_size),
-        DI=Di, PREC=_precision(iq, iq), num_warps=cfg.stored_warps, num_stages=cfg.stored_stages)
+        DI=Di, PREC=_precision(iq, iq), DOCS=docs_on, num_warps=cfg.stored_warps, num_stages=cfg.stored_stages)
     return dik, diq
 
 
-def _backward(q, k, lse, iq, ik, lse_z, inv_s, index, K, block_size, scale, index_scale, cfg, q_offset):
+def _backward(q, k, lse, iq, ik, lse_z, inv_s, index, K, block_size, scale, index_scale, cfg, q_offset,
+              doc_start=None, docs=None):
     """Unscaled d ik fp32 [B, TK, Di] and, in sparse mode (index given), d iq fp32 [B, T, G, Di]."""
     B, T, Hq, D = q.shape
     TK = k.shape[1]
@@ -222,81 +236,94 @@ def _backward(q, k, lse, iq, ik, lse_z, inv_s, index, K, block_size, scale, inde
         N = triton.cdiv(TK, block)
         dik = torch.empty(G, B, TK, Di, dtype=torch.float32, device=q.device)
         unused = lse_z
+        doc, qend = unused, unused
+        if doc_start is not None:
+            doc = doc_start
+            qend = query_ends(doc_start, TK, block)
         kl_bwd_kernel[(N, B * G)](
-            q, k, lse, iq, ik, lse_z, inv_s, unused, unused, unused, unused, dik, unused, B, T, TK, q_offset, N,
-            *_strides(q, k, lse, iq, ik), scale * LOG2E.value, index_scale, BLOCK=block,
-            J=triton.next_power_of_2(block), SPARSE=False, **{**common, "num_stages": cfg.dense_stages})
+            q, k, lse, iq, ik, lse_z, inv_s, unused, unused, unused, unused, dik, unused, doc, unused, unused, qend,
+            B, T, TK, q_offset, N, *_strides(q, k, lse, iq, ik), scale * LOG2E.value, index_scale, BLOCK=block,
+            J=triton.next_power_of_2(block), SPARSE=False, DOCS=doc_start is not None,
+            **{**common, "num_stages": cfg.dense_stages})
         return dik.sum(0), None
     dik = torch.zeros(B, TK, Di, dtype=torch.float32, device=q.device)
     diq = torch.zeros(B, T, G, Di, dtype=torch.float32, device=q.device)
     tb, ts, tc = _programs(index, cfg.bwd_per_program)
+    bstart, bend, docs_on = _tables(docs, index.entry)
     kl_bwd_kernel[(tb.numel(),)](
-        q, k, lse, iq, ik, lse_z, inv_s, index.entry, tb, ts, tc, dik, diq, B, T, TK, q_offset, index.n_blocks,
-        *_strides(q, k, lse, iq, ik), scale * LOG2E.value, index_scale, BLOCK=block_size,
-        J=triton.next_power_of_2(block_size), SPARSE=True, **common)
+        q, k, lse, iq, ik, lse_z, inv_s, index.entry, tb, ts, tc, dik, diq, index.entry, bstart, bend, index.entry,
+        B, T, TK, q_offset, index.n_blocks, *_strides(q, k, lse, iq, ik), scale * LOG2E.value, index_scale,
+        BLOCK=block_size, J=triton.next_power_of_2(block_size), SPARSE=True, DOCS=docs_on, **common)
     return dik, diq
 
 
 class IndexerKLTriton(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, iq, ik, block_idx, lse, block_size, scale, index_scale, q_offset, tuning):
+    def forward(ctx, q, k, iq, ik, block_idx, lse, block_size, scale, index_scale, q_offset, tuning, doc_start):
         B, T, Hq, D = q.shape
         G, Di = k.shape[2], iq.shape[3]
         _check_dims(D, Di)
         q, k, iq, ik = (x.contiguous() for x in (q, k, iq, ik))
         lse = lse.float().contiguous()
         cfg = tuning
-        index = None
+        index = docs = None
         K = 1
         diq = pbar = None
+        if doc_start is not None:
+            doc_start = doc_start.to(torch.int32).contiguous()
         if block_idx is None:
-            kl, lse_z, inv_s, diq = _dense_forward(q, k, lse, iq, ik, scale, index_scale, cfg, q_offset)
+            kl, lse_z, inv_s, diq = _dense_forward(q, k, lse, iq, ik, scale, index_scale, cfg, q_offset, doc_start)
         else:
             K = block_idx.shape[-1]
-            index = inverse_index(block_idx, block_size, q_offset)
+            if doc_start is not None:
+                docs = document_blocks(doc_start, block_size, q_offset)
+            index = inverse_index(block_idx, block_size, q_offset, doc_start, docs)
             store = _store_teacher(q, G, K, block_size, cfg, any(ctx.needs_input_grad[2:4]))
             kl, lse_z, inv_s, pbar = _sparse_forward(q, k, lse, iq, ik, index, K, block_size, scale, index_scale,
-                                                     cfg, store, q_offset)
+                                                     cfg, store, q_offset, docs)
         # with the teacher rows kept, the backward needs neither q, k nor lse
         if pbar is not None:
             q = k = lse = None
-        ctx.save_for_backward(q, k, iq, ik, lse, lse_z, inv_s, diq, pbar)
-        ctx.index = index
+        ctx.save_for_backward(q, k, iq, ik, lse, lse_z, inv_s, diq, pbar, doc_start)
+        ctx.index, ctx.docs = index, docs
         ctx.args = (K, block_size, scale, index_scale, cfg, q_offset)
         return (kl.sum(dtype=torch.float64) / (B * T * G)).float()
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, iq, ik, lse, lse_z, inv_s, diq, pbar = ctx.saved_tensors
+        q, k, iq, ik, lse, lse_z, inv_s, diq, pbar, doc_start = ctx.saved_tensors
         K, block_size, scale, index_scale, cfg, q_offset = ctx.args
         B, T, G = lse_z.shape
         if pbar is not None:
             dik, diq_sparse = _stored_backward(iq, ik, pbar, lse_z, inv_s, ctx.index, K, block_size, index_scale, cfg,
-                                               q_offset)
+                                               q_offset, ctx.docs)
         else:
             dik, diq_sparse = _backward(q, k, lse, iq, ik, lse_z, inv_s, ctx.index, K, block_size, scale,
-                                        index_scale, cfg, q_offset)
-        ctx.index = None
+                                        index_scale, cfg, q_offset, doc_start, ctx.docs)
+        ctx.index = ctx.docs = None
         diq = diq_sparse if diq is None else diq
         coef = grad.float() * (index_scale / (B * T * G))
         d_iq = (diq * coef).to(iq.dtype) if ctx.needs_input_grad[2] else None
         d_ik = (dik * coef).to(ik.dtype) if ctx.needs_input_grad[3] else None
-        return None, None, d_iq, d_ik, None, None, None, None, None, None, None
+        return None, None, d_iq, d_ik, None, None, None, None, None, None, None, None
 
 
 def indexer_kl_loss_triton(q: torch.Tensor, k: torch.Tensor, iq: torch.Tensor, ik: torch.Tensor,
                            block_idx: torch.Tensor | None, lse: torch.Tensor, block_size: int, scale: float,
-                           index_scale: float, q_offset: int = 0, tuning: Tuning | None = None) -> torch.Tensor:
+                           index_scale: float, q_offset: int = 0, tuning: Tuning | None = None,
+                           doc_start: torch.Tensor | None = None) -> torch.Tensor:
     """Fused indexer KL: fp32 scalar, differentiable in iq [B, T, G, Di] and ik [B, TK, Di] only.
 
     q [B, T, Hq, D] and k [B, TK, G, D] (same dtype), lse fp32 [B, T, Hq] are constants;
     block_idx int [B, T, G, K] (-1 = empty) or None for the dense warmup support. Query t sits
     at position q_offset + t and TK = q_offset + T (the keys of the causal prefix). `tuning`
-    (default `DEFAULT_TUNING`) sets tile shapes and the teacher rows' memory budget.
+    (default `DEFAULT_TUNING`) sets tile shapes and the teacher rows' memory budget. doc_start
+    int [B, T] (packed documents, as sparse_attention's) costs one host synchronisation in the
+    sparse mode, which sizes the documents' block table.
     """
     if k.shape[1] != q_offset + q.shape[1] or ik.shape[1] != k.shape[1]:
         raise ValueError(f"k and ik must cover q_offset + T = {q_offset + q.shape[1]} tokens, got "
                          f"{k.shape[1]} and {ik.shape[1]}")
     return IndexerKLTriton.apply(q.detach(), k.detach(), iq, ik, block_idx, lse.detach(), block_size,
                                  float(scale), float(index_scale), int(q_offset),
-                                 DEFAULT_TUNING if tuning is None else tuning)
+                                 DEFAULT_TUNING if tuning is None else tuning, doc_start)

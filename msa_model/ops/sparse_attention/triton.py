@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from ..inverse_index import InverseIndex, build_inverse_index, clean_block_idx, schedule
+from ..inverse_index import (DocumentBlocks, InverseIndex, build_inverse_index, clean_block_idx, document_blocks,
+                             query_ends, schedule)
 from ..triton_utils import LOG2E, interpreting
 from .triton_dense import dense_bwd_dkdv_kernel, dense_bwd_dq_kernel, dense_fwd_kernel
 from .triton_sparse import (delta_kernel, sparse_bwd_kernel, sparse_bwd_reduce_kernel, sparse_dq_combine_kernel,
@@ -73,7 +74,7 @@ def _chunk(T: int, per_query_bytes: int, budget: int) -> int:
     return triton.cdiv(T, triton.cdiv(T, most))
 
 
-def sparse_index(idx, H, D, itemsize, n_blocks, tuning: Tuning) -> InverseIndex:
+def sparse_index(idx, H, D, itemsize, n_blocks, tuning: Tuning, docs: DocumentBlocks | None = None) -> InverseIndex:
     """The inverse index both passes walk, chunked so that the forward's partials (o in the input
     dtype and an fp32 lse per entry and head) fit the budget; the backward's dq partials are smaller.
 
@@ -82,7 +83,8 @@ def sparse_index(idx, H, D, itemsize, n_blocks, tuning: Tuning) -> InverseIndex:
     time at short lengths (bench/RESULTS.md, round 4)."""
     B, T, G, K = idx.shape
     budget = int(min(tuning.partial_bytes, tuning.partial_q_ratio * B * T * G * H * D * itemsize))
-    return build_inverse_index(idx, n_blocks, _chunk(T, B * G * K * H * (D * itemsize + 4), budget))
+    chunk = _chunk(T, B * G * K * H * (D * itemsize + 4), budget)
+    return build_inverse_index(idx, n_blocks, chunk, None if docs is None else docs.base)
 
 
 def _chunks(index: InverseIndex, T: int):
@@ -91,15 +93,24 @@ def _chunks(index: InverseIndex, T: int):
     return [(c, c * C, min(T, (c + 1) * C)) for c in range(index.n_chunks)]
 
 
-def sparse_forward(q, k, v, idx, block_size, scale, q_offset=0, index=None, tuning: Tuning = DEFAULT_TUNING):
+def _blocks(docs: DocumentBlocks | None, TK: int, block_size: int, dummy: torch.Tensor):
+    """(N, block starts, block ends, DOCS) the sparse kernels take: the document block table, or
+    the sequence's N blocks (the tables unused)."""
+    if docs is None:
+        return triton.cdiv(TK, block_size), dummy, dummy, False
+    return docs.n_blocks, docs.start, docs.end, True
+
+
+def sparse_forward(q, k, v, idx, block_size, scale, q_offset=0, index=None, tuning: Tuning = DEFAULT_TUNING,
+                   docs: DocumentBlocks | None = None):
     """o [B, T, Hq, D] (q dtype), lse fp32 [B, T, Hq] and the inverse index (for the backward);
-    idx cleaned int32 [B, T, G, K]; k, v [B, TK, G, D]."""
+    idx cleaned int32 [B, T, G, K]; k, v [B, TK, G, D]; docs: packed documents' block table."""
     B, T, Hq, G, H, HP, D = _geometry(q, k, block_size)
     TK = k.shape[1]
     K = idx.shape[-1]
-    N = triton.cdiv(TK, block_size)
+    N, bstart, bend, DOCS = _blocks(docs, TK, block_size, idx)
     if index is None:
-        index = sparse_index(idx, H, D, q.element_size(), N, tuning)
+        index = sparse_index(idx, H, D, q.element_size(), N, tuning, docs)
     o = torch.empty_like(q)
     lse = torch.empty(B, T, Hq, dtype=torch.float32, device=q.device)
     QT = max(tuning.fwd_rows, HP) // HP
@@ -110,8 +121,8 @@ def sparse_forward(q, k, v, idx, block_size, scale, q_offset=0, index=None, tuni
     plse = torch.empty(index.chunk_entries * H, dtype=torch.float32, device=q.device)
     for c, t0, t1 in _chunks(index, T):
         COMPILED["fwd"] = sparse_fwd_kernel[(tb.shape[1],)](
-            q, k, v, po, plse, index.entry, tb[c], ts[c], tc[c], T, TK, t1 - t0, t0, q_offset, N,
-            scale * LOG2E.value, HQ=Hq, HKV=G, SLOTS=K, H=H, HP=HP, QT=QT, BS=block_size, D=D,
+            q, k, v, po, plse, index.entry, tb[c], ts[c], tc[c], bstart, bend, T, TK, t1 - t0, t0, q_offset, N,
+            scale * LOG2E.value, HQ=Hq, HKV=G, SLOTS=K, H=H, HP=HP, QT=QT, BS=block_size, D=D, DOCS=DOCS,
             num_warps=tuning.fwd_warps, num_stages=tuning.fwd_stages)
         sparse_fwd_combine_kernel[(B * (t1 - t0) * G,)](
             po, plse, idx, o, lse, T, t1 - t0, t0,
@@ -129,14 +140,14 @@ def _delta(do, o):
 
 
 def sparse_backward(do, q, k, v, o, lse, idx, block_size, scale, q_offset=0, index=None,
-                    tuning: Tuning = DEFAULT_TUNING):
+                    tuning: Tuning = DEFAULT_TUNING, docs: DocumentBlocks | None = None):
     """(dq, dk, dv) of `sparse_forward` (given its inverse index, or building it), in the input dtype."""
     B, T, Hq, G, H, HP, D = _geometry(q, k, block_size)
     TK = k.shape[1]
     K = idx.shape[-1]
-    N = triton.cdiv(TK, block_size)
+    N, bstart, bend, DOCS = _blocks(docs, TK, block_size, idx)
     if index is None:
-        index = sparse_index(idx, H, D, q.element_size(), N, tuning)
+        index = sparse_index(idx, H, D, q.element_size(), N, tuning, docs)
     delta = _delta(do, o)
     dq = torch.empty_like(q)
     dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
@@ -158,13 +169,13 @@ def sparse_backward(do, q, k, v, o, lse, idx, block_size, scale, q_offset=0, ind
     rb = min(32, block_size)
     for c, t0, t1 in _chunks(index, T):
         COMPILED["bwd"] = sparse_bwd_kernel[(ib.shape[1],)](
-            q, k, v, do, lse, delta, dqp, dkp, dvp, index.entry, ib[c], istart[c], icount[c],
+            q, k, v, do, lse, delta, dqp, dkp, dvp, index.entry, ib[c], istart[c], icount[c], bstart, bend,
             T, TK, t1 - t0, t0, q_offset, N, scale * LOG2E.value, scale,
-            HQ=Hq, HKV=G, SLOTS=K, H=H, HP=HP, QT=QT, BS=block_size, D=D,
+            HQ=Hq, HKV=G, SLOTS=K, H=H, HP=HP, QT=QT, BS=block_size, D=D, DOCS=DOCS,
             num_warps=tuning.bwd_warps, num_stages=tuning.bwd_stages)
         sparse_bwd_reduce_kernel[(runs.shape[1], block_size // rb)](
-            dkp, dvp, dk, dv, first[c], runs[c], TK, N,
-            HKV=G, BS=block_size, RB=rb, D=D, num_warps=4)
+            dkp, dvp, dk, dv, first[c], runs[c], bstart, bend, TK, N,
+            HKV=G, BS=block_size, RB=rb, D=D, DOCS=DOCS, num_warps=4)
         sparse_dq_combine_kernel[(B * (t1 - t0) * G,)](
             dqp, idx, dq, T, t1 - t0, t0, HQ=Hq, HKV=G, SLOTS=K, H=H, HP=HP, D=D, num_warps=4)
     return dq, dk.to(k.dtype), dv.to(v.dtype)
@@ -176,18 +187,20 @@ def _dense_tiles(D: int) -> tuple[int, int]:
     return 128, 64
 
 
-def dense_forward(q, k, v, scale, q_offset=0):
+def dense_forward(q, k, v, scale, q_offset=0, doc_start=None):
+    """Dense causal attention: o [B, T, Hq, D], lse fp32 [B, T, Hq]; with doc_start (int32
+    [B, T], contiguous) each query reads its own document only."""
     B, T, Hq, G, H, _, D = _geometry(q, k, 16)
     o = torch.empty_like(q)
     lse = torch.empty(B, T, Hq, dtype=torch.float32, device=q.device)
     BM, BN = _dense_tiles(D)
     dense_fwd_kernel[(triton.cdiv(T, BM), B * Hq)](
-        q, k, v, o, lse, T, k.shape[1], q_offset, scale * LOG2E.value,
-        HQ=Hq, HKV=G, H=H, BM=BM, BN=BN, D=D, num_warps=8, num_stages=3)
+        q, k, v, o, lse, lse if doc_start is None else doc_start, T, k.shape[1], q_offset, scale * LOG2E.value,
+        HQ=Hq, HKV=G, H=H, BM=BM, BN=BN, D=D, DOCS=doc_start is not None, num_warps=8, num_stages=3)
     return o, lse
 
 
-def dense_backward(do, q, k, v, o, lse, scale, q_offset=0, tuning: Tuning = DEFAULT_TUNING):
+def dense_backward(do, q, k, v, o, lse, scale, q_offset=0, tuning: Tuning = DEFAULT_TUNING, doc_start=None):
     B, T, Hq, G, H, _, D = _geometry(q, k, 16)
     TK = k.shape[1]
     delta = _delta(do, o)
@@ -195,56 +208,66 @@ def dense_backward(do, q, k, v, o, lse, scale, q_offset=0, tuning: Tuning = DEFA
     BM, BN, warps, stages = (16, 32, 4, 1) if interpreting() else tuning.dense_dkdv
     dkp = torch.empty(B, TK, Hq, D, dtype=torch.float32, device=q.device)
     dvp = torch.empty_like(dkp)
+    docs = lse if doc_start is None else doc_start
+    qend = lse if doc_start is None else query_ends(doc_start, TK, BN)
     dense_bwd_dkdv_kernel[(triton.cdiv(TK, BN), B * Hq)](
-        q, k, v, do, lse, delta, dkp, dvp, T, TK, q_offset, scale * LOG2E.value, scale,
-        HQ=Hq, HKV=G, H=H, BM=BM, BN=BN, D=D, num_warps=warps, num_stages=stages)
+        q, k, v, do, lse, delta, dkp, dvp, docs, qend, T, TK, q_offset, scale * LOG2E.value, scale,
+        HQ=Hq, HKV=G, H=H, BM=BM, BN=BN, D=D, DOCS=doc_start is not None, num_warps=warps, num_stages=stages)
     dk = dkp.view(B, TK, G, H, D).sum(3).to(k.dtype)
     dv = dvp.view(B, TK, G, H, D).sum(3).to(v.dtype)
     BM, BN = (32, 16) if interpreting() else (128, 32)
     dense_bwd_dq_kernel[(triton.cdiv(T, BM), B * Hq)](
-        q, k, v, do, lse, delta, dq, T, TK, q_offset, scale * LOG2E.value, scale,
-        HQ=Hq, HKV=G, H=H, BM=BM, BN=BN, D=D, num_warps=8, num_stages=2)
+        q, k, v, do, lse, delta, dq, docs, T, TK, q_offset, scale * LOG2E.value, scale,
+        HQ=Hq, HKV=G, H=H, BM=BM, BN=BN, D=D, DOCS=doc_start is not None, num_warps=8, num_stages=2)
     return dq, dk, dv
 
 
 class SparseAttentionTriton(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, block_idx, block_size, scale, q_offset, tuning):
+    def forward(ctx, q, k, v, block_idx, block_size, scale, q_offset, tuning, doc_start):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        idx = None if block_idx is None else clean_block_idx(block_idx, block_size, q_offset)
-        ctx.index = None
+        if doc_start is not None:
+            doc_start = doc_start.to(torch.int32).contiguous()
+        idx = None if block_idx is None else clean_block_idx(block_idx, block_size, q_offset, doc_start)
+        ctx.index = ctx.docs = None
         if idx is None:
-            o, lse = dense_forward(q, k, v, scale, q_offset)
+            o, lse = dense_forward(q, k, v, scale, q_offset, doc_start)
         else:
-            o, lse, ctx.index = sparse_forward(q, k, v, idx, block_size, scale, q_offset, tuning=tuning)
-        ctx.save_for_backward(q, k, v, o, lse, idx)
+            if doc_start is not None:
+                ctx.docs = document_blocks(doc_start, block_size, q_offset)
+            o, lse, ctx.index = sparse_forward(q, k, v, idx, block_size, scale, q_offset, tuning=tuning,
+                                               docs=ctx.docs)
+        ctx.save_for_backward(q, k, v, o, lse, idx, doc_start)
         ctx.args = (block_size, scale, q_offset, tuning)
         ctx.mark_non_differentiable(lse)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, _dlse):
-        q, k, v, o, lse, idx = ctx.saved_tensors
+        q, k, v, o, lse, idx, doc_start = ctx.saved_tensors
         block_size, scale, q_offset, tuning = ctx.args
         do = do.contiguous()
         if idx is None:
-            dq, dk, dv = dense_backward(do, q, k, v, o, lse, scale, q_offset, tuning)
+            dq, dk, dv = dense_backward(do, q, k, v, o, lse, scale, q_offset, tuning, doc_start)
         else:
-            dq, dk, dv = sparse_backward(do, q, k, v, o, lse, idx, block_size, scale, q_offset, ctx.index, tuning)
-        ctx.index = None
-        return dq, dk, dv, None, None, None, None, None
+            dq, dk, dv = sparse_backward(do, q, k, v, o, lse, idx, block_size, scale, q_offset, ctx.index, tuning,
+                                         ctx.docs)
+        ctx.index = ctx.docs = None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor | None,
-                            block_size: int, scale: float, q_offset: int = 0,
-                            tuning: Tuning | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                            block_size: int, scale: float, q_offset: int = 0, tuning: Tuning | None = None,
+                            doc_start: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused sparse (or, with block_idx None, dense causal) attention.
 
     q [B, T, Hq, D], k/v [B, TK, Hkv, D] in bf16 or fp16 (fp32 only under Triton's interpreter);
     block_idx int [B, T, Hkv, K] or None. Query t sits at position q_offset + t and TK = q_offset + T
     (the keys of the causal prefix). Returns o [B, T, Hq, D] (q dtype) and lse fp32 [B, T, Hq]
     (not differentiable). Inputs are made contiguous. `tuning` (default `DEFAULT_TUNING`) sets
-    the launch shapes and the partial buffers' budget.
+    the launch shapes and the partial buffers' budget. doc_start int [B, T] (packed documents:
+    each query reads its own document, block ids count from its start) costs one host
+    synchronisation in the sparse path, which sizes the documents' block table.
     """
     if k.shape[1] != q_offset + q.shape[1]:
         raise ValueError(f"keys cover {k.shape[1]} tokens; q_offset + T = {q_offset + q.shape[1]}")
@@ -256,4 +279,4 @@ def sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b
         raise TypeError("the Triton sparse_attention does not take fp32 on GPUs; cast q, k, v to bf16/fp16 "
                         "or use backend='reference'")
     return SparseAttentionTriton.apply(q, k, v, block_idx, block_size, scale, int(q_offset),
-                                       DEFAULT_TUNING if tuning is None else tuning)
+                                       DEFAULT_TUNING if tuning is None else tuning, doc_start)

@@ -16,6 +16,9 @@ two), K = top-k slots, N = key blocks, BS = block size, D = head dim, E = entrie
 The inverse index lists entries by their id over all queries, ((b*T + t)*G + g)*K + slot (the
 flat index into block_idx [B, T, G, K]); a chunk's partial buffers are indexed by its own
 triple id ((b*C + c)*G + g)*K + slot, c = t - t0.
+With packed documents (DOCS) a bucket's block n is an entry of the document block table: its
+keys are BSTART[b, n] .. BEND[b, n] - 1 (see ops/inverse_index.py); without, n*BS .. TK - 1
+capped at BS keys.
 """
 
 from __future__ import annotations
@@ -28,16 +31,31 @@ from ..triton_utils import INTERPRET, LN2, LOG2E, mm
 
 
 @triton.jit
-def _kv_block(K, V, bucket, TK, NBLK, HKV: tl.constexpr, BS: tl.constexpr, D: tl.constexpr):
+def _block_keys(b, n, TK, NBLK, BSTART, BEND, BS: tl.constexpr, DOCS: tl.constexpr):
+    """Positions j [BS] of block n of row b and the end of its keys (j < end are present)."""
+    if DOCS:
+        j = tl.load(BSTART + b * NBLK + n) + tl.arange(0, BS)
+        end = tl.load(BEND + b * NBLK + n)
+    else:
+        j = n * BS + tl.arange(0, BS)
+        end = TK
+    return j, end
+
+
+@triton.jit
+def _kv_block(K, V, bucket, TK, NBLK, BSTART, BEND, HKV: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
+              DOCS: tl.constexpr):
     """The key/value block of a work item's bucket: its batch b (int64), group g, key positions
-    j [BS] and the key and value rows kt, vt [BS, D] (zero past TK)."""
+    j [BS] and the key and value rows kt, vt [BS, D] (zero where a key is not in the block).
+    Keys past the block's end are later than every query that selected it, so the causal mask
+    keeps them out of the scores."""
     b, g, n = decode_bucket(bucket, NBLK, HKV)
     b = b.to(tl.int64)
     d = tl.arange(0, D)
-    j = n * BS + tl.arange(0, BS)
+    j, end = _block_keys(b, n, TK, NBLK, BSTART, BEND, BS, DOCS)
     kv = ((b * TK + j) * HKV + g) * D
-    kt = tl.load(K + kv[:, None] + d[None, :], mask=(j < TK)[:, None], other=0.0)
-    vt = tl.load(V + kv[:, None] + d[None, :], mask=(j < TK)[:, None], other=0.0)
+    kt = tl.load(K + kv[:, None] + d[None, :], mask=(j < end)[:, None], other=0.0)
+    vt = tl.load(V + kv[:, None] + d[None, :], mask=(j < end)[:, None], other=0.0)
     return b, g, j, kt, vt
 
 
@@ -81,10 +99,10 @@ def _fwd_tile(Q, PO, PLSE, ENTRY, kt, vt, j, b, g, start, i0, count, T, C, t0, Q
 
 
 @triton.jit
-def sparse_fwd_kernel(Q, K, V, PO, PLSE, ENTRY, ITEM_BUCKET, ITEM_START, ITEM_COUNT,
+def sparse_fwd_kernel(Q, K, V, PO, PLSE, ENTRY, ITEM_BUCKET, ITEM_START, ITEM_COUNT, BSTART, BEND,
                       T, TK, C, t0, QOFF, NBLK, qk_scale,
                       HQ: tl.constexpr, HKV: tl.constexpr, SLOTS: tl.constexpr, H: tl.constexpr,
-                      HP: tl.constexpr, QT: tl.constexpr, BS: tl.constexpr, D: tl.constexpr):
+                      HP: tl.constexpr, QT: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, DOCS: tl.constexpr):
     """One work item (a run of tiles of one bucket; the key/value block is loaded once): partial o
     (normalised, PO [E, H, D]) and lse (PLSE [E, H], natural log) of each entry."""
     pid = tl.program_id(0)
@@ -93,7 +111,7 @@ def sparse_fwd_kernel(Q, K, V, PO, PLSE, ENTRY, ITEM_BUCKET, ITEM_START, ITEM_CO
         return
     start = tl.load(ITEM_START + pid)
     count = tl.load(ITEM_COUNT + pid)
-    b, g, j, kt, vt = _kv_block(K, V, bucket, TK, NBLK, HKV, BS, D)
+    b, g, j, kt, vt = _kv_block(K, V, bucket, TK, NBLK, BSTART, BEND, HKV, BS, D, DOCS)
     # a for loop is software-pipelined (the next tile's gathered queries load during this one's
     # products); the interpreter takes the while loop (triton_utils)
     if not INTERPRET:
@@ -173,9 +191,9 @@ def _bwd_tile(Q, DO, LSE, DELTA, DQP, ENTRY, kt, vt, dk, dv, j, b, g, start, i0,
 
 @triton.jit
 def sparse_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQP, DKP, DVP, ENTRY, ITEM_BUCKET, ITEM_START, ITEM_COUNT,
-                      T, TK, C, t0, QOFF, NBLK, qk_scale, sm_scale,
+                      BSTART, BEND, T, TK, C, t0, QOFF, NBLK, qk_scale, sm_scale,
                       HQ: tl.constexpr, HKV: tl.constexpr, SLOTS: tl.constexpr, H: tl.constexpr,
-                      HP: tl.constexpr, QT: tl.constexpr, BS: tl.constexpr, D: tl.constexpr):
+                      HP: tl.constexpr, QT: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, DOCS: tl.constexpr):
     """One work item (a run of tiles of one bucket): dK/dV partials [items, BS, D] (fp32), dQ partials
     per entry (DQP [E, H, D], input dtype, scaled)."""
     pid = tl.program_id(0)
@@ -184,7 +202,7 @@ def sparse_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQP, DKP, DVP, ENTRY, ITEM_BUCKET
         return
     start = tl.load(ITEM_START + pid)
     count = tl.load(ITEM_COUNT + pid)
-    b, g, j, kt, vt = _kv_block(K, V, bucket, TK, NBLK, HKV, BS, D)
+    b, g, j, kt, vt = _kv_block(K, V, bucket, TK, NBLK, BSTART, BEND, HKV, BS, D, DOCS)
     dk = tl.zeros([BS, D], tl.float32)
     dv = tl.zeros([BS, D], tl.float32)
     if not INTERPRET:  # pipelined; the interpreter takes the while loop
@@ -204,10 +222,12 @@ def sparse_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQP, DKP, DVP, ENTRY, ITEM_BUCKET
 
 
 @triton.jit
-def sparse_bwd_reduce_kernel(DKP, DVP, DK, DV, ITEM_FIRST, ITEM_NUM, TK, NBLK,
-                             HKV: tl.constexpr, BS: tl.constexpr, RB: tl.constexpr, D: tl.constexpr):
+def sparse_bwd_reduce_kernel(DKP, DVP, DK, DV, ITEM_FIRST, ITEM_NUM, BSTART, BEND, TK, NBLK,
+                             HKV: tl.constexpr, BS: tl.constexpr, RB: tl.constexpr, D: tl.constexpr,
+                             DOCS: tl.constexpr):
     """dK/dV (fp32 [B, TK, G, D], accumulated across query chunks) += the work items of one bucket,
-    in order (deterministic)."""
+    in order (deterministic). Only the block's own keys are written: another bucket owns the
+    rest, and a read-modify-write of its rows here would race with it."""
     bucket = tl.program_id(0)
     nitem = tl.load(ITEM_NUM + bucket)
     if nitem == 0:
@@ -217,9 +237,13 @@ def sparse_bwd_reduce_kernel(DKP, DVP, DK, DV, ITEM_FIRST, ITEM_NUM, TK, NBLK,
     b = b.to(tl.int64)
     rr = tl.program_id(1) * RB + tl.arange(0, RB)
     d = tl.arange(0, D)
-    j = n * BS + rr
+    if DOCS:
+        j = tl.load(BSTART + b * NBLK + n) + rr
+        jmask = (j < tl.load(BEND + b * NBLK + n))[:, None]
+    else:
+        j = n * BS + rr
+        jmask = (j < TK)[:, None]
     dst = ((b * TK + j) * HKV + g)[:, None] * D + d[None, :]
-    jmask = (j < TK)[:, None]
     acc_k = tl.load(DK + dst, mask=jmask, other=0.0)
     acc_v = tl.load(DV + dst, mask=jmask, other=0.0)
     it = first.to(tl.int64)
