@@ -6,7 +6,9 @@ included. Prints a markdown table; --json writes every number.
 
     PYTHONPATH=. python bench/bench_msa_layer.py --json $OUT/msa_layer.json
 
---T picks the sparse lengths, --no-dense skips the warmup rows, QUICK_TUNE=1 keeps the KL's
+--doc-len L also times the layer on rows packed with documents of about L tokens (doc_start;
+sparse and warmup rows) and checks it against the reference. --T picks the sparse lengths,
+--no-dense skips the warmup rows, QUICK_TUNE=1 keeps the KL's
 default tiles (no tuning), KL_VARIANTS='[{...}, ...]' replaces the tuned tile variants. Each sparse row also times the layer with the
 attention's partial buffers capped at each --budgets value (MiB; more query chunks, less memory).
 """
@@ -31,6 +33,8 @@ from msa_model.ops.sparse_attention import triton as sa_triton
 HQ, HKV, D, DI, BK, TOPK = 64, 4, 128, 128, 128, 16
 # partial-buffer budgets (MiB) timed beside the default in each sparse row (--budgets)
 BUDGETS_MIB = [1024]
+# mean document length of the packed-document rows (0: none; --doc-len)
+DOC_LEN = [0]
 TRITON = dict(backend="triton")
 # the kernels' settings every timing passes explicitly; `tune` replaces the KL's with the best found
 TUNED = {"indexer_kl": kl_triton.DEFAULT_TUNING}
@@ -98,6 +102,50 @@ def clear(*xs):
         x.grad = None
 
 
+def packed_starts(T: int, mean_len: int, seed: int = 0) -> torch.Tensor:
+    """int32 [1, T] document starts of a row packed with documents of exponentially distributed
+    length (mean `mean_len` tokens, at least 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = (torch.empty(T).exponential_(1.0 / mean_len, generator=gen).long() + 1).tolist()
+    starts, pos = [], 0
+    for n in lengths:
+        starts += [pos] * n
+        pos += n
+        if pos >= T:
+            break
+    return torch.tensor([starts[:T]], dtype=torch.int32, device="cuda")
+
+
+def document_rows(r: dict, q, k, v, iq, ik, do, dense: bool, reps: int) -> None:
+    """The layer on packed documents: fwd and fwd+bwd time, and its error against the reference."""
+    ds = packed_starts(q.shape[1], DOC_LEN[0])
+
+    def layer_fb():
+        o, kl = msa_attention(q, k, v, iq, ik, BK, TOPK, dense=dense, doc_start=ds, check_ids=False, **layer_args())
+        torch.autograd.backward([o, kl], [do, torch.ones_like(kl)])
+        clear(q, k, v, iq, ik)
+
+    measure(r, "layer_docs_fwd_ms", lambda: timed(lambda: msa_attention(
+        q, k, v, iq, ik, BK, TOPK, dense=dense, doc_start=ds, check_ids=False, **layer_args()), reps))
+    measure(r, "layer_docs_fwdbwd_ms", lambda: timed(layer_fb, reps))
+    measure(r, "layer_docs_peak_gib", lambda: peak_gib(layer_fb))
+    with torch.no_grad():
+        # correctness on the first 4K queries (the reference is slow)
+        n = min(q.shape[1], 4096)
+        o, kl, bi = msa_attention(q[:, :n], k[:, :n], v[:, :n], iq[:, :n], ik[:, :n], BK, TOPK, dense=dense,
+                                  doc_start=ds[:, :n], return_block_idx=True, **layer_args())
+        o_ref, lse_ref = sparse_attention(q[:, :n].double(), k[:, :n].double(), v[:, :n].double(), bi, BK,
+                                          backend="reference", doc_start=ds[:, :n])
+        kl_ref = indexer_kl_loss(q[:, :n].double(), k[:, :n].double(), iq[:, :n].double(), ik[:, :n].double(), bi,
+                                 lse_ref, BK, backend="reference", doc_start=ds[:, :n])
+    r["check_docs"] = dict(o=rel(o, o_ref), kl=abs(float(kl) - float(kl_ref)) / abs(float(kl_ref)))
+    print(f"check layer on documents (dense={dense}):", r["check_docs"], flush=True)
+
+
+def rel(a, b) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
 def sparse_rows(T: int, reps: int, res: dict) -> None:
     q, k, v, iq, ik = make_inputs(T)
     do = torch.randn_like(q)
@@ -135,6 +183,8 @@ def sparse_rows(T: int, reps: int, res: dict) -> None:
     measure(r, "layer_fwd_ms", lambda: timed(lambda: msa_attention(q, k, v, iq, ik, BK, TOPK, **layer_args()), reps))
     measure(r, "layer_fwdbwd_ms", lambda: timed(layer_fb, reps))
     measure(r, "layer_peak_gib", lambda: peak_gib(layer_fb))
+    if DOC_LEN[0]:
+        document_rows(r, q, k, v, iq, ik, do, False, reps)
     # other budgets for the attention's partial buffers (more query chunks, less memory)
     for mib in BUDGETS_MIB:
         sa = dataclasses.replace(sa_triton.DEFAULT_TUNING, partial_bytes=mib << 20, partial_q_ratio=float("inf"))
@@ -184,6 +234,8 @@ def dense_rows(T: int, reps: int, res: dict) -> None:
     measure(r, "attn_fwdbwd_ms", lambda: timed(attn_fb, reps))
     measure(r, "layer_fwdbwd_ms", lambda: timed(layer_fb, reps))
     measure(r, "layer_peak_gib", lambda: peak_gib(layer_fb))
+    if DOC_LEN[0]:
+        document_rows(r, q, k, v, iq, ik, do, True, reps)
     measure(r, "sdpa_fwdbwd_ms", lambda: timed(sdpa_fb, reps))
     measure(r, "sdpa_peak_gib", lambda: peak_gib(sdpa_fb))
     msa_mod = importlib.import_module("msa_model.ops.msa_attention")
@@ -316,6 +368,9 @@ def table(res: dict) -> str:
         add(f"{t} sparse KL fwd / fwd+bwd (ms); KL over attention fwd+bwd",
             f"{r['kl_fwd_ms']:.1f} / {r['kl_fwdbwd_ms']:.1f}; {100 * r['kl_fwdbwd_ms'] / r['attn_fwdbwd_ms']:.0f}%")
         add(f"{t} MSA layer fwd / fwd+bwd (ms)", f"{r['layer_fwd_ms']:.1f} / {r['layer_fwdbwd_ms']:.1f}")
+        if "layer_docs_fwd_ms" in r:
+            add(f"{t} MSA layer on documents of ~{DOC_LEN[0]} tokens fwd / fwd+bwd (ms); peak GiB",
+                f"{r['layer_docs_fwd_ms']:.1f} / {r['layer_docs_fwdbwd_ms']:.1f}; {r['layer_docs_peak_gib']:.2f}")
         for mib in BUDGETS_MIB:
             add(f"{t} with attention partials up to {mib} MiB: layer fwd+bwd (ms); peak GiB; attention fwd (ms)",
                 f"{r[f'layer_fwdbwd_{mib}MiB_ms']:.1f}; {r[f'layer_peak_{mib}MiB_gib']:.2f}; "
@@ -333,6 +388,9 @@ def table(res: dict) -> str:
             f"{r['layer_fwdbwd_ms'] / r['sdpa_fwdbwd_ms']:.2f}x")
         add("32K warmup peak memory MSA / SDPA (GiB)", f"{r['layer_peak_gib']:.1f} / {r['sdpa_peak_gib']:.1f}")
         add("32K warmup attention kernel", r.get("dense_attention", "?"))
+        if "layer_docs_fwdbwd_ms" in r:
+            add(f"32K warmup step on documents of ~{DOC_LEN[0]} tokens fwd+bwd (ms; Triton dense path)",
+                f"{r['layer_docs_fwdbwd_ms']:.1f}")
     for T in (262144, 1048576):
         r = res.get(f"fwd_{T}")
         if not r:
@@ -358,8 +416,10 @@ def main():
     ap.add_argument("--no-dense", action="store_true", help="skip the 32K dense warmup rows")
     ap.add_argument("--tune-T", type=int, default=32768, help="length of the KL tuning runs")
     ap.add_argument("--budgets", default="1024", help="attention partial budgets (MiB) also timed per sparse row")
+    ap.add_argument("--doc-len", type=int, default=0, help="also time rows packed with documents of ~this length")
     args = ap.parse_args()
     BUDGETS_MIB[:] = [int(x) for x in args.budgets.split(",") if x]
+    DOC_LEN[0] = args.doc_len
     torch.backends.cuda.matmul.allow_tf32 = True
     res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                  "date": time.strftime("%Y-%m-%d")}

@@ -90,6 +90,11 @@ class DataConfig:
     tokenizer: str = "byte"
     cache_dir: str = ".cache/data"
     seed: int = 1234
+    # packed documents are separate sequences: each token attends to (and the indexer selects
+    # from) its own document only, found from end-of-document tokens. Positions are not reset:
+    # RoPE scores depend on relative positions only, so a document sees the same scores at any
+    # offset (docs/msa.md, "Packed documents")
+    document_mask: bool = False
 
 
 @dataclass

@@ -144,7 +144,8 @@ def run(cfg: DictConfig) -> None:
         dataset = build_train_dataset(cfg.data, cfg.model.seq_length, cfg.trainer.max_steps * cfg.parallel.global_batch_size)
         dp_rank, dp_size = data_parallel_info()
         trainer.data_iterator = build_train_iterator(dataset, trainer.state.consumed_samples,
-                                                     cfg.parallel.micro_batch_size, dp_rank, dp_size)
+                                                     cfg.parallel.micro_batch_size, dp_rank, dp_size,
+                                                     document_mask=cfg.data.document_mask)
         state = trainer.train()
         log.info("finished at step %d (%s tokens); checkpoints in %s", state.step, f"{state.tokens:,}", ckpt_root)
         requeue = should_requeue(stop_signal, list(cfg.launch.requeue_signals), state.step >= cfg.trainer.max_steps)
