@@ -6,7 +6,9 @@ included. Prints a markdown table; --json writes every number.
 
     PYTHONPATH=. python bench/bench_msa_layer.py --json $OUT/msa_layer.json
 
---T picks the sparse lengths, --no-dense skips the warmup rows, QUICK_TUNE=1 keeps the KL's
+--doc-len L also times the layer on rows packed with documents of about L tokens (doc_start;
+sparse and warmup rows) and checks it against the reference. --T picks the sparse lengths,
+--no-dense skips the warmup rows, QUICK_TUNE=1 keeps the KL's
 default tiles (no tuning), KL_VARIANTS='[{...}, ...]' replaces the tuned tile variants. Each sparse row also times the layer with the
 attention's partial buffers capped at each --budgets value (MiB; more query chunks, less memory).
 """
@@ -14,6 +16,7 @@ attention's partial buffers capped at each --budgets value (MiB; more query chun
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import math
@@ -30,7 +33,20 @@ from msa_model.ops.sparse_attention import triton as sa_triton
 HQ, HKV, D, DI, BK, TOPK = 64, 4, 128, 128, 128, 16
 # partial-buffer budgets (MiB) timed beside the default in each sparse row (--budgets)
 BUDGETS_MIB = [1024]
+# mean document length of the packed-document rows (0: none; --doc-len)
+DOC_LEN = [0]
 TRITON = dict(backend="triton")
+# the kernels' settings every timing passes explicitly; `tune` replaces the KL's with the best found
+TUNED = {"indexer_kl": kl_triton.DEFAULT_TUNING}
+
+
+def kl_args() -> dict:
+    return dict(backend="triton", tuning=TUNED["indexer_kl"])
+
+
+def layer_args(**tuning) -> dict:
+    """msa_attention's keywords: the Triton backend with the tuned settings (and `tuning` overrides)."""
+    return dict(backend="triton", tuning={**TUNED, **tuning})
 
 
 def timed(fn, reps: int, warmup: int = 1) -> float:
@@ -86,6 +102,50 @@ def clear(*xs):
         x.grad = None
 
 
+def packed_starts(T: int, mean_len: int, seed: int = 0) -> torch.Tensor:
+    """int32 [1, T] document starts of a row packed with documents of exponentially distributed
+    length (mean `mean_len` tokens, at least 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = (torch.empty(T).exponential_(1.0 / mean_len, generator=gen).long() + 1).tolist()
+    starts, pos = [], 0
+    for n in lengths:
+        starts += [pos] * n
+        pos += n
+        if pos >= T:
+            break
+    return torch.tensor([starts[:T]], dtype=torch.int32, device="cuda")
+
+
+def document_rows(r: dict, q, k, v, iq, ik, do, dense: bool, reps: int) -> None:
+    """The layer on packed documents: fwd and fwd+bwd time, and its error against the reference."""
+    ds = packed_starts(q.shape[1], DOC_LEN[0])
+
+    def layer_fb():
+        o, kl = msa_attention(q, k, v, iq, ik, BK, TOPK, dense=dense, doc_start=ds, check_ids=False, **layer_args())
+        torch.autograd.backward([o, kl], [do, torch.ones_like(kl)])
+        clear(q, k, v, iq, ik)
+
+    measure(r, "layer_docs_fwd_ms", lambda: timed(lambda: msa_attention(
+        q, k, v, iq, ik, BK, TOPK, dense=dense, doc_start=ds, check_ids=False, **layer_args()), reps))
+    measure(r, "layer_docs_fwdbwd_ms", lambda: timed(layer_fb, reps))
+    measure(r, "layer_docs_peak_gib", lambda: peak_gib(layer_fb))
+    with torch.no_grad():
+        # correctness on the first 4K queries (the reference is slow)
+        n = min(q.shape[1], 4096)
+        o, kl, bi = msa_attention(q[:, :n], k[:, :n], v[:, :n], iq[:, :n], ik[:, :n], BK, TOPK, dense=dense,
+                                  doc_start=ds[:, :n], return_block_idx=True, **layer_args())
+        o_ref, lse_ref = sparse_attention(q[:, :n].double(), k[:, :n].double(), v[:, :n].double(), bi, BK,
+                                          backend="reference", doc_start=ds[:, :n])
+        kl_ref = indexer_kl_loss(q[:, :n].double(), k[:, :n].double(), iq[:, :n].double(), ik[:, :n].double(), bi,
+                                 lse_ref, BK, backend="reference", doc_start=ds[:, :n])
+    r["check_docs"] = dict(o=rel(o, o_ref), kl=abs(float(kl) - float(kl_ref)) / abs(float(kl_ref)))
+    print(f"check layer on documents (dense={dense}):", r["check_docs"], flush=True)
+
+
+def rel(a, b) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
 def sparse_rows(T: int, reps: int, res: dict) -> None:
     q, k, v, iq, ik = make_inputs(T)
     do = torch.randn_like(q)
@@ -108,28 +168,30 @@ def sparse_rows(T: int, reps: int, res: dict) -> None:
         _, lse = sparse_attention(q, k, v, bi, BK, **TRITON)
 
     def kl_fb():
-        indexer_kl_loss(q.detach(), k.detach(), iq, ik, bi, lse, BK, **TRITON).backward()
+        indexer_kl_loss(q.detach(), k.detach(), iq, ik, bi, lse, BK, **kl_args()).backward()
         clear(iq, ik)
 
-    measure(r, "kl_fwd_ms", lambda: timed(lambda: indexer_kl_loss(q.detach(), k.detach(), iq, ik, bi, lse, BK, **TRITON), reps))
+    measure(r, "kl_fwd_ms",
+            lambda: timed(lambda: indexer_kl_loss(q.detach(), k.detach(), iq, ik, bi, lse, BK, **kl_args()), reps))
     measure(r, "kl_fwdbwd_ms", lambda: timed(kl_fb, reps))
 
-    def layer_fb():
-        o, kl = msa_attention(q, k, v, iq, ik, BK, TOPK, **TRITON)
+    def layer_fb(**tuning):
+        o, kl = msa_attention(q, k, v, iq, ik, BK, TOPK, **layer_args(**tuning))
         torch.autograd.backward([o, kl], [do, torch.ones_like(kl)])
         clear(q, k, v, iq, ik)
 
-    measure(r, "layer_fwd_ms", lambda: timed(lambda: msa_attention(q, k, v, iq, ik, BK, TOPK, **TRITON), reps))
+    measure(r, "layer_fwd_ms", lambda: timed(lambda: msa_attention(q, k, v, iq, ik, BK, TOPK, **layer_args()), reps))
     measure(r, "layer_fwdbwd_ms", lambda: timed(layer_fb, reps))
     measure(r, "layer_peak_gib", lambda: peak_gib(layer_fb))
+    if DOC_LEN[0]:
+        document_rows(r, q, k, v, iq, ik, do, False, reps)
     # other budgets for the attention's partial buffers (more query chunks, less memory)
-    kept = dict(sa_triton.TUNING)
     for mib in BUDGETS_MIB:
-        sa_triton.TUNING.update(partial_bytes=mib << 20, partial_q_ratio=float("inf"))
-        measure(r, f"layer_fwdbwd_{mib}MiB_ms", lambda: timed(layer_fb, reps))
-        measure(r, f"layer_peak_{mib}MiB_gib", lambda: peak_gib(layer_fb))
-        measure(r, f"attn_fwd_{mib}MiB_ms", lambda: timed(lambda: sparse_attention(q, k, v, bi, BK, **TRITON), reps))
-    sa_triton.TUNING.update(kept)
+        sa = dataclasses.replace(sa_triton.DEFAULT_TUNING, partial_bytes=mib << 20, partial_q_ratio=float("inf"))
+        measure(r, f"layer_fwdbwd_{mib}MiB_ms", lambda: timed(lambda: layer_fb(sparse_attention=sa), reps))
+        measure(r, f"layer_peak_{mib}MiB_gib", lambda: peak_gib(lambda: layer_fb(sparse_attention=sa)))
+        measure(r, f"attn_fwd_{mib}MiB_ms",
+                lambda: timed(lambda: sparse_attention(q, k, v, bi, BK, backend="triton", tuning=sa), reps))
 
     def sdpa_fb():
         sdpa(q, k, v).backward(do)
@@ -146,7 +208,7 @@ def dense_rows(T: int, reps: int, res: dict) -> None:
     r = res.setdefault(f"dense_{T}", {})
 
     def layer_fb():
-        o, kl = msa_attention(q, k, v, iq, ik, BK, TOPK, dense=True, **TRITON)
+        o, kl = msa_attention(q, k, v, iq, ik, BK, TOPK, dense=True, **layer_args())
         torch.autograd.backward([o, kl], [do, torch.ones_like(kl)])
         clear(q, k, v, iq, ik)
 
@@ -159,18 +221,21 @@ def dense_rows(T: int, reps: int, res: dict) -> None:
         _, lse = sparse_attention(q, k, v, None, BK, **TRITON)
 
     def kl_fb():
-        indexer_kl_loss(q.detach(), k.detach(), iq, ik, None, lse, BK, **TRITON).backward()
+        indexer_kl_loss(q.detach(), k.detach(), iq, ik, None, lse, BK, **kl_args()).backward()
         clear(iq, ik)
 
     def sdpa_fb():
         sdpa(q, k, v).backward(do)
         clear(q, k, v)
 
-    measure(r, "kl_fwd_ms", lambda: timed(lambda: indexer_kl_loss(q.detach(), k.detach(), iq, ik, None, lse, BK, **TRITON), reps))
+    measure(r, "kl_fwd_ms",
+            lambda: timed(lambda: indexer_kl_loss(q.detach(), k.detach(), iq, ik, None, lse, BK, **kl_args()), reps))
     measure(r, "kl_fwdbwd_ms", lambda: timed(kl_fb, reps))
     measure(r, "attn_fwdbwd_ms", lambda: timed(attn_fb, reps))
     measure(r, "layer_fwdbwd_ms", lambda: timed(layer_fb, reps))
     measure(r, "layer_peak_gib", lambda: peak_gib(layer_fb))
+    if DOC_LEN[0]:
+        document_rows(r, q, k, v, iq, ik, do, True, reps)
     measure(r, "sdpa_fwdbwd_ms", lambda: timed(sdpa_fb, reps))
     measure(r, "sdpa_peak_gib", lambda: peak_gib(sdpa_fb))
     msa_mod = importlib.import_module("msa_model.ops.msa_attention")
@@ -181,8 +246,10 @@ def forward_rows(T: int, reps: int, res: dict, with_sdpa: bool) -> None:
     q, k, v, iq, ik = make_inputs(T, grad=False)
     r = res.setdefault(f"fwd_{T}", {})
     with torch.no_grad():
-        measure(r, "layer_fwd_ms", lambda: timed(lambda: msa_attention(q, k, v, iq, ik, BK, TOPK, **TRITON), reps))
-        measure(r, "layer_fwd_peak_gib", lambda: peak_gib(lambda: msa_attention(q, k, v, iq, ik, BK, TOPK, **TRITON)))
+        measure(r, "layer_fwd_ms",
+                lambda: timed(lambda: msa_attention(q, k, v, iq, ik, BK, TOPK, **layer_args()), reps))
+        measure(r, "layer_fwd_peak_gib",
+                lambda: peak_gib(lambda: msa_attention(q, k, v, iq, ik, BK, TOPK, **layer_args())))
         if with_sdpa:
             measure(r, "sdpa_fwd_ms", lambda: timed(lambda: sdpa(q, k, v), reps))
 
@@ -219,33 +286,30 @@ def tune(T: int, res: dict) -> None:
     with torch.no_grad():
         _, lse = sparse_attention(q, k, v, bi, BK, **TRITON)
     dense_T = min(T, 16384)
-    base = kl_triton.TUNING
+    base = TUNED["indexer_kl"]
     best = None
     # teacher dot rows (M = 16 entries x heads) of the key-major kernels, pipeline stages of the
-    # sparse forward and the dense kernels, tiles of the dense forward's second pass (H200,
-    # 2026-11-29, dense 16K fwd+bwd: 16 queries x 8 heads against 128 keys, 8 warps, 2 stages
-    # 23.1 ms; 256 rows 24.7; 4 warps 27.9; 1 stage 27.5; 64 keys 37.5; 32 queries out of
-    # shared memory)
+    # sparse forward and the dense kernels, tiles of the dense forward's second pass (results of
+    # earlier runs: bench/RESULTS.md, round 4)
     variants = [dict(rows=r, fwd_stages=st, dense_stages=st) for r, st in ((128, 2), (128, 1), (256, 2), (64, 2))]
     variants += [dict(dense_rows=256), dict(dense_warps=4), dict(dense_fwd_j=64)]
     # KL_VARIANTS: a JSON list of Tuning overrides replacing the ones above
     variants = json.loads(os.environ.get("KL_VARIANTS", "null")) or variants
     for var in [] if os.environ.get("QUICK_TUNE") else variants:
-        cfg = kl_triton.Tuning(**{**base.__dict__, **var})
-        m, rows, warps, stages = cfg.M, cfg.rows, cfg.warps, cfg.stages
-        kl_triton.TUNING = cfg
+        cfg = dataclasses.replace(base, **var)
+        TUNED["indexer_kl"] = cfg
 
         def kl_fb():
-            indexer_kl_loss(q.detach(), k.detach(), iq, ik, bi, lse, BK, **TRITON).backward()
+            indexer_kl_loss(q.detach(), k.detach(), iq, ik, bi, lse, BK, **kl_args()).backward()
             clear(iq, ik)
 
         def kl_dense_fb():
             indexer_kl_loss(q[:, :dense_T].detach(), k[:, :dense_T].detach(), iq[:, :dense_T], ik[:, :dense_T],
-                            None, lse[:, :dense_T], BK, **TRITON).backward()
+                            None, lse[:, :dense_T], BK, **kl_args()).backward()
             clear(iq, ik)
 
         try:
-            ms_fwd = timed(lambda: indexer_kl_loss(q.detach(), k.detach(), iq, ik, bi, lse, BK, **TRITON), 3)
+            ms_fwd = timed(lambda: indexer_kl_loss(q.detach(), k.detach(), iq, ik, bi, lse, BK, **kl_args()), 3)
             ms = timed(kl_fb, 3)
             ms_dense = timed(kl_dense_fb, 3)
         except Exception as e:  # a configuration can exceed shared memory or registers
@@ -257,16 +321,16 @@ def tune(T: int, res: dict) -> None:
               f"dense {dense_T} fwd+bwd {ms_dense:.1f} ms", flush=True)
         if best is None or ms + ms_dense < best[0]:
             best = (ms + ms_dense, cfg)
-    kl_triton.TUNING = best[1] if best else base
+    TUNED["indexer_kl"] = best[1] if best else base
     # the backward from kept teacher rows: entries per tile, warps, pipeline stages
     best = None
+    chosen = TUNED["indexer_kl"]
     for sm, warps, stages in () if os.environ.get("QUICK_TUNE") else ((128, 8, 2), (64, 4, 2)):
-        cfg = kl_triton.Tuning(**{**kl_triton.TUNING.__dict__, "stored_M": sm, "stored_warps": warps,
-                                  "stored_stages": stages})
-        kl_triton.TUNING = cfg
+        cfg = dataclasses.replace(chosen, stored_M=sm, stored_warps=warps, stored_stages=stages)
+        TUNED["indexer_kl"] = cfg
 
         def kl_fb():
-            indexer_kl_loss(q.detach(), k.detach(), iq, ik, bi, lse, BK, **TRITON).backward()
+            indexer_kl_loss(q.detach(), k.detach(), iq, ik, bi, lse, BK, **kl_args()).backward()
             clear(iq, ik)
 
         try:
@@ -278,8 +342,8 @@ def tune(T: int, res: dict) -> None:
         print(f"tune stored M={sm} warps={warps} stages={stages}: sparse KL fwd+bwd {ms:.2f} ms", flush=True)
         if best is None or ms < best[0]:
             best = (ms, cfg)
-    kl_triton.TUNING = best[1] if best else kl_triton.TUNING
-    res["tuning"] = kl_triton.TUNING.__dict__
+    TUNED["indexer_kl"] = best[1] if best else chosen
+    res["tuning"] = dataclasses.asdict(TUNED["indexer_kl"])
 
 
 class _Missing(dict):
@@ -304,6 +368,9 @@ def table(res: dict) -> str:
         add(f"{t} sparse KL fwd / fwd+bwd (ms); KL over attention fwd+bwd",
             f"{r['kl_fwd_ms']:.1f} / {r['kl_fwdbwd_ms']:.1f}; {100 * r['kl_fwdbwd_ms'] / r['attn_fwdbwd_ms']:.0f}%")
         add(f"{t} MSA layer fwd / fwd+bwd (ms)", f"{r['layer_fwd_ms']:.1f} / {r['layer_fwdbwd_ms']:.1f}")
+        if "layer_docs_fwd_ms" in r:
+            add(f"{t} MSA layer on documents of ~{DOC_LEN[0]} tokens fwd / fwd+bwd (ms); peak GiB",
+                f"{r['layer_docs_fwd_ms']:.1f} / {r['layer_docs_fwdbwd_ms']:.1f}; {r['layer_docs_peak_gib']:.2f}")
         for mib in BUDGETS_MIB:
             add(f"{t} with attention partials up to {mib} MiB: layer fwd+bwd (ms); peak GiB; attention fwd (ms)",
                 f"{r[f'layer_fwdbwd_{mib}MiB_ms']:.1f}; {r[f'layer_peak_{mib}MiB_gib']:.2f}; "
@@ -321,6 +388,9 @@ def table(res: dict) -> str:
             f"{r['layer_fwdbwd_ms'] / r['sdpa_fwdbwd_ms']:.2f}x")
         add("32K warmup peak memory MSA / SDPA (GiB)", f"{r['layer_peak_gib']:.1f} / {r['sdpa_peak_gib']:.1f}")
         add("32K warmup attention kernel", r.get("dense_attention", "?"))
+        if "layer_docs_fwdbwd_ms" in r:
+            add(f"32K warmup step on documents of ~{DOC_LEN[0]} tokens fwd+bwd (ms; Triton dense path)",
+                f"{r['layer_docs_fwdbwd_ms']:.1f}")
     for T in (262144, 1048576):
         r = res.get(f"fwd_{T}")
         if not r:
@@ -346,8 +416,10 @@ def main():
     ap.add_argument("--no-dense", action="store_true", help="skip the 32K dense warmup rows")
     ap.add_argument("--tune-T", type=int, default=32768, help="length of the KL tuning runs")
     ap.add_argument("--budgets", default="1024", help="attention partial budgets (MiB) also timed per sparse row")
+    ap.add_argument("--doc-len", type=int, default=0, help="also time rows packed with documents of ~this length")
     args = ap.parse_args()
     BUDGETS_MIB[:] = [int(x) for x in args.budgets.split(",") if x]
+    DOC_LEN[0] = args.doc_len
     torch.backends.cuda.matmul.allow_tf32 = True
     res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                  "date": time.strftime("%Y-%m-%d")}

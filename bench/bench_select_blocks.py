@@ -13,6 +13,7 @@ torch.topk = the selection stage alone on the same materialized fp32 block score
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -24,7 +25,7 @@ import torch
 import triton
 
 from msa_model.ops import select_blocks
-from msa_model.ops.select_blocks.triton import (block_scores_triton, default_config, score_only_triton,
+from msa_model.ops.select_blocks.triton import (Tuning, block_scores_triton, score_only_triton,
                                                 select_blocks_triton, topk_blocks_triton)
 
 G, DI, BK, K = 4, 128, 128, 16
@@ -129,11 +130,11 @@ def main():
     best = None
     for spec in args.tune.split(","):
         r, w, s = map(int, spec.split(":"))
-        cfg = dict(rows=r, num_warps=w, num_stages=s)
+        cfg = Tuning(rows=r, num_warps=w, num_stages=s)
         try:
-            o = select_blocks_triton(iq, ik, BK, K, config=cfg)
+            o = select_blocks_triton(iq, ik, BK, K, tuning=cfg)
             same = bool((o.long().sort(-1).values == ref.long().sort(-1).values).all())
-            ms = bench_ms(lambda: select_blocks_triton(iq, ik, BK, K, config=cfg), rep=100)
+            ms = bench_ms(lambda: select_blocks_triton(iq, ik, BK, K, tuning=cfg), rep=100)
         except Exception as e:  # a config that does not fit in registers / shared memory
             p(f"tune {spec}: failed {type(e).__name__}: {str(e)[:200]}")
             continue
@@ -143,7 +144,7 @@ def main():
             best = (cfg, ms)
     cfg = best[0] if best else None
     p("chosen config", cfg)
-    log["config"] = cfg
+    log["config"] = dataclasses.asdict(cfg) if cfg else None
 
     for T in [int(x) for x in args.lengths.split(",")]:
         row = {"T": T}
@@ -153,7 +154,7 @@ def main():
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        out = select_blocks_triton(iq, ik, BK, K, config=cfg)
+        out = select_blocks_triton(iq, ik, BK, K, tuning=cfg)
         torch.cuda.synchronize()
         row["extra_mem_GB"] = (torch.cuda.max_memory_allocated() - base) / 1e9
         row["inputs_GB"] = (iq.numel() + ik.numel()) * 2 / 1e9
@@ -161,9 +162,9 @@ def main():
         loc = (torch.arange(T, device=dev) // BK)[None, :, None]
         assert bool((out[..., 0] == loc).all()) and bool((out >= -1).all()) and bool((out <= loc[..., None]).all())
         row["check"] = sampled_check(iq, ik, out, rows=256 if T > 100_000 else 384, seed=T)
-        row["ours_ms"] = bench_ms(lambda: select_blocks_triton(iq, ik, BK, K, config=cfg))
+        row["ours_ms"] = bench_ms(lambda: select_blocks_triton(iq, ik, BK, K, tuning=cfg))
         row["ours_tflops"] = flops(T) / row["ours_ms"] / 1e9
-        row["score_only_ms"] = bench_ms(lambda: score_only_triton(iq, ik, BK, config=cfg))
+        row["score_only_ms"] = bench_ms(lambda: score_only_triton(iq, ik, BK, tuning=cfg))
         p(f"T={T}: ours {row['ours_ms']:.3f} ms ({row['ours_tflops']:.0f} TFLOP/s), score-only "
           f"{row['score_only_ms']:.3f} ms, check {row['check']}")
         # torch path: full comparison where affordable, timing everywhere
@@ -175,7 +176,7 @@ def main():
         row["torch_ms"] = bench_ms(tp, rep=300) if T <= 32768 else event_ms(tp, n=1 if T > 200_000 else 3)
         torch.cuda.empty_cache()
         # the selection stage alone on materialized block scores
-        bs = block_scores_triton(iq, ik, BK, config=cfg)
+        bs = block_scores_triton(iq, ik, BK, tuning=cfg)
         torch.cuda.synchronize()
         row["block_scores_GB"] = bs.numel() * 4 / 1e9
         st = topk_blocks_triton(bs, BK, K)

@@ -12,6 +12,7 @@ Block sets: "random" (16 random causal blocks per (token, group), local block in
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -29,6 +30,8 @@ from msa_model.ops.sparse_attention.reference import sparse_attention_reference
 HQ, HKV, D, BS, TOPK = 64, 4, 128, 128, 16
 OUT = os.environ.get("OUT")
 LOG = []
+# the kernels' launch shapes every timing passes explicitly (--tuning and `tune` set them)
+TUNING = {"sparse_attention": sa_triton.DEFAULT_TUNING}
 
 
 def log(*a):
@@ -116,7 +119,8 @@ def ours(idx, bs=BS, check_ids=False):
     """The Triton op. The benchmark's sets are in range, so by default without the id range check
     (a host synchronisation that msa_attention skips for select_blocks' ids); the table also times
     the forward with it."""
-    return lambda q, k, v: sparse_attention(q, k, v, idx, block_size=bs, backend="triton", check_ids=check_ids)[0]
+    return lambda q, k, v: sparse_attention(q, k, v, idx, block_size=bs, backend="triton", check_ids=check_ids,
+                                            tuning=TUNING["sparse_attention"])[0]
 
 
 def sdpa(q, k, v):
@@ -316,7 +320,7 @@ def profile(T, pat, forward_only=False):
             tot[e.key] = e.device_time_total / 1e3
     what = "fwd" if forward_only else "fwd+bwd"
     log(f"profile T={T} {pat} {what}: wall {wall:.2f} ms, device kernels {sum(tot.values()):.2f} ms, "
-        f"host issue {issue:.2f} ms, partial_bytes {sa_triton.TUNING['partial_bytes']}; ms per kernel (top 12):")
+        f"host issue {issue:.2f} ms, partial_bytes {TUNING['sparse_attention'].partial_bytes}; ms per kernel (top 12):")
     for name, ms in sorted(tot.items(), key=lambda x: -x[1])[:12]:
         log(f"  {ms:8.2f}  {name[:90]}")
     # where the host's issue time goes: the Python frames and torch calls by their own time
@@ -340,7 +344,7 @@ def tune(T):
     idx8 = random_sets(8192, HKV, TOPK, BS, "cuda")
     q, k, v, do = inputs(T)
     q8, k8, v8, _ = inputs(8192)
-    base = dict(sa_triton.TUNING)
+    base = TUNING["sparse_attention"]
     with torch.no_grad():
         log(f"tune SDPA fwd: T={T} {timeit(lambda: sdpa(q, k, v)):.2f} ms, 8K {timeit(lambda: sdpa(q8, k8, v8)):.3f} ms")
     fwd_variants = [{}, {"fwd_stages": 2}, {"fwd_rows": 128, "fwd_warps": 8}, {"fwd_tiles": 32}]
@@ -350,8 +354,7 @@ def tune(T):
     bwd_variants = json.loads(os.environ.get("TUNE_BWD", "null")) or bwd_variants
     for kind, variants in (("fwd", fwd_variants), ("bwd", bwd_variants)):
         for var in variants:
-            sa_triton.TUNING.clear()
-            sa_triton.TUNING.update(base, **var)
+            TUNING["sparse_attention"] = dataclasses.replace(base, **var)
             try:
                 if kind == "fwd":
                     with torch.no_grad():
@@ -363,8 +366,7 @@ def tune(T):
                     log(f"tune bwd T={T} {var}: fwd+bwd {fb:.2f} ms ({_regs('bwd')})")
             except Exception as e:  # a variant may not fit in registers or shared memory
                 log(f"tune {kind} T={T} {var}: failed {type(e).__name__}: {str(e)[:120]}")
-    sa_triton.TUNING.clear()
-    sa_triton.TUNING.update(base)
+    TUNING["sparse_attention"] = base
 
 
 def main():
@@ -378,14 +380,15 @@ def main():
     ap.add_argument("--tune-T", type=int, default=131072)
     ap.add_argument("--profile-T", default="131072")
     ap.add_argument("--profile-fwd", action="store_true", help="profile the forward alone")
-    ap.add_argument("--tuning", default="", help="JSON overrides of the kernels' TUNING")
+    ap.add_argument("--tuning", default="",
+                    help="JSON overrides of the kernels' launch shapes (sparse_attention.triton.Tuning)")
     a = ap.parse_args()
     if a.tuning:
-        sa_triton.TUNING.update(json.loads(a.tuning))
+        TUNING["sparse_attention"] = dataclasses.replace(sa_triton.DEFAULT_TUNING, **json.loads(a.tuning))
     parts = a.parts.split(",")
     patterns = [p for p in a.patterns.split(",") if p]
     log(f"{torch.cuda.get_device_name()} torch {torch.__version__} {time.strftime('%Y-%m-%d %H:%M')} "
-        f"TUNING {sa_triton.TUNING} argv {' '.join(sys.argv[1:])}")
+        f"tuning {TUNING['sparse_attention']} argv {' '.join(sys.argv[1:])}")
     t0 = time.time()
     try:
         if "check" in parts:

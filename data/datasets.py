@@ -126,8 +126,32 @@ class MicroBatchSampler:
             yield list(range(first, first + self.micro_batch_size))
 
 
-def build_train_iterator(dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int):
-    """An iterator of micro-batch dicts (tokens, labels, loss_mask, position_ids), [b, s] each."""
+def document_starts(tokens_BS: torch.Tensor, eod: int) -> torch.Tensor:
+    """int32 [B, S]: the position of the first token of each token's document. A document ends
+    with its end-of-document token, so the next one starts right after it; the first document of
+    a row may have begun before the row (a sample is a window of the token stream), and starts
+    at 0 here."""
+    S = tokens_BS.shape[1]
+    after_eod = torch.where(tokens_BS == eod, torch.arange(1, S + 1), 0)
+    # the start at t is one past the last end-of-document token before t
+    starts = torch.zeros_like(after_eod)
+    starts[:, 1:] = torch.cummax(after_eod[:, :-1], dim=1).values
+    return starts.to(torch.int32)
+
+
+def build_train_iterator(dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int,
+                         document_mask: bool = False):
+    """An iterator of micro-batch dicts (tokens, labels, loss_mask, position_ids, and with
+    `document_mask` doc_start from `document_starts`), [b, s] each."""
     sampler = MicroBatchSampler(len(dataset), consumed_samples, micro_batch_size, dp_rank, dp_size)
-    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=0)
+    collate = None
+    if document_mask:
+        eod = dataset.config.tokenizer.eod
+
+        def collate(items):
+            batch = torch.utils.data.default_collate(items)
+            batch["doc_start"] = document_starts(batch["tokens"], eod)
+            return batch
+
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=0, collate_fn=collate)
     return iter(loader)

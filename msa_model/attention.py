@@ -1,7 +1,7 @@
 """MiniMax Sparse Attention as a megatron-core self-attention module.
 
 `MSASelfAttention` is a `SelfAttention` (same linear_qkv, q/k norms, RoPE and linear_proj, so
-its main-branch weights are a plain GQA layer's) plus the index branch of MSA_SPEC.md:
+its main-branch weights are a plain GQA layer's) plus the index branch of docs/msa.md:
 
     x = normed hidden state, detached       (no gradient from the index branch to the backbone)
     iq = index_q_layernorm(index_q_proj(x)) one index query per GQA group   [S, B, G, Di]
@@ -16,6 +16,12 @@ Phase: `sparse=False` (indexer warmup) runs dense causal attention with a dense 
 selects the top-k key blocks per (query, group). The trainer flips it via `set_msa_phase`.
 
 With `attention="dense"` the layer is the full-attention GQA baseline: no index branch at all.
+
+Packed documents: megatron's `attention_mask` argument carries the documents' starts, int
+[B, S] (`doc_start`, the position of each token's document's first token; a boolean
+[.., S, S] mask would be quadratic in S). Each document is then its own sequence for attention,
+selection and KL, in both phases and in the dense baseline (docs/msa.md). None: one document per
+row. Under context parallelism the rows are this rank's, as for every [B, S] input.
 
 Parallelism. Tensor parallel: whole GQA groups per rank (query heads, kv heads and index queries
 split alike; TP must divide Hkv), the shared index key duplicated. Each rank's KL is the mean
@@ -47,7 +53,7 @@ from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
 from msa_model.context_parallel import gather_sequence, local_query_chunks
-from msa_model.ops import msa_attention
+from msa_model.ops import msa_attention, sparse_attention
 
 KL_METRIC = "msa_kl_loss"
 KEYS_METRIC = "msa_keys_per_query"
@@ -189,9 +195,14 @@ class MSASelfAttention(SelfAttention):
     def forward(self, hidden_states, attention_mask=None, key_value_states=None, inference_context=None,
                 rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None, rotary_pos_cos_sin=None,
                 attention_bias=None, packed_seq_params=None, sequence_len_offset=None, *, inference_params=None):
-        """hidden_states [S, B, hidden] (already normed by the layer) -> ([S, B, hidden], bias)."""
+        """hidden_states [S, B, hidden] (already normed by the layer) -> ([S, B, hidden], bias).
+
+        attention_mask: None, or the document starts int [B, S] of this rank's tokens (see the
+        module docstring)."""
         if inference_context is not None or inference_params is not None or packed_seq_params is not None:
-            raise NotImplementedError("MSASelfAttention: inference contexts and packed sequences are not supported yet")
+            raise NotImplementedError("MSASelfAttention: inference contexts and megatron's packed_seq_params are not "
+                                      "supported; pass document starts as attention_mask")
+        doc_start = _document_starts(attention_mask, hidden_states.shape[1], hidden_states.shape[0])
         q_SBHD, k_SBGD, v_SBGD = self.get_query_key_value_tensors(hidden_states)
         if isinstance(rotary_pos_emb, tuple):
             q_freqs, k_freqs = rotary_pos_emb
@@ -223,9 +234,10 @@ class MSASelfAttention(SelfAttention):
         if self.options.recompute_core and torch.is_grad_enabled():
             # non-reentrant: the core's own autograd graph is rebuilt in backward; its inputs
             # (q, k, v, iq, ik) are what stays alive
-            o_BSHD, kl, keys = torch.utils.checkpoint.checkpoint(self._core, q, k, v, iq, ik, use_reentrant=False)
+            o_BSHD, kl, keys = torch.utils.checkpoint.checkpoint(self._core, q, k, v, iq, ik, doc_start,
+                                                                 use_reentrant=False)
         else:
-            o_BSHD, kl, keys = self._core(q, k, v, iq, ik)
+            o_BSHD, kl, keys = self._core(q, k, v, iq, ik, doc_start)
 
         context_SBX = o_BSHD.transpose(0, 1).reshape(S, o_BSHD.shape[0], -1)
         output, bias = self.linear_proj(context_SBX)
@@ -246,24 +258,29 @@ class MSASelfAttention(SelfAttention):
                 output = MoEAuxLossAutoScaler.apply(output, kl * (self.options.kl_coeff / cp_group.size()))
         return output, bias
 
-    def _core(self, q, k, v, iq, ik):
+    def _core(self, q, k, v, iq, ik, doc_start=None):
         """The attention core over this rank's query chunks: (o [B, S, Hq, D], KL fp32 scalar or
-        None for the dense baseline, mean causally visible keys per query fp32 scalar).
+        None for the dense baseline, mean keys a query reads fp32 scalar).
         q [B, S, Hq, D] (this rank's queries), k/v [B, S_all, G, D], iq [B, S, G, Di],
-        ik [B, S_all, Di] (keys of the whole sequence under context parallelism)."""
+        ik [B, S_all, Di] (keys of the whole sequence under context parallelism), doc_start int
+        [B, S] or None (packed documents)."""
         cp_group = self.pg_collection.cp
         S = q.shape[1]
         chunks = local_query_chunks(S, cp_group.rank(), cp_group.size())
+        doc = (lambda a, b: None) if doc_start is None else (lambda a, b: doc_start[:, a:b])
         if self.options.attention == "dense":
-            o = torch.cat([self._dense_attention(q[:, a:b], k[:, :off + b - a], v[:, :off + b - a], off)
+            o = torch.cat([self._dense_attention(q[:, a:b], k[:, :off + b - a], v[:, :off + b - a], off, doc(a, b))
                            for a, b, off in chunks], dim=1)
-            return o, None, _scalar(sum((off + (b - a + 1) / 2) * (b - a) for a, b, off in chunks) / S, q.device)
+            keys = sum((b - a) / S * dense_keys_per_query(b - a, off, doc(a, b), q.device) for a, b, off in chunks)
+            return o, None, keys
         outs, kls, keys = [], [], 0.0
         for a, b, off in chunks:
             o_c, kl_c, block_idx_c = msa_attention(
                 q[:, a:b], k, v, iq[:, a:b], ik, block_size=self.options.block_size, topk=self.options.topk,
                 dense=not self.sparse, scale=self.config.softmax_scale, force_sink=self.options.force_sink,
-                backend=self.options.backend, return_block_idx=True, q_offset=off,
+                backend=self.options.backend, return_block_idx=True, q_offset=off, doc_start=doc(a, b),
+                # the data pipeline builds the starts: no host synchronisation to check them
+                check_ids=False,
                 # under recompute the KL's forward reruns right before its backward: keeping its
                 # teacher rows then costs memory only for the length of one layer's backward
                 keep_teacher=True if self.options.recompute_core else None,
@@ -271,8 +288,8 @@ class MSASelfAttention(SelfAttention):
             outs.append(o_c)
             kls.append(kl_c)
             keys = keys + (b - a) / S * (
-                selected_keys_per_query(block_idx_c, self.options.block_size, off) if block_idx_c is not None
-                else _scalar(off + (b - a + 1) / 2, q.device))
+                selected_keys_per_query(block_idx_c, self.options.block_size, off, doc(a, b))
+                if block_idx_c is not None else dense_keys_per_query(b - a, off, doc(a, b), q.device))
         o = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
         # the chunks have equal lengths: the mean of their means is the mean over this rank's queries
         kl = torch.stack(kls).mean() if len(kls) > 1 else kls[0]
@@ -282,8 +299,15 @@ class MSASelfAttention(SelfAttention):
         group = getattr(self.pg_collection, "tp_cp", None)
         return group if group is not None else parallel_state.get_tensor_and_context_parallel_group()
 
-    def _dense_attention(self, q_BCHD, k_BJGD, v_BJGD, q_offset: int):
-        """Causal GQA attention of queries at positions q_offset.. over keys 0..q_offset+C-1."""
+    def _dense_attention(self, q_BCHD, k_BJGD, v_BJGD, q_offset: int, doc_start_BC=None):
+        """Causal GQA attention of queries at positions q_offset.. over keys 0..q_offset+C-1; with
+        document starts int [B, C] each query reads its own document's keys only."""
+        if doc_start_BC is not None:
+            # SDPA would need a [C, J] mask per row: the ops' dense path takes the starts directly
+            o, _ = sparse_attention(q_BCHD, k_BJGD, v_BJGD, None, block_size=self.options.block_size,
+                                    scale=self.config.softmax_scale, backend=self.options.backend, q_offset=q_offset,
+                                    check_ids=False, doc_start=doc_start_BC)
+            return o
         q, k, v = (t.transpose(1, 2) for t in (q_BCHD, k_BJGD, v_BJGD))
         if q_offset == 0:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.config.softmax_scale, enable_gqa=True)
@@ -300,11 +324,34 @@ def _scalar(value: float, device) -> torch.Tensor:
     return torch.full((), float(value), dtype=torch.float32, device=device)
 
 
-def selected_keys_per_query(block_idx_BSGK: torch.Tensor, block_size: int, q_offset: int = 0) -> torch.Tensor:
+def _document_starts(attention_mask, batch: int, seq: int) -> torch.Tensor | None:
+    """The document starts int [B, S] megatron's attention_mask slot carries, or None."""
+    if attention_mask is None:
+        return None
+    if attention_mask.dtype not in (torch.int32, torch.int64) or tuple(attention_mask.shape) != (batch, seq):
+        raise ValueError(f"MSASelfAttention takes document starts (int32 [B, S] = [{batch}, {seq}]) as "
+                         f"attention_mask, got {attention_mask.dtype} {tuple(attention_mask.shape)}; set "
+                         "data.document_mask=true instead of building a mask")
+    return attention_mask
+
+
+def dense_keys_per_query(C: int, q_offset: int, doc_start_BC: torch.Tensor | None, device) -> torch.Tensor:
+    """Mean keys a query reads in dense attention, for C queries at positions q_offset..: fp32 scalar."""
+    if doc_start_BC is None:
+        return _scalar(q_offset + (C + 1) / 2, device)
+    pos = q_offset + torch.arange(C, device=doc_start_BC.device)
+    return (pos - doc_start_BC + 1).float().mean()
+
+
+def selected_keys_per_query(block_idx_BSGK: torch.Tensor, block_size: int, q_offset: int = 0,
+                            doc_start_BS: torch.Tensor | None = None) -> torch.Tensor:
     """Mean number of causally visible keys in the selected blocks, over (B, S, G), for queries at
-    positions q_offset... fp32 scalar."""
+    positions q_offset... fp32 scalar. With document starts, blocks count from each query's
+    document start."""
     S = block_idx_BSGK.shape[1]
     t = q_offset + torch.arange(S, device=block_idx_BSGK.device).view(1, S, 1, 1)
+    if doc_start_BS is not None:
+        t = t - doc_start_BS.long()[:, :, None, None]
     visible = (t - block_idx_BSGK.long() * block_size + 1).clamp(0, block_size)
     visible = torch.where(block_idx_BSGK >= 0, visible, torch.zeros_like(visible))
     return visible.sum(-1).float().mean()

@@ -23,7 +23,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class MSAConfig:
-    """Geometry of MiniMax Sparse Attention (see MSA_SPEC.md)."""
+    """Geometry of MiniMax Sparse Attention (see docs/msa.md)."""
 
     block_size: int = 32  # Bk: tokens per key block
     topk: int = 4  # k: blocks read per (query, group); topk * block_size keys per query
@@ -96,6 +96,11 @@ class DataConfig:
     tokenizer: str = "byte"
     cache_dir: str = ".cache/data"
     seed: int = 1234
+    # packed documents are separate sequences: each token attends to (and the indexer selects
+    # from) its own document only, found from end-of-document tokens. Positions are not reset:
+    # RoPE scores depend on relative positions only, so a document sees the same scores at any
+    # offset (docs/msa.md, "Packed documents")
+    document_mask: bool = False
 
 
 @dataclass

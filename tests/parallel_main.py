@@ -122,7 +122,8 @@ def main(out_dir: Path, overrides: list[str], save_init: str | None) -> None:
             dist_checkpointing.save({"model": chunks[0].module.sharded_state_dict()}, save_init)
         dataset = build_train_dataset(cfg.data, cfg.model.seq_length, cfg.trainer.max_steps * cfg.parallel.global_batch_size)
         dp_rank, dp_size = data_parallel_info()
-        trainer.data_iterator = build_train_iterator(dataset, 0, cfg.parallel.micro_batch_size, dp_rank, dp_size)
+        trainer.data_iterator = build_train_iterator(dataset, 0, cfg.parallel.micro_batch_size, dp_rank, dp_size,
+                                                     document_mask=cfg.data.document_mask)
 
         steps, step_fn = [], optimizer.step
 

@@ -4,12 +4,14 @@ On CPU the kernels run in Triton's interpreter (tests/conftest.py), so shapes ar
 large-shape test runs only where CUDA is present.
 """
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
 from msa_model.ops import indexer_kl_loss, select_blocks, sparse_attention
+from msa_model.ops.indexer_kl.triton import DEFAULT_TUNING
 from msa_model.ops.support import support_mask
 
 CUDA = torch.cuda.is_available()
@@ -29,12 +31,12 @@ def make_case(B, T, Hq, G, D, Di, block_size, topk, dense, dtype, seed, device=D
     return q, k, iq, ik, block_idx, lse
 
 
-def loss_and_grads(q, k, iq, ik, block_idx, lse, block_size, backend, upcast=None):
+def loss_and_grads(q, k, iq, ik, block_idx, lse, block_size, backend, upcast=None, tuning=None):
     if upcast is not None:
         q, k, iq, ik, lse = (x.to(upcast) for x in (q, k, iq, ik, lse))
     iq = iq.detach().clone().requires_grad_()
     ik = ik.detach().clone().requires_grad_()
-    loss = indexer_kl_loss(q, k, iq, ik, block_idx, lse, block_size=block_size, backend=backend)
+    loss = indexer_kl_loss(q, k, iq, ik, block_idx, lse, block_size=block_size, backend=backend, tuning=tuning)
     loss.backward()
     return loss.detach(), iq.grad, ik.grad
 
@@ -61,13 +63,16 @@ def torch_in_dtype(q, k, iq, ik, block_idx, lse, block_size):
 
 
 @pytest.fixture(params=["stored", "recompute"])
-def teacher(request, monkeypatch):
-    """Sparse backward with the forward's teacher rows kept, or recomputed (teacher_bytes = 0)."""
-    from msa_model.ops.indexer_kl import triton as kl_triton
-
-    if request.param == "recompute":
-        monkeypatch.setattr(kl_triton.TUNING, "teacher_bytes", 0)
+def teacher(request):
+    """Sparse backward with the forward's teacher rows kept, or recomputed (see `kl_tuning`)."""
     return request.param
+
+
+def kl_tuning(teacher: str, **overrides):
+    """The Triton KL's tuning for a teacher mode ("recompute": teacher_bytes = 0), with overrides."""
+    if teacher == "recompute":
+        overrides["teacher_bytes"] = 0
+    return dataclasses.replace(DEFAULT_TUNING, **overrides)
 
 
 def rel(x, ref):
@@ -94,7 +99,7 @@ def test_fp32_matches_reference(shape, dense, teacher):
     B, T, Hq, G, D, Di, bs, topk = shape
     case = make_case(B, T, Hq, G, D, Di, bs, topk, dense, torch.float32, seed=T + G)
     ref = loss_and_grads(*case, bs, "reference")
-    out = loss_and_grads(*case, bs, "triton")
+    out = loss_and_grads(*case, bs, "triton", tuning=kl_tuning(teacher))
     assert out[0].dtype == torch.float32 and out[0].dim() == 0
     assert abs(float(out[0]) - float(ref[0])) <= 1e-5 * max(1.0, abs(float(ref[0])))
     for name, x, r in zip(("d iq", "d ik"), out[1:], ref[1:]):
@@ -111,7 +116,7 @@ def test_bf16_within_torch_error(shape, dense, teacher):
     B, T, Hq, G, D, Di, bs, topk = shape
     case = make_case(B, T, Hq, G, D, Di, bs, topk, dense, torch.bfloat16, seed=7 * T + G)
     truth = loss_and_grads(*case, bs, "reference", upcast=torch.float64)
-    out = loss_and_grads(*case, bs, "triton")
+    out = loss_and_grads(*case, bs, "triton", tuning=kl_tuning(teacher))
     pt = torch_in_dtype(*case, bs)
     for name, x, p, t in zip(("loss", "d iq", "d ik"), out, pt, truth):
         if name != "loss":
@@ -120,32 +125,25 @@ def test_bf16_within_torch_error(shape, dense, teacher):
 
 
 @pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense"])
-def test_heads_over_several_teacher_dots(monkeypatch, teacher, dense):
+def test_heads_over_several_teacher_dots(teacher, dense):
     """8 heads per group with teacher dots of 2 heads: the group mean is summed over 4 dots (in the
     forward and, with the teacher recomputed, in the backward)."""
-    from msa_model.ops.indexer_kl import triton as kl_triton
-
-    monkeypatch.setattr(kl_triton.TUNING, "rows", 2 * kl_triton.TUNING.M)
-    monkeypatch.setattr(kl_triton.TUNING, "dense_rows", 2 * kl_triton.TUNING.M)
+    tuning = kl_tuning(teacher, rows=2 * DEFAULT_TUNING.M, dense_rows=2 * DEFAULT_TUNING.M)
     B, T, Hq, G, D, Di, bs, topk = 1, 90, 16, 2, 16, 16, 16, 3
     if dense and teacher == "recompute":
         pytest.skip("the dense mode keeps no teacher")
     case = make_case(B, T, Hq, G, D, Di, bs, topk, dense, torch.float32, seed=5)
     ref = loss_and_grads(*case, bs, "reference")
-    out = loss_and_grads(*case, bs, "triton")
+    out = loss_and_grads(*case, bs, "triton", tuning=tuning)
     assert abs(float(out[0]) - float(ref[0])) <= 1e-5 * max(1.0, abs(float(ref[0])))
     for name, x, r in zip(("d iq", "d ik"), out[1:], ref[1:]):
         assert rel(x, r) < 2e-5, name
 
 
-def test_slots_empty_repeated_and_past_the_query(monkeypatch, teacher):
+def test_slots_empty_repeated_and_past_the_query(teacher):
     """Hand-made selections: -1 slots, a block named twice, blocks after the query's own; popular
     blocks split over several programs."""
-    from msa_model.ops.indexer_kl import triton as kl_triton
-
-    monkeypatch.setattr(kl_triton.TUNING, "stored_M", 16)
-    monkeypatch.setattr(kl_triton.TUNING, "fwd_per_program", 16)
-    monkeypatch.setattr(kl_triton.TUNING, "bwd_per_program", 32)
+    tuning = kl_tuning(teacher, stored_M=16, fwd_per_program=16, bwd_per_program=32)
     B, T, Hq, G, D, Di, bs = 1, 70, 4, 2, 16, 16, 16
     q, k, iq, ik, _, _ = make_case(B, T, Hq, G, D, Di, bs, 2, True, torch.float32, seed=3)
     gen = torch.Generator().manual_seed(4)
@@ -157,7 +155,7 @@ def test_slots_empty_repeated_and_past_the_query(monkeypatch, teacher):
     v = torch.randn_like(k)
     _, lse = sparse_attention(q, k, v, block_idx, block_size=bs, backend="reference")
     ref = loss_and_grads(q, k, iq, ik, block_idx, lse, bs, "reference")
-    out = loss_and_grads(q, k, iq, ik, block_idx, lse, bs, "triton")
+    out = loss_and_grads(q, k, iq, ik, block_idx, lse, bs, "triton", tuning=tuning)
     assert abs(float(out[0]) - float(ref[0])) <= 1e-5 * max(1.0, abs(float(ref[0])))
     assert rel(out[1], ref[1]) < 2e-5 and rel(out[2], ref[2]) < 2e-5
 
@@ -175,7 +173,7 @@ def test_no_gradient_to_q_k_and_every_row_written(dense, monkeypatch, teacher):
     monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: empty_like(*a, **kw).fill_(math.nan))
     q, k = q.clone().requires_grad_(), k.clone().requires_grad_()
     iq, ik = iq.clone().requires_grad_(), ik.clone().requires_grad_()
-    loss = indexer_kl_loss(q, k, iq, ik, block_idx, lse, block_size=bs, backend="triton")
+    loss = indexer_kl_loss(q, k, iq, ik, block_idx, lse, block_size=bs, backend="triton", tuning=kl_tuning(teacher))
     loss.backward()
     monkeypatch.setattr(torch, "empty", empty)
     monkeypatch.setattr(torch, "empty_like", empty_like)
@@ -192,7 +190,7 @@ def test_large_bf16_on_gpu(dense, teacher):
     B, T, Hq, G, D, Di, bs, topk = 1, 3000, 64, 4, 128, 128, 128, 16
     case = make_case(B, T, Hq, G, D, Di, bs, topk, dense, torch.bfloat16, seed=11)
     truth = loss_and_grads(*case, bs, "reference", upcast=torch.float64)
-    out = loss_and_grads(*case, bs, "triton")
+    out = loss_and_grads(*case, bs, "triton", tuning=kl_tuning(teacher))
     pt = torch_in_dtype(*case, bs)
     for name, x, p, t in zip(("loss", "d iq", "d ik"), out, pt, truth):
         assert rel(x, t) <= 2 * rel(p, t) + 2e-3, name

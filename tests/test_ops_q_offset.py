@@ -3,6 +3,8 @@ each slice against the full keys equals those rows of the one-call result, gradi
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -150,9 +152,10 @@ def test_triton_sparse_attention_q_offset(G, block_size, dense):
         assert _rel(x, r) < _tol(1e-5), (name, _rel(x, r))
 
 
-def _kl(q, k, iq, ik, idx, lse, block_size, backend, q_offset):
+def _kl(q, k, iq, ik, idx, lse, block_size, backend, q_offset, tuning=None):
     iq, ik = (x.detach().clone().requires_grad_() for x in (iq, ik))
-    loss = indexer_kl_loss(q, k, iq, ik, idx, lse, block_size=block_size, backend=backend, q_offset=q_offset)
+    loss = indexer_kl_loss(q, k, iq, ik, idx, lse, block_size=block_size, backend=backend, q_offset=q_offset,
+                           tuning=tuning)
     loss.backward()
     return loss.detach(), iq.grad, ik.grad
 
@@ -160,20 +163,22 @@ def _kl(q, k, iq, ik, idx, lse, block_size, backend, q_offset):
 @pytest.mark.parametrize("teacher_bytes", [None, 0], ids=["stored", "recompute"])
 @pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense"])
 @pytest.mark.parametrize("G,block_size", [(1, 16), (2, 32)])
-def test_triton_indexer_kl_q_offset(G, block_size, dense, teacher_bytes, monkeypatch):
+def test_triton_indexer_kl_q_offset(G, block_size, dense, teacher_bytes):
     if dense and teacher_bytes == 0:
         pytest.skip("the dense mode keeps no teacher")
+    from msa_model.ops.indexer_kl.triton import DEFAULT_TUNING
+
+    tuning = DEFAULT_TUNING
     if teacher_bytes is not None:
-        from msa_model.ops.indexer_kl import triton as kl_triton
-        monkeypatch.setattr(kl_triton.TUNING, "teacher_bytes", teacher_bytes)
+        tuning = dataclasses.replace(DEFAULT_TUNING, teacher_bytes=teacher_bytes)
     q, k, v, iq, ik = _triton_inputs(G, seed=3)
     idx = None if dense else select_blocks(iq, ik, block_size=block_size, topk=3, backend="reference")
     _, lse = sparse_attention(q, k, v, idx, block_size=block_size, backend="reference")
-    full = _kl(q, k, iq, ik, idx, lse, block_size, "triton", 0)
+    full = _kl(q, k, iq, ik, idx, lse, block_size, "triton", 0, tuning)
     loss, diq_parts, dik = 0.0, [], 0
     for t0, t1 in TQ_SLICES:
         args = (q[:, t0:t1], k, iq[:, t0:t1], ik, None if idx is None else idx[:, t0:t1], lse[:, t0:t1], block_size)
-        out, ref = _kl(*args, "triton", t0), _kl(*args, "reference", t0)
+        out, ref = _kl(*args, "triton", t0, tuning), _kl(*args, "reference", t0)
         assert abs(float(out[0]) - float(ref[0])) <= _tol(1e-5) * max(1.0, abs(float(ref[0]))), t0
         for name, x, r in zip(("d iq", "d ik"), out[1:], ref[1:]):
             assert _rel(x, r) < _tol(2e-5), (name, t0, _rel(x, r))

@@ -7,10 +7,13 @@ runs must stay within 2x of what PyTorch achieves in the same dtype (`upcast=Fal
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from msa_model.ops.sparse_attention import sparse_attention
+from msa_model.ops import inverse_index
 from msa_model.ops.sparse_attention import triton as sa_triton
 from msa_model.ops.sparse_attention.reference import sparse_attention_reference
 
@@ -58,7 +61,7 @@ def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-def run_case(B, T, Hq, G, D, block_size, K, dtype, dense=False, seed=0):
+def run_case(B, T, Hq, G, D, block_size, K, dtype, dense=False, seed=0, tuning=None):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(B, T, Hq, D, generator=gen).to(dtype)
     k = torch.randn(B, T, G, D, generator=gen).to(dtype)
@@ -76,7 +79,7 @@ def run_case(B, T, Hq, G, D, block_size, K, dtype, dense=False, seed=0):
 
     scale = D ** -0.5
     ref = grads(lambda *a: sparse_attention_reference(*a, scale), torch.float64)
-    out = grads(lambda *a: sparse_attention(*a, backend="triton"), dtype)
+    out = grads(lambda *a: sparse_attention(*a, backend="triton", tuning=tuning), dtype)
     names = ("o", "lse", "dq", "dk", "dv")
     for name, x in zip(names, out):
         assert not torch.isnan(x).any(), f"{name} has NaN (unwritten rows?)"
@@ -89,7 +92,9 @@ def run_case(B, T, Hq, G, D, block_size, K, dtype, dense=False, seed=0):
         tol = 1e-5
         for name, x, r in zip(names, out, ref):
             if name != "lse":
-                assert rel(x, r) < tol, (name, rel(x, r))
+                # one key per query (T = 1): the exact dq is 0 and fp32 rounding leaves ~1e-8
+                err = (x.double() - r.double()).norm().item()
+                assert err <= tol * r.double().norm().item() + 1e-6, (name, rel(x, r))
         assert (lse[fin].double() - lse_ref[fin]).abs().max().item() < 10 * tol
         return
     base = grads(lambda *a: sparse_attention_reference(*a, scale, upcast=False), dtype)
@@ -134,14 +139,14 @@ def test_dense(B, T, Hq, G, D, dtype):
     run_case(B, T, Hq, G, D, 16, 0, dtype, dense=True)
 
 
-def test_query_chunks(monkeypatch):
+def test_query_chunks():
     """Partial buffers over budget: queries run in several chunks (here 7 tokens each, the last
     6), same results."""
     B, T, Hq, G, K, bs = 2, 90, 4, 2, 4, 16
     per_query = B * G * K * (Hq // G) * (16 * 4 + 4)  # fp32 partial o and lse of one query (D = 16)
-    monkeypatch.setitem(sa_triton.TUNING, "partial_bytes", 7 * per_query)
-    assert sa_triton._chunk(T, per_query) == 7
-    run_case(B, T, Hq, G, 16, bs, K, torch.float32 if DEVICE == "cpu" else torch.bfloat16)
+    tuning = dataclasses.replace(sa_triton.DEFAULT_TUNING, partial_bytes=7 * per_query)
+    assert sa_triton._chunk(T, per_query, tuning.partial_bytes) == 7
+    run_case(B, T, Hq, G, 16, bs, K, torch.float32 if DEVICE == "cpu" else torch.bfloat16, tuning=tuning)
 
 
 @pytest.mark.parametrize("chunk", [0, 5, 23])
@@ -152,8 +157,8 @@ def test_inverse_index_lists_every_entry_once_in_its_bucket(chunk):
     B, T, G, K, N = 2, 23, 3, 4, 4
     gen = torch.Generator().manual_seed(1)
     idx = torch.randint(-1, N, (B, T, G, K), generator=gen, dtype=torch.int32)
-    idx = sa_triton.clean_block_idx(idx, 1, q_offset=N)  # every block is causal at offset N
-    index = sa_triton.build_inverse_index(idx, N, chunk)
+    idx = inverse_index.clean_block_idx(idx, 1, q_offset=N)  # every block is causal at offset N
+    index = inverse_index.build_inverse_index(idx, N, chunk)
     C = T if chunk == 0 else chunk
     S = -(-T // C)
     assert index.n_chunks == S and index.chunk_size == C and index.chunk_entries == B * C * G * K
@@ -168,7 +173,7 @@ def test_inverse_index_lists_every_entry_once_in_its_bucket(chunk):
         assert ((((t // C) * B + b) * G + g) * N + flat[ent] == bucket).all()
         assert (t[1:] > t[:-1]).all()
     per = 3
-    tb, ts, tc = sa_triton.schedule(index, per)
+    tb, ts, tc = inverse_index.schedule(index, per)
     assert tb.shape[0] == S
     for c in range(S):
         seen = {}

@@ -1,6 +1,6 @@
 """Initial index-branch weights for a dense GQA model turned into MSA.
 
-The index branch (MSA_SPEC.md) scores keys for selection and is trained only by the KL to the
+The index branch (docs/msa.md) scores keys for selection and is trained only by the KL to the
 main branch's attention. Two starting points:
 
 - `random`: W_iq, W_ik ~ N(0, 1/H), so a unit-RMS hidden state gives unit-variance index q/k;

@@ -121,6 +121,39 @@ def check_block_idx(block_idx: torch.Tensor, B: int, T: int, Hkv: int, block_siz
         raise ValueError(f"block_idx holds ids outside [-1, {n - 1}] for {q_offset} + {T} keys, block_size={block_size}")
 
 
+def check_doc_start(doc_start: torch.Tensor | None, B: int, T: int, q_offset: int = 0, values: bool = True,
+                    device: torch.device | None = None) -> None:
+    """doc_start int [B, T]: the position of the first token of each query's document (query t at
+    position q_offset + t). Rows hold consecutive documents: each start is at most the query's
+    position, and a row's start changes only to the query's own position (a new document).
+
+    Checking the values reads them back to the host (a synchronisation); `values=False` checks
+    the shape and dtype only, for starts built by the data pipeline."""
+    if doc_start is None:
+        return
+    if doc_start.dim() != 2 or tuple(doc_start.shape) != (B, T):
+        raise ValueError(f"doc_start must be [B, T] = [{B}, {T}], got {tuple(doc_start.shape)}")
+    if doc_start.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"doc_start must be int32 or int64, got {doc_start.dtype}")
+    if device is not None and doc_start.device != device:
+        raise ValueError(f"doc_start is on {doc_start.device}, the queries on {device}")
+    if not values or T == 0:
+        return
+    pos = torch.arange(q_offset, q_offset + T, device=doc_start.device)
+    s = doc_start.long()
+    bad_range = (s < 0) | (s > pos)
+    # a start either continues the previous query's document or opens one at the query itself
+    bad_step = (s[:, 1:] != s[:, :-1]) & (s[:, 1:] != pos[1:])
+    # one host sync for both checks
+    n_range, n_step = torch.stack([bad_range.sum(), bad_step.sum()]).tolist()
+    if n_range:
+        raise ValueError(f"doc_start: {n_range} entries outside [0, position of the query] (queries at "
+                         f"positions {q_offset}..{q_offset + T - 1})")
+    if n_step:
+        raise ValueError(f"doc_start: {n_step} queries start a document that is not their own position; "
+                         "a row must hold consecutive documents (see data.datasets.document_starts)")
+
+
 def default_scale(d: int, scale: float | None) -> float:
     return 1.0 / math.sqrt(d) if scale is None else float(scale)
 

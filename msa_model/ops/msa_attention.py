@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import check_index, check_qkv, default_scale, resolve_backend, trim_keys
+from .common import check_doc_start, check_index, check_qkv, default_scale, resolve_backend, trim_keys
 from .indexer_kl import indexer_kl_loss
 from .select_blocks import select_blocks
 from .sparse_attention import sparse_attention
@@ -13,7 +13,8 @@ from .sparse_attention import sparse_attention
 def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iq: torch.Tensor, ik: torch.Tensor,
                   block_size: int = 128, topk: int = 16, dense: bool = False, scale: float | None = None,
                   index_scale: float | None = None, force_sink: bool = False, backend: str = "auto",
-                  return_block_idx: bool = False, q_offset: int = 0, keep_teacher: bool | None = None):
+                  return_block_idx: bool = False, q_offset: int = 0, doc_start: torch.Tensor | None = None,
+                  check_ids: bool = True, tuning: dict | None = None, keep_teacher: bool | None = None):
     """MSA attention: o [B, T, Hq, D] and the indexer KL (fp32 scalar, no coefficient applied).
 
     q [B, T, Hq, D], k/v [B, T, Hkv, D], iq [B, T, Hkv, Di], ik [B, T, Di].
@@ -24,25 +25,36 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iq: torch.T
     `q_offset`: the queries (q, iq) are positions q_offset .. q_offset + T - 1 of a sequence whose
     k, v, ik [B, >= q_offset + T, ...] are passed whole (context parallelism: a rank's query
     chunk against all-gathered keys); selection, output and KL equal those rows of the full call.
+    `doc_start`: int [B, T], the first position of each query's document (packed documents; None:
+    one per row). Every document is its own sequence: selection, attention and KL equal running
+    the documents one by one (block ids count from the document's start); the KL stays the mean
+    over every (b, t, g). `check_ids=False` skips the check of doc_start's values (a host
+    synchronisation), for starts built by the data pipeline.
+    `tuning`: the Triton kernels' settings per op, {"select_blocks" | "sparse_attention" |
+    "indexer_kl": that op's `triton.Tuning`}; a missing op takes its defaults.
     `keep_teacher`: see `indexer_kl_loss` (a memory/time trade of the KL's backward).
     """
-    _, T, _, Hkv, _ = check_qkv(q, k, v, q_offset)
-    check_index(iq, ik, q.shape[0], T, Hkv, q_offset)
+    tuning = tuning or {}
+    B, T, _, Hkv, _ = check_qkv(q, k, v, q_offset)
+    check_index(iq, ik, B, T, Hkv, q_offset)
+    check_doc_start(doc_start, B, T, q_offset, values=check_ids, device=q.device)
     k, v, ik = trim_keys(T, q_offset, k, v, ik)
     block_idx = None
     if not dense:
         block_idx = select_blocks(iq.detach(), ik.detach(), block_size=block_size, topk=topk,
-                                  force_sink=force_sink, backend=backend, q_offset=q_offset)
-    # select_blocks' ids are in range: no id check (check_ids), so the layer issues its work with
-    # no host synchronisation
-    if dense and q_offset == 0 and _use_flash(q, k, v, backend):
+                                  force_sink=force_sink, backend=backend, q_offset=q_offset, doc_start=doc_start,
+                                  check_ids=False, tuning=tuning.get("select_blocks"))
+    # select_blocks' ids are in range and doc_start is checked above: no id checks (check_ids), so
+    # the layer issues its work with no host synchronisation
+    if dense and q_offset == 0 and doc_start is None and _use_flash(q, k, v, backend):
         o, lse = _flash_dense(q, k, v, default_scale(q.shape[-1], scale))
     else:
         o, lse = sparse_attention(q, k, v, block_idx, block_size=block_size, scale=scale, backend=backend,
-                                  q_offset=q_offset, check_ids=False)
+                                  q_offset=q_offset, check_ids=False, doc_start=doc_start,
+                                  tuning=tuning.get("sparse_attention"))
     kl = indexer_kl_loss(q.detach(), k.detach(), iq, ik, block_idx, lse.detach(), block_size=block_size,
                          scale=scale, index_scale=index_scale, backend=backend, q_offset=q_offset, check_ids=False,
-                         keep_teacher=keep_teacher)
+                         doc_start=doc_start, tuning=tuning.get("indexer_kl"), keep_teacher=keep_teacher)
     if return_block_idx:
         return o, kl, block_idx
     return o, kl
@@ -55,8 +67,8 @@ def _use_flash(q, k, v, backend: str) -> bool:
             and q.shape[-1] in (64, 96, 128, 256))
 
 
-# the cuDNN kernel is preferred (H200, torch 2.11, 32K, GQA 64/4: 111 ms fwd+bwd against flash's
-# 193 ms); a build or shape it refuses falls back to flash attention for the rest of the process
+# the cuDNN kernel is preferred (faster than flash at GQA 64/4: bench/RESULTS.md, "Figures behind
+# code choices"); a build or shape it refuses falls back to flash attention for the rest of the process
 _CUDNN = {"ok": True}
 
 

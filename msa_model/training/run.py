@@ -160,7 +160,8 @@ def run(cfg: DictConfig) -> None:
         dataset = build_train_dataset(cfg.data, cfg.model.seq_length, cfg.trainer.max_steps * cfg.parallel.global_batch_size)
         dp_rank, dp_size = data_parallel_info()
         trainer.data_iterator = build_train_iterator(dataset, trainer.state.consumed_samples,
-                                                     cfg.parallel.micro_batch_size, dp_rank, dp_size)
+                                                     cfg.parallel.micro_batch_size, dp_rank, dp_size,
+                                                     document_mask=cfg.data.document_mask)
         try:
             state = trainer.train()
         except OutOfMemory as e:

@@ -66,7 +66,9 @@ def _forward_step(data_iterator, model, device: torch.device):
     labels = batch["labels"].to(device) if batch is not None else None
     position_ids = batch["position_ids"].to(device) if batch is not None else None
     loss_mask = batch["loss_mask"].to(device) if batch is not None else None
-    output = model(tokens, position_ids, None, labels=labels)
+    # packed documents (data.document_mask): their starts travel in megatron's attention_mask slot
+    doc_start = batch["doc_start"].to(device) if batch is not None and "doc_start" in batch else None
+    output = model(tokens, position_ids, doc_start, labels=labels)
     return output, partial(_loss_func, loss_mask)
 
 

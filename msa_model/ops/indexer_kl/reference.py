@@ -18,14 +18,14 @@ from ..common import query_chunk
 from ..support import support_mask
 
 
-def _teacher_student(q, k, iq, ik, block_idx, lse, block_size, scale, index_scale, t0, t1, q_offset):
+def _teacher_student(q, k, iq, ik, block_idx, lse, block_size, scale, index_scale, t0, t1, q_offset, doc_start):
     """Teacher p_bar (fp32, fp64 for fp64 inputs), student log p_I and the support mask for queries t0..t1-1."""
     B, T, Hq, D = q.shape
     G = k.shape[2]
     H = Hq // G
     acc = torch.promote_types(q.dtype, torch.float32)
     e = q_offset + t1
-    mask_BCGJ = support_mask(block_idx, t0, t1, e, block_size, G, B, q.device, q_offset)
+    mask_BCGJ = support_mask(block_idx, t0, t1, e, block_size, G, B, q.device, q_offset, doc_start)
     q_BCGHD = q[:, t0:t1].to(acc).view(B, t1 - t0, G, H, D)
     s = torch.einsum("bcghd,bjgd->bcghj", q_BCGHD, k[:, :e].to(acc)) * scale
     s = s.masked_fill(~mask_BCGJ[:, :, :, None, :], float("-inf"))
@@ -44,21 +44,23 @@ def _chunks(T, heads, q_offset=0):
         yield t0, min(T, t0 + step)
 
 
-def indexer_kl_forward(q, k, iq, ik, block_idx, lse, block_size, scale, index_scale, q_offset=0):
+def indexer_kl_forward(q, k, iq, ik, block_idx, lse, block_size, scale, index_scale, q_offset=0, doc_start=None):
     """Scalar mean KL (fp32; fp64 for fp64 index inputs)(teacher || student) over (b, t, g).
-    Query t sits at position q_offset + t of the keys k, ik."""
+    Query t sits at position q_offset + t of the keys k, ik; doc_start (int [B, T] or None)
+    keeps each query's support in its document."""
     B, T, Hq, _ = q.shape
     G = k.shape[2]
     total = torch.zeros((), dtype=torch.float64, device=q.device)
     for t0, t1 in _chunks(T, Hq, q_offset):
         p_bar, log_p_student, mask = _teacher_student(q, k, iq, ik, block_idx, lse, block_size, scale,
-                                                      index_scale, t0, t1, q_offset)
+                                                      index_scale, t0, t1, q_offset, doc_start)
         terms = torch.xlogy(p_bar, p_bar) - p_bar * log_p_student
         total += torch.where(mask, terms, torch.zeros_like(terms)).sum(dtype=torch.float64)
     return (total / (B * T * G)).to(torch.promote_types(iq.dtype, torch.float32))
 
 
-def indexer_kl_backward(grad, q, k, iq, ik, block_idx, lse, block_size, scale, index_scale, q_offset=0):
+def indexer_kl_backward(grad, q, k, iq, ik, block_idx, lse, block_size, scale, index_scale, q_offset=0,
+                        doc_start=None):
     """(d iq, d ik) of `indexer_kl_forward` scaled by the upstream scalar `grad`."""
     B, T, Hq, _ = q.shape
     G = k.shape[2]
@@ -68,7 +70,7 @@ def indexer_kl_backward(grad, q, k, iq, ik, block_idx, lse, block_size, scale, i
     coef = grad.to(acc) * index_scale / (B * T * G)
     for t0, t1 in _chunks(T, Hq, q_offset):
         p_bar, log_p_student, mask = _teacher_student(q, k, iq, ik, block_idx, lse, block_size, scale,
-                                                      index_scale, t0, t1, q_offset)
+                                                      index_scale, t0, t1, q_offset, doc_start)
         dz = torch.where(mask, log_p_student.exp() - p_bar, torch.zeros_like(p_bar)) * coef
         e = q_offset + t1
         diq[:, t0:t1] = torch.einsum("bcgj,bji->bcgi", dz, ik[:, :e].to(acc))
@@ -78,18 +80,19 @@ def indexer_kl_backward(grad, q, k, iq, ik, block_idx, lse, block_size, scale, i
 
 class IndexerKLReference(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, iq, ik, block_idx, lse, block_size, scale, index_scale, q_offset):
-        ctx.save_for_backward(q, k, iq, ik, block_idx, lse)
+    def forward(ctx, q, k, iq, ik, block_idx, lse, block_size, scale, index_scale, q_offset, doc_start):
+        ctx.save_for_backward(q, k, iq, ik, block_idx, lse, doc_start)
         ctx.args = (block_size, scale, index_scale, q_offset)
-        return indexer_kl_forward(q, k, iq, ik, block_idx, lse, block_size, scale, index_scale, q_offset)
+        return indexer_kl_forward(q, k, iq, ik, block_idx, lse, block_size, scale, index_scale, q_offset, doc_start)
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, iq, ik, block_idx, lse = ctx.saved_tensors
-        diq, dik = indexer_kl_backward(grad, q, k, iq, ik, block_idx, lse, *ctx.args)
-        return None, None, diq, dik, None, None, None, None, None, None
+        q, k, iq, ik, block_idx, lse, doc_start = ctx.saved_tensors
+        diq, dik = indexer_kl_backward(grad, q, k, iq, ik, block_idx, lse, *ctx.args, doc_start=doc_start)
+        return None, None, diq, dik, None, None, None, None, None, None, None
 
 
-def indexer_kl_loss_reference(q, k, iq, ik, block_idx, lse, block_size, scale, index_scale, q_offset=0):
+def indexer_kl_loss_reference(q, k, iq, ik, block_idx, lse, block_size, scale, index_scale, q_offset=0,
+                              doc_start=None):
     return IndexerKLReference.apply(q.detach(), k.detach(), iq, ik, block_idx, lse.detach(), block_size,
-                                    scale, index_scale, q_offset)
+                                    scale, index_scale, q_offset, doc_start)

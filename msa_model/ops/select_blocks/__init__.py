@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from ..common import check_block_size, check_index, load_triton, resolve_backend, trim_keys
+from ..common import check_block_size, check_doc_start, check_index, load_triton, resolve_backend, trim_keys
 from .reference import select_blocks_reference
 
 
 @torch.no_grad()
 def select_blocks(iq: torch.Tensor, ik: torch.Tensor, block_size: int = 128, topk: int = 16,
-                  force_sink: bool = False, backend: str = "auto", q_offset: int = 0) -> torch.Tensor:
+                  force_sink: bool = False, backend: str = "auto", q_offset: int = 0,
+                  doc_start: torch.Tensor | None = None, check_ids: bool = True, tuning=None) -> torch.Tensor:
     """Choose the top-k key blocks for each query and GQA group.
 
     iq: [B, T, Hkv, Di] index queries (one per group); ik: [B, T, Di] the shared index key.
@@ -19,14 +20,21 @@ def select_blocks(iq: torch.Tensor, ik: torch.Tensor, block_size: int = 128, top
     Not differentiable (selection is discrete).
     `q_offset`: the queries are positions q_offset .. q_offset + T - 1 of a longer sequence
     whose index keys ik [B, >= q_offset + T, Di] are passed whole (context parallelism).
+    `doc_start`: int [B, T], the position of each query's document's first token (packed
+    documents; None: one document per row). Each document is its own sequence: a query sees its
+    document's keys only, and block ids count from the document's start (docs/msa.md).
+    `check_ids=False` skips the check of doc_start's values (a host synchronisation).
+    `tuning`: the Triton kernel's tile shape (`select_blocks.triton.Tuning`; None: defaults).
     """
     check_block_size(block_size, topk)
-    check_index(iq, ik, q_offset=q_offset)
+    B, T, _, _ = check_index(iq, ik, q_offset=q_offset)
+    check_doc_start(doc_start, B, T, q_offset, values=check_ids, device=iq.device)
     (ik,) = trim_keys(iq.shape[1], q_offset, ik)
     if resolve_backend(backend, iq, ik) == "triton":
         return load_triton("select_blocks").select_blocks_triton(iq, ik, block_size, topk, force_sink,
-                                                                 q_offset=q_offset)
-    return select_blocks_reference(iq, ik, block_size, topk, force_sink, q_offset)
+                                                                 tuning=tuning, q_offset=q_offset,
+                                                                 doc_start=doc_start)
+    return select_blocks_reference(iq, ik, block_size, topk, force_sink, q_offset, doc_start)
 
 
 __all__ = ["select_blocks", "select_blocks_reference"]

@@ -12,13 +12,18 @@ from ..common import num_blocks, query_chunk
 
 
 def select_blocks_reference(iq_BTGI: torch.Tensor, ik_BTI: torch.Tensor, block_size: int, topk: int,
-                            force_sink: bool = False, q_offset: int = 0) -> torch.Tensor:
+                            force_sink: bool = False, q_offset: int = 0,
+                            doc_start_BT: torch.Tensor | None = None) -> torch.Tensor:
     """Top-k key blocks per (query, group) by block-max index score; int32 [B, T, G, K], -1 = empty.
 
     The local block (the one holding the query) is always kept, and block 0 too when
     `force_sink`. Ranking uses the raw dot products: softmax and a positive scale keep the order,
     so no exp is needed. Slots are sorted ascending with -1 padding last. Query t sits at
     position q_offset + t of the keys ik [B, >= q_offset + T, Di].
+
+    With `doc_start_BT` (int [B, T]) each document is its own sequence: query t sees keys
+    doc_start[t] .. q_offset + t, and block ids count from its document's first token (block n
+    = keys doc_start[t] + n*block_size ..), so the ids are those of the document run alone.
     """
     B, T, G, _ = iq_BTGI.shape
     out_BTGK = torch.full((B, T, G, topk), -1, dtype=torch.int32, device=iq_BTGI.device)
@@ -34,15 +39,27 @@ def select_blocks_reference(iq_BTGI: torch.Tensor, ik_BTI: torch.Tensor, block_s
         qpos_C = pos[q_offset + t0:key_end]
         s_BCGJ = torch.einsum("bcgi,bji->bcgj", iq_BTGI[:, t0:t1], ik_BTI[:, :key_end])
         visible_CJ = pos[None, :key_end] <= qpos_C[:, None]
-        s_BCGJ = s_BCGJ.masked_fill(~visible_CJ[None, :, None, :], float("-inf"))
-        pad = n_blk * block_size - key_end
-        s_BCGJ = torch.nn.functional.pad(s_BCGJ, (0, pad), value=float("-inf"))
-        bmax_BCGN = s_BCGJ.view(B, t1 - t0, G, n_blk, block_size).amax(-1)
-        local_CN = torch.arange(n_blk, device=pos.device)[None, :] == (qpos_C // block_size)[:, None]
+        if doc_start_BT is None:
+            s_BCGJ = s_BCGJ.masked_fill(~visible_CJ[None, :, None, :], float("-inf"))
+            pad = n_blk * block_size - key_end
+            s_BCGJ = torch.nn.functional.pad(s_BCGJ, (0, pad), value=float("-inf"))
+            bmax_BCGN = s_BCGJ.view(B, t1 - t0, G, n_blk, block_size).amax(-1)
+            local_BCN = (torch.arange(n_blk, device=pos.device)[None, :] == (qpos_C // block_size)[:, None])[None]
+        else:
+            start_BC = doc_start_BT[:, t0:t1].long()
+            rel_BCJ = pos[None, None, :key_end] - start_BC[..., None]
+            visible_BCJ = visible_CJ[None] & (rel_BCJ >= 0)
+            # each key's block counted from the query's document start; invisible keys go to a spare block
+            block_BCJ = torch.where(visible_BCJ, rel_BCJ // block_size, n_blk)
+            bmax_BCGN = torch.full((B, t1 - t0, G, n_blk + 1), float("-inf"), device=pos.device)
+            bmax_BCGN = bmax_BCGN.scatter_reduce(-1, block_BCJ[:, :, None, :].expand_as(s_BCGJ), s_BCGJ, "amax")
+            bmax_BCGN = bmax_BCGN[..., :n_blk]
+            local_BC = (qpos_C[None] - start_BC) // block_size
+            local_BCN = torch.arange(n_blk, device=pos.device)[None, None, :] == local_BC[..., None]
         if force_sink:
             # the sink ranks right below the local block, so topk=1 still keeps the local block
             bmax_BCGN[..., 0] = torch.finfo(bmax_BCGN.dtype).max
-        bmax_BCGN = bmax_BCGN.masked_fill(local_CN[None, :, None, :], float("inf"))
+        bmax_BCGN = bmax_BCGN.masked_fill(local_BCN[:, :, None, :], float("inf"))
         k = min(topk, n_blk)
         val_BCGK, idx_BCGK = bmax_BCGN.topk(k, dim=-1)
         # blocks past the causal horizon have every key masked: never select them

@@ -9,17 +9,23 @@ One program owns BM consecutive queries and every group: the G index queries of 
 the single index key, so they stack into one [R, Di] operand of the score matmul. It walks the
 causally visible key tiles, reduces each [R, C] score tile to block maxima in registers and
 merges them into a running top-k per row; scores and block scores never reach memory.
+
+Packed documents (DOCS): a row's blocks count from its document's start, so they no longer line
+up with the key tiles and differ between rows of one program. Each tile's scores are then split
+per row into the (at most NB + 1) document-relative blocks it touches; a block that continues
+into the next tile is carried over and offered to the top-k once it is complete.
 """
 
 from __future__ import annotations
 
-import os
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from ..common import num_blocks
+from ..triton_utils import INTERPRET, dot, interpreting
 
 # what the fused kernel emits: the selection, the raw block scores (stage one of a two-stage
 # path, used to time the top-k stage alone), or only a max of block scores (to time scoring)
@@ -73,17 +79,21 @@ def _block_max(s_RC, R: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _score_tile(q_RD, ik_base, s_ik_t, kt, p_R, TK, R: tl.constexpr, C: tl.constexpr, DI: tl.constexpr,
-                DP: tl.constexpr, BLOCK: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr):
-    """Block maxima [R, C // BLOCK] of key tile kt; keys after a row's position p_R (or past TK) count -inf."""
+def _tile_scores(q_RD, ik_base, s_ik_t, kt, TK, C: tl.constexpr, DI: tl.constexpr, DP: tl.constexpr,
+                 PREC: tl.constexpr):
+    """Scores [R, C] of the rows against key tile kt (keys j_C [C]; keys past TK score 0)."""
     j_C = kt * C + tl.arange(0, C)
     d_D = tl.arange(0, DP)
     k_CD = tl.load(ik_base + j_C[:, None].to(tl.int64) * s_ik_t + d_D[None, :],
                    mask=(j_C[:, None] < TK) & (d_D[None, :] < DI), other=0.0)
-    if IEEE:
-        s_RC = tl.dot(q_RD, tl.trans(k_CD), input_precision="ieee")
-    else:
-        s_RC = tl.dot(q_RD, tl.trans(k_CD))
+    return dot(q_RD, tl.trans(k_CD), PREC), j_C
+
+
+@triton.jit
+def _score_tile(q_RD, ik_base, s_ik_t, kt, p_R, TK, R: tl.constexpr, C: tl.constexpr, DI: tl.constexpr,
+                DP: tl.constexpr, BLOCK: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr):
+    """Block maxima [R, C // BLOCK] of key tile kt; keys after a row's position p_R (or past TK) count -inf."""
+    s_RC, j_C = _tile_scores(q_RD, ik_base, s_ik_t, kt, TK, C, DI, DP, PREC)
     if CAUSAL:
         s_RC = tl.where(j_C[None, :] <= p_R[:, None], s_RC, float("-inf"))
     return _block_max(s_RC, R, C, BLOCK)
@@ -117,12 +127,48 @@ def _consume(bm_RN, kt, topv_RK, topi_RK, seen_R, slot_K, nloc_R, out_ptr, b, t_
 
 
 @triton.jit
-def _fused_kernel(iq_ptr, ik_ptr, out_ptr, T, TK, QOFF, N,
+def _offer(topv_RK, topi_RK, x_R, n_R, nloc_R, slot_K, SINK: tl.constexpr):
+    """Offer block n_R (score x_R) of each row to its running top-k; forced blocks and n < 0 (no
+    block) are not candidates."""
+    drop_R = (n_R == nloc_R) | (n_R < 0)
+    if SINK:
+        drop_R = drop_R | (n_R == 0)
+    return _insert(topv_RK, topi_RK, tl.where(drop_R, float("-inf"), x_R), n_R, slot_K)
+
+
+@triton.jit
+def _doc_tile(q_RD, ik_base, s_ik_t, kt, TK, start_R, p_R, nloc_R, topv_RK, topi_RK, slot_K, carry_n_R, carry_x_R,
+              C: tl.constexpr, DI: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr, SINK: tl.constexpr,
+              PREC: tl.constexpr):
+    """One key tile with packed documents: row r sees keys start_R .. p_R, and key j is in its
+    block (j - start_R) // BLOCK. The tile's NB + 1 possible blocks per row are reduced one by
+    one; the block in progress (carry_n_R, its max so far carry_x_R) is offered to the top-k when
+    a later block with a visible key begins."""
+    NB: tl.constexpr = C // BLOCK
+    s_RC, j_C = _tile_scores(q_RD, ik_base, s_ik_t, kt, TK, C, DI, DP, PREC)
+    vis_RC = (j_C[None, :] <= p_R[:, None]) & (j_C[None, :] >= start_R[:, None])
+    s_RC = tl.where(vis_RC, s_RC, float("-inf"))
+    # keys before the document's start are -inf, so their (clamped) block does not matter
+    n_RC = tl.maximum(j_C[None, :] - start_R[:, None], 0) // BLOCK
+    n0_R = tl.maximum(kt * C - start_R, 0) // BLOCK
+    for i in tl.static_range(NB + 1):
+        n_R = n0_R + i
+        x_R = tl.max(tl.where(n_RC == n_R[:, None], s_RC, float("-inf")), axis=1)
+        fresh_R = (n_R != carry_n_R) & (x_R > float("-inf"))
+        topv_RK, topi_RK = _offer(topv_RK, topi_RK, tl.where(fresh_R, carry_x_R, float("-inf")), carry_n_R,
+                                  nloc_R, slot_K, SINK)
+        carry_x_R = tl.where(fresh_R, x_R, tl.where(n_R == carry_n_R, tl.maximum(carry_x_R, x_R), carry_x_R))
+        carry_n_R = tl.where(fresh_R, n_R, carry_n_R)
+    return topv_RK, topi_RK, carry_n_R, carry_x_R
+
+
+@triton.jit
+def _fused_kernel(iq_ptr, ik_ptr, out_ptr, doc_ptr, T, TK, QOFF, N,
                   s_iq_b, s_iq_t, s_iq_g, s_ik_b, s_ik_t, s_out_b, s_out_t, s_out_g,
                   G: tl.constexpr, GP: tl.constexpr, DI: tl.constexpr, DP: tl.constexpr,
                   BLOCK: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr,
-                  C: tl.constexpr, SINK: tl.constexpr, MODE: tl.constexpr, IEEE: tl.constexpr,
-                  INTERP: tl.constexpr):
+                  C: tl.constexpr, SINK: tl.constexpr, MODE: tl.constexpr, PREC: tl.constexpr,
+                  DOCS: tl.constexpr):
     R: tl.constexpr = BM * GP
     NB: tl.constexpr = C // BLOCK
     # the last query tiles read the most keys: start them first
@@ -139,7 +185,11 @@ def _fused_kernel(iq_ptr, ik_ptr, out_ptr, T, TK, QOFF, N,
     ik_base = ik_ptr + b * s_ik_b
     # causal positions of the rows
     p_R = QOFF + t_R
-    nloc_R = p_R // BLOCK
+    if DOCS:
+        start_R = tl.load(doc_ptr + b * T + t_R, mask=valid_R, other=0)
+        nloc_R = (p_R - start_R) // BLOCK
+    else:
+        nloc_R = p_R // BLOCK
     topv_RK, topi_RK, slot_K = _init_topk(nloc_R, R, K, KP, SINK)
     seen_R = tl.full([R], float("-inf"), tl.float32)
 
@@ -147,24 +197,42 @@ def _fused_kernel(iq_ptr, ik_ptr, out_ptr, T, TK, QOFF, N,
     # tiles that end before the tile's first position need no causal mask and hold no local block
     n_full = (QOFF + t0) // C
     n_tiles = p_last // C + 1
-    # Triton's interpreter (numpy >= 2.4) cannot take a program-dependent bound in range(); a
-    # while loop runs there, the for loop (which the compiler software-pipelines) on the GPU
-    if INTERP:
+    # the compiler software-pipelines the for loops; the interpreter takes the while loop (triton_utils)
+    if DOCS:
+        carry_n_R = tl.full([R], -1, tl.int32)
+        carry_x_R = tl.full([R], float("-inf"), tl.float32)
+        # starts do not decrease along a row: the program's keys begin at its first query's document
+        kt_first = tl.load(doc_ptr + b * T + t0) // C
+        if INTERPRET:
+            kt = kt_first
+            while kt < n_tiles:
+                topv_RK, topi_RK, carry_n_R, carry_x_R = _doc_tile(
+                    q_RD, ik_base, s_ik_t, kt, TK, start_R, p_R, nloc_R, topv_RK, topi_RK, slot_K, carry_n_R,
+                    carry_x_R, C, DI, DP, BLOCK, SINK, PREC)
+                kt += 1
+        else:
+            for kt in range(kt_first, n_tiles):
+                topv_RK, topi_RK, carry_n_R, carry_x_R = _doc_tile(
+                    q_RD, ik_base, s_ik_t, kt, TK, start_R, p_R, nloc_R, topv_RK, topi_RK, slot_K, carry_n_R,
+                    carry_x_R, C, DI, DP, BLOCK, SINK, PREC)
+        # the last block in progress (a row's local block, which is forced: offered for completeness)
+        topv_RK, topi_RK = _offer(topv_RK, topi_RK, carry_x_R, carry_n_R, nloc_R, slot_K, SINK)
+    elif INTERPRET:
         kt = n_full * 0
         while kt < n_tiles:
-            bm_RN = _score_tile(q_RD, ik_base, s_ik_t, kt, p_R, TK, R, C, DI, DP, BLOCK, True, IEEE)
+            bm_RN = _score_tile(q_RD, ik_base, s_ik_t, kt, p_R, TK, R, C, DI, DP, BLOCK, True, PREC)
             topv_RK, topi_RK, seen_R = _consume(bm_RN, kt, topv_RK, topi_RK, seen_R, slot_K, nloc_R, out_ptr,
                                                 b, t_R, g_R, valid_R, N, s_out_b, s_out_t, s_out_g,
                                                 R, NB, SINK, MODE)
             kt += 1
     else:
         for kt in range(0, n_full):
-            bm_RN = _score_tile(q_RD, ik_base, s_ik_t, kt, p_R, TK, R, C, DI, DP, BLOCK, False, IEEE)
+            bm_RN = _score_tile(q_RD, ik_base, s_ik_t, kt, p_R, TK, R, C, DI, DP, BLOCK, False, PREC)
             topv_RK, topi_RK, seen_R = _consume(bm_RN, kt, topv_RK, topi_RK, seen_R, slot_K, nloc_R, out_ptr,
                                                 b, t_R, g_R, valid_R, N, s_out_b, s_out_t, s_out_g,
                                                 R, NB, SINK, MODE)
         for kt in range(n_full, n_tiles):
-            bm_RN = _score_tile(q_RD, ik_base, s_ik_t, kt, p_R, TK, R, C, DI, DP, BLOCK, True, IEEE)
+            bm_RN = _score_tile(q_RD, ik_base, s_ik_t, kt, p_R, TK, R, C, DI, DP, BLOCK, True, PREC)
             topv_RK, topi_RK, seen_R = _consume(bm_RN, kt, topv_RK, topi_RK, seen_R, slot_K, nloc_R, out_ptr,
                                                 b, t_R, g_R, valid_R, N, s_out_b, s_out_t, s_out_g,
                                                 R, NB, SINK, MODE)
@@ -179,7 +247,7 @@ def _fused_kernel(iq_ptr, ik_ptr, out_ptr, T, TK, QOFF, N,
 @triton.jit
 def _topk_kernel(bs_ptr, out_ptr, T, N, s_bs_b, s_bs_t, s_bs_g, s_out_b, s_out_t, s_out_g,
                  G: tl.constexpr, GP: tl.constexpr, BLOCK: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
-                 BM: tl.constexpr, SINK: tl.constexpr, INTERP: tl.constexpr):
+                 BM: tl.constexpr, SINK: tl.constexpr):
     """One warp per program, one row per lane: the running top-k is kept transposed, [KP, R], so its
     slots sit in one thread and the min/argmin of an insertion need no cross-lane shuffles."""
     R: tl.constexpr = BM * GP
@@ -226,22 +294,31 @@ def _topk_kernel(bs_ptr, out_ptr, T, N, s_bs_b, s_bs_t, s_bs_g, s_out_b, s_out_t
     tl.store(out_ptr + out_R[None, :] + slot_K[:, None], topi_KR, mask=valid_R[None, :] & (slot_K[:, None] < K))
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
-def default_config(groups: int, block_size: int, device: torch.device) -> dict:
-    """Tile shape and launch settings. rows = queries x padded groups per program; cols = keys per tile."""
-    if device.type != "cuda":
-        # the interpreter runs each program in numpy: small tiles keep the tests quick
-        return dict(rows=32, cols=max(block_size, 32), num_warps=4, num_stages=1, topk_rows=32, topk_stages=1)
-    # measured on an H200 at 32K (bf16, Hkv=4, Di=128): 128 rows x 4 warps x 2 stages 1.22 ms,
-    # x 8 warps x 3 stages 1.27 ms, 256 rows x 8 warps 1.34 ms
-    return dict(rows=128, cols=max(block_size, 128), num_warps=4, num_stages=2, topk_rows=32, topk_stages=2)
+@dataclass(frozen=True)
+class Tuning:
+    """Tile shape and launch settings: `rows` = queries x padded groups per program, `cols` = keys
+    per tile (at least one block), `topk_rows` and `topk_stages` for the two-stage path's top-k
+    kernel. The GPU defaults won over 8 warps / 3 stages and 256 rows on an H200 at 32K
+    (bench/RESULTS.md, "Figures behind code choices")."""
+
+    rows: int = 128
+    cols: int = 128
+    num_warps: int = 4
+    num_stages: int = 2
+    topk_rows: int = 32
+    topk_stages: int = 2
+
+
+# the interpreter runs each program in numpy: small tiles keep the tests quick
+INTERPRETER_TUNING = Tuning(rows=32, cols=32, num_warps=4, num_stages=1, topk_rows=32, topk_stages=1)
+
+
+def default_tuning(device: torch.device) -> Tuning:
+    return Tuning() if device.type == "cuda" else INTERPRETER_TUNING
 
 
 def _check(block_size: int, di: int | None = None) -> None:
@@ -249,34 +326,36 @@ def _check(block_size: int, di: int | None = None) -> None:
         raise ValueError(f"the Triton select_blocks needs a power-of-two block_size in [16, 128], got {block_size}")
 
 
-def _launch_fused(iq_BTGI, ik_BTI, out, block_size, topk, force_sink, mode, config, q_offset=0):
+def _launch_fused(iq_BTGI, ik_BTI, out, block_size, topk, force_sink, mode, tuning, q_offset=0, doc_start=None):
     B, T, G, Di = iq_BTGI.shape
     TK = ik_BTI.shape[1]
     _check(block_size)
-    cfg = default_config(G, block_size, iq_BTGI.device) | (config or {})
+    cfg = tuning or default_tuning(iq_BTGI.device)
     GP = _next_pow2(G)
-    BM = max(2, cfg["rows"] // GP)
-    C = max(cfg["cols"], block_size)
-    if _interpreting() and iq_BTGI.dtype == torch.bfloat16:
-        # the interpreter's dot mis-reads bf16; products of bf16 values are exact in fp32 anyway
-        iq_BTGI, ik_BTI = iq_BTGI.float(), ik_BTI.float()
+    BM = max(2, cfg.rows // GP)
+    C = max(cfg.cols, block_size)
     iq_BTGI = iq_BTGI.contiguous()
     ik_BTI = ik_BTI.contiguous()
     grid = (triton.cdiv(T, BM), B)
     s_out = out.stride()[:3] if mode != _BARE else (T * GP, 0, 0)
+    if doc_start is not None:
+        doc_start = doc_start.to(torch.int32).contiguous()
     _fused_kernel[grid](
-        iq_BTGI, ik_BTI, out, T, TK, q_offset, num_blocks(TK, block_size),
+        iq_BTGI, ik_BTI, out, out if doc_start is None else doc_start, T, TK, q_offset, num_blocks(TK, block_size),
         iq_BTGI.stride(0), iq_BTGI.stride(1), iq_BTGI.stride(2), ik_BTI.stride(0), ik_BTI.stride(1),
         *s_out,
         G=G, GP=GP, DI=Di, DP=max(16, _next_pow2(Di)), BLOCK=block_size, K=topk, KP=_next_pow2(topk),
-        BM=BM, C=C, SINK=bool(force_sink), MODE=mode, IEEE=iq_BTGI.dtype == torch.float32,
-        INTERP=_interpreting(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        BM=BM, C=C, SINK=bool(force_sink), MODE=mode,
+        # fp32 inputs get full-precision products (tf32 could swap near-tied blocks)
+        PREC="ieee" if iq_BTGI.dtype == torch.float32 else "tf32", DOCS=doc_start is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 
 
 def select_blocks_triton(iq_BTGI: torch.Tensor, ik_BTI: torch.Tensor, block_size: int, topk: int,
-                         force_sink: bool = False, config: dict | None = None, q_offset: int = 0) -> torch.Tensor:
+                         force_sink: bool = False, tuning: Tuning | None = None, q_offset: int = 0,
+                         doc_start: torch.Tensor | None = None) -> torch.Tensor:
     """Fused index scoring, block max and top-k.
 
     iq_BTGI: [B, T, G, Di] and ik_BTI: [B, TK, Di], bf16, fp16 or fp32 (scores accumulate in fp32;
@@ -284,7 +363,9 @@ def select_blocks_triton(iq_BTGI: torch.Tensor, ik_BTI: torch.Tensor, block_size
     TK = q_offset + T. Returns int32 [B, T, G, topk]: per (b, t, g) the local block, block 0 too
     if `force_sink`, and the best other causally visible blocks by
     max_j iq[t,g].ik[j] over visible keys j of the block. Slot 0 holds the local block, -1
-    padding comes last, the rest is in no particular order.
+    padding comes last, the rest is in no particular order. With doc_start int [B, T] (packed
+    documents) a query sees its own document only and its block ids count from the document's
+    start (the local block is then (q_offset + t - doc_start[t]) // block_size).
     """
     B, T, G, _ = iq_BTGI.shape
     if ik_BTI.shape[1] != q_offset + T:
@@ -292,11 +373,12 @@ def select_blocks_triton(iq_BTGI: torch.Tensor, ik_BTI: torch.Tensor, block_size
     out = torch.empty((B, T, G, topk), dtype=torch.int32, device=iq_BTGI.device)
     if T == 0:
         return out
-    return _launch_fused(iq_BTGI, ik_BTI, out, block_size, topk, force_sink, _SELECT, config, int(q_offset))
+    return _launch_fused(iq_BTGI, ik_BTI, out, block_size, topk, force_sink, _SELECT, tuning, int(q_offset),
+                         doc_start)
 
 
 def block_scores_triton(iq_BTGI: torch.Tensor, ik_BTI: torch.Tensor, block_size: int,
-                        config: dict | None = None) -> torch.Tensor:
+                        tuning: Tuning | None = None) -> torch.Tensor:
     """float32 [B, T, G, N] block scores max_{visible j in n} iq[t,g].ik[j]; -inf where no key is visible.
 
     Materializes B*T*G*N floats: for timing the top-k stage and for short sequences only.
@@ -306,11 +388,11 @@ def block_scores_triton(iq_BTGI: torch.Tensor, ik_BTI: torch.Tensor, block_size:
                      device=iq_BTGI.device)
     if T == 0:
         return out
-    return _launch_fused(iq_BTGI, ik_BTI, out, block_size, 1, False, _SCORES, config)
+    return _launch_fused(iq_BTGI, ik_BTI, out, block_size, 1, False, _SCORES, tuning)
 
 
 def topk_blocks_triton(block_scores_BTGN: torch.Tensor, block_size: int, topk: int, force_sink: bool = False,
-                       config: dict | None = None) -> torch.Tensor:
+                       tuning: Tuning | None = None) -> torch.Tensor:
     """The selection stage alone: int32 [B, T, G, topk] from float32 block scores [B, T, G, N].
 
     Same rules as select_blocks (local block forced, block 0 too if `force_sink`, only blocks
@@ -319,30 +401,31 @@ def topk_blocks_triton(block_scores_BTGN: torch.Tensor, block_size: int, topk: i
     B, T, G, N = block_scores_BTGN.shape
     _check(block_size)
     if N != num_blocks(T, block_size):
-        raise ValueError(f"block scores have {N} blocks; T={T} with block_size={block_size} needs {num_blocks(T, block_size)}")
+        raise ValueError(f"block scores have {N} blocks; T={T} with block_size={block_size} needs "
+                         f"{num_blocks(T, block_size)}")
     bs = block_scores_BTGN.float()
     if bs.stride(-1) != 1:
         bs = bs.contiguous()
     out = torch.empty((B, T, G, topk), dtype=torch.int32, device=bs.device)
     if T == 0:
         return out
-    cfg = default_config(G, block_size, bs.device) | (config or {})
+    cfg = tuning or default_tuning(bs.device)
     GP = _next_pow2(G)
-    BM = max(1, cfg["topk_rows"] // GP)
+    BM = max(1, cfg.topk_rows // GP)
     _topk_kernel[(triton.cdiv(T, BM), B)](
         bs, out, T, N, bs.stride(0), bs.stride(1), bs.stride(2), *out.stride()[:3],
         G=G, GP=GP, BLOCK=block_size, K=topk, KP=_next_pow2(topk), BM=BM, SINK=bool(force_sink),
-        INTERP=_interpreting(), num_warps=1, num_stages=cfg["topk_stages"],
+        num_warps=1, num_stages=cfg.topk_stages,
     )
     return out
 
 
 def score_only_triton(iq_BTGI: torch.Tensor, ik_BTI: torch.Tensor, block_size: int,
-                      config: dict | None = None) -> torch.Tensor:
+                      tuning: Tuning | None = None) -> torch.Tensor:
     """The scoring and block-max work of select_blocks without the top-k: for timing breakdowns only.
 
     Returns float32 [B, T * GP] (GP = G rounded up to a power of two) of each row's best block score.
     """
     B, T, G, _ = iq_BTGI.shape
     out = torch.empty((B, T * _next_pow2(G)), dtype=torch.float32, device=iq_BTGI.device)
-    return _launch_fused(iq_BTGI, ik_BTI, out, block_size, 1, False, _BARE, config)
+    return _launch_fused(iq_BTGI, ik_BTI, out, block_size, 1, False, _BARE, tuning)

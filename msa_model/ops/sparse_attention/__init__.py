@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import torch
 
-from ..common import (check_block_idx, check_block_size, check_qkv, default_scale, load_triton, resolve_backend,
-                      trim_keys)
+from ..common import (check_block_idx, check_block_size, check_doc_start, check_qkv, default_scale, load_triton,
+                      resolve_backend, trim_keys)
 from .reference import sparse_attention_reference
 
 
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor | None,
                      block_size: int = 128, scale: float | None = None,
                      backend: str = "auto", q_offset: int = 0,
-                     check_ids: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                     check_ids: bool = True, doc_start: torch.Tensor | None = None,
+                     tuning=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of every query head over the key blocks its GQA group selected.
 
     q: [B, T, Hq, D]; k, v: [B, T, Hkv, D] (same dtype); block_idx: int [B, T, Hkv, K] block ids,
@@ -23,21 +24,27 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_id
     Differentiable in q, k, v. `scale` defaults to 1/sqrt(D).
     `q_offset`: query t sits at position q_offset + t; k, v [B, >= q_offset + T, Hkv, D] hold
     the whole causal prefix (context parallelism); dk, dv cover it.
-    `check_ids=False` skips the range check of block_idx's values, which synchronises with the
-    device; select_blocks' output is always in range.
+    `doc_start`: int [B, T], the first position of each query's document (packed documents;
+    None: one per row). Query t then reads keys doc_start[t] .. q_offset + t only, and block_idx
+    holds document-relative ids (block n = keys doc_start[t] + n*block_size ..), as select_blocks
+    gives them with the same doc_start.
+    `check_ids=False` skips the range checks of block_idx's and doc_start's values, which
+    synchronise with the device; select_blocks' output is always in range.
+    `tuning`: the Triton kernels' launch shapes (`sparse_attention.triton.Tuning`; None: defaults).
     """
     check_block_size(block_size)
     B, T, _, Hkv, D = check_qkv(q, k, v, q_offset)
     if block_idx is not None:
         check_block_idx(block_idx, B, T, Hkv, block_size, q_offset, ids=check_ids)
+    check_doc_start(doc_start, B, T, q_offset, values=check_ids, device=q.device)
     scale = default_scale(D, scale)
     k, v = trim_keys(T, q_offset, k, v)
     # the fused kernels take fp16/bf16 on GPUs; "auto" keeps fp32 inputs on the exact reference
     auto_fp32 = backend == "auto" and q.dtype not in (torch.float16, torch.bfloat16) and q.is_cuda
     if not auto_fp32 and resolve_backend(backend, q, k, v) == "triton":
         return load_triton("sparse_attention").sparse_attention_triton(q, k, v, block_idx, block_size, scale,
-                                                                       q_offset)
-    return sparse_attention_reference(q, k, v, block_idx, block_size, scale, q_offset=q_offset)
+                                                                       q_offset, tuning, doc_start)
+    return sparse_attention_reference(q, k, v, block_idx, block_size, scale, q_offset=q_offset, doc_start=doc_start)
 
 
 __all__ = ["sparse_attention", "sparse_attention_reference"]

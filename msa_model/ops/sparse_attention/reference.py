@@ -35,10 +35,11 @@ def _exp_minus(s, lse):
     return torch.exp(s - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)[..., None])
 
 
-def sparse_attention_forward(q, k, v, block_idx, block_size, scale, upcast=True, q_offset=0):
+def sparse_attention_forward(q, k, v, block_idx, block_size, scale, upcast=True, q_offset=0, doc_start=None):
     """Returns o [B,T,Hq,D] (q.dtype) and lse [B,T,Hq] (fp32; fp64 for fp64 inputs).
 
-    Query t sits at position q_offset + t; k, v hold at least q_offset + T keys."""
+    Query t sits at position q_offset + t; k, v hold at least q_offset + T keys; doc_start
+    (int [B, T] or None) restricts each query to its document (see `support_mask`)."""
     B, T, Hq, D = q.shape
     G = k.shape[2]
     H = Hq // G
@@ -49,7 +50,7 @@ def sparse_attention_forward(q, k, v, block_idx, block_size, scale, upcast=True,
     q5 = q.view(B, T, G, H, D)
     for t0, t1 in _chunks(T, Hq, q_offset):
         e = q_offset + t1
-        mask = support_mask(block_idx, t0, t1, e, block_size, G, B, q.device, q_offset)
+        mask = support_mask(block_idx, t0, t1, e, block_size, G, B, q.device, q_offset, doc_start)
         s = _scores(q5[:, t0:t1], k[:, :e], mask, scale, cdt)
         lse_c = torch.logsumexp(s, dim=-1)
         p = _exp_minus(s, lse_c)
@@ -59,7 +60,8 @@ def sparse_attention_forward(q, k, v, block_idx, block_size, scale, upcast=True,
     return o, lse
 
 
-def sparse_attention_backward(do, q, k, v, o, lse, block_idx, block_size, scale, upcast=True, q_offset=0):
+def sparse_attention_backward(do, q, k, v, o, lse, block_idx, block_size, scale, upcast=True, q_offset=0,
+                              doc_start=None):
     """Gradients (dq, dk, dv) of `sparse_attention_forward`, recomputing probabilities per chunk."""
     B, T, Hq, D = q.shape
     G = k.shape[2]
@@ -75,7 +77,7 @@ def sparse_attention_backward(do, q, k, v, o, lse, block_idx, block_size, scale,
     lse5 = lse.view(B, T, G, H)
     for t0, t1 in _chunks(T, Hq, q_offset):
         e = q_offset + t1
-        mask = support_mask(block_idx, t0, t1, e, block_size, G, B, q.device, q_offset)
+        mask = support_mask(block_idx, t0, t1, e, block_size, G, B, q.device, q_offset, doc_start)
         p = _exp_minus(_scores(q5[:, t0:t1], k[:, :e], mask, scale, cdt), lse5[:, t0:t1])
         do_c = do5[:, t0:t1].to(cdt)
         dp = torch.einsum("bcghd,bjgd->bcghj", do_c, v[:, :e].to(cdt)).to(acc)
@@ -89,22 +91,23 @@ def sparse_attention_backward(do, q, k, v, o, lse, block_idx, block_size, scale,
 
 class SparseAttentionReference(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, block_idx, block_size, scale, upcast, q_offset):
-        o, lse = sparse_attention_forward(q, k, v, block_idx, block_size, scale, upcast, q_offset)
-        ctx.save_for_backward(q, k, v, o, lse, block_idx)
+    def forward(ctx, q, k, v, block_idx, block_size, scale, upcast, q_offset, doc_start):
+        o, lse = sparse_attention_forward(q, k, v, block_idx, block_size, scale, upcast, q_offset, doc_start)
+        ctx.save_for_backward(q, k, v, o, lse, block_idx, doc_start)
         ctx.args = (block_size, scale, upcast, q_offset)
         ctx.mark_non_differentiable(lse)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, _dlse):
-        q, k, v, o, lse, block_idx = ctx.saved_tensors
-        dq, dk, dv = sparse_attention_backward(do.contiguous(), q, k, v, o, lse, block_idx, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None
+        q, k, v, o, lse, block_idx, doc_start = ctx.saved_tensors
+        dq, dk, dv = sparse_attention_backward(do.contiguous(), q, k, v, o, lse, block_idx, *ctx.args,
+                                               doc_start=doc_start)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
-def sparse_attention_reference(q, k, v, block_idx, block_size, scale, upcast=True, q_offset=0):
+def sparse_attention_reference(q, k, v, block_idx, block_size, scale, upcast=True, q_offset=0, doc_start=None):
     """Autograd entry of the reference. `upcast=False` does the matmuls in the input dtype, as
     plain PyTorch code in bf16 would (the yardstick for kernel error budgets). Query t sits at
-    position q_offset + t of the keys."""
-    return SparseAttentionReference.apply(q, k, v, block_idx, block_size, scale, upcast, q_offset)
+    position q_offset + t of the keys; doc_start int [B, T] keeps each query in its document."""
+    return SparseAttentionReference.apply(q, k, v, block_idx, block_size, scale, upcast, q_offset, doc_start)

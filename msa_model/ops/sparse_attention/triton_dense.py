@@ -7,6 +7,11 @@ tile, head).
 
 B = batch, T = queries, TK = keys (query t sits at position QOFF + t; TK = QOFF + T), HQ = query
 heads, HKV = key/value heads, H = heads per group, D = head dim.
+
+Packed documents (DOCS): DOC [B, T] holds each query's document start s, and query t reads keys
+s .. QOFF + t. Starts do not decrease along a row, so a query tile reads keys from its first
+row's start on, and a key tile is read by queries up to QEND [B, key tiles] (the first query
+whose document starts after the tile's last key). Every such tile is masked.
 """
 
 from __future__ import annotations
@@ -14,12 +19,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_sparse import mm
+from ..triton_utils import INTERPRET, LN2, LOG2E, mm, row_documents
 
 
 @triton.jit
-def _fwd_step(q, K, V, b, g, k0, pos, TK, m, l, acc, qk_scale, HKV: tl.constexpr, BN: tl.constexpr,
-              D: tl.constexpr, MASK: tl.constexpr):
+def _fwd_step(q, K, V, b, g, k0, pos, start, TK, m, l, acc, qk_scale, HKV: tl.constexpr, BN: tl.constexpr,
+              D: tl.constexpr, MASK: tl.constexpr, DOCS: tl.constexpr):
     d = tl.arange(0, D)
     j = k0 + tl.arange(0, BN)
     kv = ((b * TK + j) * HKV + g) * D
@@ -32,19 +37,27 @@ def _fwd_step(q, K, V, b, g, k0, pos, TK, m, l, acc, qk_scale, HKV: tl.constexpr
         vt = tl.load(V + kv[:, None] + d[None, :])
     s = mm(q, tl.trans(kt)) * qk_scale
     if MASK:
-        s = tl.where(j[None, :] <= pos[:, None], s, float("-inf"))
+        vis = j[None, :] <= pos[:, None]
+        if DOCS:
+            vis = vis & (j[None, :] >= start[:, None])
+        s = tl.where(vis, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
-    alpha = tl.exp2(m - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    if DOCS:
+        # a row whose document starts after this tile has seen no key yet: keep exp2 finite
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    alpha = tl.exp2(m - m_use)
+    p = tl.exp2(s - m_use[:, None])
     l = l * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + mm(p.to(vt.dtype), vt)
     return m_new, l, acc
 
 
 @triton.jit
-def dense_fwd_kernel(Q, K, V, O, LSE, T, TK, QOFF, qk_scale,
+def dense_fwd_kernel(Q, K, V, O, LSE, DOC, T, TK, QOFF, qk_scale,
                      HQ: tl.constexpr, HKV: tl.constexpr, H: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, FOR_LOOPS: tl.constexpr):
+                     BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, DOCS: tl.constexpr):
     """o [B, T, HQ, D] (q dtype) and lse [B, T, HQ] (fp32, natural log)."""
     mid = tl.program_id(0)
     bh = tl.program_id(1)
@@ -60,40 +73,49 @@ def dense_fwd_kernel(Q, K, V, O, LSE, T, TK, QOFF, qk_scale,
     l = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, D], tl.float32)
     pos = QOFF + tq
-    # key tiles that end before the tile's first position need no mask (with QOFF = 0 that is
-    # every tile before mid * BM, BM being a multiple of BN)
-    lo = (QOFF + mid * BM) // BN * BN
     hi = QOFF + tl.minimum((mid + 1) * BM, T)
-    if FOR_LOOPS:
-        for k0 in range(0, lo, BN):
-            m, l, acc = _fwd_step(q, K, V, b, g, k0, pos, TK, m, l, acc, qk_scale, HKV, BN, D, False)
-        for k0 in range(lo, hi, BN):
-            m, l, acc = _fwd_step(q, K, V, b, g, k0, pos, TK, m, l, acc, qk_scale, HKV, BN, D, True)
+    if DOCS:
+        # from the tile's first document start on, every tile is masked
+        start, k_first = row_documents(DOC + b * T, tq, qmask, mid * BM, BN)
+        lo = k_first
     else:
-        k0 = lo * 0
+        start = pos
+        k_first = 0
+        # key tiles that end before the tile's first position need no mask (with QOFF = 0 that
+        # is every tile before mid * BM, BM being a multiple of BN)
+        lo = (QOFF + mid * BM) // BN * BN
+    if not INTERPRET:
+        for k0 in range(k_first, lo, BN):
+            m, l, acc = _fwd_step(q, K, V, b, g, k0, pos, start, TK, m, l, acc, qk_scale, HKV, BN, D, False, DOCS)
+        for k0 in range(lo, hi, BN):
+            m, l, acc = _fwd_step(q, K, V, b, g, k0, pos, start, TK, m, l, acc, qk_scale, HKV, BN, D, True, DOCS)
+    else:
+        k0 = lo * 0 + k_first
         while k0 < lo:
-            m, l, acc = _fwd_step(q, K, V, b, g, k0, pos, TK, m, l, acc, qk_scale, HKV, BN, D, False)
+            m, l, acc = _fwd_step(q, K, V, b, g, k0, pos, start, TK, m, l, acc, qk_scale, HKV, BN, D, False, DOCS)
             k0 += BN
         while k0 < hi:
-            m, l, acc = _fwd_step(q, K, V, b, g, k0, pos, TK, m, l, acc, qk_scale, HKV, BN, D, True)
+            m, l, acc = _fwd_step(q, K, V, b, g, k0, pos, start, TK, m, l, acc, qk_scale, HKV, BN, D, True, DOCS)
             k0 += BN
     tl.store(O + row[:, None] * D + d[None, :], (acc / l[:, None]).to(O.dtype.element_ty), mask=qmask[:, None])
-    tl.store(LSE + row, (m + tl.log2(l)) * 0.6931471805599453, mask=qmask)
+    tl.store(LSE + row, (m + tl.log2(l)) * LN2, mask=qmask)
 
 
 @triton.jit
-def _dkdv_step(Q, DO, LSE, DELTA, kt, vt, dk, dv, b, h, m0, j, T, QOFF, qk_scale, HQ: tl.constexpr,
-               BM: tl.constexpr, D: tl.constexpr):
+def _dkdv_step(Q, DO, LSE, DELTA, DOC, kt, vt, dk, dv, b, h, m0, j, T, QOFF, qk_scale, HQ: tl.constexpr,
+               BM: tl.constexpr, D: tl.constexpr, DOCS: tl.constexpr):
     d = tl.arange(0, D)
     tq = m0 + tl.arange(0, BM)
     qmask = tq < T
     row = (b * T + tq) * HQ + h
     q = tl.load(Q + row[:, None] * D + d[None, :], mask=qmask[:, None], other=0.0)
     do = tl.load(DO + row[:, None] * D + d[None, :], mask=qmask[:, None], other=0.0)
-    lse2 = tl.load(LSE + row, mask=qmask, other=0.0) * 1.4426950408889634
+    lse2 = tl.load(LSE + row, mask=qmask, other=0.0) * LOG2E
     delta = tl.load(DELTA + row, mask=qmask, other=0.0)
     s = mm(q, tl.trans(kt)) * qk_scale
     vis = (j[None, :] <= QOFF + tq[:, None]) & qmask[:, None]
+    if DOCS:
+        vis = vis & (j[None, :] >= tl.load(DOC + b * T + tq, mask=qmask, other=0)[:, None])
     p = tl.where(vis, tl.exp2(s - lse2[:, None]), 0.0)
     dv += mm(tl.trans(p.to(do.dtype)), do)
     dp = mm(do, tl.trans(vt))
@@ -103,9 +125,9 @@ def _dkdv_step(Q, DO, LSE, DELTA, kt, vt, dk, dv, b, h, m0, j, T, QOFF, qk_scale
 
 
 @triton.jit
-def dense_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, T, TK, QOFF, qk_scale, sm_scale,
+def dense_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DOC, QEND, T, TK, QOFF, qk_scale, sm_scale,
                           HQ: tl.constexpr, HKV: tl.constexpr, H: tl.constexpr,
-                          BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, FOR_LOOPS: tl.constexpr):
+                          BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, DOCS: tl.constexpr):
     """Per-head shares of dk, dv (fp32 [B, TK, HQ, D]) for one key tile of BN and one query head;
     the caller sums the heads of each group (one program per head keeps the grid wide)."""
     nid = tl.program_id(0)
@@ -123,13 +145,20 @@ def dense_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, T, TK, QOFF, qk_scale
     dv = tl.zeros([BN, D], tl.float32)
     # the first query tile holding a position at or after the key tile's first key
     m_lo = (tl.maximum(nid * BN - QOFF, 0) // BM) * BM
-    if FOR_LOOPS:
-        for m0 in range(m_lo, T, BM):
-            dk, dv = _dkdv_step(Q, DO, LSE, DELTA, kt, vt, dk, dv, b, h, m0, j, T, QOFF, qk_scale, HQ, BM, D)
+    if DOCS:
+        # queries of later documents cannot see the tile
+        m_hi = tl.load(QEND + b * tl.cdiv(TK, BN) + nid)
+    else:
+        m_hi = T
+    if not INTERPRET:
+        for m0 in range(m_lo, m_hi, BM):
+            dk, dv = _dkdv_step(Q, DO, LSE, DELTA, DOC, kt, vt, dk, dv, b, h, m0, j, T, QOFF, qk_scale, HQ, BM, D,
+                                DOCS)
     else:
         m0 = m_lo
-        while m0 < T:
-            dk, dv = _dkdv_step(Q, DO, LSE, DELTA, kt, vt, dk, dv, b, h, m0, j, T, QOFF, qk_scale, HQ, BM, D)
+        while m0 < m_hi:
+            dk, dv = _dkdv_step(Q, DO, LSE, DELTA, DOC, kt, vt, dk, dv, b, h, m0, j, T, QOFF, qk_scale, HQ, BM, D,
+                                DOCS)
             m0 += BM
     out = ((b * TK + j) * HQ + h)[:, None] * D + d[None, :]
     tl.store(DK + out, dk * sm_scale, mask=kmask[:, None])
@@ -137,8 +166,8 @@ def dense_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, T, TK, QOFF, qk_scale
 
 
 @triton.jit
-def _dq_step(K, V, q, do, lse2, delta, dq, b, g, k0, pos, qmask, TK, qk_scale, HKV: tl.constexpr,
-             BN: tl.constexpr, D: tl.constexpr):
+def _dq_step(K, V, q, do, lse2, delta, dq, b, g, k0, pos, start, qmask, TK, qk_scale, HKV: tl.constexpr,
+             BN: tl.constexpr, D: tl.constexpr, DOCS: tl.constexpr):
     d = tl.arange(0, D)
     j = k0 + tl.arange(0, BN)
     kmask = j < TK
@@ -147,6 +176,8 @@ def _dq_step(K, V, q, do, lse2, delta, dq, b, g, k0, pos, qmask, TK, qk_scale, H
     vt = tl.load(V + kv[:, None] + d[None, :], mask=kmask[:, None], other=0.0)
     s = mm(q, tl.trans(kt)) * qk_scale
     vis = (j[None, :] <= pos[:, None]) & qmask[:, None]
+    if DOCS:
+        vis = vis & (j[None, :] >= start[:, None])
     p = tl.where(vis, tl.exp2(s - lse2[:, None]), 0.0)
     dp = mm(do, tl.trans(vt))
     ds = p * (dp - delta[:, None])
@@ -155,9 +186,9 @@ def _dq_step(K, V, q, do, lse2, delta, dq, b, g, k0, pos, qmask, TK, qk_scale, H
 
 
 @triton.jit
-def dense_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, T, TK, QOFF, qk_scale, sm_scale,
+def dense_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DOC, T, TK, QOFF, qk_scale, sm_scale,
                         HQ: tl.constexpr, HKV: tl.constexpr, H: tl.constexpr,
-                        BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, FOR_LOOPS: tl.constexpr):
+                        BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, DOCS: tl.constexpr):
     """dq [B, T, HQ, D] for one query tile of BM and one head."""
     mid = tl.program_id(0)
     bh = tl.program_id(1)
@@ -170,17 +201,22 @@ def dense_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, T, TK, QOFF, qk_scale, sm_s
     row = (b * T + tq) * HQ + h
     q = tl.load(Q + row[:, None] * D + d[None, :], mask=qmask[:, None], other=0.0)
     do = tl.load(DO + row[:, None] * D + d[None, :], mask=qmask[:, None], other=0.0)
-    lse2 = tl.load(LSE + row, mask=qmask, other=0.0) * 1.4426950408889634
+    lse2 = tl.load(LSE + row, mask=qmask, other=0.0) * LOG2E
     delta = tl.load(DELTA + row, mask=qmask, other=0.0)
     dq = tl.zeros([BM, D], tl.float32)
     hi = QOFF + tl.minimum((mid + 1) * BM, T)
     pos = QOFF + tq
-    if FOR_LOOPS:
-        for k0 in range(0, hi, BN):
-            dq = _dq_step(K, V, q, do, lse2, delta, dq, b, g, k0, pos, qmask, TK, qk_scale, HKV, BN, D)
+    if DOCS:
+        start, k_first = row_documents(DOC + b * T, tq, qmask, mid * BM, BN)
     else:
-        k0 = hi * 0
+        start = pos
+        k_first = 0
+    if not INTERPRET:
+        for k0 in range(k_first, hi, BN):
+            dq = _dq_step(K, V, q, do, lse2, delta, dq, b, g, k0, pos, start, qmask, TK, qk_scale, HKV, BN, D, DOCS)
+    else:
+        k0 = hi * 0 + k_first
         while k0 < hi:
-            dq = _dq_step(K, V, q, do, lse2, delta, dq, b, g, k0, pos, qmask, TK, qk_scale, HKV, BN, D)
+            dq = _dq_step(K, V, q, do, lse2, delta, dq, b, g, k0, pos, start, qmask, TK, qk_scale, HKV, BN, D, DOCS)
             k0 += BN
     tl.store(DQ + row[:, None] * D + d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty), mask=qmask[:, None])

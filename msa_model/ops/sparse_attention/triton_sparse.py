@@ -1,13 +1,13 @@
 """Triton kernels of sparse attention over selected key blocks, KV-outer with query gathering.
 
 Every (query, group, slot) triple that names a key block is one *entry*. Entries are sorted by
-(query chunk, batch, group, block) into *buckets* (the inverse block -> queries index). One program takes a
-run of tiles of one bucket (a *work item*): it loads the key/value block once and multiplies it
-against each tile of QT gathered queries x H heads = R matrix rows. Forward programs write a
-normalised partial output and a partial lse per entry, and a combine kernel merges each query's K
-partials (no atomics, any block popularity). The backward walks the same buckets: dK/dV
-accumulate in registers over the work item, dQ partials are written per entry and summed per
-query; everything is deterministic.
+(query chunk, batch, group, block) into *buckets* (the inverse block -> queries index of
+ops/inverse_index.py). One program takes a run of tiles of one bucket (a *work item*): it loads
+the key/value block once and multiplies it against each tile of QT gathered queries x H heads =
+R matrix rows. Forward programs write a normalised partial output and a partial lse per entry,
+and a combine kernel merges each query's K partials (no atomics, any block popularity). The
+backward walks the same buckets: dK/dV accumulate in registers over the work item, dQ partials
+are written per entry and summed per query; everything is deterministic.
 
 B = batch, T = queries, TK = keys (query t sits at position QOFF + t; TK = QOFF + T), C = queries
 of the current chunk, G = key/value heads (groups), H = query heads per group (HP: next power of
@@ -16,31 +16,47 @@ two), K = top-k slots, N = key blocks, BS = block size, D = head dim, E = entrie
 The inverse index lists entries by their id over all queries, ((b*T + t)*G + g)*K + slot (the
 flat index into block_idx [B, T, G, K]); a chunk's partial buffers are indexed by its own
 triple id ((b*C + c)*G + g)*K + slot, c = t - t0.
+With packed documents (DOCS) a bucket's block n is an entry of the document block table: its
+keys are BSTART[b, n] .. BEND[b, n] - 1 (see ops/inverse_index.py); without, n*BS .. TK - 1
+capped at BS keys.
 """
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-# Triton's interpreter multiplies bf16 tiles wrongly (it reads them as raw 16-bit integers), so
-# there bf16 operands are widened to fp32 first; compiled kernels multiply bf16 natively
-INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+from ..inverse_index import decode_bucket
+from ..triton_utils import INTERPRET, LN2, LOG2E, mm
 
 
 @triton.jit
-def mm(a, b):
-    """tl.dot(a, b) with an fp32 accumulator."""
-    if INTERPRET:
-        if a.dtype == tl.bfloat16:
-            return tl.dot(a.to(tl.float32), b.to(tl.float32))
-        else:
-            return tl.dot(a, b)
+def _block_keys(b, n, TK, NBLK, BSTART, BEND, BS: tl.constexpr, DOCS: tl.constexpr):
+    """Positions j [BS] of block n of row b and the end of its keys (j < end are present)."""
+    if DOCS:
+        j = tl.load(BSTART + b * NBLK + n) + tl.arange(0, BS)
+        end = tl.load(BEND + b * NBLK + n)
     else:
-        return tl.dot(a, b)
+        j = n * BS + tl.arange(0, BS)
+        end = TK
+    return j, end
+
+
+@triton.jit
+def _kv_block(K, V, bucket, TK, NBLK, BSTART, BEND, HKV: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
+              DOCS: tl.constexpr):
+    """The key/value block of a work item's bucket: its batch b (int64), group g, key positions
+    j [BS] and the key and value rows kt, vt [BS, D] (zero where a key is not in the block).
+    Keys past the block's end are later than every query that selected it, so the causal mask
+    keeps them out of the scores."""
+    b, g, n = decode_bucket(bucket, NBLK, HKV)
+    b = b.to(tl.int64)
+    d = tl.arange(0, D)
+    j, end = _block_keys(b, n, TK, NBLK, BSTART, BEND, BS, DOCS)
+    kv = ((b * TK + j) * HKV + g) * D
+    kt = tl.load(K + kv[:, None] + d[None, :], mask=(j < end)[:, None], other=0.0)
+    vt = tl.load(V + kv[:, None] + d[None, :], mask=(j < end)[:, None], other=0.0)
+    return b, g, j, kt, vt
 
 
 @triton.jit
@@ -79,15 +95,14 @@ def _fwd_tile(Q, PO, PLSE, ENTRY, kt, vt, j, b, g, start, i0, count, T, C, t0, Q
     o = mm(p.to(vt.dtype), vt) * (1.0 / l_safe)[:, None]
     part = trip * H + hh
     tl.store(PO + part[:, None] * D + d[None, :], o.to(PO.dtype.element_ty), mask=row_ok[:, None])
-    tl.store(PLSE + part, (m + tl.log2(l_safe)) * 0.6931471805599453, mask=row_ok)
+    tl.store(PLSE + part, (m + tl.log2(l_safe)) * LN2, mask=row_ok)
 
 
 @triton.jit
-def sparse_fwd_kernel(Q, K, V, PO, PLSE, ENTRY, ITEM_BUCKET, ITEM_START, ITEM_COUNT,
+def sparse_fwd_kernel(Q, K, V, PO, PLSE, ENTRY, ITEM_BUCKET, ITEM_START, ITEM_COUNT, BSTART, BEND,
                       T, TK, C, t0, QOFF, NBLK, qk_scale,
                       HQ: tl.constexpr, HKV: tl.constexpr, SLOTS: tl.constexpr, H: tl.constexpr,
-                      HP: tl.constexpr, QT: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
-                      FOR_LOOPS: tl.constexpr):
+                      HP: tl.constexpr, QT: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, DOCS: tl.constexpr):
     """One work item (a run of tiles of one bucket; the key/value block is loaded once): partial o
     (normalised, PO [E, H, D]) and lse (PLSE [E, H], natural log) of each entry."""
     pid = tl.program_id(0)
@@ -96,17 +111,10 @@ def sparse_fwd_kernel(Q, K, V, PO, PLSE, ENTRY, ITEM_BUCKET, ITEM_START, ITEM_CO
         return
     start = tl.load(ITEM_START + pid)
     count = tl.load(ITEM_COUNT + pid)
-    n = bucket % NBLK
-    g = (bucket // NBLK) % HKV
-    b = (bucket // (NBLK * HKV)).to(tl.int64)
-    d = tl.arange(0, D)
-    j = n * BS + tl.arange(0, BS)
-    kv = ((b * TK + j) * HKV + g) * D
-    kt = tl.load(K + kv[:, None] + d[None, :], mask=(j < TK)[:, None], other=0.0)
-    vt = tl.load(V + kv[:, None] + d[None, :], mask=(j < TK)[:, None], other=0.0)
+    b, g, j, kt, vt = _kv_block(K, V, bucket, TK, NBLK, BSTART, BEND, HKV, BS, D, DOCS)
     # a for loop is software-pipelined (the next tile's gathered queries load during this one's
-    # products); Triton's interpreter cannot take a loaded bound in range(), so it gets a while loop
-    if FOR_LOOPS:
+    # products); the interpreter takes the while loop (triton_utils)
+    if not INTERPRET:
         for i0 in range(0, count, QT):
             _fwd_tile(Q, PO, PLSE, ENTRY, kt, vt, j, b, g, start, i0, count, T, C, t0, QOFF, qk_scale,
                       HQ, HKV, SLOTS, H, HP, QT, D)
@@ -160,14 +168,14 @@ def _bwd_tile(Q, DO, LSE, DELTA, DQP, ENTRY, kt, vt, dk, dv, j, b, g, start, i0,
     """QT entries of one bucket: dK/dV accumulate into dk, dv [BS, D]; dQ partials are stored.
 
     Score tiles are computed transposed, [keys, rows] (S^T = K Q^T, ...): the block's keys are the
-    products' M dimension, so a small tile of rows keeps them small in registers (measured at 128K,
-    2026-11-29: 172 ms fwd+bwd against 200 ms with rows as M)."""
+    products' M dimension, so a small tile of rows keeps them small in registers (faster than rows
+    as M: bench/RESULTS.md, "Figures behind code choices")."""
     hh, row_ok, trip, t = _tile_rows(ENTRY, start, i0, count, b, T, C, t0, HKV, SLOTS, H, HP, QT)
     d = tl.arange(0, D)
     row = (b * T + t) * HQ + g * H + hh
     q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
     do = tl.load(DO + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
-    lse2 = tl.load(LSE + row, mask=row_ok, other=0.0) * 1.4426950408889634
+    lse2 = tl.load(LSE + row, mask=row_ok, other=0.0) * LOG2E
     delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
     st = mm(kt, tl.trans(q)) * qk_scale
     vis = (j[:, None] <= QOFF + t[None, :]) & row_ok[None, :]
@@ -183,10 +191,9 @@ def _bwd_tile(Q, DO, LSE, DELTA, DQP, ENTRY, kt, vt, dk, dv, j, b, g, start, i0,
 
 @triton.jit
 def sparse_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQP, DKP, DVP, ENTRY, ITEM_BUCKET, ITEM_START, ITEM_COUNT,
-                      T, TK, C, t0, QOFF, NBLK, qk_scale, sm_scale,
+                      BSTART, BEND, T, TK, C, t0, QOFF, NBLK, qk_scale, sm_scale,
                       HQ: tl.constexpr, HKV: tl.constexpr, SLOTS: tl.constexpr, H: tl.constexpr,
-                      HP: tl.constexpr, QT: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
-                      FOR_LOOPS: tl.constexpr):
+                      HP: tl.constexpr, QT: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, DOCS: tl.constexpr):
     """One work item (a run of tiles of one bucket): dK/dV partials [items, BS, D] (fp32), dQ partials
     per entry (DQP [E, H, D], input dtype, scaled)."""
     pid = tl.program_id(0)
@@ -195,17 +202,10 @@ def sparse_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQP, DKP, DVP, ENTRY, ITEM_BUCKET
         return
     start = tl.load(ITEM_START + pid)
     count = tl.load(ITEM_COUNT + pid)
-    n = bucket % NBLK
-    g = (bucket // NBLK) % HKV
-    b = (bucket // (NBLK * HKV)).to(tl.int64)
-    d = tl.arange(0, D)
-    j = n * BS + tl.arange(0, BS)
-    kv = ((b * TK + j) * HKV + g) * D
-    kt = tl.load(K + kv[:, None] + d[None, :], mask=(j < TK)[:, None], other=0.0)
-    vt = tl.load(V + kv[:, None] + d[None, :], mask=(j < TK)[:, None], other=0.0)
+    b, g, j, kt, vt = _kv_block(K, V, bucket, TK, NBLK, BSTART, BEND, HKV, BS, D, DOCS)
     dk = tl.zeros([BS, D], tl.float32)
     dv = tl.zeros([BS, D], tl.float32)
-    if FOR_LOOPS:  # pipelined; the interpreter needs the while loop (see sparse_fwd_kernel)
+    if not INTERPRET:  # pipelined; the interpreter takes the while loop
         for i0 in range(0, count, QT):
             dk, dv = _bwd_tile(Q, DO, LSE, DELTA, DQP, ENTRY, kt, vt, dk, dv, j, b, g, start, i0, count, T, C, t0,
                                QOFF, qk_scale, sm_scale, HQ, HKV, SLOTS, H, HP, QT, D)
@@ -215,29 +215,35 @@ def sparse_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQP, DKP, DVP, ENTRY, ITEM_BUCKET
             dk, dv = _bwd_tile(Q, DO, LSE, DELTA, DQP, ENTRY, kt, vt, dk, dv, j, b, g, start, i0, count, T, C, t0,
                                QOFF, qk_scale, sm_scale, HQ, HKV, SLOTS, H, HP, QT, D)
             i0 += QT
+    d = tl.arange(0, D)
     out = pid.to(tl.int64) * BS * D + tl.arange(0, BS)[:, None] * D + d[None, :]
     tl.store(DKP + out, dk * sm_scale)
     tl.store(DVP + out, dv)
 
 
 @triton.jit
-def sparse_bwd_reduce_kernel(DKP, DVP, DK, DV, ITEM_FIRST, ITEM_NUM, TK, NBLK,
-                             HKV: tl.constexpr, BS: tl.constexpr, RB: tl.constexpr, D: tl.constexpr):
+def sparse_bwd_reduce_kernel(DKP, DVP, DK, DV, ITEM_FIRST, ITEM_NUM, BSTART, BEND, TK, NBLK,
+                             HKV: tl.constexpr, BS: tl.constexpr, RB: tl.constexpr, D: tl.constexpr,
+                             DOCS: tl.constexpr):
     """dK/dV (fp32 [B, TK, G, D], accumulated across query chunks) += the work items of one bucket,
-    in order (deterministic)."""
+    in order (deterministic). Only the block's own keys are written: another bucket owns the
+    rest, and a read-modify-write of its rows here would race with it."""
     bucket = tl.program_id(0)
     nitem = tl.load(ITEM_NUM + bucket)
     if nitem == 0:
         return
     first = tl.load(ITEM_FIRST + bucket)
-    n = bucket % NBLK
-    g = (bucket // NBLK) % HKV
-    b = (bucket // (NBLK * HKV)).to(tl.int64)
+    b, g, n = decode_bucket(bucket, NBLK, HKV)
+    b = b.to(tl.int64)
     rr = tl.program_id(1) * RB + tl.arange(0, RB)
     d = tl.arange(0, D)
-    j = n * BS + rr
+    if DOCS:
+        j = tl.load(BSTART + b * NBLK + n) + rr
+        jmask = (j < tl.load(BEND + b * NBLK + n))[:, None]
+    else:
+        j = n * BS + rr
+        jmask = (j < TK)[:, None]
     dst = ((b * TK + j) * HKV + g)[:, None] * D + d[None, :]
-    jmask = (j < TK)[:, None]
     acc_k = tl.load(DK + dst, mask=jmask, other=0.0)
     acc_v = tl.load(DV + dst, mask=jmask, other=0.0)
     it = first.to(tl.int64)

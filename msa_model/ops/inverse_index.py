@@ -1,0 +1,180 @@
+"""The inverse (key block -> queries) index that the key-outer kernels walk, its schedule, and the
+key blocks of packed documents.
+
+sparse_attention and indexer_kl both read each selected key block once and gather the queries
+that selected it. Each `(query, group, slot)` naming a block is an *entry*; entries are sorted by
+*bucket* `(query chunk, b, g, n)`, and a *work item* (one program) is a run of at most
+`per_program` entries of one bucket. Plain torch, no host synchronisation: tile lists are sized
+by an upper bound, and spare programs exit.
+
+Packed documents (`doc_start`): a query's block ids count from its document's first token, so
+the same id names different keys in different documents. The key blocks of a row's documents
+are then listed in a table (`DocumentBlocks`), one entry per (document, document-relative block)
+with the block's first and last key, and buckets name table entries instead of block ids: the
+kernels read "the keys start .. end - 1" where without documents they read block n's keys,
+start = n * block_size. Documents share no keys, so the table's blocks never overlap.
+
+B = batch, T = queries (query t at position q_offset + t), G = groups, K = top-k slots,
+N = key blocks, E = entries (B*T*G*K), S = query chunks, P = programs per chunk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+def clean_block_idx(block_idx_BTGK: torch.Tensor, block_size: int, q_offset: int = 0,
+                    doc_start_BT: torch.Tensor | None = None) -> torch.Tensor:
+    """int32 [B, T, G, K] with set semantics made explicit: slots that repeat a block, name a block
+    after the query's own (no causal key) or hold -1 become -1; the rest are sorted ascending.
+    Query t sits at position q_offset + t; with doc_start its blocks count from its document's start."""
+    B, T = block_idx_BTGK.shape[:2]
+    idx = block_idx_BTGK.to(torch.int32)
+    pos_T = torch.arange(q_offset, q_offset + T, device=idx.device, dtype=torch.int32)
+    if doc_start_BT is None:
+        local_T = (pos_T // block_size)[None, :, None, None]
+    else:
+        local_T = ((pos_T[None, :] - doc_start_BT.to(torch.int32)) // block_size)[:, :, None, None]
+    idx = torch.where((idx < 0) | (idx > local_T), -1, idx)
+    idx, _ = idx.sort(dim=-1)
+    dup = torch.zeros_like(idx, dtype=torch.bool)
+    dup[..., 1:] = idx[..., 1:] == idx[..., :-1]
+    return torch.where(dup, -1, idx).contiguous()
+
+
+@dataclass
+class InverseIndex:
+    """Entries grouped by bucket (query chunk, b, g, n), bucket id ((chunk*B + b)*G + g)*N + n;
+    chunk = t // chunk_size (one chunk: chunk_size = T).
+
+    entry: int32 [E] triple ids ((b*T + t)*G + g)*K + slot, sorted by bucket, then by query.
+    start, count: int64 [n_chunks*B*G*N] each bucket's range in `entry`.
+    """
+
+    entry: torch.Tensor
+    start: torch.Tensor
+    count: torch.Tensor
+    n_blocks: int
+    n_chunks: int = 1
+    chunk_size: int = 0  # queries per chunk (the last may have fewer)
+    chunk_entries: int = 0  # entries of a whole chunk, B*chunk_size*G*K (an upper bound per chunk)
+
+
+@dataclass
+class DocumentBlocks:
+    """The key blocks of packed documents, for the queries of one call.
+
+    Each row's documents (those its queries belong to) list their blocks in order: document d,
+    starting at position s, has blocks n = 0 .. (last query of d - s) // block_size, keys
+    s + n*block_size .. min(s + (n+1)*block_size, end of d) - 1.
+
+    base: int32 [B, T] table id of block 0 of query t's document (its block n is base + n).
+    start, end: int32 [B, N] first and one-past-last key position of each table block; ids past a
+    row's last block have start = end = 0 (no keys).
+    n_blocks: N, the longest row's block count.
+    """
+
+    base: torch.Tensor
+    start: torch.Tensor
+    end: torch.Tensor
+    n_blocks: int
+
+
+def document_blocks(doc_start_BT: torch.Tensor, block_size: int, q_offset: int = 0) -> DocumentBlocks:
+    """The block table of doc_start int [B, T] (query t at position q_offset + t). Its size is read
+    back to the host: one synchronisation."""
+    B, T = doc_start_BT.shape
+    dev = doc_start_BT.device
+    s_BT = doc_start_BT.long()
+    pos_T = torch.arange(q_offset, q_offset + T, device=dev)
+    last_BT = torch.ones(B, T, dtype=torch.bool, device=dev)
+    last_BT[:, :-1] = s_BT[:, 1:] != s_BT[:, :-1]
+    # each document's block count, at its last query
+    nblk_BT = torch.where(last_BT, (pos_T - s_BT) // block_size + 1, 0)
+    ends_BT = torch.cumsum(nblk_BT, 1)
+    base_BT = ends_BT - nblk_BT
+    n = int(ends_BT[:, -1].max()) if T else 0
+    m_BN = torch.arange(n, device=dev).expand(B, n).contiguous()
+    # the document holding table block m ends at the first query whose running count exceeds m
+    t_BN = torch.searchsorted(ends_BT, m_BN, right=True)
+    used_BN = t_BN < T
+    t_BN = t_BN.clamp(max=max(T - 1, 0))
+    start_BN = s_BT.gather(1, t_BN) + (m_BN - base_BT.gather(1, t_BN)) * block_size
+    end_BN = torch.minimum(start_BN + block_size, q_offset + t_BN + 1)
+    zero = torch.zeros_like(start_BN)
+    return DocumentBlocks(base_BT.to(torch.int32), torch.where(used_BN, start_BN, zero).to(torch.int32).contiguous(),
+                          torch.where(used_BN, end_BN, zero).to(torch.int32).contiguous(), n)
+
+
+def query_ends(doc_start_BT: torch.Tensor, TK: int, tile: int) -> torch.Tensor:
+    """int32 [B, cdiv(TK, tile)]: for each key tile of `tile` keys, the first query whose document
+    starts after the tile's last key; it and later queries cannot see the tile (dense kernels
+    that loop over queries per key tile stop there). doc_start int32 [B, T], non-decreasing."""
+    last = (torch.arange(triton.cdiv(TK, tile), device=doc_start_BT.device) + 1) * tile - 1
+    last = last.clamp(max=TK - 1).to(doc_start_BT.dtype).expand(doc_start_BT.shape[0], -1).contiguous()
+    return torch.searchsorted(doc_start_BT, last, right=True).to(torch.int32).contiguous()
+
+
+def build_inverse_index(idx_BTGK: torch.Tensor, n_blocks: int, chunk_size: int = 0,
+                        base_BT: torch.Tensor | None = None) -> InverseIndex:
+    """Inverse (block -> queries) index of a cleaned block_idx (see `clean_block_idx`), bucketed
+    per chunk of `chunk_size` queries (0: one chunk). One sort serves every chunk, so a chunk
+    costs its launches alone. With packed documents `base_BT` (`DocumentBlocks.base`) turns
+    document-relative ids into table ids, and n_blocks is the table's size."""
+    B, T, G, K = idx_BTGK.shape
+    chunk_size = T if chunk_size <= 0 else min(chunk_size, T)
+    n_chunks = triton.cdiv(T, chunk_size)
+    nb = n_chunks * B * G * n_blocks
+    dev = idx_BTGK.device
+    chunk_T = torch.arange(T, device=dev) // chunk_size
+    bucket = ((chunk_T[None, :, None] * B + torch.arange(B, device=dev)[:, None, None]) * G
+              + torch.arange(G, device=dev)[None, None, :])[..., None] * n_blocks
+    if base_BT is not None:
+        bucket = bucket + base_BT[:, :, None, None]
+    key = torch.where(idx_BTGK >= 0, bucket + idx_BTGK, nb).flatten()
+    # stable: the flat order is query-major, so each bucket lists its queries in order
+    key_sorted, entry = torch.sort(key, stable=True)
+    # bucket ranges by binary search in the sorted keys (a histogram would serialise on the
+    # atomics of popular blocks)
+    bounds = torch.searchsorted(key_sorted, torch.arange(nb + 1, device=key.device, dtype=key.dtype))
+    start = bounds[:-1]
+    count = bounds[1:] - start
+    return InverseIndex(entry.to(torch.int32), start, count, n_blocks, n_chunks, chunk_size, B * chunk_size * G * K)
+
+
+def schedule(index: InverseIndex, per_program: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split every bucket into runs of at most `per_program` entries, one per program.
+
+    Returns int32 (bucket, start, count), each [n_chunks, P]: row c holds chunk c's programs, P an
+    upper bound (no host synchronisation), bucket the chunk's own bucket id (b*G + g)*N + n, or -1
+    for spare programs. Runs of one bucket are consecutive.
+    """
+    S = index.n_chunks
+    nb = index.count.numel()
+    per_chunk = nb // S
+    runs = (index.count + per_program - 1) // per_program
+    ends = torch.cumsum(runs, 0)
+    P = triton.cdiv(max(index.chunk_entries, 1), per_program) + per_chunk
+    first = (ends - runs).view(S, per_chunk)[:, :1]  # the chunk's first run, over all chunks
+    last = ends.view(S, per_chunk)[:, -1:]
+    run = first + torch.arange(P, device=runs.device)[None, :]
+    ok = run < last
+    bucket = torch.searchsorted(ends, run.flatten(), right=True).view(S, P).clamp(max=nb - 1)
+    within = run - (ends[bucket] - runs[bucket])
+    start = index.start[bucket] + within * per_program
+    count = (index.count[bucket] - within * per_program).clamp(0, per_program)
+    local = bucket - torch.arange(S, device=runs.device)[:, None] * per_chunk
+    return (torch.where(ok, local, -1).to(torch.int32), start.to(torch.int32), count.to(torch.int32))
+
+
+@triton.jit
+def decode_bucket(bucket, N, G: tl.constexpr):
+    """(b, g, n) of a chunk's bucket id (b*G + g)*N + n."""
+    n = bucket % N
+    g = (bucket // N) % G
+    b = bucket // (N * G)
+    return b, g, n

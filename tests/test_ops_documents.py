@@ -1,0 +1,260 @@
+"""Packed documents (`doc_start`): every document is its own sequence.
+
+A packed row must give exactly what running its documents one by one gives: the same selected
+(document-relative) blocks, outputs, KL (the mean over every token) and gradients; query slices
+with `q_offset` (context parallelism) must equal the rows of the whole call; the Triton kernels
+(Triton's interpreter on CPU) must match the reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from msa_model.ops import indexer_kl_loss, msa_attention, select_blocks, sparse_attention
+
+HQ, HKV, D, DI = 4, 2, 16, 8
+# documents of each row: shorter than a block, a single token, longer than several blocks
+DOCS = [[20, 3, 38], [9, 1, 17, 34]]
+T = 61
+
+
+def doc_starts(lengths_per_row) -> torch.Tensor:
+    """int32 [B, T]: the first position of each token's document."""
+    rows = []
+    for lengths in lengths_per_row:
+        row, pos = [], 0
+        for n in lengths:
+            row += [pos] * n
+            pos += n
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.int32)
+
+
+def spans(lengths):
+    out, pos = [], 0
+    for n in lengths:
+        out.append((pos, pos + n))
+        pos += n
+    return out
+
+
+def inputs(seed=0, dtype=torch.float64, B=2, T=T, Hq=HQ, G=HKV, d=D, di=DI, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).to(device, dtype)  # noqa: E731
+    return mk(B, T, Hq, d), mk(B, T, G, d), mk(B, T, G, d), mk(B, T, G, di) * 2, mk(B, T, di)
+
+
+@pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense"])
+@pytest.mark.parametrize("force_sink", [False, True])
+def test_packed_rows_equal_documents_run_alone(dense, force_sink):
+    bs, topk = 8, 3
+    leaves = [x.requires_grad_() for x in inputs()]
+    q, k, v, iq, ik = leaves
+    w = torch.randn(q.shape, generator=torch.Generator().manual_seed(1), dtype=q.dtype)
+    ds = doc_starts(DOCS)
+    o, kl, idx = msa_attention(q, k, v, iq, ik, bs, topk, dense=dense, force_sink=force_sink, backend="reference",
+                               return_block_idx=True, doc_start=ds)
+    grads = torch.autograd.grad((o * w).sum() + 3.0 * kl, leaves)
+
+    kl_docs, loss_docs = 0.0, 0.0
+    for b, lengths in enumerate(DOCS):
+        for a, e in spans(lengths):
+            part = [x[b:b + 1, a:e] for x in leaves]
+            o_d, kl_d, idx_d = msa_attention(*part, bs, topk, dense=dense, force_sink=force_sink, backend="reference",
+                                             return_block_idx=True)
+            torch.testing.assert_close(o[b:b + 1, a:e], o_d, rtol=1e-12, atol=1e-12)
+            if not dense:
+                assert torch.equal(idx[b:b + 1, a:e], idx_d), (b, a, e)
+            # the packed KL is the mean over every token of the batch
+            share = (e - a) / (len(DOCS) * T)
+            kl_docs = kl_docs + kl_d * share
+            loss_docs = loss_docs + (o_d * w[b:b + 1, a:e]).sum() + 3.0 * kl_d * share
+    torch.testing.assert_close(kl, kl_docs, rtol=1e-12, atol=1e-12)
+    for name, x, r in zip("q k v iq ik".split(), grads, torch.autograd.grad(loss_docs, leaves)):
+        torch.testing.assert_close(x, r, rtol=1e-10, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense"])
+def test_query_slices_with_documents_match_the_full_call(dense):
+    """Context parallelism: slices of the queries (q_offset, doc_start sliced alike) against the
+    whole keys give the rows of the one call, documents crossing the cuts included."""
+    bs, topk = 8, 3
+    q, k, v, iq, ik = inputs(seed=2)
+    ds = doc_starts(DOCS)
+    o, kl, idx = msa_attention(q, k, v, iq, ik, bs, topk, dense=dense, backend="reference", return_block_idx=True,
+                               doc_start=ds)
+    total = 0.0
+    for t0, t1 in [(0, 16), (45, 61), (16, 30), (30, 45)]:
+        o_p, kl_p, idx_p = msa_attention(q[:, t0:t1], k, v, iq[:, t0:t1], ik, bs, topk, dense=dense,
+                                         backend="reference", return_block_idx=True, q_offset=t0,
+                                         doc_start=ds[:, t0:t1])
+        torch.testing.assert_close(o_p, o[:, t0:t1], rtol=1e-12, atol=1e-12)
+        if not dense:
+            assert torch.equal(idx_p, idx[:, t0:t1])
+        total = total + kl_p * (t1 - t0) / T
+    torch.testing.assert_close(total, kl, rtol=1e-12, atol=1e-12)
+
+
+def test_one_document_per_row_is_the_default():
+    """doc_start of all zeros is one document per row: the same numbers as doc_start=None."""
+    q, k, v, iq, ik = inputs(seed=3)
+    zeros = torch.zeros(2, T, dtype=torch.int32)
+    for dense in (False, True):
+        a = msa_attention(q, k, v, iq, ik, 8, 3, dense=dense, backend="reference", return_block_idx=True)
+        b = msa_attention(q, k, v, iq, ik, 8, 3, dense=dense, backend="reference", return_block_idx=True,
+                          doc_start=zeros)
+        for x, y in zip(a, b):
+            assert (x is None and y is None) or torch.equal(x, y)
+
+
+def test_bad_doc_start_is_refused():
+    q, k, v, iq, ik = inputs()
+    ds = doc_starts(DOCS)
+    with pytest.raises(ValueError, match="doc_start must be"):
+        sparse_attention(q, k, v, None, 8, backend="reference", doc_start=ds[:, :10])
+    with pytest.raises(TypeError, match="int32 or int64"):
+        select_blocks(iq, ik, 8, 3, backend="reference", doc_start=ds.float())
+    future = ds.clone()
+    future[0, 5] = 6
+    with pytest.raises(ValueError, match="outside"):
+        select_blocks(iq, ik, 8, 3, backend="reference", doc_start=future)
+    gap = ds.clone()
+    gap[1, 30:] = 29  # a document "starting" at a position none of its queries holds
+    with pytest.raises(ValueError, match="consecutive documents"):
+        msa_attention(q, k, v, iq, ik, 8, 3, backend="reference", doc_start=gap)
+    # the same starts from the data pipeline pass unchecked (no host synchronisation)
+    msa_attention(q, k, v, iq, ik, 8, 3, backend="reference", doc_start=gap, check_ids=False)
+
+
+# The Triton kernels (Triton's interpreter on CPU) against the reference with documents. fp32 runs
+# only in the interpreter (its bf16 dot is emulated), bf16 is checked against PyTorch's own bf16
+# error as the other kernel tests do; outputs and partial buffers start as NaN.
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def random_doc_block_idx(ds, G, K, bs, gen, q_offset=0):
+    """Random document-relative sets: the local block in slot 0, -1 slots, repeats and a block
+    after the query's own (which reads nothing)."""
+    B, T = ds.shape
+    local = ((q_offset + torch.arange(T))[None, :] - ds.long()) // bs
+    idx = (torch.rand(B, T, G, K, generator=gen) * (local[..., None, None] + 1)).long()
+    idx[..., 0] = local[..., None]
+    idx = torch.where(torch.rand(B, T, G, K, generator=gen) < 0.2, -1, idx)
+    idx[:, ::3, :, 1] = idx[:, ::3, :, 0]
+    idx[:, 1::5, :, K - 1] = local[:, 1::5, None] + 1
+    return idx.to(torch.int32)
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Uninitialised buffers of the launchers hold NaN (floats) or garbage (ints)."""
+    from msa_model.ops.indexer_kl import triton as kl_triton
+    from msa_model.ops.sparse_attention import triton as sa_triton
+    from test_sparse_attention_triton import _PoisonedTorch
+
+    for module in (sa_triton, kl_triton):
+        monkeypatch.setattr(module, "torch", _PoisonedTorch())
+
+
+@pytest.mark.parametrize("G,bs,topk,force_sink,q0", [(1, 16, 2, False, 0), (3, 16, 3, True, 0), (2, 32, 2, False, 29)])
+def test_triton_select_blocks_with_documents(G, bs, topk, force_sink, q0):
+    _, _, _, iq, ik = inputs(seed=4, dtype=torch.float32, G=G, di=16, device=DEV)
+    ds = doc_starts(DOCS).to(DEV)[:, q0:]
+    kw = dict(block_size=bs, topk=topk, force_sink=force_sink, q_offset=q0, doc_start=ds)
+    got = select_blocks(iq[:, q0:], ik, backend="triton", **kw)
+    want = select_blocks(iq[:, q0:], ik, backend="reference", **kw)
+    assert torch.equal(got.sort(-1).values, want.sort(-1).values)
+
+
+def _attention(q, k, v, idx, ds, bs, backend, q0, w, dt):
+    q, k, v = (x.detach().to(dt).requires_grad_() for x in (q, k, v))
+    o, lse = sparse_attention(q, k, v, idx, bs, backend=backend, q_offset=q0, doc_start=ds)
+    return (o, lse, *torch.autograd.grad((o.float() * w).sum(), (q, k, v)))
+
+
+# (Hq, G, q_offset, dtype): GQA 2 and 3 heads per group, a query slice starting inside a document
+ATTENTION_CASES = ([(4, 2, 0, torch.float32), (6, 2, 23, torch.float32), (4, 2, 0, torch.bfloat16)] if not CUDA
+                   else [(4, 2, 0, torch.bfloat16), (6, 2, 23, torch.bfloat16)])
+
+
+@pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense"])
+@pytest.mark.parametrize("Hq,G,q0,dtype", ATTENTION_CASES, ids=lambda c: str(c))
+def test_triton_sparse_attention_with_documents(Hq, G, q0, dtype, dense, poisoned):
+    bs = 16
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, _, _ = inputs(seed=5, dtype=torch.float32, Hq=Hq, G=G, device=DEV)
+    ds = doc_starts(DOCS)[:, q0:]
+    idx = None if dense else random_doc_block_idx(ds, G, 4, bs, gen, q0).to(DEV)
+    ds = ds.to(DEV)
+    w = torch.randn(q[:, q0:].shape, generator=gen).to(DEV)
+    args = (q[:, q0:], k, v, idx, ds, bs)
+    out = _attention(*args, "triton", q0, w, dtype)
+    truth = _attention(*args, "reference", q0, w, torch.float64)
+    names = ("o", "lse", "dq", "dk", "dv")
+    for name, x in zip(names, out):
+        assert not torch.isnan(x).any(), name
+    # rows whose slots name no causal block have an empty support: lse = -inf in both
+    empty = torch.isinf(truth[1])
+    assert (dense or empty.any()) and torch.equal(torch.isinf(out[1]), empty)
+    out, truth = list(out), list(truth)
+    out[1], truth[1] = out[1][~empty], truth[1][~empty]
+    if dtype == torch.float32:
+        for name, x, r in zip(names, out, truth):
+            assert rel(x, r) < 1e-5, (name, rel(x, r))
+        return
+    from msa_model.ops.sparse_attention.reference import sparse_attention_reference
+
+    # PyTorch computing the same in bf16: the yardstick of the kernel's error
+    qq, kk, vv = (x.detach().to(dtype).requires_grad_() for x in (q[:, q0:], k, v))
+    o, lse = sparse_attention_reference(qq, kk, vv, idx, bs, D ** -0.5, upcast=False, q_offset=q0, doc_start=ds)
+    base = (o, lse[~empty], *torch.autograd.grad((o.float() * w).sum(), (qq, kk, vv)))
+    for name, x, b, r in zip(names, out, base, truth):
+        assert rel(x, r) <= 2 * rel(b, r) + 1e-6, (name, rel(x, r), rel(b, r))
+
+
+@pytest.mark.parametrize("dense,teacher_bytes", [(False, None), (False, 0), (True, None)],
+                         ids=["sparse-stored", "sparse-recompute", "dense"])
+@pytest.mark.parametrize("Hq,G,q0", [(4, 2, 0), (6, 3, 23)])
+def test_triton_indexer_kl_with_documents(Hq, G, q0, dense, teacher_bytes):
+    from msa_model.ops.indexer_kl.triton import DEFAULT_TUNING
+
+    tuning = DEFAULT_TUNING if teacher_bytes is None else dataclasses.replace(DEFAULT_TUNING, teacher_bytes=0)
+    bs, topk = 16, 2
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    q, k, v, iq, ik = inputs(seed=6, dtype=dtype, Hq=Hq, G=G, di=16, device=DEV)
+    ds = doc_starts(DOCS).to(DEV)[:, q0:]
+    idx = None if dense else select_blocks(iq[:, q0:], ik, bs, topk, backend="reference", q_offset=q0, doc_start=ds)
+    _, lse = sparse_attention(q[:, q0:], k, v, idx, bs, backend="reference", q_offset=q0, doc_start=ds)
+    outs = []
+    for backend in ("triton", "reference"):
+        a, b = (x.detach().clone().requires_grad_() for x in (iq[:, q0:], ik))
+        kl = indexer_kl_loss(q[:, q0:], k, a, b, idx, lse, bs, backend=backend, q_offset=q0, doc_start=ds,
+                             tuning=tuning)
+        outs.append((kl, *torch.autograd.grad(kl, (a, b))))
+    (kl, diq, dik), (kl_ref, diq_ref, dik_ref) = outs
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert abs(float(kl) - float(kl_ref)) <= tol * abs(float(kl_ref))
+    assert rel(diq, diq_ref) < 2 * tol and rel(dik, dik_ref) < 2 * tol, (rel(diq, diq_ref), rel(dik, dik_ref))
+
+
+def test_triton_one_document_per_row_is_the_default():
+    """All-zero starts (one document per row) run the document paths of every kernel; they give
+    what doc_start=None gives."""
+    q, k, v, iq, ik = inputs(seed=7, dtype=torch.float32 if not CUDA else torch.bfloat16, device=DEV, di=16, B=1,
+                             T=40)
+    zeros = torch.zeros(q.shape[:2], dtype=torch.int32, device=DEV)
+    tol = 1e-5 if not CUDA else 1e-2
+    for dense in (False, True):
+        a = msa_attention(q, k, v, iq, ik, 16, 2, dense=dense, backend="triton", return_block_idx=True)
+        b = msa_attention(q, k, v, iq, ik, 16, 2, dense=dense, backend="triton", return_block_idx=True,
+                          doc_start=zeros)
+        assert dense or torch.equal(a[2].sort(-1).values, b[2].sort(-1).values)
+        assert rel(b[0], a[0]) < tol and abs(float(b[1]) - float(a[1])) <= tol * abs(float(a[1]))
