@@ -92,9 +92,11 @@ def run(cfg: DictConfig) -> None:
     from msa_model.training.distributed import data_parallel_info, init_distributed, shutdown
     from msa_model.training.indexer_warmup import IndexerWarmup
     from msa_model.training.metrics import MetricsLogger
-    from msa_model.training.preemption import StopSignal, requeue_slurm_job, should_requeue
+    from msa_model.training.preemption import StopSignal, plan_requeue, requeue_slurm_job
     from msa_model.training.trainer import Trainer
 
+    # first, so that a stop during start-up (which can take minutes at scale) is not lost
+    stop_signal = StopSignal(list(cfg.trainer.stop_signals)) if cfg.trainer.stop_signals else None
     run_dir = Path(cfg.run_dir)
     ckpt_root = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
     if rank == 0:
@@ -111,6 +113,8 @@ def run(cfg: DictConfig) -> None:
             write_run_files(cfg, run_dir)
             ckpt.cleanup_partial_saves(ckpt_root)
             log.info("run dir %s | %s", run_dir, " ".join(f"{k}={v}" for k, v in parallel_layout(cfg.parallel, world_size).items()))
+        # checked against its manifest before anything is built: a damaged checkpoint stops here
+        latest = ckpt.resume_checkpoint(ckpt_root, fallback=cfg.resume == "fallback") if latest is not None else None
         model_chunks = _build_model(cfg, env)
         optimizer, scheduler = _build_optimizer(cfg, model_chunks)
         model_chunks[0].config.grad_scale_func = optimizer.scale_loss
@@ -118,10 +122,10 @@ def run(cfg: DictConfig) -> None:
         callbacks = []
         if cfg.model.attention == "msa":
             callbacks.append(IndexerWarmup(cfg.trainer.indexer_warmup_tokens, cfg.model.msa))
-        callbacks.append(ckpt.Checkpointer(ckpt_root, cfg.checkpoint.interval, cfg.checkpoint.keep, cfg.checkpoint.save_at_end))
+        checkpointer = ckpt.Checkpointer(ckpt_root, cfg.checkpoint.interval, cfg.checkpoint.keep, cfg.checkpoint.save_at_end)
+        callbacks.append(checkpointer)
         callbacks.append(MetricsLogger(cfg.logging, run_dir, env.is_main, cfg.trainer.max_steps,
                                        OmegaConf.to_container(cfg, resolve=True)))
-        stop_signal = StopSignal(list(cfg.trainer.stop_signals)) if cfg.trainer.stop_signals else None
         trainer = Trainer(
             model_chunks=model_chunks, optimizer=optimizer, scheduler=scheduler, data_iterator=None,
             callbacks=callbacks, max_steps=cfg.trainer.max_steps, stop_at_step=cfg.trainer.stop_at_step,
@@ -129,8 +133,8 @@ def run(cfg: DictConfig) -> None:
             global_batch_size=cfg.parallel.global_batch_size, num_layers=cfg.model.num_layers,
             device=env.device, stop_signal=stop_signal,
         )
-        if cfg.resume == "auto" and latest is not None:
-            ckpt.load_checkpoint(trainer, latest)
+        if latest is not None:
+            ckpt.load_checkpoint(trainer, latest, verify=False)
         elif cfg.init_from:
             ckpt.load_model_weights(model_chunks, cfg.init_from)
             # bf16 training keeps fp32 main copies made when the optimizer was built: refresh them,
@@ -146,12 +150,22 @@ def run(cfg: DictConfig) -> None:
         trainer.data_iterator = build_train_iterator(dataset, trainer.state.consumed_samples,
                                                      cfg.parallel.micro_batch_size, dp_rank, dp_size)
         state = trainer.train()
-        log.info("finished at step %d (%s tokens); checkpoints in %s", state.step, f"{state.tokens:,}", ckpt_root)
-        requeue = should_requeue(stop_signal, list(cfg.launch.requeue_signals), state.step >= cfg.trainer.max_steps)
+        finished = state.step >= cfg.trainer.max_steps
+        if trainer.stop_reason is not None and not finished:
+            # a requested stop ends with one line: signal, step, checkpoint, what happens next
+            plan = plan_requeue(trainer.stop_reason, list(cfg.launch.requeue_signals), finished,
+                                relaunch=f"run {run_dir / 'launch.sh'}") if env.is_main else None
+            requeue = plan is not None and plan.requeue
+            where = checkpointer.last_saved or ckpt.latest_checkpoint(ckpt_root)
+            log.info("stopped by %s after step %d: checkpoint %s; %s", trainer.stop_reason, state.step,
+                     where or "none (checkpointing is off)", plan.note if plan else "")
+        else:
+            log.info("finished at step %d (%s tokens); checkpoints in %s", state.step, f"{state.tokens:,}", ckpt_root)
+    finally:
+        # the handlers stay until the process group is gone: SLURM may repeat a signal meanwhile
+        shutdown()
         if stop_signal is not None:
             stop_signal.restore()
-    finally:
-        shutdown()
-    # last: requeueing ends this job at once, so every rank must be done with the checkpoint
-    if requeue and env.is_main:
-        requeue_slurm_job()
+    # last: every rank must be done with the checkpoint before the job is requeued
+    if requeue and not requeue_slurm_job():
+        log.error("the job was not requeued; resume it by relaunching it")
