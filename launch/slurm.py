@@ -90,8 +90,10 @@ def job_overrides(overrides: list[str], run_dir: Path) -> list[str]:
 
 
 def _launch_command(spec: JobSpec) -> str:
+    # --quiet: srun's own notes ("forcing job termination", ...) when SLURM ends or requeues the
+    # job read like failures; its errors still show
     if spec.mode == "srun":
-        return 'srun --kill-on-bad-exit=1 "$PYTHON" train.py "${TRAIN_ARGS[@]}"'
+        return 'srun --quiet --kill-on-bad-exit=1 "$PYTHON" train.py "${TRAIN_ARGS[@]}"'
     if spec.mode != "torchrun":
         raise ValueError(f"--mode must be torchrun or srun, got {spec.mode!r}")
     # stop signals reach every process of the step. torchrun would die of USR1 and turn TERM into
@@ -99,7 +101,7 @@ def _launch_command(spec: JobSpec) -> str:
     # and is told not to handle TERM itself; the trainers install their handlers, save and exit
     # while torchrun waits for them
     return (
-        "srun --kill-on-bad-exit=1 --ntasks-per-node=1 bash -c 'trap \"\" USR1 TERM; exec \"$@\"' torchrun \\\n"
+        "srun --quiet --kill-on-bad-exit=1 --ntasks-per-node=1 bash -c 'trap \"\" USR1 TERM; exec \"$@\"' torchrun \\\n"
         '    "$PYTHON" -m torch.distributed.run --signals-to-handle=SIGINT,SIGHUP,SIGQUIT \\\n'
         '    --nnodes="$SLURM_JOB_NUM_NODES" '
         f"--nproc-per-node={spec.ranks} \\\n"

@@ -49,7 +49,7 @@ def test_srun_mode_runs_one_task_per_rank(tmp_path):
     run_dir, script, _ = prepare(spec, ["parallel.global_batch_size=16", f"run_dir={tmp_path}/r"])
     assert run_dir == tmp_path / "r"
     assert "#SBATCH --ntasks-per-node=4" in script
-    assert "torch.distributed.run" not in script and 'srun --kill-on-bad-exit=1 "$PYTHON" train.py' in script
+    assert "torch.distributed.run" not in script and 'srun --quiet --kill-on-bad-exit=1 "$PYTHON" train.py' in script
 
 
 def test_relative_run_dir_is_pinned_to_an_absolute_path(tmp_path, monkeypatch):
