@@ -90,16 +90,20 @@ def job_overrides(overrides: list[str], run_dir: Path) -> list[str]:
 
 
 def _launch_command(spec: JobSpec) -> str:
+    # --quiet: srun's own notes ("forcing job termination", ...) when SLURM ends or requeues the
+    # job read like failures; its errors still show
     if spec.mode == "srun":
-        return 'srun --kill-on-bad-exit=1 "$PYTHON" train.py "${TRAIN_ARGS[@]}"'
+        return 'srun --quiet --kill-on-bad-exit=1 "$PYTHON" train.py "${TRAIN_ARGS[@]}"'
     if spec.mode != "torchrun":
         raise ValueError(f"--mode must be torchrun or srun, got {spec.mode!r}")
-    # USR1 reaches every process of the step. torchrun would die of it, so it starts with USR1
-    # ignored (that survives exec); the trainers install their own handler and act on it while
-    # torchrun waits for them to exit
+    # stop signals reach every process of the step. torchrun would die of USR1 and turn TERM into
+    # a SIGTERM-then-SIGKILL of its workers, so it starts with both ignored (that survives exec)
+    # and is told not to handle TERM itself; the trainers install their handlers, save and exit
+    # while torchrun waits for them
     return (
-        "srun --kill-on-bad-exit=1 --ntasks-per-node=1 bash -c 'trap \"\" USR1; exec \"$@\"' torchrun \\\n"
-        '    "$PYTHON" -m torch.distributed.run --nnodes="$SLURM_JOB_NUM_NODES" '
+        "srun --quiet --kill-on-bad-exit=1 --ntasks-per-node=1 bash -c 'trap \"\" USR1 TERM; exec \"$@\"' torchrun \\\n"
+        '    "$PYTHON" -m torch.distributed.run --signals-to-handle=SIGINT,SIGHUP,SIGQUIT \\\n'
+        '    --nnodes="$SLURM_JOB_NUM_NODES" '
         f"--nproc-per-node={spec.ranks} \\\n"
         '    --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" '
         '--rdzv-id="$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}" \\\n'
@@ -188,7 +192,7 @@ def prepare(spec: JobSpec, overrides: list[str]) -> tuple[Path, str, object]:
     args = job_overrides(overrides, run_dir)
     cfg = compose_config(args)
     OmegaConf.resolve(cfg)
-    validate(cfg, spec.world_size)
+    validate(cfg, spec.world_size, gpu=spec.gpus_per_node > 0)
     name = spec.job_name or f"{cfg.model.name}-{cfg.name}"
     return run_dir, render(spec, args, run_dir, name), cfg
 

@@ -163,8 +163,9 @@ class TrainerConfig:
     seed: int = 1234
     # dense attention + dense KL for this many tokens, then top-k selection (MSA only)
     indexer_warmup_tokens: int = 0
-    # on these signals: finish the step, save, exit cleanly; [] leaves signals alone
-    stop_signals: List[str] = field(default_factory=lambda: ["SIGUSR1", "SIGTERM"])
+    # on these signals: finish the step, save, exit cleanly; [] leaves signals alone. A second
+    # SIGINT (Ctrl-C) aborts without saving
+    stop_signals: List[str] = field(default_factory=lambda: ["SIGUSR1", "SIGTERM", "SIGINT"])
     device: str = "auto"  # auto | cpu | cuda
 
 
@@ -182,8 +183,9 @@ class LaunchConfig:
     partition: Optional[str] = None
     account: Optional[str] = None
     signal_seconds: int = 300  # USR1 this long before the time limit
-    # a stop on one of these signals inside a SLURM batch job saves, then requeues the job
-    requeue_signals: List[str] = field(default_factory=lambda: ["SIGUSR1"])
+    # a stop on one of these signals inside a running SLURM batch job saves, then requeues the
+    # job (a job SLURM itself is cancelling or requeueing is left to SLURM)
+    requeue_signals: List[str] = field(default_factory=lambda: ["SIGUSR1", "SIGTERM"])
 
 
 @dataclass
@@ -198,7 +200,10 @@ class TrainConfig:
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     name: str = MISSING  # set by the recipe
     run_dir: str = "runs/${model.name}-${name}"
-    resume: str = "auto"  # auto: continue from <run_dir> if it has a checkpoint | never
+    # auto: continue from <run_dir>/checkpoints/latest if there is one (refused if its files differ
+    # from its manifest) | fallback: like auto, but a damaged latest gives way to the newest older
+    # checkpoint that verifies | never: refuse a run_dir that holds checkpoints
+    resume: str = "auto"
     init_from: Optional[str] = None  # checkpoint dir: load model weights only
     # the recipe continues another model (CPT): refuse to start from random weights
     requires_init_from: bool = False
@@ -215,10 +220,53 @@ def _check(errors: list[str], ok: bool, message: str) -> None:
         errors.append(message)
 
 
-def validate(cfg, world_size: Optional[int] = None) -> None:
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _uses_triton(cfg, gpu: Optional[bool]) -> bool:
+    """Whether the MSA ops will run the Triton kernels (msa_model.ops.common.resolve_backend)."""
+    backend = cfg.model.msa.backend
+    if backend != "auto":
+        return backend == "triton"
+    if gpu is not None:
+        return gpu
+    device = cfg.trainer.device
+    if device != "auto":
+        return device == "cuda"
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _check_kernel_shapes(errors: list[str], cfg, gpu: Optional[bool]) -> None:
+    """What the model's rotary embeddings and, on GPU, the fused MSA kernels need of the shapes."""
+    m, msa = cfg.model, cfg.model.msa
+    # rotary embeddings rotate pairs of channels
+    _check(errors, m.head_dim % 2 == 0, f"model.head_dim ({m.head_dim}) must be even (rotary embeddings rotate "
+                                        "pairs of channels)")
+    if m.attention != "msa":
+        return
+    _check(errors, msa.index_head_dim % 2 == 0, f"model.msa.index_head_dim ({msa.index_head_dim}) must be even "
+                                                "(the index branch's rotary embeddings rotate pairs of channels)")
+    if not _uses_triton(cfg, gpu):
+        return
+    # the limits the Triton kernels check at launch (msa_model/ops/*/triton.py), stated up front
+    where = f"with the Triton kernels (model.msa.backend={msa.backend} on GPU)"
+    _check(errors, m.head_dim in (16, 32, 64, 128, 256),
+           f"model.head_dim ({m.head_dim}) must be a power of two in [16, 256] {where}")
+    _check(errors, _is_pow2(msa.index_head_dim) and msa.index_head_dim >= 16,
+           f"model.msa.index_head_dim ({msa.index_head_dim}) must be a power of two >= 16 {where}")
+    _check(errors, _is_pow2(msa.block_size) and 16 <= msa.block_size <= 128,
+           f"model.msa.block_size ({msa.block_size}) must be a power of two in [16, 128] {where}")
+
+
+def validate(cfg, world_size: Optional[int] = None, gpu: Optional[bool] = None) -> None:
     """Raise ConfigError listing every problem found. `cfg` is a TrainConfig (or DictConfig).
 
-    Without `world_size` only the checks that do not depend on the launch are made.
+    Without `world_size` only the checks that do not depend on the launch are made. `gpu` says
+    whether the job runs on GPUs (None: this machine's trainer.device decides), which sets the
+    shapes the fused kernels accept.
     """
     errors: list[str] = []
     m, msa, p, o, t = cfg.model, cfg.model.msa, cfg.parallel, cfg.optim, cfg.trainer
@@ -255,6 +303,7 @@ def validate(cfg, world_size: Optional[int] = None) -> None:
                f"model.num_experts ({m.num_experts}) must be a multiple of parallel.ep ({p.ep})")
     else:
         _check(errors, p.ep == 1, "parallel.ep > 1 needs model.num_experts > 0")
+    _check_kernel_shapes(errors, cfg, gpu)
     _check(errors, m.rope_scaling.type in ("none", "linear", "llama3"),
            f"model.rope_scaling.type must be none, linear or llama3, got {m.rope_scaling.type!r}")
     _check(errors, m.rope_scaling.factor > 0, f"model.rope_scaling.factor must be positive, got {m.rope_scaling.factor}")
@@ -301,7 +350,8 @@ def validate(cfg, world_size: Optional[int] = None) -> None:
     _check(errors, not cfg.requires_init_from or bool(cfg.init_from) or cfg.dry_run,
            f"recipe {cfg.name} continues a dense checkpoint: set init_from=PATH (an MSA checkpoint made by "
            "`python -m msa_model.convert dense-to-msa` or `hf-to-msa`)")
-    _check(errors, cfg.resume in ("auto", "never"), f"resume must be auto or never, got {cfg.resume!r}")
+    _check(errors, cfg.resume in ("auto", "fallback", "never"),
+           f"resume must be auto, fallback or never, got {cfg.resume!r}")
     for field_name, names in (("trainer.stop_signals", t.stop_signals),
                               ("launch.requeue_signals", cfg.launch.requeue_signals)):
         bad = [n for n in names if not isinstance(getattr(signal, str(n), None), signal.Signals)]

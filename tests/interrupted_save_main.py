@@ -19,7 +19,7 @@ def dying_save(sharded_state_dict, checkpoint_dir, *args, **kwargs):
     if _calls == DIE_ON_SAVE:
         (Path(checkpoint_dir) / "__0_0.distcp").write_bytes(b"half a checkpoint")
         sys.stdout.flush()
-        # the whole process tree dies, as on a node failure (the checkpoint writer starts helpers)
+        # the whole process tree dies, as on a node failure
         for child in multiprocessing.active_children():
             child.kill()
         os._exit(17)

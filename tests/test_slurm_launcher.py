@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import signal
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +12,6 @@ from hydra import compose, initialize_config_dir
 
 from launch.slurm import JobSpec, prepare, time_to_seconds
 from msa_model.config import ConfigError, register_configs
-from msa_model.training.preemption import StopSignal, should_requeue
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -50,7 +49,7 @@ def test_srun_mode_runs_one_task_per_rank(tmp_path):
     run_dir, script, _ = prepare(spec, ["parallel.global_batch_size=16", f"run_dir={tmp_path}/r"])
     assert run_dir == tmp_path / "r"
     assert "#SBATCH --ntasks-per-node=4" in script
-    assert "torch.distributed.run" not in script and 'srun --kill-on-bad-exit=1 "$PYTHON" train.py' in script
+    assert "torch.distributed.run" not in script and 'srun --quiet --kill-on-bad-exit=1 "$PYTHON" train.py' in script
 
 
 def test_relative_run_dir_is_pinned_to_an_absolute_path(tmp_path, monkeypatch):
@@ -81,17 +80,34 @@ def test_submitit_launch_group_maps_onto_the_launcher():
     assert cfg.hydra.callbacks.torch_distributed_env._target_ == "launch.submitit_env.ExportTorchDistributedEnv"
 
 
-def test_requeue_only_after_a_requeue_signal_inside_slurm(monkeypatch):
-    stop = StopSignal(["SIGUSR1", "SIGTERM"])
-    try:
-        monkeypatch.setenv("SLURM_JOB_ID", "42")
-        assert not should_requeue(stop, ["SIGUSR1"], finished=False)  # no signal yet
-        signal.raise_signal(signal.SIGTERM)
-        assert stop.received == "SIGTERM" and not should_requeue(stop, ["SIGUSR1"], finished=False)
-        signal.raise_signal(signal.SIGUSR1)
-        assert should_requeue(stop, ["SIGUSR1"], finished=False)
-        assert not should_requeue(stop, ["SIGUSR1"], finished=True)  # the run is complete
-        monkeypatch.delenv("SLURM_JOB_ID")
-        assert not should_requeue(stop, ["SIGUSR1"], finished=False)  # not a SLURM job
-    finally:
-        stop.restore()
+def test_the_script_survives_stop_signals_and_requeues_after_the_step(tmp_path):
+    _, script, _ = prepare(JobSpec(nodes=2, time="30", signal_seconds=60), [f"run_dir={tmp_path}/r"])
+    # a signal to the batch shell goes on to the step; srun itself never gets SIGTERM from it
+    assert "trap 'forward USR1' USR1" in script and "trap 'forward TERM' TERM" in script
+    assert 'scancel --signal="$1" "$SLURM_JOB_ID"' in script
+    # the step runs in the background so the traps run while it does
+    assert re.search(r'train.py "\$\{TRAIN_ARGS\[@\]\}" &\nstep=\$!', script)
+    # torchrun ignores USR1 and TERM and leaves TERM to the trainers
+    assert "trap \"\" USR1 TERM; exec" in script and "--signals-to-handle=SIGINT,SIGHUP,SIGQUIT" in script
+    # rank 0 asks, the shell requeues once the step is over
+    assert f"export MSA_REQUEUE_REQUEST={tmp_path}/r/.requeue-$SLURM_JOB_ID" in script
+    assert script.index("wait \"$step\"") < script.index('scontrol requeue "$SLURM_JOB_ID"')
+
+
+def test_launch_sh_of_a_slurm_run_resubmits_its_script(tmp_path, monkeypatch):
+    from msa_model.training.run_dir import relaunch_command
+
+    (tmp_path / "submit.sbatch").write_text("#!/bin/bash\n")
+    monkeypatch.setattr(sys, "argv", ["train.py", "model=small", f"run_dir={tmp_path}"])
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    for key, value in {"RANK": "0", "WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}.items():
+        monkeypatch.setenv(key, value)
+    assert relaunch_command(str(tmp_path)) == f"sbatch {tmp_path}/submit.sbatch"
+    # torchrun outside SLURM: the virtualenv's torchrun, with a rendezvous for several nodes
+    monkeypatch.delenv("SLURM_JOB_ID")
+    monkeypatch.setenv("MASTER_ADDR", "gpu01")
+    monkeypatch.setenv("MASTER_PORT", "29400")
+    cmd = relaunch_command(str(tmp_path))
+    assert cmd.startswith(f"{sys.executable} -m torch.distributed.run --nnodes=2 --nproc-per-node=8 "
+                          "--rdzv-backend=c10d --rdzv-endpoint=gpu01:29400 train.py model=small")
+    assert cmd.endswith(f"run_dir={tmp_path}")

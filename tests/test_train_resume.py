@@ -92,7 +92,7 @@ def test_sigterm_finishes_the_step_saves_and_exits_cleanly(tmp_path, data_cache)
     assert proc.returncode == 0, out[-3000:]
     last = max(metrics(run_dir))
     assert 2 <= last < 200
-    assert f"stop requested by {sig.name}" in out
+    assert f"stopped by {sig.name} after step {last}: checkpoint {run_dir / 'checkpoints' / f'step_{last:08d}'}" in out
     # save_at_end=false: this checkpoint exists only because of the signal
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{last:08d}"
 

@@ -90,6 +90,7 @@ def save(model, out: str | Path, metadata: dict) -> Path:
     from megatron.core import dist_checkpointing
 
     from msa_model.training.checkpoint import step_dir_name, write_latest
+    from msa_model.training.manifest import write_manifest
 
     out = Path(out)
     name = step_dir_name(0)
@@ -101,6 +102,7 @@ def save(model, out: str | Path, metadata: dict) -> Path:
     state = {"model": model.sharded_state_dict(), "world_size": dist.get_world_size(), "conversion": metadata}
     dist_checkpointing.save(state, str(tmp))
     dist.barrier()
+    write_manifest(tmp)
     if dist.get_rank() == 0:
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)

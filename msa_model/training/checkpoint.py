@@ -5,9 +5,17 @@ Layout of a checkpoint root (default <run_dir>/checkpoints):
     step_00000100/
     latest                text file naming the newest complete step directory
     .tmp-step_00000150/   a save in progress (or one that died): never read, removed on resume
+    damaged-step_00000200/  a checkpoint that failed verification, set aside by resume=fallback
 
-A save writes into the .tmp directory, every rank finishes, then rank 0 renames it into place and
-replaces `latest` with os.replace, so `latest` only ever names a complete checkpoint.
+A save writes into the .tmp directory, every rank finishes, the ranks hash the files into
+`manifest.json` (size and SHA-256 per file, msa_model/training/manifest.py), then rank 0 renames it
+into place and replaces `latest` with os.replace, so `latest` only ever names a complete checkpoint.
+Every load (resume and init_from) first checks the files against the manifest and refuses a
+damaged checkpoint naming the file; `resume=fallback` goes back to the newest older one that
+verifies instead.
+
+Saving runs megatron's writer in this process (no helper process): SLURM signals every process of
+a job step, and a helper that dies of the stop signal would break the very save the signal asks for.
 
 Content: "model" and "optimizer" are sharded (the distributed optimizer in its fully_reshardable
 format, model-shaped optimizer state, so a checkpoint loads at another TP/PP/EP/DP layout); "rng" is one object per rank; "trainer" (counters), "scheduler" (lr schedule) and
@@ -16,10 +24,13 @@ format, model-shaped optimizer state, so a checkpoint loads at another TP/PP/EP/
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import queue
 import random
 import shutil
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -28,16 +39,56 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
 from msa_model.training.callbacks import Callback
+from msa_model.training.manifest import (DamagedCheckpointError, check_manifest, describe, verify_checkpoint,
+                                         warn_unverified, write_manifest)
 
 log = logging.getLogger(__name__)
 
 LATEST = "latest"
 # model-space optimizer state: dp_reshardable (flat buffers) would only reshard over DP
 _OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def _writer_in_this_process() -> None:
+    """Make megatron's checkpoint writer report its results through an in-process queue.
+
+    The writer's results queue is, by default, a multiprocessing Manager: a separate process,
+    started at the first save, that lives as long as the trainer. SLURM delivers stop signals to
+    every process of a step, so that helper died of the very USR1/TERM that asked for a stop save,
+    and the save crashed (BrokenPipeError); after a kill -9 of the trainer it lived on. Our saves
+    are synchronous (the writer runs in the trainer's own thread), so a plain queue serves."""
+    if not hasattr(filesystem_async, "_results_queue"):
+        raise RuntimeError("megatron.core.dist_checkpointing changed: filesystem_async._results_queue is gone; "
+                           "see _writer_in_this_process in msa_model/training/checkpoint.py")
+    if not isinstance(filesystem_async._results_queue, queue.Queue):
+        filesystem_async._results_queue = queue.Queue()
+
+
+class _DropAsyncDeprecation(logging.Filter):
+    # megatron's synchronous save goes through its (deprecated) async machinery and says so on
+    # every run; the notice is about an API we do not call
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "async save is deprecated" not in record.getMessage()
+
+
+logging.getLogger("megatron.core.dist_checkpointing.strategies.torch").addFilter(_DropAsyncDeprecation())
+
+
+@contextlib.contextmanager
+def _quiet_load():
+    """torch.distributed.checkpoint warns on every load about how megatron calls it (single-process
+    metadata reads, argument order, ShardedTensor); none of it concerns the user."""
+    with warnings.catch_warnings():
+        for message in ("torch.distributed is disabled, unavailable or uninitialized",
+                        "The argument order of load has been changed",
+                        "Please use DTensor instead and we are deprecating ShardedTensor"):
+            warnings.filterwarnings("ignore", message=message)
+        yield
 
 
 def step_dir_name(step: int) -> str:
@@ -121,8 +172,10 @@ def save_checkpoint(trainer, root: str | Path, keep: int = 0) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
+    _writer_in_this_process()
     dist_checkpointing.save(_sharded_state(trainer, is_loading=False), str(tmp))
     dist.barrier()
+    write_manifest(tmp)
     if dist.get_rank() == 0:
         os.rename(tmp, final)
         write_latest(root, name)
@@ -185,10 +238,63 @@ def _load_optimizer_state(optimizer, state: dict) -> None:
             del opt._set_main_param_and_optimizer_states
 
 
-def load_checkpoint(trainer, path: str | Path) -> None:
-    """Restore model, optimizer, lr schedule, counters, callbacks and (same world size) RNG."""
+DAMAGED_PREFIX = "damaged-"
+
+
+def resume_checkpoint(root: str | Path, fallback: bool = False) -> Path | None:
+    """The checkpoint a resume starts from: `latest`, checked against its manifest; None if
+    there is none. Collective across ranks.
+
+    A damaged `latest` is refused (DamagedCheckpointError naming the files) unless `fallback`:
+    then the newest older step directory that verifies is used, `latest` is pointed at it and the
+    damaged ones are kept aside as damaged-step_* (not loaded, not overwritten by later saves)."""
+    root = Path(root)
+    latest = latest_checkpoint(root)
+    if latest is None:
+        return None
+    has_manifest, problems = check_manifest(latest)
+    if not problems:
+        if not has_manifest:
+            warn_unverified(latest, "resume:")
+        return latest
+    if not fallback:
+        raise DamagedCheckpointError(
+            f"resume: {describe(latest, problems)}. Restore the file, or relaunch with resume=fallback to "
+            "resume from the newest older checkpoint that verifies (the damaged one is set aside)")
+    damaged, chosen = [(latest, problems)], None
+    for candidate in sorted((p for p in root.glob("step_*") if p.is_dir() and p.name < latest.name), reverse=True):
+        has_manifest, problems = check_manifest(candidate)
+        if not problems:
+            chosen = candidate
+            break
+        damaged.append((candidate, problems))
+    if chosen is None:
+        raise DamagedCheckpointError(f"resume=fallback: no checkpoint in {root} verifies: "
+                                     + " | ".join(describe(d, p) for d, p in damaged))
+    if dist.get_rank() == 0:
+        for directory, problems in damaged:
+            log.warning("resume=fallback: %s; set aside as %s%s", describe(directory, problems),
+                        DAMAGED_PREFIX, directory.name)
+            aside = root / f"{DAMAGED_PREFIX}{directory.name}"
+            shutil.rmtree(aside, ignore_errors=True)
+            os.rename(directory, aside)
+        write_latest(root, chosen.name)
+    dist.barrier()
+    if not has_manifest:
+        warn_unverified(chosen, "resume:")
+    return chosen
+
+
+def load_checkpoint(trainer, path: str | Path, verify: bool = True) -> None:
+    """Restore model, optimizer, lr schedule, counters, callbacks and (same world size) RNG.
+
+    With `verify` (skip it only for a directory resume_checkpoint just checked), a file that
+    differs from the manifest raises DamagedCheckpointError before anything is loaded."""
+    if verify:
+        verify_checkpoint(path, "resume:")
     _allocate_adam_state(trainer.optimizer)
-    common = dist_checkpointing.load_common_state_dict(str(path))
+    with _quiet_load():
+        common = dist_checkpointing.load_common_state_dict(str(path))
     state = _sharded_state(trainer, is_loading=True)
     same_world = common.get("world_size") == dist.get_world_size()
     if not same_world:
@@ -196,7 +302,8 @@ def load_checkpoint(trainer, path: str | Path) -> None:
         log.warning("checkpoint was written by %s ranks, now %s: RNG states are re-seeded, not restored",
                     common.get("world_size"), dist.get_world_size())
         state.pop("rng")
-    loaded = dist_checkpointing.load(state, str(path))
+    with _quiet_load():
+        loaded = dist_checkpointing.load(state, str(path))
     _unwrap(trainer.model_chunks[0]).load_state_dict(loaded["model"])
     _load_optimizer_state(trainer.optimizer, loaded["optimizer"])
     _restore_adam_steps(trainer.optimizer)
@@ -227,16 +334,20 @@ def load_weights(module, step_dir: str | Path, allow_missing_index: bool, what: 
     With `allow_missing_index`, index-branch tensors absent from the checkpoint keep their current
     values; any other absent tensor raises `error` naming it. Returns the number of absent
     index-branch tensors. The trainer's `init_from` and the conversion tools share this rule."""
+    verify_checkpoint(step_dir, what, error=error if issubclass(error, ValueError) else DamagedCheckpointError)
     sharded = module.sharded_state_dict()
     # compare keys before loading: a tensor factory (e.g. fused expert weights) without stored
     # values fails deep inside dist_checkpointing with a message that names no parameter
-    stored = set(dist_checkpointing.load_tensors_metadata(str(step_dir)))
+    with _quiet_load():
+        stored = set(dist_checkpointing.load_tensors_metadata(str(step_dir)))
     wanted = {v.key for v in nested_values(sharded) if isinstance(v, (ShardedTensor, ShardedTensorFactory))}
     bad = sorted(k for k in wanted - stored if not (allow_missing_index and is_index_branch_key(k)))
     if bad:
         raise error(f"{what} {step_dir}: the checkpoint lacks model parameters {bad[:8]}"
                     f"{f' and {len(bad) - 8} more' if len(bad) > 8 else ''} (is it a checkpoint of this model?)")
-    loaded, _, absent = dist_checkpointing.load({"model": sharded}, str(step_dir), strict=StrictHandling.RETURN_ALL)
+    with _quiet_load():
+        loaded, _, absent = dist_checkpointing.load({"model": sharded}, str(step_dir),
+                                                    strict=StrictHandling.RETURN_ALL)
     absent = sorted(absent)
     bad = [k for k in absent if not k.endswith("_extra_state") and not (allow_missing_index and is_index_branch_key(k))]
     if bad:
@@ -278,13 +389,16 @@ class Checkpointer(Callback):
     def __init__(self, root: str | Path, interval: int, keep: int, save_at_end: bool):
         self.root, self.interval, self.keep, self.save_at_end = Path(root), interval, keep, save_at_end
         self.last_saved_step: int | None = None
+        self.last_saved: Path | None = None
 
     def _save(self, trainer) -> None:
         if self.last_saved_step == trainer.state.step:
             return
         path = save_checkpoint(trainer, self.root, self.keep)
-        self.last_saved_step = trainer.state.step
-        log.info("saved checkpoint %s", path)
+        self.last_saved_step, self.last_saved = trainer.state.step, path
+        # a stop on a signal reports its checkpoint in its one closing line (run.py)
+        if getattr(trainer, "stop_reason", None) is None:
+            log.info("saved checkpoint %s", path)
 
     def on_step_end(self, trainer, metrics: dict) -> None:
         periodic = self.interval > 0 and trainer.state.step % self.interval == 0

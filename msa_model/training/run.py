@@ -102,9 +102,11 @@ def run(cfg: DictConfig) -> None:
     from msa_model.training.distributed import data_parallel_info, init_distributed, shutdown
     from msa_model.training.indexer_warmup import IndexerWarmup
     from msa_model.training.metrics import MetricsLogger
-    from msa_model.training.preemption import StopSignal, requeue_slurm_job, should_requeue
+    from msa_model.training.preemption import StopSignal, plan_requeue, requeue_slurm_job
     from msa_model.training.trainer import OutOfMemory, Trainer
 
+    # first, so that a stop during start-up (which can take minutes at scale) is not lost
+    stop_signal = StopSignal(list(cfg.trainer.stop_signals)) if cfg.trainer.stop_signals else None
     run_dir = Path(cfg.run_dir)
     ckpt_root = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
     if rank == 0:
@@ -121,6 +123,8 @@ def run(cfg: DictConfig) -> None:
             write_run_files(cfg, run_dir)
             ckpt.cleanup_partial_saves(ckpt_root)
             log.info("run dir %s | %s", run_dir, " ".join(f"{k}={v}" for k, v in parallel_layout(cfg.parallel, world_size).items()))
+        # checked against its manifest before anything is built: a damaged checkpoint stops here
+        latest = ckpt.resume_checkpoint(ckpt_root, fallback=cfg.resume == "fallback") if latest is not None else None
         model_chunks = _build_model(cfg, env)
         optimizer, scheduler = _build_optimizer(cfg, model_chunks)
         model_chunks[0].config.grad_scale_func = optimizer.scale_loss
@@ -133,11 +137,11 @@ def run(cfg: DictConfig) -> None:
             callbacks.append(ModuleTimer(env.device))
         if cfg.model.attention == "msa":
             callbacks.append(IndexerWarmup(cfg.trainer.indexer_warmup_tokens, cfg.model.msa))
-        callbacks.append(ckpt.Checkpointer(ckpt_root, cfg.checkpoint.interval, cfg.checkpoint.keep, cfg.checkpoint.save_at_end))
+        checkpointer = ckpt.Checkpointer(ckpt_root, cfg.checkpoint.interval, cfg.checkpoint.keep, cfg.checkpoint.save_at_end)
+        callbacks.append(checkpointer)
         callbacks.append(MetricsLogger(cfg.logging, run_dir, env.is_main, cfg.trainer.max_steps,
                                        OmegaConf.to_container(cfg, resolve=True),
                                        flops_per_token=_flops_counter(cfg), world_size=world_size))
-        stop_signal = StopSignal(list(cfg.trainer.stop_signals)) if cfg.trainer.stop_signals else None
         trainer = Trainer(
             model_chunks=model_chunks, optimizer=optimizer, scheduler=scheduler, data_iterator=None,
             callbacks=callbacks, max_steps=cfg.trainer.max_steps, stop_at_step=cfg.trainer.stop_at_step,
@@ -145,8 +149,8 @@ def run(cfg: DictConfig) -> None:
             global_batch_size=cfg.parallel.global_batch_size, num_layers=cfg.model.num_layers,
             device=env.device, stop_signal=stop_signal,
         )
-        if cfg.resume == "auto" and latest is not None:
-            ckpt.load_checkpoint(trainer, latest)
+        if latest is not None:
+            ckpt.load_checkpoint(trainer, latest, verify=False)
         elif cfg.init_from:
             ckpt.load_model_weights(model_chunks, cfg.init_from)
             # bf16 training keeps fp32 main copies made when the optimizer was built: refresh them,
@@ -170,12 +174,22 @@ def run(cfg: DictConfig) -> None:
             logging.shutdown()
             sys.stdout.flush()
             os._exit(1)
-        log.info("finished at step %d (%s tokens); checkpoints in %s", state.step, f"{state.tokens:,}", ckpt_root)
-        requeue = should_requeue(stop_signal, list(cfg.launch.requeue_signals), state.step >= cfg.trainer.max_steps)
+        finished = state.step >= cfg.trainer.max_steps
+        if trainer.stop_reason is not None and not finished:
+            # a requested stop ends with one line: signal, step, checkpoint, what happens next
+            plan = plan_requeue(trainer.stop_reason, list(cfg.launch.requeue_signals), finished,
+                                relaunch=f"run {run_dir / 'launch.sh'}") if env.is_main else None
+            requeue = plan is not None and plan.requeue
+            where = checkpointer.last_saved or ckpt.latest_checkpoint(ckpt_root)
+            log.info("stopped by %s after step %d: checkpoint %s; %s", trainer.stop_reason, state.step,
+                     where or "none (checkpointing is off)", plan.note if plan else "")
+        else:
+            log.info("finished at step %d (%s tokens); checkpoints in %s", state.step, f"{state.tokens:,}", ckpt_root)
+    finally:
+        # the handlers stay until the process group is gone: SLURM may repeat a signal meanwhile
+        shutdown()
         if stop_signal is not None:
             stop_signal.restore()
-    finally:
-        shutdown()
-    # last: requeueing ends this job at once, so every rank must be done with the checkpoint
-    if requeue and env.is_main:
-        requeue_slurm_job()
+    # last: every rank must be done with the checkpoint before the job is requeued
+    if requeue and not requeue_slurm_job():
+        log.error("the job was not requeued; resume it by relaunching it")

@@ -61,20 +61,49 @@ def git_description() -> str:
     return f"{commit}{' (with uncommitted changes)' if dirty else ''}\n"
 
 
+def _hydra_multirun_overrides() -> list[str] | None:
+    """The overrides of a Hydra multirun job (e.g. the submitit launcher's), else None."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+            return list(HydraConfig.get().overrides.task)
+    except (ImportError, ValueError):
+        pass
+    return None
+
+
 def relaunch_command(run_dir: str) -> str:
     """The command that re-runs this job in the same run dir (so resume=auto continues it)."""
+    # a SLURM job rendered by launch/slurm.py: resubmitting its script is the relaunch (it holds
+    # the rendezvous and the node count)
+    script = Path(run_dir) / "submit.sbatch"
+    if "SLURM_JOB_ID" in os.environ and script.is_file():
+        return f"sbatch {shlex.quote(str(script))}"
+    multirun = _hydra_multirun_overrides()
+    argv = multirun if multirun is not None else sys.argv[1:]
     # one-job settings stay out of the relaunch command
-    args = [a for a in sys.argv[1:] if not a.startswith(("run_dir=", "resume=", "dry_run=", "trainer.stop_at_step="))]
+    args = [a for a in argv if not a.startswith(("run_dir=", "resume=", "dry_run=", "trainer.stop_at_step="))]
     args.append(f"run_dir={run_dir}")
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and "LOCAL_WORLD_SIZE" in os.environ:
+    if multirun is not None:
+        # the launcher (e.g. submitit) submits the job again from the submitting machine
+        launcher, entry, args = [sys.executable], "train.py", ["-m", *args]
+    elif world > 1 and "LOCAL_WORLD_SIZE" in os.environ:
         nnodes = world // int(os.environ["LOCAL_WORLD_SIZE"])
-        launcher = ["torchrun", f"--nnodes={nnodes}", f"--nproc-per-node={os.environ['LOCAL_WORLD_SIZE']}"]
+        launcher = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
+                    f"--nproc-per-node={os.environ['LOCAL_WORLD_SIZE']}"]
         if nnodes == 1:
             launcher.append("--standalone")
+        else:
+            # several nodes need a rendezvous; this one's address is the best guess for node 0
+            launcher += ["--rdzv-backend=c10d",
+                         f"--rdzv-endpoint={os.environ.get('MASTER_ADDR', 'HOST')}:{os.environ.get('MASTER_PORT', '29500')}"]
+        entry = sys.argv[0] or "train.py"
     else:
-        launcher = [sys.executable]
-    return " ".join(shlex.quote(a) for a in [*launcher, sys.argv[0] or "train.py", *args])
+        launcher, entry = [sys.executable], sys.argv[0] or "train.py"
+    return " ".join(shlex.quote(a) for a in [*launcher, entry, *args])
 
 
 def write_run_files(cfg, run_dir: Path) -> None:

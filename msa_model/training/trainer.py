@@ -5,15 +5,16 @@ only knows that the forward returns per-token losses and that layers record extr
 from __future__ import annotations
 
 import logging
+import signal
 from functools import partial
 
 import torch
+import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from msa_model.context_parallel import slice_batch_for_cp
 from msa_model.training.callbacks import Callback, TrainState
-from msa_model.training.distributed import all_reduce_max
 from msa_model.training.metrics import reduce_step_metrics
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,8 @@ class Trainer:
         self.num_layers, self.device, self.stop_signal = num_layers, device, stop_signal
         self.state = TrainState()
         self.stage = "start"  # what the step is doing, for error messages
+        # the stop signal every rank agreed on, once one arrived (e.g. "SIGUSR1")
+        self.stop_reason: str | None = None
         dp = parallel_state.get_data_parallel_world_size()
         self.num_microbatches = global_batch_size // (micro_batch_size * dp)
 
@@ -117,17 +120,24 @@ class Trainer:
     def _should_stop(self) -> bool:
         if self.stop_at_step is not None and self.state.step >= self.stop_at_step:
             return True
-        # every rank must agree, or a signal seen by one rank would split the job
-        return all_reduce_max(self.stop_signal is not None and self.stop_signal.requested, self.device)
+        # every rank must agree, or a signal seen by one rank would split the job, and name the
+        # same signal (the highest number any rank received) for the requeue decision
+        mine = self.stop_signal.received if self.stop_signal is not None else None
+        t = torch.tensor([float(signal.Signals[mine]) if mine else 0.0], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        if t.item() > 0:
+            self.stop_reason = signal.Signals(int(t.item())).name
+            return True
+        return False
 
     def train(self) -> TrainState:
         for chunk in self.model_chunks:
             chunk.train()
         self._call("on_train_start")
         step_tokens = self.global_batch_size * self.seq_length
-        # a relaunch of a job that stopped at stop_at_step must not run one step more
-        if self.stop_at_step is not None and self.state.step >= self.stop_at_step:
-            self.state.stop_requested = True
+        # a relaunch of a job that stopped at stop_at_step must not run one step more; a stop
+        # signal that came during start-up ends the job before its first step
+        self.state.stop_requested = self._should_stop()
         while self.state.step < self.max_steps and not self.state.stop_requested:
             self._call("on_step_start")
             try:
@@ -141,9 +151,6 @@ class Trainer:
             self.state.consumed_samples += self.global_batch_size
             self.state.tokens += step_tokens
             self.state.stop_requested = self._should_stop()
-            if self.state.stop_requested and self.stop_signal is not None and self.stop_signal.requested:
-                log.info("stop requested by %s: saving and exiting after step %d", self.stop_signal.received,
-                         self.state.step)
             metrics["step_tokens"] = step_tokens
             self._call("on_step_end", metrics)
         self._call("on_train_end")
