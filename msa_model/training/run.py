@@ -10,17 +10,28 @@ warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\..*")
 warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed\..*")
 # megatron reads .grad of non-leaf tensors while collecting params; harmless and noisy
 warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
+# torch.distributed.checkpoint on megatron's calls: metadata read outside a process group, its own
+# API changes, ShardedTensor deprecation
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+warnings.filterwarnings("ignore", message="The argument order of load has been changed")
+warnings.filterwarnings("ignore", message="Please use DTensor instead and we are deprecating ShardedTensor")
 
 import logging  # noqa: E402
+import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
-from msa_model.config import validate  # noqa: E402
+from data.cache_check import DataCacheError  # noqa: E402
+from msa_model.config import ConfigError, validate  # noqa: E402
+from msa_model.training.checkpoint_checks import CheckpointError  # noqa: E402
 from msa_model.training.distributed import launch_env, parallel_layout  # noqa: E402
-from msa_model.training.run_dir import setup_logging, write_run_files  # noqa: E402
+from msa_model.training.run_dir import RunDirBusy, lock_run_dir, setup_logging, write_run_files  # noqa: E402
 
 log = logging.getLogger(__name__)
+
+# bad input, each named in its message: train.py prints these in one line, without a traceback
+INPUT_ERRORS = (ConfigError, CheckpointError, DataCacheError, RunDirBusy)
 
 
 def _build_optimizer(cfg, model_chunks):
@@ -73,6 +84,25 @@ def _build_model(cfg, env):
     return [ddp]
 
 
+def _log_summary(state, cfg, run_dir: Path, ckpt_root: Path, last: dict | None, seconds: float) -> None:
+    """The run's last lines: where it stopped, its last losses, where everything went."""
+    from msa_model.training.checkpoint import latest_checkpoint
+
+    minutes, secs = divmod(int(seconds), 60)
+    losses = ""
+    if last and "lm_loss" in last:
+        kl = f", indexer KL {last['kl_loss']:.4f}" if "kl_loss" in last else ""
+        losses = f"; last logged lm loss {last['lm_loss']:.4f}{kl} ({last['phase']})"
+    log.info("finished at step %d of %d (%s tokens) in %dm%02ds%s", state.step, cfg.trainer.max_steps,
+             f"{state.tokens:,}", minutes, secs, losses)
+    latest = latest_checkpoint(ckpt_root)
+    logs = [name for name, on in (("train.log", True), ("metrics.jsonl", cfg.logging.jsonl),
+                                  ("tensorboard/", cfg.logging.tensorboard),
+                                  ("wandb/", cfg.logging.wandb_mode != "disabled")) if on]
+    log.info("run dir %s: %s; checkpoints in %s (latest: %s)", run_dir, ", ".join(logs), ckpt_root,
+             latest.name if latest else "none")
+
+
 def run(cfg: DictConfig) -> None:
     OmegaConf.resolve(cfg)
     rank, world_size, _ = launch_env()
@@ -86,6 +116,7 @@ def run(cfg: DictConfig) -> None:
             print(dry_run_report(cfg, layout_world), flush=True)
         return
     validate(cfg, world_size)
+    started = time.monotonic()
 
     from data.datasets import build_train_dataset, build_train_iterator
     from msa_model.training import checkpoint as ckpt
@@ -102,11 +133,14 @@ def run(cfg: DictConfig) -> None:
     setup_logging(run_dir if rank == 0 else None, rank == 0)
     latest = ckpt.latest_checkpoint(ckpt_root)
     if cfg.resume == "never" and latest is not None:
-        raise FileExistsError(f"resume=never but {ckpt_root} already holds checkpoints; choose another run_dir")
+        raise ConfigError(f"resume=never but {ckpt_root} already holds checkpoints; choose another run_dir")
 
     env = init_distributed(cfg.parallel, cfg.trainer.device, cfg.trainer.seed)
-    requeue = False
+    requeue, lock = False, None
     try:
+        # before anything is written: a second launch into a busy run dir would delete the first
+        # one's save in progress and interleave its metrics
+        lock = lock_run_dir(run_dir, env.is_main)
         if env.is_main:
             write_run_files(cfg, run_dir)
             ckpt.cleanup_partial_saves(ckpt_root)
@@ -118,9 +152,12 @@ def run(cfg: DictConfig) -> None:
         callbacks = []
         if cfg.model.attention == "msa":
             callbacks.append(IndexerWarmup(cfg.trainer.indexer_warmup_tokens, cfg.model.msa))
-        callbacks.append(ckpt.Checkpointer(ckpt_root, cfg.checkpoint.interval, cfg.checkpoint.keep, cfg.checkpoint.save_at_end))
-        callbacks.append(MetricsLogger(cfg.logging, run_dir, env.is_main, cfg.trainer.max_steps,
-                                       OmegaConf.to_container(cfg, resolve=True)))
+        model_config = OmegaConf.to_container(cfg.model, resolve=True)
+        callbacks.append(ckpt.Checkpointer(ckpt_root, cfg.checkpoint.interval, cfg.checkpoint.keep, cfg.checkpoint.save_at_end,
+                                           model_config))
+        metrics_logger = MetricsLogger(cfg.logging, run_dir, env.is_main, cfg.trainer.max_steps,
+                                       OmegaConf.to_container(cfg, resolve=True))
+        callbacks.append(metrics_logger)
         stop_signal = StopSignal(list(cfg.trainer.stop_signals)) if cfg.trainer.stop_signals else None
         trainer = Trainer(
             model_chunks=model_chunks, optimizer=optimizer, scheduler=scheduler, data_iterator=None,
@@ -130,9 +167,9 @@ def run(cfg: DictConfig) -> None:
             device=env.device, stop_signal=stop_signal,
         )
         if cfg.resume == "auto" and latest is not None:
-            ckpt.load_checkpoint(trainer, latest)
+            ckpt.load_checkpoint(trainer, latest, model_config)
         elif cfg.init_from:
-            ckpt.load_model_weights(model_chunks, cfg.init_from)
+            ckpt.load_model_weights(model_chunks, cfg.init_from, model_config, partial=cfg.init_from_partial)
             # bf16 training keeps fp32 main copies made when the optimizer was built: refresh them,
             # or the first step would put the fresh initialisation back
             optimizer.reload_model_params()
@@ -146,12 +183,16 @@ def run(cfg: DictConfig) -> None:
         trainer.data_iterator = build_train_iterator(dataset, trainer.state.consumed_samples,
                                                      cfg.parallel.micro_batch_size, dp_rank, dp_size)
         state = trainer.train()
-        log.info("finished at step %d (%s tokens); checkpoints in %s", state.step, f"{state.tokens:,}", ckpt_root)
+        _log_summary(state, cfg, run_dir, ckpt_root, metrics_logger.last_record, time.monotonic() - started)
         requeue = should_requeue(stop_signal, list(cfg.launch.requeue_signals), state.step >= cfg.trainer.max_steps)
         if stop_signal is not None:
             stop_signal.restore()
     finally:
-        shutdown()
+        try:
+            shutdown()
+        finally:
+            if lock is not None:
+                lock.release()
     # last: requeueing ends this job at once, so every rank must be done with the checkpoint
     if requeue and env.is_main:
         requeue_slurm_job()
