@@ -7,11 +7,16 @@ export PYTHONUNBUFFERED := 1
 
 .PHONY: train test venv clean
 
+# pip's output is cut to one line per package it collects: a first install shows progress
 $(STAMP): pyproject.toml
+	@echo "setting up $(VENV) (first use, or pyproject.toml changed; later runs skip this): installing torch (CPU),"
+	@echo "triton, megatron-core, hydra, wandb, tensorboard, transformers and their dependencies; a few minutes"
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check --ignore-requires-python -e . 2>&1 | grep -v "is ignored" || true
+	@$(PY) -m pip install --disable-pip-version-check --progress-bar off --ignore-requires-python -e . 2>&1 \
+		| grep --line-buffered -E "^(Collecting|Successfully installed|ERROR)" || true
 	@$(PY) -c "import torch, megatron.core, hydra, triton" || { echo "virtualenv install failed"; exit 1; }
 	@touch $(STAMP)
+	@echo "$(VENV) is ready; \`source $(VENV)/bin/activate\` puts its python and torchrun on your PATH"
 
 venv: $(STAMP)
 

@@ -23,12 +23,12 @@ def _fail(message: str, code: int) -> None:
 
 @hydra.main(config_path="configs", config_name="train", version_base=None)
 def main(cfg: DictConfig) -> None:
-    from msa_model.training.manifest import DamagedCheckpointError
-    from msa_model.training.run import run
+    from msa_model.training.run import INPUT_ERRORS, run
 
     try:
         run(cfg)
-    except (ConfigError, DamagedCheckpointError) as e:
+    except INPUT_ERRORS as e:
+        # the message names the field, file or holder and the cause; a traceback would bury it
         _fail(str(e), 2)
     except KeyboardInterrupt:
         # a second Ctrl-C (the first one asks for a stop with a checkpoint), or one before training

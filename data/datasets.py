@@ -1,11 +1,15 @@
 """Tokenize the corpus once into a cached megatron indexed dataset and sample it with GPTDataset.
 
-Cache layout (under data.cache_dir, default .cache/data):
+Cache layout (under data.cache_dir, default $MSA_DATA_CACHE_DIR or .cache/data):
     <source>-<key>/tokens.bin, tokens.idx   int32 token ids, one document per file + EOD
-    <source>-<key>/index/                   GPTDataset's document/sample/shuffle indices
+    <source>-<key>/manifest.json            their sizes and hashes, recorded at build
+    <source>-<key>/index/                   GPTDataset's document/sample/shuffle indices (+ manifest.json)
 where <key> hashes the tokenizer name and every file's relative path and contents, so a change to
 either builds a new dataset and a stale one is never read. The build writes a temporary
-directory and renames it into place, so an interrupted build leaves nothing behind.
+directory and renames it into place, so an interrupted build leaves nothing behind. Before use,
+the files are checked against their manifests (data/cache_check.py: sizes and sampled hashes,
+every byte with data.verify_cache=true); a damaged cache is rebuilt by rank 0 with a warning
+naming it, and refused on other ranks.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
+from .cache_check import DataCacheError, problem, record, unrecorded
 from .corpus import list_corpus_files
 from .tokenizer import build_tokenizer
 
@@ -47,8 +52,19 @@ def prepare_tokens(data_cfg, build: bool = True) -> str:
     tag = "stdlib" if data_cfg.source == "stdlib" else Path(data_cfg.source).name
     out_dir = Path(data_cfg.cache_dir) / f"{tag}-{_cache_key(tokenizer.name, root, files)}"
     prefix = str(out_dir / "tokens")
-    if out_dir.exists() or not build:
-        return prefix
+    if out_dir.exists():
+        found = problem(out_dir, full=data_cfg.verify_cache, required=("tokens.bin", "tokens.idx"))
+        if found is None:
+            if build:
+                _check_index_dir(out_dir / "index", data_cfg.verify_cache)
+            return prefix
+        if not build:
+            raise DataCacheError(f"data cache {out_dir}: {found}")
+        log.warning("data cache %s: %s; rebuilding it", out_dir, found)
+        _discard(out_dir)
+    elif not build:
+        raise DataCacheError(f"data cache {out_dir} does not exist after rank 0 built it: data.cache_dir must be "
+                             "on a file system every node sees")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
     tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared by every user of the checkout
@@ -59,6 +75,7 @@ def prepare_tokens(data_cfg, build: bool = True) -> str:
         builder.add_document(ids, [ids.size])
         n_tokens += ids.size
     builder.finalize(str(tmp / "tokens.idx"))
+    record(tmp, ["tokens.bin", "tokens.idx"])
     try:
         os.rename(tmp, out_dir)
     except OSError:
@@ -67,6 +84,29 @@ def prepare_tokens(data_cfg, build: bool = True) -> str:
     log.info("tokenized %d files (%.1f MB) from %s into %s: %d tokens", len(files),
              sum(p.stat().st_size for p in files) / 1e6, root, out_dir, n_tokens)
     return prefix
+
+
+def _discard(path: Path) -> None:
+    # renamed first: a process that has the files open keeps reading the old ones undisturbed
+    aside = path.with_name(f".{path.name}.damaged-{os.getpid()}")
+    os.rename(path, aside)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _check_index_dir(index_dir: Path, full: bool) -> None:
+    """Rank 0, before megatron reads its sample indices: remove damaged or unrecorded ones (megatron
+    rebuilds them, cheaply; it checks only that the files exist)."""
+    if not index_dir.is_dir():
+        return
+    files = [p for p in index_dir.iterdir() if p.is_file()]
+    found = problem(index_dir, full=full) if files else None
+    if found is not None:
+        log.warning("data cache %s: %s; rebuilding the sample indices", index_dir, found)
+        _discard(index_dir)
+        return
+    for path in unrecorded(index_dir):
+        log.warning("data cache %s: %s was never recorded (a build that died?); rebuilding it", index_dir, path.name)
+        path.unlink()
 
 
 def build_train_dataset(data_cfg, seq_length: int, num_samples: int) -> GPTDataset:
@@ -96,6 +136,12 @@ def build_train_dataset(data_cfg, seq_length: int, num_samples: int) -> GPTDatas
     train, _, _ = BlendedMegatronDatasetBuilder(
         GPTDataset, [num_samples, None, None], lambda: True, config
     ).build()
+    index_dir = Path(config.path_to_cache)
+    if rank == 0 and index_dir.is_dir():
+        # megatron has written any missing indices by now (rank 0 builds them first)
+        new = [p.name for p in unrecorded(index_dir)]
+        if new:
+            record(index_dir, new)
     return train
 
 

@@ -94,13 +94,17 @@ class DataConfig:
     glob: str = "**/*.py"
     max_bytes: int = 4_000_000  # corpus bound, files taken in sorted order
     tokenizer: str = "byte"
-    cache_dir: str = ".cache/data"
+    # the tokenized corpus; MSA_DATA_CACHE_DIR moves the default (e.g. to a shared scratch disk)
+    cache_dir: str = "${oc.env:MSA_DATA_CACHE_DIR,.cache/data}"
     seed: int = 1234
     # packed documents are separate sequences: each token attends to (and the indexer selects
     # from) its own document only, found from end-of-document tokens. Positions are not reset:
     # RoPE scores depend on relative positions only, so a document sees the same scores at any
     # offset (docs/msa.md, "Packed documents")
     document_mask: bool = False
+    # also hash every byte of the cached tokens and indices before use (sizes and sampled blocks
+    # are always checked)
+    verify_cache: bool = False
 
 
 @dataclass
@@ -205,6 +209,9 @@ class TrainConfig:
     # checkpoint that verifies | never: refuse a run_dir that holds checkpoints
     resume: str = "auto"
     init_from: Optional[str] = None  # checkpoint dir: load model weights only
+    # init_from a checkpoint of another shape: load the tensors whose name and shape match, keep
+    # the rest freshly initialised (otherwise differing models are refused, naming the fields)
+    init_from_partial: bool = False
     # the recipe continues another model (CPT): refuse to start from random weights
     requires_init_from: bool = False
     dry_run: bool = False
@@ -279,8 +286,23 @@ def validate(cfg, world_size: Optional[int] = None, gpu: Optional[bool] = None) 
                         ("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.ep", p.ep), ("parallel.cp", p.cp),
                         ("parallel.micro_batch_size", p.micro_batch_size),
                         ("parallel.global_batch_size", p.global_batch_size),
-                        ("logging.log_interval", cfg.logging.log_interval)):
+                        ("logging.log_interval", cfg.logging.log_interval),
+                        ("model.ffn_hidden_size", m.ffn_hidden_size), ("model.moe_ffn_hidden_size", m.moe_ffn_hidden_size),
+                        ("model.make_vocab_size_divisible_by", m.make_vocab_size_divisible_by),
+                        ("model.norm_eps", m.norm_eps), ("model.rotary_base", m.rotary_base),
+                        ("optim.lr", o.lr), ("optim.eps", o.eps), ("data.max_bytes", cfg.data.max_bytes)):
         _check(errors, value > 0, f"{name} must be positive, got {value}")
+    for name, value in (("model.num_experts", m.num_experts), ("model.moe_shared_expert_size", m.moe_shared_expert_size),
+                        ("model.moe_aux_loss_coeff", m.moe_aux_loss_coeff), ("model.msa.kl_coeff", msa.kl_coeff),
+                        ("trainer.indexer_warmup_tokens", t.indexer_warmup_tokens),
+                        ("optim.min_lr", o.min_lr), ("optim.warmup_steps", o.warmup_steps),
+                        ("optim.weight_decay", o.weight_decay), ("optim.clip_grad", o.clip_grad),
+                        ("checkpoint.interval", cfg.checkpoint.interval), ("checkpoint.keep", cfg.checkpoint.keep)):
+        _check(errors, value >= 0, f"{name} must be >= 0, got {value}")
+    _check(errors, m.vocab_size is None or m.vocab_size > 0, f"model.vocab_size must be positive, got {m.vocab_size}")
+    _check(errors, o.decay_steps is None or o.decay_steps > 0, f"optim.decay_steps must be positive, got {o.decay_steps}")
+    for name, value in (("optim.beta1", o.beta1), ("optim.beta2", o.beta2)):
+        _check(errors, 0 <= value < 1, f"{name} must be in [0, 1), got {value}")
     _check(errors, t.stop_at_step is None or 0 < t.stop_at_step < t.max_steps,
            f"trainer.stop_at_step ({t.stop_at_step}) must be in (0, trainer.max_steps={t.max_steps})")
     if errors:
@@ -340,6 +362,7 @@ def validate(cfg, world_size: Optional[int] = None, gpu: Optional[bool] = None) 
     _check(errors, p.global_batch_size % p.micro_batch_size == 0,
            f"parallel.global_batch_size ({p.global_batch_size}) must be a multiple of "
            f"parallel.micro_batch_size ({p.micro_batch_size})")
+    _check(errors, o.min_lr <= o.lr, f"optim.min_lr ({o.min_lr}) must be <= optim.lr ({o.lr})")
     _check(errors, o.decay_style in ("cosine", "linear", "constant"),
            f"optim.decay_style must be cosine, linear or constant, got {o.decay_style!r}")
     _check(errors, o.warmup_steps < (o.decay_steps or t.max_steps),

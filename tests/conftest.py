@@ -1,17 +1,49 @@
 """Test-session set-up shared by every test module."""
 
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
+
+REPO = Path(__file__).resolve().parents[1]
 
 # without a GPU, Triton kernels run in Triton's interpreter on CPU tensors; this must be set
 # before anything imports triton
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# one tokenized corpus for the whole session, outside the repository: every train.py the tests
+# start (they inherit this environment) uses it unless it names another data.cache_dir
+_SESSION_CACHE = tempfile.mkdtemp(prefix="msa-test-data-")
+os.environ["MSA_DATA_CACHE_DIR"] = _SESSION_CACHE
+
 
 @pytest.fixture(scope="session")
-def data_cache(tmp_path_factory):
+def data_cache():
     """One tokenized copy of the default corpus shared by every test run of train.py."""
-    return tmp_path_factory.mktemp("data-cache")
+    return Path(_SESSION_CACHE)
+
+
+def _repository_outputs() -> dict[str, float]:
+    """Path -> mtime of what runs leave in the repository (two levels deep)."""
+    out = {}
+    for top in ("runs", ".cache", "outputs", "multirun", "wandb"):
+        root = REPO / top
+        if root.exists():
+            for path in [root, *root.iterdir(), *(q for p in root.iterdir() if p.is_dir() for q in p.iterdir())]:
+                out[str(path.relative_to(REPO))] = path.stat().st_mtime
+    return out
+
+
+@pytest.fixture(scope="session", autouse=True)
+def tests_write_only_under_temporary_directories():
+    """The tests leave the repository's runs/ and .cache/ as they found them."""
+    before = _repository_outputs()
+    yield
+    after = _repository_outputs()
+    changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+    shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
+    assert not changed, f"tests wrote into the repository: {changed[:10]}"

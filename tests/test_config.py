@@ -77,6 +77,13 @@ def test_wrong_type_is_an_error():
     (["trainer.stop_at_step=500"], "trainer.stop_at_step"),
     (["trainer.stop_signals=[SIGUSR1,USR2]"], "trainer.stop_signals: unknown signal"),
     (["launch.requeue_signals=[SIGHUP,sigterm]"], "launch.requeue_signals: unknown signal"),
+    (["optim.lr=-1"], r"optim.lr must be positive, got -1.0"),
+    (["optim.min_lr=0.01"], r"optim.min_lr \(0.01\) must be <= optim.lr"),
+    (["model.num_experts=-4"], "model.num_experts must be >= 0, got -4"),
+    (["trainer.indexer_warmup_tokens=-8"], "trainer.indexer_warmup_tokens must be >= 0, got -8"),
+    (["data.max_bytes=0"], "data.max_bytes must be positive, got 0"),
+    (["checkpoint.keep=-1"], "checkpoint.keep must be >= 0"),
+    (["optim.beta2=1.0"], r"optim.beta2 must be in \[0, 1\)"),
 ])
 def test_bad_values_fail_early_naming_the_field(overrides, field):
     cfg = _compose(*overrides)

@@ -63,11 +63,11 @@ def _run(out, nproc: int, *args: str, cache) -> list[list[dict]]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(tmp_path_factory, data_cache):
     """The one-process run; it also saves the initial weights every layout starts from (the
     initialisation draws differ with the pipeline layout)."""
     root = tmp_path_factory.mktemp("parallel")
-    steps = _run(root / "ws1", 1, f"--save-init={root / 'init'}", cache=root / "cache")[0]
+    steps = _run(root / "ws1", 1, f"--save-init={root / 'init'}", cache=data_cache)[0]
     return root, steps
 
 
@@ -94,10 +94,10 @@ def max_differences(ref_steps: list[dict], ranks: list[list[dict]]) -> dict[str,
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layout_matches_one_process(reference, layout):
+def test_layout_matches_one_process(reference, data_cache, layout):
     root, ref_steps = reference
     nproc, overrides = LAYOUTS[layout]
-    ranks = _run(root / layout, nproc, *overrides, f"init_from={root / 'init'}", cache=root / "cache")
+    ranks = _run(root / layout, nproc, *overrides, f"init_from={root / 'init'}", cache=data_cache)
     assert [s["metrics"]["phase"] for s in ref_steps] == ["warmup", "sparse"]
     worst = max_differences(ref_steps, ranks)
     print(f"{layout}: max relative difference " + " ".join(f"{k}={v:.1e}" for k, v in worst.items()))

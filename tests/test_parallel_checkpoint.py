@@ -19,8 +19,8 @@ STEPS = ("trainer.max_steps=4", "trainer.indexer_warmup_tokens=1024", "checkpoin
      ["model.make_vocab_size_divisible_by=128"]),
     (["parallel.pp=2"], []),
 ], ids=["tp2_to_tp1", "pp2_to_pp1"])
-def test_resume_at_another_layout(tmp_path, saved, loaded):
-    cache = tmp_path / "cache"
+def test_resume_at_another_layout(tmp_path, data_cache, saved, loaded):
+    cache = data_cache
     run_train(tmp_path / "saved", *STEPS, "checkpoint.interval=2", *saved, data_cache=cache, nproc=2)
     ckpt = tmp_path / "saved" / "checkpoints"
     # the run saved after steps 2 and 4: resume from step 2

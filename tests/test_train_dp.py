@@ -9,8 +9,8 @@ from skeleton_helpers import metrics, run_train
 
 
 @pytest.mark.slow
-def test_dp2_matches_a_single_process(tmp_path):
-    cache = tmp_path / "cache"
+def test_dp2_matches_a_single_process(tmp_path, data_cache):
+    cache = data_cache
     common = ("trainer.max_steps=3", "trainer.indexer_warmup_tokens=2048", "checkpoint.interval=0")
     run_train(tmp_path / "dp1", *common, data_cache=cache)
     run_train(tmp_path / "dp2", *common, data_cache=cache, nproc=2)

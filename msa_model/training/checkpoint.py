@@ -16,10 +16,13 @@ verifies instead.
 
 Saving runs megatron's writer in this process (no helper process): SLURM signals every process of
 a job step, and a helper that dies of the stop signal would break the very save the signal asks for.
+A step directory already in the way (left behind when `latest` was pointed back at an earlier
+step) is replaced: moved aside as .old-step_*, the new one renamed in, then removed.
 
 Content: "model" and "optimizer" are sharded (the distributed optimizer in its fully_reshardable
 format, model-shaped optimizer state, so a checkpoint loads at another TP/PP/EP/DP layout); "rng" is one object per rank; "trainer" (counters), "scheduler" (lr schedule) and
-"callbacks" (e.g. the indexer warmup) are common state written by rank 0.
+"callbacks" (e.g. the indexer warmup) are common state written by rank 0, and so is "model_config"
+(the architecture, checked on resume and init_from: checkpoint_checks.py).
 """
 
 from __future__ import annotations
@@ -46,6 +49,9 @@ from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from msa_model.training.callbacks import Callback
 from msa_model.training.manifest import (DamagedCheckpointError, check_manifest, describe, verify_checkpoint,
                                          warn_unverified, write_manifest)
+from msa_model.training.checkpoint_checks import (CHECKPOINT_FAILURES, CheckpointError, align_lr_groups,
+                                                  check_init_architecture, check_resume_architecture, describe_error,
+                                                  load_matching_weights, unreadable)
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +119,7 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     path = Path(root) / pointer.read_text().strip()
     if not path.is_dir():
         # resuming from scratch here would silently throw a run away
-        raise FileNotFoundError(f"{pointer} names {path.name}, which does not exist; point it at a complete "
+        raise CheckpointError(f"{pointer} names {path.name}, which does not exist; point it at a complete "
                                 "step_* directory or remove it")
     return path
 
@@ -159,26 +165,56 @@ def _sharded_state(trainer, is_loading: bool) -> dict:
     }
 
 
-def save_checkpoint(trainer, root: str | Path, keep: int = 0) -> Path:
-    """Save atomically as <root>/step_<step>; update `latest`; keep the newest `keep` (0 = all)."""
+def _latest_name(root: Path) -> str | None:
+    pointer = root / LATEST
+    return pointer.read_text().strip() if pointer.is_file() else None
+
+
+def save_checkpoint(trainer, root: str | Path, keep: int = 0, model_config: dict | None = None) -> Path:
+    """Save atomically as <root>/step_<step>; update `latest`; keep the newest `keep` (0 = all).
+    `model_config` (the model section of the run's config) is stored for the architecture check."""
     root = Path(root)
     name = step_dir_name(trainer.state.step)
     tmp, final = root / f".tmp-{name}", root / name
-    if final.is_dir():
-        # a complete save of this very step exists (a relaunch that ran no step): replacing it
-        # would open a window in which `latest` names nothing
+    # rank 0 decides for everyone: ranks that saw the file system differently would split the save
+    box = [final.is_dir() and _latest_name(root) == name]
+    dist.broadcast_object_list(box, src=0)
+    if box[0]:
+        # `latest` names a complete save of this very step (a relaunch that ran no step):
+        # replacing it would open a window in which `latest` names nothing
         return final
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
+    state = _sharded_state(trainer, is_loading=False)
+    if model_config is not None:
+        state["model_config"] = model_config
     _writer_in_this_process()
-    dist_checkpointing.save(_sharded_state(trainer, is_loading=False), str(tmp))
+    try:
+        dist_checkpointing.save(state, str(tmp))
+    except CHECKPOINT_FAILURES as e:
+        if dist.get_rank() == 0:
+            # a full disk is the usual cause: free what the failed save took
+            shutil.rmtree(tmp, ignore_errors=True)
+        free = shutil.disk_usage(root).free
+        cause = describe_error(e)
+        raise CheckpointError(
+            f"could not save checkpoint {final} ({cause}); {free / 2**30:.2f} GiB free on its file system"
+            f"{' (full)' if free < 2**26 else ''}; `latest` still names {_latest_name(root)}") from e
     dist.barrier()
     write_manifest(tmp)
     if dist.get_rank() == 0:
+        aside = root / f".old-{name}"
+        if final.exists():
+            # not what `latest` names (checked above): a save left behind by a run whose `latest`
+            # was pointed back, possibly damaged; it must not stand in for this one
+            log.warning("replacing %s, which `latest` does not name (left by a rolled-back run)", final)
+            shutil.rmtree(aside, ignore_errors=True)
+            os.rename(final, aside)
         os.rename(tmp, final)
         write_latest(root, name)
+        shutil.rmtree(aside, ignore_errors=True)
         if keep > 0:
             # only saves older than this one: a newer directory (left by a rollback of `latest`)
             # is not ours to judge, and the one just saved is never pruned
@@ -285,16 +321,27 @@ def resume_checkpoint(root: str | Path, fallback: bool = False) -> Path | None:
     return chosen
 
 
-def load_checkpoint(trainer, path: str | Path, verify: bool = True) -> None:
+def load_checkpoint(trainer, path: str | Path, verify: bool = True, model_config: dict | None = None) -> None:
     """Restore model, optimizer, lr schedule, counters, callbacks and (same world size) RNG.
 
     With `verify` (skip it only for a directory resume_checkpoint just checked), a file that
-    differs from the manifest raises DamagedCheckpointError before anything is loaded."""
+    differs from the manifest raises DamagedCheckpointError before anything is loaded. A
+    checkpoint of another architecture than `model_config`'s is refused (CheckpointError)."""
     if verify:
         verify_checkpoint(path, "resume:")
+    try:
+        with _quiet_load():
+            common = dist_checkpointing.load_common_state_dict(str(path))
+    except CHECKPOINT_FAILURES as e:
+        raise unreadable("resume:", path, e) from e
+    try:
+        check_resume_architecture(_unwrap(trainer.model_chunks[0]), Path(path), common.get("model_config"),
+                                  model_config)
+    except (CheckpointError, DamagedCheckpointError):
+        raise
+    except CHECKPOINT_FAILURES as e:
+        raise unreadable("resume:", path, e) from e
     _allocate_adam_state(trainer.optimizer)
-    with _quiet_load():
-        common = dist_checkpointing.load_common_state_dict(str(path))
     state = _sharded_state(trainer, is_loading=True)
     same_world = common.get("world_size") == dist.get_world_size()
     if not same_world:
@@ -302,9 +349,14 @@ def load_checkpoint(trainer, path: str | Path, verify: bool = True) -> None:
         log.warning("checkpoint was written by %s ranks, now %s: RNG states are re-seeded, not restored",
                     common.get("world_size"), dist.get_world_size())
         state.pop("rng")
-    with _quiet_load():
-        loaded = dist_checkpointing.load(state, str(path))
+    try:
+        with _quiet_load():
+            loaded = dist_checkpointing.load(state, str(path))
+    except CHECKPOINT_FAILURES as e:
+        raise unreadable("resume:", path, e) from e
     _unwrap(trainer.model_chunks[0]).load_state_dict(loaded["model"])
+    # the config's learning rates win over the saved ones (a relaunch may change optim.lr)
+    align_lr_groups(loaded["optimizer"], trainer.optimizer)
     _load_optimizer_state(trainer.optimizer, loaded["optimizer"])
     _restore_adam_steps(trainer.optimizer)
     trainer.scheduler.load_state_dict(loaded["scheduler"])
@@ -356,27 +408,46 @@ def load_weights(module, step_dir: str | Path, allow_missing_index: bool, what: 
     return sum(is_index_branch_key(k) for k in absent)
 
 
-def load_model_weights(model_chunks, path: str | Path) -> None:
+def load_model_weights(model_chunks, path: str | Path, model_config: dict | None = None,
+                       partial: bool = False) -> None:
     """Load only the model weights (no optimizer/counters), e.g. a dense GQA checkpoint into MSA.
 
     `path` is a checkpoint root (its `latest` is used) or a step directory. Index-branch
-    parameters missing from the checkpoint keep their fresh initialisation; any other missing
-    parameter is an error.
+    parameters missing from the checkpoint keep their fresh initialisation; a checkpoint of
+    another shape (fields of `model_config`, or tensor names and shapes) is refused, unless
+    `partial`: then the tensors whose name and shape match are loaded and the rest stay fresh.
     """
     path = Path(path)
     if (path / LATEST).is_file():
         path = latest_checkpoint(path)
     if path is None or not path.is_dir():
-        raise FileNotFoundError(f"init_from: no checkpoint at {path}")
+        raise CheckpointError(f"init_from: no checkpoint at {path}")
     assert len(model_chunks) == 1, "virtual pipeline chunks are not supported yet"
-    fresh = load_weights(_unwrap(model_chunks[0]), path, allow_missing_index=True)
+    module = _unwrap(model_chunks[0])
+    try:
+        if partial:
+            # (load_weights below checks the manifest itself)
+            verify_checkpoint(path, "init_from")
+            n, unused, fresh = load_matching_weights(module, path)
+            log.info("initialised %d model tensors from %s (init_from_partial); %d checkpoint tensors unused%s, "
+                     "%d kept fresh%s", n, path, len(unused), f" ({', '.join(unused[:3])}, ...)" if unused else "",
+                     len(fresh), f" ({', '.join(fresh[:3])}, ...)" if fresh else "")
+            return
+        saved = dist_checkpointing.load_common_state_dict(str(path)).get("model_config")
+        check_init_architecture(module, path, saved, model_config, is_index_branch_key)
+        fresh = load_weights(module, path, allow_missing_index=True)
+    except (CheckpointError, DamagedCheckpointError):
+        raise
+    except CHECKPOINT_FAILURES as e:
+        raise unreadable("init_from", path, e) from e
     log.info("initialised model weights from %s%s", path,
              f" ({fresh} index-branch tensors absent, kept fresh)" if fresh else "")
 
 
 def cleanup_partial_saves(root: str | Path) -> None:
-    """Remove .tmp-* directories of saves that never completed (rank 0 only)."""
-    for tmp in Path(root).glob(".tmp-step_*"):
+    """Remove .tmp-* directories of saves that never completed, and .old-* ones a replacing save
+    left behind (rank 0 only)."""
+    for tmp in [*Path(root).glob(".tmp-step_*"), *Path(root).glob(".old-step_*")]:
         log.warning("removing incomplete checkpoint %s", tmp)
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -386,15 +457,16 @@ class Checkpointer(Callback):
 
     name = "checkpointer"
 
-    def __init__(self, root: str | Path, interval: int, keep: int, save_at_end: bool):
+    def __init__(self, root: str | Path, interval: int, keep: int, save_at_end: bool, model_config: dict | None = None):
         self.root, self.interval, self.keep, self.save_at_end = Path(root), interval, keep, save_at_end
+        self.model_config = model_config
         self.last_saved_step: int | None = None
         self.last_saved: Path | None = None
 
     def _save(self, trainer) -> None:
         if self.last_saved_step == trainer.state.step:
             return
-        path = save_checkpoint(trainer, self.root, self.keep)
+        path = save_checkpoint(trainer, self.root, self.keep, self.model_config)
         self.last_saved_step, self.last_saved = trainer.state.step, path
         # a stop on a signal reports its checkpoint in its one closing line (run.py)
         if getattr(trainer, "stop_reason", None) is None:

@@ -76,11 +76,16 @@ def _fmt(value: float | None, spec: str) -> str:
 
 class MetricsLogger(Callback):
     """Every `log_interval` steps: one console line and the same scalars to TensorBoard, wandb
-    and <run_dir>/metrics.jsonl (interval means of per-step values). Only rank 0 writes."""
+    and <run_dir>/metrics.jsonl (interval means of per-step values). Only rank 0 writes.
+
+    Between those lines the console is not left silent: the first step of a job gets a short line
+    (it includes start-up costs), and without a terminal (no progress bar) a short line follows
+    any PROGRESS_S seconds without output."""
 
     name = "metrics"
     SCALARS = ("lm_loss", "kl_loss", "moe_aux_loss", "lr", "grad_norm", "tokens_per_s", "keys_per_query",
                "tflops_per_gpu", "peak_mem_gib", "step_ms", "attention_ms", "moe_ms")
+    PROGRESS_S = 30.0
 
     def __init__(self, logging_cfg, run_dir: str | Path, enabled: bool, max_steps: int, hparams: dict,
                  flops_per_token=None, world_size: int = 1):
@@ -93,10 +98,13 @@ class MetricsLogger(Callback):
         self._sums: dict[str, float] = {}
         self._counts: dict[str, int] = {}
         self._interval_tokens = 0
-        self._t0 = time.perf_counter()
+        self._t0 = self._last_line = time.perf_counter()
+        self._first_step = 0
+        self.last_record: dict | None = None
 
     def on_train_start(self, trainer) -> None:
-        self._t0 = time.perf_counter()
+        self._t0 = self._last_line = time.perf_counter()
+        self._first_step = trainer.state.step + 1
         if not self.enabled:
             return
         if self.cfg.jsonl:
@@ -110,9 +118,10 @@ class MetricsLogger(Callback):
         if self.cfg.wandb_mode != "disabled":
             import wandb
 
+            # quiet: its run summary at the end would bury the run's own last lines
             self.wandb_run = wandb.init(project=self.cfg.wandb_project, entity=self.cfg.wandb_entity,
                                         mode=self.cfg.wandb_mode, dir=str(self.run_dir), config=self.hparams,
-                                        name=self.run_dir.name, resume="allow")
+                                        name=self.run_dir.name, resume="allow", settings=wandb.Settings(quiet=True))
         if self.cfg.progress_bar:
             from tqdm import tqdm
 
@@ -131,6 +140,18 @@ class MetricsLogger(Callback):
         step = trainer.state.step
         if step % self.cfg.log_interval == 0 or step == self.max_steps or trainer.state.stop_requested:
             self._emit(trainer)
+        elif self.enabled and (step == self._first_step or (
+                self.bar is None and time.perf_counter() - self._last_line > self.PROGRESS_S)):
+            self._progress(trainer, metrics)
+
+    def _progress(self, trainer, metrics: dict) -> None:
+        """A short console line between the full ones (not a record: the interval means stay whole)."""
+        steps = self._counts.get("lm_loss", 1)
+        per_step = (time.perf_counter() - self._t0) / steps
+        nxt = min(self.max_steps, (trainer.state.step // self.cfg.log_interval + 1) * self.cfg.log_interval)
+        log.info("step %*d/%d | lm %.4f | %.1f s/step | next full line at step %d", len(str(self.max_steps)),
+                 trainer.state.step, self.max_steps, metrics["lm_loss"], per_step, nxt)
+        self._last_line = time.perf_counter()
 
     def _emit(self, trainer) -> None:
         elapsed = time.perf_counter() - self._t0
@@ -145,6 +166,7 @@ class MetricsLogger(Callback):
             # peak of this interval, this rank (the same on every rank of a balanced layout)
             scalars["peak_mem_gib"] = torch.cuda.max_memory_allocated(trainer.device) / 2**30
             torch.cuda.reset_peak_memory_stats(trainer.device)
+        self._last_line = self._t0
         if not self.enabled:
             return
         log.info("step %*d/%d | tokens %s | lm %s | kl %s | aux %s | lr %s | gnorm %s | %s tok/s | %s TFLOP/s%s | "
@@ -157,6 +179,7 @@ class MetricsLogger(Callback):
                  _fmt(scalars.get("keys_per_query"), ".1f"))
         record = {"step": s.step, "tokens": s.tokens, "phase": phase,
                   **{k: scalars[k] for k in self.SCALARS if k in scalars}}
+        self.last_record = record
         if self.jsonl is not None:
             self.jsonl.write(json.dumps(record) + "\n")
             self.jsonl.flush()

@@ -10,19 +10,30 @@ warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\..*")
 warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed\..*")
 # megatron reads .grad of non-leaf tensors while collecting params; harmless and noisy
 warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
+# torch.distributed.checkpoint on megatron's calls: metadata read outside a process group, its own
+# API changes, ShardedTensor deprecation
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+warnings.filterwarnings("ignore", message="The argument order of load has been changed")
+warnings.filterwarnings("ignore", message="Please use DTensor instead and we are deprecating ShardedTensor")
 
 import logging  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
+import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
-from msa_model.config import validate  # noqa: E402
+from data.cache_check import DataCacheError  # noqa: E402
+from msa_model.config import ConfigError, validate  # noqa: E402
+from msa_model.training.checkpoint_checks import CheckpointError  # noqa: E402
 from msa_model.training.distributed import launch_env, parallel_layout  # noqa: E402
-from msa_model.training.run_dir import setup_logging, write_run_files  # noqa: E402
+from msa_model.training.run_dir import RunDirBusy, lock_run_dir, setup_logging, write_run_files  # noqa: E402
 
 log = logging.getLogger(__name__)
+
+# bad input, each named in its message: train.py prints these in one line, without a traceback
+INPUT_ERRORS = (ConfigError, CheckpointError, DataCacheError, RunDirBusy)
 
 
 def _build_optimizer(cfg, model_chunks):
@@ -83,6 +94,25 @@ def _flops_counter(cfg):
     return lambda keys_per_query, sparse: flops_per_token(cfg.model, vocab, keys_per_query, sparse)
 
 
+def _log_summary(state, cfg, run_dir: Path, ckpt_root: Path, last: dict | None, seconds: float) -> None:
+    """The run's last lines: where it stopped, its last losses, where everything went."""
+    from msa_model.training.checkpoint import latest_checkpoint
+
+    minutes, secs = divmod(int(seconds), 60)
+    losses = ""
+    if last and "lm_loss" in last:
+        kl = f", indexer KL {last['kl_loss']:.4f}" if "kl_loss" in last else ""
+        losses = f"; last logged lm loss {last['lm_loss']:.4f}{kl} ({last['phase']})"
+    log.info("finished at step %d of %d (%s tokens) in %dm%02ds%s", state.step, cfg.trainer.max_steps,
+             f"{state.tokens:,}", minutes, secs, losses)
+    latest = latest_checkpoint(ckpt_root)
+    logs = [name for name, on in (("train.log", True), ("metrics.jsonl", cfg.logging.jsonl),
+                                  ("tensorboard/", cfg.logging.tensorboard),
+                                  ("wandb/", cfg.logging.wandb_mode != "disabled")) if on]
+    log.info("run dir %s: %s; checkpoints in %s (latest: %s)", run_dir, ", ".join(logs), ckpt_root,
+             latest.name if latest else "none")
+
+
 def run(cfg: DictConfig) -> None:
     OmegaConf.resolve(cfg)
     rank, world_size, _ = launch_env()
@@ -96,6 +126,7 @@ def run(cfg: DictConfig) -> None:
             print(dry_run_report(cfg, layout_world), flush=True)
         return
     validate(cfg, world_size)
+    started = time.monotonic()
 
     from data.datasets import build_train_dataset, build_train_iterator
     from msa_model.training import checkpoint as ckpt
@@ -114,11 +145,14 @@ def run(cfg: DictConfig) -> None:
     setup_logging(run_dir if rank == 0 else None, rank == 0)
     latest = ckpt.latest_checkpoint(ckpt_root)
     if cfg.resume == "never" and latest is not None:
-        raise FileExistsError(f"resume=never but {ckpt_root} already holds checkpoints; choose another run_dir")
+        raise ConfigError(f"resume=never but {ckpt_root} already holds checkpoints; choose another run_dir")
 
     env = init_distributed(cfg.parallel, cfg.trainer.device, cfg.trainer.seed)
-    requeue = False
+    requeue, lock = False, None
     try:
+        # before anything is written: a second launch into a busy run dir would delete the first
+        # one's save in progress and interleave its metrics
+        lock = lock_run_dir(run_dir, env.is_main)
         if env.is_main:
             write_run_files(cfg, run_dir)
             ckpt.cleanup_partial_saves(ckpt_root)
@@ -137,11 +171,14 @@ def run(cfg: DictConfig) -> None:
             callbacks.append(ModuleTimer(env.device))
         if cfg.model.attention == "msa":
             callbacks.append(IndexerWarmup(cfg.trainer.indexer_warmup_tokens, cfg.model.msa))
-        checkpointer = ckpt.Checkpointer(ckpt_root, cfg.checkpoint.interval, cfg.checkpoint.keep, cfg.checkpoint.save_at_end)
+        model_config = OmegaConf.to_container(cfg.model, resolve=True)
+        checkpointer = ckpt.Checkpointer(ckpt_root, cfg.checkpoint.interval, cfg.checkpoint.keep,
+                                         cfg.checkpoint.save_at_end, model_config)
         callbacks.append(checkpointer)
-        callbacks.append(MetricsLogger(cfg.logging, run_dir, env.is_main, cfg.trainer.max_steps,
+        metrics_logger = MetricsLogger(cfg.logging, run_dir, env.is_main, cfg.trainer.max_steps,
                                        OmegaConf.to_container(cfg, resolve=True),
-                                       flops_per_token=_flops_counter(cfg), world_size=world_size))
+                                       flops_per_token=_flops_counter(cfg), world_size=world_size)
+        callbacks.append(metrics_logger)
         trainer = Trainer(
             model_chunks=model_chunks, optimizer=optimizer, scheduler=scheduler, data_iterator=None,
             callbacks=callbacks, max_steps=cfg.trainer.max_steps, stop_at_step=cfg.trainer.stop_at_step,
@@ -150,9 +187,9 @@ def run(cfg: DictConfig) -> None:
             device=env.device, stop_signal=stop_signal,
         )
         if latest is not None:
-            ckpt.load_checkpoint(trainer, latest, verify=False)
+            ckpt.load_checkpoint(trainer, latest, verify=False, model_config=model_config)
         elif cfg.init_from:
-            ckpt.load_model_weights(model_chunks, cfg.init_from)
+            ckpt.load_model_weights(model_chunks, cfg.init_from, model_config, partial=cfg.init_from_partial)
             # bf16 training keeps fp32 main copies made when the optimizer was built: refresh them,
             # or the first step would put the fresh initialisation back
             optimizer.reload_model_params()
@@ -184,12 +221,16 @@ def run(cfg: DictConfig) -> None:
             log.info("stopped by %s after step %d: checkpoint %s; %s", trainer.stop_reason, state.step,
                      where or "none (checkpointing is off)", plan.note if plan else "")
         else:
-            log.info("finished at step %d (%s tokens); checkpoints in %s", state.step, f"{state.tokens:,}", ckpt_root)
+            _log_summary(state, cfg, run_dir, ckpt_root, metrics_logger.last_record, time.monotonic() - started)
     finally:
-        # the handlers stay until the process group is gone: SLURM may repeat a signal meanwhile
-        shutdown()
-        if stop_signal is not None:
-            stop_signal.restore()
+        try:
+            # the handlers stay until the process group is gone: SLURM may repeat a signal meanwhile
+            shutdown()
+            if stop_signal is not None:
+                stop_signal.restore()
+        finally:
+            if lock is not None:
+                lock.release()
     # last: every rank must be done with the checkpoint before the job is requeued
     if requeue and not requeue_slurm_job():
         log.error("the job was not requeued; resume it by relaunching it")

@@ -4,20 +4,26 @@
 <run_dir>/git.txt       commit of the code (and whether the tree had local changes)
 <run_dir>/launch.sh     the command line that relaunches (and so resumes) this run
 <run_dir>/train.log     the console log of rank 0
+<run_dir>/run.lock      who is training in this directory now (host, pid), while it runs
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shlex
+import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+log = logging.getLogger(__name__)
 
 
 class _TqdmHandler(logging.StreamHandler):
@@ -32,6 +38,14 @@ class _TqdmHandler(logging.StreamHandler):
             self.handleError(record)
 
 
+# megatron notices that concern its own roadmap, not this run, repeated on every build or save
+_LIBRARY_NOISE = ("full_param_layout not provided", "async save is deprecated")
+
+
+def _not_noise(record: logging.LogRecord) -> bool:
+    return not (record.name.startswith("megatron") and any(n in record.getMessage() for n in _LIBRARY_NOISE))
+
+
 def setup_logging(run_dir: Path | None, is_main: bool) -> None:
     root = logging.getLogger()
     for handler in list(root.handlers):
@@ -40,10 +54,12 @@ def setup_logging(run_dir: Path | None, is_main: bool) -> None:
     fmt = logging.Formatter("[%(asctime)s] %(message)s", datefmt="%H:%M:%S")
     console = _TqdmHandler()
     console.setFormatter(fmt)
+    console.addFilter(_not_noise)
     root.addHandler(console)
     if run_dir is not None and is_main:
         file_handler = logging.FileHandler(run_dir / "train.log")
         file_handler.setFormatter(fmt)
+        file_handler.addFilter(_not_noise)
         root.addHandler(file_handler)
     # megatron logs its parameter lists and optimizer config at INFO; keep its warnings only,
     # and not the "GPTModel is deprecated" one printed on every build
@@ -122,3 +138,207 @@ def write_run_files(cfg, run_dir: Path) -> None:
     launch.write_text("#!/usr/bin/env bash\n# relaunch this run; resume=auto continues from its latest checkpoint\n"
                       f"set -euo pipefail\ncd {shlex.quote(os.getcwd())}\n{relaunch_command(str(run_dir.resolve()))}\n")
     launch.chmod(0o755)
+
+
+class RunDirBusy(RuntimeError):
+    """Another live process trains in this run directory."""
+
+
+def _proc_stat(pid: int) -> list[str] | None:
+    """Fields 3.. of /proc/<pid>/stat (Linux): [0] the state, [19] the start time in clock ticks
+    since boot (tells a reused pid apart)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # the command name (field 2) may contain spaces; the fields after it are plain words
+    return stat.rsplit(")", 1)[1].split()
+
+
+def _process_start(pid: int) -> str | None:
+    fields = _proc_stat(pid)
+    return fields[19] if fields else None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # it exists, owned by someone else
+    fields = _proc_stat(pid)
+    return not (fields and fields[0] in ("Z", "X"))  # a zombie has exited, only not been reaped
+
+
+class RunDirLock:
+    """`<run_dir>/run.lock`: one training process (rank 0 of the job) per run directory.
+
+    The file holds the holder's host, pid and SLURM job, and its modification time is a heartbeat
+    refreshed every `heartbeat_s` while the holder lives. A lock is stale, and taken over with a
+    warning, when its holder is provably gone: on this host its pid no longer runs (or now belongs
+    to another process); inside the same SLURM job it belongs to an earlier run of a requeued job;
+    on another host its heartbeat is older than `stale_after_s`. Creation is atomic (a complete
+    file is hard-linked into place), so two launches never both hold it.
+    """
+
+    NAME = "run.lock"
+
+    def __init__(self, run_dir: str | Path, stale_after_s: float = 300.0, heartbeat_s: float = 30.0):
+        self.run_dir, self.path = Path(run_dir), Path(run_dir) / self.NAME
+        self.stale_after_s, self.heartbeat_s = stale_after_s, heartbeat_s
+        self.info = {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": _process_start(os.getpid()),
+                     "started": time.strftime("%Y-%m-%d %H:%M:%S"), "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+                     "slurm_restart_count": os.environ.get("SLURM_RESTART_COUNT", "0"),
+                     "command": " ".join(sys.argv)[:500]}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- reading and judging a lock ---------------------------------------------------------------
+
+    def _read(self, path: Path) -> tuple[dict | None, float | None]:
+        """(holder info or None if unreadable, mtime); (None, None) if the file is gone."""
+        try:
+            mtime = path.stat().st_mtime
+            return json.loads(path.read_text()), mtime
+        except FileNotFoundError:
+            return None, None
+        except (OSError, ValueError):
+            return None, mtime
+
+    def _stale_reason(self, info: dict, mtime: float) -> str | None:
+        """Why the holder is gone, or None if it may be alive."""
+        me = self.info
+        if info.get("host") == me["host"]:
+            pid = info.get("pid")
+            if not isinstance(pid, int) or pid <= 0:
+                return "it names no process"
+            if not _pid_alive(pid):
+                return f"process {pid} on {me['host']} is no longer running"
+            start = _process_start(pid)
+            if info.get("pid_start") and start and start != info["pid_start"]:
+                return f"process {pid} on {me['host']} has exited (the pid now belongs to another process)"
+            if pid == me["pid"]:
+                return "it was left by this very process"
+            return None
+        if (me["slurm_job_id"] and info.get("slurm_job_id") == me["slurm_job_id"]
+                and str(info.get("slurm_restart_count")) != str(me["slurm_restart_count"])):
+            # SLURM ends every process of a job before it starts the requeued one
+            return f"it belongs to an earlier run of SLURM job {me['slurm_job_id']} (requeued since)"
+        age = time.time() - mtime
+        if age > self.stale_after_s:
+            return f"its holder on {info.get('host')} has not refreshed it for {age:.0f} s"
+        return None
+
+    def _describe(self, info: dict, mtime: float) -> str:
+        job = f", SLURM job {info['slurm_job_id']}" if info.get("slurm_job_id") else ""
+        return (f"pid {info.get('pid')} on host {info.get('host')} (started {info.get('started')}{job}; "
+                f"heartbeat {time.time() - mtime:.0f} s ago)")
+
+    # -- taking and giving back -------------------------------------------------------------------
+
+    def _try_create(self) -> bool:
+        tmp = self.path.with_name(f".{self.NAME}.{self.info['host']}.{self.info['pid']}")
+        tmp.write_text(json.dumps(self.info, indent=1) + "\n")
+        try:
+            os.link(tmp, self.path)
+            return True
+        except FileExistsError:
+            return False
+        except OSError:
+            # a file system without hard links: exclusive creation (a reader may see it empty
+            # for an instant, which counts as busy below)
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                return False
+            with os.fdopen(fd, "w") as f:
+                f.write(tmp.read_text())
+            return True
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def acquire(self, attempts: int = 8) -> None:
+        """Take the lock, taking over a stale one with a warning; raise RunDirBusy naming a live
+        holder."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        for _ in range(attempts):
+            if self._try_create():
+                self._start_heartbeat()
+                return
+            info, mtime = self._read(self.path)
+            if mtime is None:
+                continue  # released between our two looks
+            if info is None:
+                if time.time() - mtime < 5:
+                    time.sleep(0.5)  # being written by a launch without hard links
+                    continue
+                info, reason = {}, "the lock file is unreadable"
+            else:
+                reason = self._stale_reason(info, mtime)
+                if reason is None:
+                    raise RunDirBusy(
+                        f"run_dir {self.run_dir} is in use by {self._describe(info, mtime)}: wait for that run to "
+                        f"end, stop it, or pass another run_dir=. If it is gone, {self.path} goes stale after "
+                        f"{self.stale_after_s:.0f} s without heartbeat; you may also delete it.")
+            # move it aside, then check that what moved is what we judged: another launch may have
+            # taken over in between, and its fresh lock must be put back
+            aside = self.path.with_name(f".{self.NAME}.stale.{self.info['host']}.{self.info['pid']}")
+            try:
+                os.rename(self.path, aside)
+            except FileNotFoundError:
+                continue
+            moved, _ = self._read(aside)
+            if (moved or {}) != info:
+                try:
+                    os.link(aside, self.path)
+                except OSError:
+                    pass
+                aside.unlink(missing_ok=True)
+                continue
+            aside.unlink(missing_ok=True)
+            log.warning("taking over the lock of run_dir %s from %s: %s", self.run_dir,
+                        f"pid {info.get('pid')} on {info.get('host')}" if info else "an unknown holder", reason)
+        raise RunDirBusy(f"could not lock run_dir {self.run_dir}: other launches keep racing for {self.path}")
+
+    def _owned(self) -> bool:
+        info, _ = self._read(self.path)
+        return info == self.info
+
+    def _start_heartbeat(self) -> None:
+        def beat():
+            while not self._stop.wait(self.heartbeat_s):
+                try:
+                    if self._owned():
+                        os.utime(self.path)
+                except OSError:
+                    pass
+
+        self._thread = threading.Thread(target=beat, name="run-dir-lock-heartbeat", daemon=True)
+        self._thread.start()
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._owned():
+            self.path.unlink(missing_ok=True)
+
+
+def lock_run_dir(run_dir: str | Path, is_main: bool) -> RunDirLock | None:
+    """Rank 0 takes the run directory's lock; every rank learns the outcome, so a refused launch
+    stops everywhere (the other ranks never touch the file). Call after the process group exists."""
+    import torch.distributed as dist
+
+    lock, error = None, None
+    if is_main:
+        lock = RunDirLock(run_dir)
+        try:
+            lock.acquire()
+        except RunDirBusy as e:
+            lock, error = None, str(e)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error is not None:
+        raise RunDirBusy(error if is_main else f"rank 0 could not lock the run directory: {error}")
+    return lock

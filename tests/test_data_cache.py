@@ -1,0 +1,117 @@
+"""The tokenized data cache is checked before use: files damaged after the build (zeroed, truncated,
+removed) are rebuilt by the building rank with a warning naming them and refused by the others;
+every byte is compared on request; GPTDataset's sample indices are checked the same way."""
+
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+
+from data.cache_check import MANIFEST, DataCacheError, read_manifest
+from data.datasets import build_train_dataset, prepare_tokens
+from msa_model.config import DataConfig
+
+
+@pytest.fixture
+def corpus(tmp_path) -> Path:
+    """Three text files of 120 KB: tokens.bin (4 bytes a token) is larger than the sampled blocks."""
+    root = tmp_path / "corpus"
+    root.mkdir()
+    rng = random.Random(0)
+    for i in range(3):
+        (root / f"doc{i}.txt").write_text("".join(rng.choice("abcdefgh \n") for _ in range(120_000)))
+    return root
+
+
+def _cfg(tmp_path, corpus, **kw):
+    return OmegaConf.structured(DataConfig(source=str(corpus), glob="*.txt", cache_dir=str(tmp_path / "cache"), **kw))
+
+
+def _zero_middle(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 5: 4 * len(data) // 5] = bytes(3 * len(data) // 5)
+    path.write_bytes(bytes(data))
+
+
+DAMAGE = {
+    "zeroed": (_zero_middle, "tokens.bin differs from what was built"),
+    "truncated": (lambda p: p.write_bytes(p.read_bytes()[:100_000]), "tokens.bin is 100,000 bytes"),
+    "removed": (lambda p: p.unlink(), "tokens.bin is missing"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_a_damaged_token_file_is_rebuilt_or_refused(tmp_path, corpus, caplog, damage):
+    cfg = _cfg(tmp_path, corpus)
+    out = Path(prepare_tokens(cfg)).parent
+    built = (out / "tokens.bin").read_bytes()
+    assert set(read_manifest(out)) == {"tokens.bin", "tokens.idx"}
+    with caplog.at_level(logging.WARNING):
+        assert Path(prepare_tokens(cfg)).parent == out
+    assert not caplog.records  # an intact cache is used as it is
+
+    apply, message = DAMAGE[damage]
+    apply(out / "tokens.bin")
+    # a rank that does not build refuses, naming the file
+    with pytest.raises(DataCacheError, match=f"data cache {out}: {message}"):
+        prepare_tokens(cfg, build=False)
+    with caplog.at_level(logging.WARNING):
+        prepare_tokens(cfg)
+    assert f"data cache {out}: {message}" in caplog.text and "rebuilding it" in caplog.text
+    assert (out / "tokens.bin").read_bytes() == built
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]  # nothing left aside
+
+
+def test_every_byte_is_compared_on_request(tmp_path, corpus, caplog):
+    cfg = _cfg(tmp_path, corpus)
+    out = Path(prepare_tokens(cfg)).parent
+    path = out / "tokens.bin"
+    data = bytearray(path.read_bytes())
+    # between two sampled blocks (64 blocks of 4 KiB spread over the file)
+    spot = (len(data) - 4096) // 63 // 2
+    data[spot:spot + 4] = b"\xff\xff\xff\x7f"
+    path.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING):
+        prepare_tokens(cfg)
+    assert not caplog.records
+    with caplog.at_level(logging.WARNING):
+        prepare_tokens(_cfg(tmp_path, corpus, verify_cache=True))
+    assert "tokens.bin differs from what was built (sha256 mismatch)" in caplog.text
+
+
+def test_a_cache_without_a_manifest_is_rebuilt(tmp_path, corpus, caplog):
+    cfg = _cfg(tmp_path, corpus)
+    out = Path(prepare_tokens(cfg)).parent
+    (out / MANIFEST).unlink()  # an interrupted build, or one made before manifests existed
+    with caplog.at_level(logging.WARNING):
+        prepare_tokens(cfg)
+    assert f"data cache {out}: {MANIFEST} is missing" in caplog.text
+    assert read_manifest(out) is not None
+
+
+def test_damaged_sample_indices_are_rebuilt(tmp_path, corpus, caplog):
+    cfg = _cfg(tmp_path, corpus)
+    first = build_train_dataset(cfg, 64, 16)
+    index = Path(prepare_tokens(cfg)).parent / "index"
+    recorded = read_manifest(index)
+    assert any(name.endswith("sample_index.npy") for name in recorded)
+    # a file megatron wrote for another dataset, never recorded (its build died half-way)
+    leftover = index / "0000-GPTDataset-train-shuffle_index.npy"
+    leftover.write_bytes(next(index.glob("*shuffle_index.npy")).read_bytes()[:80])
+    with caplog.at_level(logging.WARNING):
+        build_train_dataset(cfg, 64, 16)
+    assert f"{leftover.name} was never recorded" in caplog.text and not leftover.exists()
+
+    sample_index = next(index.glob("*sample_index.npy"))
+    sample_index.write_bytes(sample_index.read_bytes()[:50])
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        again = build_train_dataset(cfg, 64, 16)
+    assert f"data cache {index}: {sample_index.name} is 50 bytes" in caplog.text
+    assert np.array_equal(first[3]["tokens"].numpy(), again[3]["tokens"].numpy())
+    assert set(read_manifest(index)) == set(recorded)
