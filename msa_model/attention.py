@@ -132,6 +132,8 @@ class MSASelfAttention(SelfAttention):
                          pg_collection=pg_collection, pp_layer_offset=pp_layer_offset, name=name)
         self.options = options or MSAOptions()
         self.sparse = True
+        # set by msa_model.training.diagnostics to receive this layer's inputs of one forward
+        self.diagnostics_capture = None
         if self.options.attention == "dense":
             return
 
@@ -222,11 +224,16 @@ class MSASelfAttention(SelfAttention):
                     dense=not self.sparse, scale=self.config.softmax_scale, force_sink=self.options.force_sink,
                     backend=self.options.backend, return_block_idx=True, q_offset=off,
                 )
+                if self.diagnostics_capture is not None:
+                    self.diagnostics_capture.add(q=q[:, a:b], k=k, iq=iq[:, a:b], ik=ik, block_idx=block_idx_c,
+                                                 q_offset=off, scale=self.config.softmax_scale)
                 outs.append(o_c)
                 kls.append(kl_c)
                 keys = keys + (b - a) / S * (
                     selected_keys_per_query(block_idx_c, self.options.block_size, off) if block_idx_c is not None
                     else torch.tensor(off + (b - a + 1) / 2, device=q.device))
+            if self.diagnostics_capture is not None:
+                self.diagnostics_capture.seal()
             o_BSHD = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
             # the chunks have equal lengths: the mean of their means is the mean over this rank's queries
             kl = torch.stack(kls).mean() if len(kls) > 1 else kls[0]

@@ -79,7 +79,8 @@ class MetricsLogger(Callback):
     and <run_dir>/metrics.jsonl (interval means of per-step values). Only rank 0 writes."""
 
     name = "metrics"
-    SCALARS = ("lm_loss", "kl_loss", "moe_aux_loss", "lr", "grad_norm", "tokens_per_s", "keys_per_query")
+    SCALARS = ("lm_loss", "kl_loss", "moe_aux_loss", "lr", "grad_norm", "grad_norm_msa_index", "tokens_per_s",
+               "keys_per_query")
 
     def __init__(self, logging_cfg, run_dir: str | Path, enabled: bool, max_steps: int, hparams: dict):
         self.cfg, self.run_dir, self.enabled = logging_cfg, Path(run_dir), enabled
@@ -141,12 +142,14 @@ class MetricsLogger(Callback):
                  _fmt(scalars.get("moe_aux_loss"), ".4f"), _fmt(scalars.get("lr"), ".2e"),
                  _fmt(scalars.get("grad_norm"), ".3f"), f"{scalars['tokens_per_s']:,.0f}", phase,
                  _fmt(scalars.get("keys_per_query"), ".1f"))
+        # namespaced scalars ("msa/...", from the diagnostics) pass through as they are
         record = {"step": s.step, "tokens": s.tokens, "phase": phase,
-                  **{k: scalars[k] for k in self.SCALARS if k in scalars}}
+                  **{k: scalars[k] for k in self.SCALARS if k in scalars},
+                  **{k: v for k, v in scalars.items() if "/" in k}}
         if self.jsonl is not None:
             self.jsonl.write(json.dumps(record) + "\n")
             self.jsonl.flush()
-        numeric = {k: v for k, v in record.items() if k in self.SCALARS}
+        numeric = {k: v for k, v in record.items() if k in self.SCALARS or "/" in k}
         numeric["sparse"] = float(phase == "sparse")
         if self.tb is not None:
             for key, value in numeric.items():
