@@ -10,7 +10,8 @@ its main-branch weights are a plain GQA layer's) plus the index branch of MSA_SP
 
 and computes attention + indexer KL with `msa_model.ops.msa_attention`. The KL joins the loss
 through megatron's MoE aux-loss auto-scaler (the pipeline schedule sets its scale), weighted by
-`kl_coeff`, and is recorded for logging in megatron's MoE metrics tracker as "msa_kl_loss".
+`kl_coeff`, and is recorded for logging in megatron's MoE metrics tracker as "msa_kl_loss"
+without the coefficient (the logged KL is the mean over layers of the uncoefficiented KL).
 
 Phase: `sparse=False` (indexer warmup) runs dense causal attention with a dense KL; `sparse=True`
 selects the top-k key blocks per (query, group). The trainer flips it via `set_msa_phase`.
