@@ -175,12 +175,13 @@ def loss_by_position(model, device, docs: list[bytes], length: int, sequences: i
 def _heldout_docs(cfg, corpus: str | None, need_bytes: int) -> tuple[list[bytes], str]:
     """Documents the run did not train on: the corpus files past `data.max_bytes` (the corpus is
     taken in sorted order); the training files, said so, when there are none."""
-    from data.corpus import list_corpus_files
+    from data.corpus import corpus_root, list_corpus_files
 
     source = corpus or cfg.data.source
     _, train_files = list_corpus_files(source, cfg.data.glob, cfg.data.max_bytes)
     _, all_files = list_corpus_files(source, cfg.data.glob, 1 << 62)
-    if corpus is not None:
+    same = corpus is None or Path(corpus).resolve() == corpus_root(cfg.data.source).resolve()
+    if not same:
         files, kind = all_files, "given corpus"
     else:
         files, kind = all_files[len(train_files):], "held-out"
