@@ -51,7 +51,8 @@ def plot_accuracy(results: dict, path: Path) -> None:
         ax.set_xticks(range(len(lengths)), lengths, fontsize=7, rotation=45)
         ax.set_yticks(range(len(depths)), depths, fontsize=7)
         ax.set_xlabel("length (tokens)", fontsize=8)
-        ax.set_ylabel("needle depth", fontsize=8)
+        if ax is axes[0][0]:
+            ax.set_ylabel("needle depth", fontsize=8)
         ax.set_title(task, fontsize=9)
         budget = results.get("key_budget")
         if budget:
@@ -59,7 +60,7 @@ def plot_accuracy(results: dict, path: Path) -> None:
             over = [i for i, n in enumerate(results["lengths"]) if n > budget]
             if over:
                 ax.axvline(over[0] - 0.5, color="k", lw=0.8, ls="--")
-    fig.suptitle(f"{results['label']}: exact-match accuracy", fontsize=10)
+    fig.suptitle(f"{results['label']}: exact-match accuracy", fontsize=10, y=1.02)
     fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8)
     fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
