@@ -29,28 +29,36 @@ from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
 from .cache_check import DataCacheError, problem, record, unrecorded
 from .corpus import list_corpus_files
+from .retrieval import Haystack, training_documents
 from .tokenizer import build_tokenizer
 
 log = logging.getLogger(__name__)
 
 
-def _cache_key(tokenizer_name: str, root: Path, files: list[Path]) -> str:
-    h = hashlib.sha256(tokenizer_name.encode())
+def _cache_key(tokenizer_name: str, root: Path, files: list[Path], extra: str = "") -> str:
+    h = hashlib.sha256(tokenizer_name.encode() + extra.encode())
     for path in files:
         h.update(path.relative_to(root).as_posix().encode())
         h.update(hashlib.sha256(path.read_bytes()).digest())
     return h.hexdigest()[:16]
 
 
-def prepare_tokens(data_cfg, build: bool = True) -> str:
+def prepare_tokens(data_cfg, build: bool = True, seq_length: int | None = None) -> str:
     """Return the indexed-dataset path prefix of the corpus, building it if `build` and missing.
 
-    Only one rank should build (the caller synchronises); others call with build=False after.
+    With `data_cfg.retrieval_share` > 0 synthetic retrieval documents (data.retrieval) of up to
+    `seq_length` tokens make that share of the tokens. Only one rank should build (the caller
+    synchronises); others call with build=False after.
     """
     tokenizer = build_tokenizer(data_cfg.tokenizer)
     root, files = list_corpus_files(data_cfg.source, data_cfg.glob, data_cfg.max_bytes)
     tag = "stdlib" if data_cfg.source == "stdlib" else Path(data_cfg.source).name
-    out_dir = Path(data_cfg.cache_dir) / f"{tag}-{_cache_key(tokenizer.name, root, files)}"
+    share = getattr(data_cfg, "retrieval_share", 0.0)
+    if share > 0 and not seq_length:
+        raise ValueError("data.retrieval_share needs the sequence length of the documents")
+    # the mixture is part of the key only when there is one, so plain corpora keep their caches
+    extra = f"retrieval={share},{seq_length},{data_cfg.seed}" if share > 0 else ""
+    out_dir = Path(data_cfg.cache_dir) / f"{tag}-{_cache_key(tokenizer.name, root, files, extra)}"
     prefix = str(out_dir / "tokens")
     if out_dir.exists():
         found = problem(out_dir, full=data_cfg.verify_cache, required=("tokens.bin", "tokens.idx"))
@@ -74,6 +82,15 @@ def prepare_tokens(data_cfg, build: bool = True) -> str:
         ids = np.append(tokenizer.tokenize(path.read_bytes()), tokenizer.eod).astype(np.int32)
         builder.add_document(ids, [ids.size])
         n_tokens += ids.size
+    n_synthetic = 0
+    if share > 0:
+        # GPTDataset shuffles documents, so appending them after the corpus mixes them in
+        haystack = Haystack(files, pool_bytes=64 * seq_length + 4_000_000, seed=data_cfg.seed)
+        target = int(n_tokens * share / (1.0 - share))
+        for doc in training_documents(haystack, target, seq_length, seed=data_cfg.seed + 1):
+            ids = np.append(tokenizer.tokenize(doc), tokenizer.eod).astype(np.int32)
+            builder.add_document(ids, [ids.size])
+            n_synthetic += ids.size
     builder.finalize(str(tmp / "tokens.idx"))
     record(tmp, ["tokens.bin", "tokens.idx"])
     try:
@@ -81,8 +98,9 @@ def prepare_tokens(data_cfg, build: bool = True) -> str:
     except OSError:
         # another process finished the same build first; its result is identical
         shutil.rmtree(tmp, ignore_errors=True)
-    log.info("tokenized %d files (%.1f MB) from %s into %s: %d tokens", len(files),
-             sum(p.stat().st_size for p in files) / 1e6, root, out_dir, n_tokens)
+    log.info("tokenized %d files (%.1f MB) from %s into %s: %d tokens%s", len(files),
+             sum(p.stat().st_size for p in files) / 1e6, root, out_dir, n_tokens + n_synthetic,
+             f" ({n_synthetic} in synthetic retrieval documents)" if n_synthetic else "")
     return prefix
 
 
@@ -117,7 +135,7 @@ def build_train_dataset(data_cfg, seq_length: int, num_samples: int) -> GPTDatas
     [seq_length], position_ids int64 [seq_length].
     """
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    prefix = prepare_tokens(data_cfg, build=rank == 0)
+    prefix = prepare_tokens(data_cfg, build=rank == 0, seq_length=seq_length)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
     config = GPTDatasetConfig(

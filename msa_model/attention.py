@@ -10,7 +10,8 @@ its main-branch weights are a plain GQA layer's) plus the index branch of docs/m
 
 and computes attention + indexer KL with `msa_model.ops.msa_attention`. The KL joins the loss
 through megatron's MoE aux-loss auto-scaler (the pipeline schedule sets its scale), weighted by
-`kl_coeff`, and is recorded for logging in megatron's MoE metrics tracker as "msa_kl_loss".
+`kl_coeff`, and is recorded for logging in megatron's MoE metrics tracker as "msa_kl_loss"
+without the coefficient (the logged KL is the mean over layers of the uncoefficiented KL).
 
 Phase: `sparse=False` (indexer warmup) runs dense causal attention with a dense KL; `sparse=True`
 selects the top-k key blocks per (query, group). The trainer flips it via `set_msa_phase`.
@@ -142,6 +143,8 @@ class MSASelfAttention(SelfAttention):
                          pg_collection=pg_collection, pp_layer_offset=pp_layer_offset, name=name)
         self.options = options or MSAOptions()
         self.sparse = True
+        # set by msa_model.training.diagnostics to receive this layer's inputs of one forward
+        self.diagnostics_capture = None
         if self.options.attention == "dense":
             return
 
@@ -285,11 +288,17 @@ class MSASelfAttention(SelfAttention):
                 # teacher rows then costs memory only for the length of one layer's backward
                 keep_teacher=True if self.options.recompute_core else None,
             )
+            if self.diagnostics_capture is not None:
+                # the first forward after arming only (a recomputation finds the capture sealed)
+                self.diagnostics_capture.add(q=q[:, a:b], k=k, iq=iq[:, a:b], ik=ik, block_idx=block_idx_c,
+                                             q_offset=off, scale=self.config.softmax_scale)
             outs.append(o_c)
             kls.append(kl_c)
             keys = keys + (b - a) / S * (
                 selected_keys_per_query(block_idx_c, self.options.block_size, off, doc(a, b))
                 if block_idx_c is not None else dense_keys_per_query(b - a, off, doc(a, b), q.device))
+        if self.diagnostics_capture is not None:
+            self.diagnostics_capture.seal()
         o = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
         # the chunks have equal lengths: the mean of their means is the mean over this rank's queries
         kl = torch.stack(kls).mean() if len(kls) > 1 else kls[0]

@@ -105,6 +105,9 @@ class DataConfig:
     # also hash every byte of the cached tokens and indices before use (sizes and sampled blocks
     # are always checked)
     verify_cache: bool = False
+    # share of the training tokens in synthetic retrieval documents (data/retrieval.py: passkey,
+    # multi-key, variable tracking; up to model.seq_length tokens each); 0: none
+    retrieval_share: float = 0.0
 
 
 @dataclass
@@ -119,6 +122,9 @@ class OptimConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     clip_grad: float = 1.0
+    # None: the index branch is clipped with the rest on the global norm (optim.clip_grad); a value:
+    # the index branch is clipped to it on its own norm, the rest to clip_grad on theirs
+    index_clip_grad: Optional[float] = None
     use_distributed_optimizer: bool = True
 
 
@@ -148,6 +154,9 @@ class LoggingConfig:
     wandb_mode: str = "offline"  # offline | online | disabled
     wandb_project: str = "msa-moe"
     wandb_entity: Optional[str] = None
+    # every N steps: index recall, captured attention mass, per-layer KL, selection heatmaps
+    # (msa_model/training/diagnostics.py) on one micro-batch; 0: off. A multiple of log_interval
+    msa_diagnostics_interval: int = 0
 
 
 @dataclass
@@ -379,6 +388,16 @@ def validate(cfg, world_size: Optional[int] = None, gpu: Optional[bool] = None) 
                               ("launch.requeue_signals", cfg.launch.requeue_signals)):
         bad = [n for n in names if not isinstance(getattr(signal, str(n), None), signal.Signals)]
         _check(errors, not bad, f"{field_name}: unknown signal name(s) {bad} (use names like SIGUSR1, SIGTERM)")
+    _check(errors, 0.0 <= cfg.data.retrieval_share < 1.0,
+           f"data.retrieval_share must be in [0, 1), got {cfg.data.retrieval_share}")
+    _check(errors, o.index_clip_grad is None or o.index_clip_grad > 0,
+           f"optim.index_clip_grad must be positive or null, got {o.index_clip_grad}")
+    _check(errors, o.index_clip_grad is None or m.attention == "msa",
+           "optim.index_clip_grad needs model.attention=msa (a dense model has no index branch)")
+    diag = cfg.logging.msa_diagnostics_interval
+    _check(errors, diag >= 0 and (diag == 0 or diag % cfg.logging.log_interval == 0),
+           f"logging.msa_diagnostics_interval ({diag}) must be 0 (off) or a multiple of "
+           f"logging.log_interval ({cfg.logging.log_interval})")
     _check(errors, cfg.logging.wandb_mode in ("offline", "online", "disabled"),
            f"logging.wandb_mode must be offline, online or disabled, got {cfg.logging.wandb_mode!r}")
     if world_size is not None:

@@ -6,7 +6,7 @@ Builds the run exactly as train.py does (same model, optimizer, data, indexer wa
 trainer.max_steps steps and writes OUT_DIR/rank<r>.pt with, per step, the logged metrics (rank
 0) and every parameter's gradient just before the optimizer step, full-shape (tensor-parallel
 shards gathered) and named as in an unsplit model (pipeline layers and expert-parallel experts
-renumbered globally). Every rank writes its copy, so replicas can be checked against each other.
+renumbered globally), and the MSA diagnostics of every step. Every rank writes its copy, so replicas can be checked against each other.
 
 Initial weights depend on the pipeline layout (each stage draws from its own RNG stream), so a
 reference run saves them with --save-init and other layouts start from them with init_from=DIR
@@ -94,6 +94,7 @@ def main(out_dir: Path, overrides: list[str], save_init: str | None) -> None:
     from msa_model.config import validate
     from msa_model.training import checkpoint as ckpt
     from msa_model.training.distributed import data_parallel_info, init_distributed, launch_env, shutdown
+    from msa_model.training.diagnostics import MSADiagnostics
     from msa_model.training.indexer_warmup import IndexerWarmup
     from msa_model.training.run import _build_model, _build_optimizer
     from msa_model.training.trainer import Trainer
@@ -108,7 +109,9 @@ def main(out_dir: Path, overrides: list[str], save_init: str | None) -> None:
         optimizer, scheduler = _build_optimizer(cfg, chunks)
         chunks[0].config.grad_scale_func = optimizer.scale_loss
         trainer = Trainer(model_chunks=chunks, optimizer=optimizer, scheduler=scheduler, data_iterator=None,
-                          callbacks=[IndexerWarmup(cfg.trainer.indexer_warmup_tokens, cfg.model.msa)],
+                          callbacks=[IndexerWarmup(cfg.trainer.indexer_warmup_tokens, cfg.model.msa),
+                                     MSADiagnostics(1, cfg.model.msa, cfg.model.num_layers, cfg.model.seq_length,
+                                                    out_dir, is_main=False)],
                           max_steps=cfg.trainer.max_steps, stop_at_step=None, seq_length=cfg.model.seq_length,
                           micro_batch_size=cfg.parallel.micro_batch_size,
                           global_batch_size=cfg.parallel.global_batch_size, num_layers=cfg.model.num_layers,
@@ -139,6 +142,7 @@ def main(out_dir: Path, overrides: list[str], save_init: str | None) -> None:
         for _ in range(cfg.trainer.max_steps):
             trainer._call("on_step_start")
             metrics = trainer.train_step()
+            trainer._call("on_step_end", metrics)
             steps[-1]["metrics"] = metrics | {"phase": trainer.state.extra.get("phase")}
             trainer.state.step += 1
             trainer.state.tokens += cfg.parallel.global_batch_size * cfg.model.seq_length

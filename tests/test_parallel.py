@@ -43,6 +43,8 @@ LAYOUTS = {
 }
 # recomputation reruns the same operations on the same inputs: nothing may differ at all
 TOLERANCE = {"recompute_full": 0.0, "recompute_selective": 0.0}
+# layouts whose first micro-batch per rank holds the same samples as the one-process run's
+SAME_MICRO_BATCHES = ("tp2", "pp2", "cp2", "tp2_cp2")
 
 
 def _run(out, nproc: int, *args: str, cache) -> list[list[dict]]:
@@ -73,9 +75,10 @@ def reference(tmp_path_factory, data_cache):
 
 def max_differences(ref_steps: list[dict], ranks: list[list[dict]]) -> dict[str, float]:
     """Largest relative difference of each logged metric and of any gradient, over steps and ranks."""
-    worst = {"lm_loss": 0.0, "kl_loss": 0.0, "moe_aux_loss": 0.0, "grad_norm": 0.0, "grads": 0.0}
+    worst = {"lm_loss": 0.0, "kl_loss": 0.0, "moe_aux_loss": 0.0, "grad_norm": 0.0, "grad_norm_msa_index": 0.0,
+             "grads": 0.0}
     for i, ref in enumerate(ref_steps):
-        for key in ("lm_loss", "kl_loss", "moe_aux_loss", "grad_norm"):
+        for key in ("lm_loss", "kl_loss", "moe_aux_loss", "grad_norm", "grad_norm_msa_index"):
             a, b = ref["metrics"][key], ranks[0][i]["metrics"][key]
             worst[key] = max(worst[key], abs(a - b) / abs(a))
         seen = set()
@@ -103,6 +106,15 @@ def test_layout_matches_one_process(reference, data_cache, layout):
     print(f"{layout}: max relative difference " + " ".join(f"{k}={v:.1e}" for k, v in worst.items()))
     for key, value in worst.items():
         assert value <= TOLERANCE.get(layout, RTOL), (layout, key, value)
+
+    if layout in SAME_MICRO_BATCHES:
+        # the diagnostics see the same micro-batch split over ranks: sums and counts reduce to the same values
+        diag = [k for k in ref_steps[0]["metrics"] if k.startswith("msa/")]
+        assert len(diag) > 20
+        for i, ref in enumerate(ref_steps):
+            for key in diag:
+                a, b = ref["metrics"][key], ranks[0][i]["metrics"][key]
+                assert abs(a - b) <= 1e-4 * max(abs(a), 1e-2), (layout, i, key, a, b)
 
 
 @pytest.mark.slow

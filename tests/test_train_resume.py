@@ -14,27 +14,35 @@ import pytest
 
 from skeleton_helpers import REPO, TINY_TEST, _env, metrics, run_train
 
-# switch to top-k after step 4, i.e. after the resume point: the warmup state must survive it
-COMMON = ("trainer.max_steps=6", "trainer.indexer_warmup_tokens=4096", "checkpoint.interval=0")
+# 4 x 256 tokens a step: warmup for steps 1-3, top-k from step 4
+COMMON = ("trainer.max_steps=6", "trainer.indexer_warmup_tokens=3072", "checkpoint.interval=0")
 COMPARED = ("lm_loss", "kl_loss", "moe_aux_loss", "grad_norm", "lr", "keys_per_query", "phase", "tokens")
+SWITCH = "indexer warmup done after step 3"
 
 
 def test_stop_and_resume_reproduces_the_uninterrupted_run_exactly(tmp_path, data_cache):
+    """Resumed mid-warmup (step 2) and exactly at the warmup->sparse switch (step 3): same numbers
+    and one switch line, logged by the job that makes the switch."""
     straight = tmp_path / "straight"
     run_train(straight, *COMMON, data_cache=data_cache)
 
     split = tmp_path / "split"
+    run_train(split, *COMMON, "trainer.stop_at_step=2", data_cache=data_cache)
+    assert max(metrics(split)) == 2
+    assert (split / "checkpoints" / "latest").read_text().strip() == "step_00000002"
     run_train(split, *COMMON, "trainer.stop_at_step=3", data_cache=data_cache)
-    assert max(metrics(split)) == 3
-    assert (split / "checkpoints" / "latest").read_text().strip() == "step_00000003"
     proc = run_train(split, *COMMON, data_cache=data_cache)
-    assert "resumed from" in proc.stdout + proc.stderr
+    out = proc.stdout + proc.stderr
+    assert "resumed from" in out and "step_00000003" in out and SWITCH in out
 
     a, b = metrics(straight), metrics(split)
     assert sorted(a) == sorted(b) == list(range(1, 7))
-    assert [a[s]["phase"] for s in a] == ["warmup"] * 4 + ["sparse"] * 2
+    assert [a[s]["phase"] for s in a] == ["warmup"] * 3 + ["sparse"] * 3
     for step in a:
         assert {k: a[step].get(k) for k in COMPARED} == {k: b[step].get(k) for k in COMPARED}, step
+    for run in (straight, split):
+        log = (run / "train.log").read_text()
+        assert log.count("switching to sparse attention") == 1 and SWITCH in log, run
 
 
 def test_a_save_killed_half_way_never_becomes_latest(tmp_path, data_cache):

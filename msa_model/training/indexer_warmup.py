@@ -30,15 +30,20 @@ class IndexerWarmup(Callback):
         return "sparse" if self.sparse else "warmup"
 
     def _apply(self, trainer) -> None:
-        sparse = trainer.state.tokens >= self.warmup_tokens
+        tokens = trainer.state.tokens
+        sparse = tokens >= self.warmup_tokens
         if sparse == self.sparse:
             return
-        if sparse and self.sparse is not None:
-            self.switched_at_step, self.switched_at_tokens = trainer.state.step, trainer.state.tokens
+        # the switch is due now when the step before this one still began in warmup: in a running
+        # job, and in one resumed from the checkpoint taken on the last warmup step
+        step_tokens = trainer.global_batch_size * trainer.seq_length
+        due_now = self.warmup_tokens > 0 and tokens - step_tokens < self.warmup_tokens
+        if sparse and self.switched_at_step is None and due_now:
+            self.switched_at_step, self.switched_at_tokens = trainer.state.step, tokens
             c = self.msa_cfg
             log.info("indexer warmup done after step %d (%s tokens >= %s): switching to sparse attention, "
                      "top-%d of %d-token blocks (<= %d keys per query)", trainer.state.step,
-                     f"{trainer.state.tokens:,}", f"{self.warmup_tokens:,}", c.topk, c.block_size, c.topk * c.block_size)
+                     f"{tokens:,}", f"{self.warmup_tokens:,}", c.topk, c.block_size, c.topk * c.block_size)
         self.sparse = sparse
         set_msa_phase(trainer.model_chunks, sparse)
 

@@ -83,8 +83,8 @@ class MetricsLogger(Callback):
     any PROGRESS_S seconds without output."""
 
     name = "metrics"
-    SCALARS = ("lm_loss", "kl_loss", "moe_aux_loss", "lr", "grad_norm", "tokens_per_s", "keys_per_query",
-               "tflops_per_gpu", "peak_mem_gib", "step_ms", "attention_ms", "moe_ms")
+    SCALARS = ("lm_loss", "kl_loss", "moe_aux_loss", "lr", "grad_norm", "grad_norm_msa_index", "tokens_per_s",
+               "keys_per_query", "tflops_per_gpu", "peak_mem_gib", "step_ms", "attention_ms", "moe_ms")
     PROGRESS_S = 30.0
 
     def __init__(self, logging_cfg, run_dir: str | Path, enabled: bool, max_steps: int, hparams: dict,
@@ -177,13 +177,15 @@ class MetricsLogger(Callback):
                  _fmt(scalars.get("tflops_per_gpu"), ".1f"),
                  f" | mem {scalars['peak_mem_gib']:.1f} GiB" if "peak_mem_gib" in scalars else "", phase,
                  _fmt(scalars.get("keys_per_query"), ".1f"))
+        # namespaced scalars ("msa/...", from the diagnostics) pass through as they are
         record = {"step": s.step, "tokens": s.tokens, "phase": phase,
-                  **{k: scalars[k] for k in self.SCALARS if k in scalars}}
+                  **{k: scalars[k] for k in self.SCALARS if k in scalars},
+                  **{k: v for k, v in scalars.items() if "/" in k}}
         self.last_record = record
         if self.jsonl is not None:
             self.jsonl.write(json.dumps(record) + "\n")
             self.jsonl.flush()
-        numeric = {k: v for k, v in record.items() if k in self.SCALARS}
+        numeric = {k: v for k, v in record.items() if k in self.SCALARS or "/" in k}
         numeric["sparse"] = float(phase == "sparse")
         if self.tb is not None:
             for key, value in numeric.items():

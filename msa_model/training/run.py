@@ -43,6 +43,11 @@ def _build_optimizer(cfg, model_chunks):
 
     o = cfg.optim
     bf16 = cfg.model.params_dtype == "bf16"
+    msa = cfg.model.attention == "msa"
+    if msa:
+        from msa_model.training.grad_norm import tag_index_parameters
+
+        tag_index_parameters(model_chunks)
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
                         adam_beta1=o.beta1, adam_beta2=o.beta2, adam_eps=o.eps, clip_grad=o.clip_grad,
@@ -50,6 +55,11 @@ def _build_optimizer(cfg, model_chunks):
                         use_distributed_optimizer=o.use_distributed_optimizer),
         model_chunks,
     )
+    if msa:
+        from msa_model.training.grad_norm import GroupNormOptimizer
+
+        # the index branch's gradient norm apart from the rest; optionally clipped on its own
+        optimizer = GroupNormOptimizer(optimizer, o.clip_grad, o.index_clip_grad)
     max_steps = cfg.trainer.max_steps
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=o.warmup_steps,
@@ -171,6 +181,12 @@ def run(cfg: DictConfig) -> None:
             callbacks.append(ModuleTimer(env.device))
         if cfg.model.attention == "msa":
             callbacks.append(IndexerWarmup(cfg.trainer.indexer_warmup_tokens, cfg.model.msa))
+            if cfg.logging.msa_diagnostics_interval > 0:
+                from msa_model.training.diagnostics import MSADiagnostics
+
+                # before the metrics logger: it adds its values to the step's metrics
+                callbacks.append(MSADiagnostics(cfg.logging.msa_diagnostics_interval, cfg.model.msa,
+                                                cfg.model.num_layers, cfg.model.seq_length, run_dir, env.is_main))
         model_config = OmegaConf.to_container(cfg.model, resolve=True)
         checkpointer = ckpt.Checkpointer(ckpt_root, cfg.checkpoint.interval, cfg.checkpoint.keep,
                                          cfg.checkpoint.save_at_end, model_config)

@@ -115,6 +115,9 @@ class Trainer:
                                       parallel_state.get_pipeline_model_parallel_world_size(), self.device)
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        # norms of separately tracked parameter groups (e.g. msa_index), before clipping
+        for group, norm in (getattr(self.optimizer, "grad_norms_by_group", None) or {}).items():
+            metrics[f"grad_norm_{group}"] = float(norm)
         return metrics
 
     def _should_stop(self) -> bool:

@@ -1,0 +1,144 @@
+"""Synthetic long-context retrieval documents, written as Python source so they read like the corpus.
+
+Three tasks, each a haystack of corpus text with needles inserted and a question at the end whose
+answer is a 5-digit number:
+
+    passkey    one `PASSKEY = "48213"` line; the end asks `assert PASSKEY == "`
+    multikey   several `KEY_<word> = "<digits>"` lines (the others are distractors); the end asks
+               for one of them
+    vartrack   a chain `VAR_x = 52817`, `VAR_y = VAR_x`, ... spread from the needle depth to the
+               end, plus a distractor chain; the end asks for the last variable of the first chain
+
+`depth` in [0, 1] places the (first) needle at that fraction of the haystack. The byte tokenizer
+maps one byte to one token, so lengths are in tokens. Everything is drawn from a `random.Random`
+the caller seeds, so a (seed, task, length, depth, index) names one example on every machine. The
+same generator feeds the evaluation (msa_model.eval) and, through `data.retrieval_share`, the
+training mixture.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+TASKS = ("passkey", "multikey", "vartrack")
+_WORDS = ("apple", "river", "stone", "cloud", "tiger", "maple", "ocean", "pixel", "amber", "lemon", "cedar",
+          "delta", "ember", "frost", "grape", "harbor", "ivory", "jade", "koala", "lotus", "mango", "nylon",
+          "orbit", "pearl", "quartz", "raven", "sable", "topaz", "umber", "velvet", "willow", "zephyr")
+NUM_KEYS = 6  # needles of the multi-key task (one asked, the rest distractors)
+CHAIN_HOPS = 4  # assignments in a variable-tracking chain
+
+
+@dataclass
+class Example:
+    """`prompt` + `answer` is exactly the requested length in bytes (= byte tokens)."""
+
+    task: str
+    length: int
+    depth: float
+    prompt: bytes
+    answer: bytes
+
+
+class Haystack:
+    """Corpus text to cut haystacks from: up to `pool_bytes` of the files under the corpus, read
+    in a seeded order (so a large corpus is not read whole)."""
+
+    def __init__(self, files: list[Path], pool_bytes: int, seed: int):
+        order = list(files)
+        random.Random(seed).shuffle(order)
+        parts, total = [], 0
+        for path in order:
+            if total >= pool_bytes:
+                break
+            data = path.read_bytes()
+            parts.append(data)
+            total += len(data)
+        self.text = b"\n".join(parts)
+        if not self.text:
+            raise ValueError("haystack: the corpus files are empty")
+
+    def cut(self, n: int, rng: random.Random) -> bytes:
+        """n bytes of corpus text starting at a line start (repeated if the pool is shorter)."""
+        text = self.text
+        while len(text) < n + 1:
+            text = text + b"\n" + text
+        start = rng.randrange(0, len(text) - n)
+        line = text.rfind(b"\n", 0, start)
+        start = line + 1 if line >= 0 and len(text) - (line + 1) >= n else start
+        return text[start:start + n]
+
+
+def _digits(rng: random.Random) -> bytes:
+    return str(rng.randrange(10_000, 100_000)).encode()
+
+
+def _names(rng: random.Random, n: int) -> list[str]:
+    return rng.sample(_WORDS, n)
+
+
+def _needles(task: str, rng: random.Random) -> tuple[list[bytes], bytes, bytes, str]:
+    """(needle lines in haystack order, question, answer, placement): placement "depth" puts every
+    needle at the depth, "spread" spaces them from the depth to the end."""
+    if task == "passkey":
+        value = _digits(rng)
+        return [b'PASSKEY = "' + value + b'"  # remember the passkey\n'], b'assert PASSKEY == "', value, "depth"
+    if task == "multikey":
+        names = _names(rng, NUM_KEYS)
+        values = [_digits(rng) for _ in names]
+        lines = [f'KEY_{n} = "'.encode() + v + b'"\n' for n, v in zip(names, values)]
+        asked = rng.randrange(NUM_KEYS)
+        return lines, f'assert KEY_{names[asked]} == "'.encode(), values[asked], "depth"
+    if task == "vartrack":
+        names = _names(rng, 2 * CHAIN_HOPS)
+        value, other = _digits(rng), _digits(rng)
+        chain, decoy = names[:CHAIN_HOPS], names[CHAIN_HOPS:]
+        lines = []
+        for i in range(CHAIN_HOPS):
+            # the two chains interleave hop by hop, so order alone does not tell them apart
+            for seq, v in ((chain, value), (decoy, other)):
+                rhs = v if i == 0 else f"VAR_{seq[i - 1]}".encode()
+                lines.append(f"VAR_{seq[i]} = ".encode() + rhs + b"\n")
+        return lines, f"assert VAR_{chain[-1]} == ".encode(), value, "spread"
+    raise ValueError(f"unknown retrieval task {task!r} (known: {', '.join(TASKS)})")
+
+
+def make_example(task: str, length: int, depth: float, haystack: Haystack, rng: random.Random) -> Example:
+    """One example of exactly `length` bytes: haystack with needles, then question, then answer."""
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth must be in [0, 1], got {depth}")
+    lines, question, answer, placement = _needles(task, rng)
+    question = b"\n" + question
+    fixed = sum(len(x) + 1 for x in lines) + len(question) + len(answer)
+    filler = length - fixed
+    if filler < 16:
+        raise ValueError(f"{task}: length {length} is too short for its needles ({fixed} bytes)")
+    text = haystack.cut(filler, rng)
+    if placement == "depth":
+        cuts = [round(depth * filler)] * len(lines)
+    else:
+        start = round(depth * filler)
+        cuts = [start + round(i * (filler - start) / len(lines)) for i in range(len(lines))]
+    parts, prev = [], 0
+    for cut, line in zip(cuts, lines):
+        parts += [text[prev:cut], b"\n", line]
+        prev = cut
+    parts += [text[prev:], question]
+    prompt = b"".join(parts)
+    assert len(prompt) + len(answer) == length, (len(prompt), len(answer), length)
+    return Example(task, length, depth, prompt, answer)
+
+
+def training_documents(haystack: Haystack, target_bytes: int, max_length: int, seed: int):
+    """Yield synthetic retrieval documents (bytes: prompt + answer) until `target_bytes` are made:
+    tasks uniform, depths uniform in [0, 1], lengths uniform in [max_length / 8, max_length]."""
+    rng = random.Random(seed)
+    made = 0
+    low = max(256, max_length // 8)
+    while made < target_bytes:
+        task = rng.choice(TASKS)
+        ex = make_example(task, rng.randint(low, max(low, max_length)), rng.random(), haystack, rng)
+        doc = ex.prompt + ex.answer
+        made += len(doc)
+        yield doc

@@ -1,0 +1,260 @@
+"""Load a checkpoint into one process and score it: retrieval accuracy by task x length x depth, and
+the held-out loss by token position.
+
+Scoring one example takes one teacher-forced forward over prompt + answer: the greedy answer is
+exactly right iff the argmax at every answer position is the answer token (each greedy step sees
+the right tokens before it), and the rank of each answer token among the vocabulary (0 = the
+argmax) says how close a wrong answer was.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+
+log = logging.getLogger("msa_model.eval")
+
+
+class EvalError(ValueError):
+    """A checkpoint, config or option the evaluation cannot use; the message names it."""
+
+
+def resolve_checkpoint(path: str | Path) -> tuple[Path, Path]:
+    """(step directory, config.yaml) of a run dir, a checkpoint root or a step_* directory."""
+    from msa_model.training.checkpoint import LATEST, latest_checkpoint
+
+    path = Path(path)
+    if not path.exists():
+        raise EvalError(f"{path} does not exist")
+    if (path / "checkpoints").is_dir() and not (path / LATEST).exists():
+        path = path / "checkpoints"
+    if (path / LATEST).is_file():
+        step_dir = latest_checkpoint(path)
+    elif (path / "metadata.json").is_file():
+        step_dir = path
+    else:
+        raise EvalError(f"{path} is not a checkpoint: no `latest`, no metadata.json, no checkpoints/ inside")
+    for candidate in (step_dir.parent.parent / "config.yaml", step_dir.parent / "config.yaml"):
+        if candidate.is_file():
+            return step_dir, candidate
+    raise EvalError(f"no config.yaml next to {step_dir.parent} (the run directory's resolved config is needed "
+                    "to rebuild the model)")
+
+
+def load_config(config_path: Path):
+    from msa_model.config import TrainConfig
+
+    schema = OmegaConf.structured(TrainConfig)
+    try:
+        cfg = OmegaConf.merge(schema, OmegaConf.load(config_path))
+    except Exception as e:  # noqa: BLE001 - omegaconf raises several types; name the file
+        raise EvalError(f"{config_path}: not a training config ({e})") from e
+    return cfg
+
+
+def build_model(cfg, step_dir: Path, device_pref: str):
+    """The model of `cfg` on one process (TP = PP = 1) with the checkpoint's weights, eval mode."""
+    from data.tokenizer import build_tokenizer
+    from msa_model.config import ParallelConfig
+    from msa_model.model import build_model as build
+    from msa_model.training.checkpoint import load_weights
+    from msa_model.training.distributed import init_distributed
+
+    parallel = OmegaConf.structured(ParallelConfig)
+    env = init_distributed(parallel, device_pref, cfg.trainer.seed)
+    model = build(cfg.model, parallel, build_tokenizer(cfg.data.tokenizer).vocab_size, on_cpu=env.device.type == "cpu")
+    model.to(env.device)
+    load_weights(model, step_dir, allow_missing_index=False, what="eval", error=EvalError)
+    model.eval()
+    return model, env.device
+
+
+@torch.no_grad()
+def _logits(model, tokens_BS: torch.Tensor) -> torch.Tensor:
+    B, S = tokens_BS.shape
+    pos = torch.arange(S, device=tokens_BS.device)[None].expand(B, S)
+    return model(tokens_BS, pos, None)
+
+
+@torch.no_grad()
+def score_example(model, device, ex, vocab: int) -> dict:
+    """{"correct": bool, "rank": mean rank of the answer tokens, "logprob": their summed log-prob}."""
+    ids = np.frombuffer(ex.prompt + ex.answer, dtype=np.uint8).astype(np.int64)
+    tokens = torch.from_numpy(ids[:-1])[None].to(device)
+    targets = torch.from_numpy(ids[1:]).to(device)
+    A = len(ex.answer)
+    logits = _logits(model, tokens)[0, -A:, :vocab].float()
+    want = targets[-A:]
+    target_logit = logits.gather(-1, want[:, None])
+    ranks = (logits > target_logit).sum(-1).float()
+    logprob = torch.log_softmax(logits, -1).gather(-1, want[:, None]).sum()
+    return {"correct": bool((logits.argmax(-1) == want).all()), "rank": ranks.mean().item(), "logprob": logprob.item()}
+
+
+def default_lengths(context: int) -> list[int]:
+    lengths, n = [], 1024
+    while n <= context:
+        lengths.append(n)
+        n *= 2
+    if not lengths or lengths[-1] != context:
+        lengths.append(context)
+    return lengths
+
+
+def _example_rng(seed: int, task: str, length: int, depth: float, index: int) -> random.Random:
+    # a stable mix (Python's str hash is salted per process)
+    key = f"{seed}|{task}|{length}|{depth:.6f}|{index}"
+    return random.Random(int.from_bytes(key.encode(), "little") % (1 << 61))
+
+
+def retrieval_results(model, device, haystack, tasks, lengths, depths, samples, seed, vocab) -> dict:
+    from data.retrieval import make_example
+
+    out = {}
+    for task in tasks:
+        per_length = {}
+        for length in lengths:
+            t0 = time.perf_counter()
+            grid, ranks, logprobs = {}, [], []
+            for depth in depths:
+                hits = 0
+                for i in range(samples):
+                    ex = make_example(task, length, depth, haystack, _example_rng(seed, task, length, depth, i))
+                    r = score_example(model, device, ex, vocab)
+                    hits += r["correct"]
+                    ranks.append(r["rank"])
+                    logprobs.append(r["logprob"])
+                grid[f"{depth:g}"] = hits / samples
+            acc = sum(grid.values()) / len(grid)
+            per_length[str(length)] = {"accuracy": acc, "mean_rank": sum(ranks) / len(ranks),
+                                       "answer_logprob": sum(logprobs) / len(logprobs), "by_depth": grid}
+            log.info("%-8s length %6d: accuracy %.3f  mean answer rank %.2f  (%d examples, %.1f s)", task, length,
+                     acc, per_length[str(length)]["mean_rank"], samples * len(depths), time.perf_counter() - t0)
+        out[task] = per_length
+    return out
+
+
+def position_buckets(length: int) -> list[tuple[int, int]]:
+    edges, e = [0], 64
+    while e < length:
+        edges.append(e)
+        e *= 2
+    edges.append(length)
+    return list(zip(edges[:-1], edges[1:]))
+
+
+@torch.no_grad()
+def loss_by_position(model, device, docs: list[bytes], length: int, sequences: int, eod: int) -> dict:
+    """Mean next-token loss per position bucket over `sequences` windows of `length` tokens cut from
+    the documents joined with end-of-document tokens."""
+    stream = []
+    for doc in docs:
+        stream.append(np.frombuffer(doc, dtype=np.uint8).astype(np.int64))
+        stream.append(np.array([eod], dtype=np.int64))
+    flat = np.concatenate(stream) if stream else np.zeros(0, dtype=np.int64)
+    n = min(sequences, (len(flat) - 1) // length)
+    if n < 1:
+        raise EvalError(f"the held-out text ({len(flat):,} tokens) is shorter than one {length}-token sequence")
+    sums = torch.zeros(length, dtype=torch.float64)
+    for i in range(n):
+        window = torch.from_numpy(flat[i * length:(i + 1) * length + 1]).to(device)
+        tokens, labels = window[None, :-1], window[None, 1:]
+        pos = torch.arange(length, device=device)[None]
+        sums += model(tokens, pos, None, labels=labels)[0].double().cpu()
+    per_pos = sums / n
+    buckets = [{"from": a, "to": b, "loss": per_pos[a:b].mean().item()} for a, b in position_buckets(length)]
+    return {"length": length, "sequences": n, "buckets": buckets}
+
+
+def _heldout_docs(cfg, corpus: str | None, need_bytes: int) -> tuple[list[bytes], str]:
+    """Documents the run did not train on: the corpus files past `data.max_bytes` (the corpus is
+    taken in sorted order); the training files, said so, when there are none."""
+    from data.corpus import corpus_root, list_corpus_files
+
+    source = corpus or cfg.data.source
+    _, train_files = list_corpus_files(source, cfg.data.glob, cfg.data.max_bytes)
+    _, all_files = list_corpus_files(source, cfg.data.glob, 1 << 62)
+    same = corpus is None or Path(corpus).resolve() == corpus_root(cfg.data.source).resolve()
+    if not same:
+        files, kind = all_files, "given corpus"
+    else:
+        files, kind = all_files[len(train_files):], "held-out"
+        if not files:
+            files, kind = train_files, "training files (no held-out files in the corpus)"
+    docs, total = [], 0
+    for path in files:
+        if total >= need_bytes:
+            break
+        docs.append(path.read_bytes())
+        total += len(docs[-1]) + 1
+    return docs, kind
+
+
+def run_eval(args) -> dict:
+    from data.corpus import list_corpus_files
+    from data.retrieval import TASKS, Haystack
+    from data.tokenizer import build_tokenizer
+    from msa_model.attention import msa_layers, set_msa_phase
+    from msa_model.eval.report import write_report
+    from msa_model.training.distributed import shutdown
+    from msa_model.training.run_dir import setup_logging
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    setup_logging(None, True)
+    step_dir, config_path = resolve_checkpoint(args.checkpoint)
+    cfg = load_config(config_path)
+    tasks = [t for t in args.tasks.split(",") if t]
+    bad = [t for t in tasks if t not in TASKS]
+    if bad:
+        raise EvalError(f"--tasks: unknown {bad} (known: {', '.join(TASKS)})")
+    if any(not 0.0 <= d <= 1.0 for d in args.depths):
+        raise EvalError(f"--depths must lie in [0, 1], got {args.depths}")
+    context = cfg.model.seq_length
+    lengths = args.lengths or default_lengths(context)
+    if any(n < 256 for n in lengths):
+        raise EvalError(f"--lengths: each must be >= 256 tokens, got {lengths}")
+    tokenizer = build_tokenizer(cfg.data.tokenizer)
+    msa = cfg.model.attention == "msa"
+    label = args.label or step_dir.parent.parent.name
+    log.info("eval %s (%s, %s attention%s) from %s; lengths %s, depths %s, %d samples each", label, cfg.model.name,
+             cfg.model.attention, f", {args.phase} phase" if msa else "", step_dir, lengths, args.depths, args.samples)
+    if max(lengths) > context:
+        log.info("lengths above the training context (%d) measure extrapolation through RoPE", context)
+
+    model, device = build_model(cfg, step_dir, args.device)
+    try:
+        if msa:
+            set_msa_phase(model, args.phase == "sparse")
+        source = args.corpus or cfg.data.source
+        _, files = list_corpus_files(source, cfg.data.glob, cfg.data.max_bytes)
+        haystack = Haystack(files, pool_bytes=max(4_000_000, 4 * max(lengths)), seed=args.seed)
+        t0 = time.perf_counter()
+        retrieval = retrieval_results(model, device, haystack, tasks, lengths, args.depths, args.samples, args.seed,
+                                      tokenizer.vocab_size)
+        loss_length = args.loss_length or max(lengths)
+        docs, kind = _heldout_docs(cfg, args.corpus, (args.loss_sequences + 1) * loss_length)
+        loss = loss_by_position(model, device, docs, loss_length, args.loss_sequences, tokenizer.eod)
+        loss["source"] = kind
+        log.info("held-out loss by position (%s, %d x %d tokens): %s", kind, loss["sequences"], loss_length,
+                 " ".join(f"[{b['from']},{b['to']}) {b['loss']:.3f}" for b in loss["buckets"]))
+        results = {
+            "label": label, "checkpoint": str(step_dir), "model": cfg.model.name, "attention": cfg.model.attention,
+            "phase": args.phase if msa else "dense", "context": context,
+            "key_budget": cfg.model.msa.topk * cfg.model.msa.block_size if msa and msa_layers(model) else None,
+            "seed": args.seed, "samples": args.samples, "lengths": lengths, "depths": args.depths, "tasks": retrieval,
+            "accuracy_by_length": {str(n): sum(retrieval[t][str(n)]["accuracy"] for t in tasks) / len(tasks)
+                                   for n in lengths},
+            "loss_by_position": loss, "seconds": round(time.perf_counter() - t0, 1),
+        }
+        write_report(results, out)
+        log.info("wrote %s", out / "results.json")
+        return results
+    finally:
+        shutdown()

@@ -1,0 +1,189 @@
+"""MSA diagnostics and the retrieval data: the statistics against a brute-force computation on
+random inputs; a tiny training run that logs them (values in range, the per-layer KL equal to the
+logged one, a heatmap PNG, the index branch's gradient norm); the offline eval on its checkpoint;
+synthetic retrieval documents alone and in the training mixture."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from data.retrieval import TASKS, Haystack, make_example, training_documents
+from skeleton_helpers import REPO, _env, metrics, run_train
+
+B, T, HQ, G, D, DI, BK, TOPK = 2, 45, 4, 2, 8, 8, 8, 2
+
+
+def _brute(q, k, iq, ik, sel):
+    """Per (b, t, g): dense group block mass [N], indexer block mass [N], oracle top-k set."""
+    n_blocks = -(-T // BK)
+    out = {}
+    for b in range(B):
+        for t in range(T):
+            for g in range(G):
+                heads = range(g * HQ // G, (g + 1) * HQ // G)
+                p = torch.stack([torch.softmax(q[b, t, h] @ k[b, :t + 1, g].T / math.sqrt(D), -1) for h in heads]).mean(0)
+                s = torch.softmax(iq[b, t, g] @ ik[b, :t + 1].T / math.sqrt(DI), -1)
+                mass = torch.zeros(n_blocks, dtype=torch.float64).index_add_(0, torch.arange(t + 1) // BK, p.double())
+                stud = torch.zeros(n_blocks, dtype=torch.float64).index_add_(0, torch.arange(t + 1) // BK, s.double())
+                oracle = set(mass.topk(TOPK).indices.tolist())
+                out[b, t, g] = (mass, stud, oracle, {int(x) for x in sel[b, t, g] if x >= 0})
+    return out
+
+
+def test_chunk_statistics_match_a_brute_force_count():
+    from msa_model.ops.select_blocks.reference import select_blocks_reference
+    from msa_model.training.diagnostics import SCALARS, block_mass, chunk_statistics
+
+    torch.manual_seed(0)
+    q, k = torch.randn(B, T, HQ, D), torch.randn(B, T, G, D)
+    iq, ik = torch.randn(B, T, G, DI), torch.randn(B, T, DI)
+    n_blocks = -(-T // BK)
+    sel = select_blocks_reference(iq, ik, BK, TOPK)
+    ref = _brute(q, k, iq, ik, sel)
+
+    mass_BTHN, _ = block_mass(q, k, None, BK, 1 / math.sqrt(D), n_blocks)
+    mass = mass_BTHN.view(B, T, G, HQ // G, n_blocks).mean(3)
+    for key, (m, *_rest) in ref.items():
+        torch.testing.assert_close(mass[key].double(), m, atol=1e-5, rtol=1e-5)
+
+    st = chunk_statistics({"q": q, "k": k, "iq": iq, "ik": ik, "block_idx": sel, "q_offset": 0, "scale": None},
+                          BK, TOPK, n_blocks, force_sink=False)
+    got = dict(zip(SCALARS, (st["scalars"][:, 0] / st["scalars"][:, 1]).tolist()))
+    contested = [key for key in ref if key[1] // BK + 1 > TOPK]
+    recall = sum(len(ref[x][2] & ref[x][3]) / TOPK for x in contested) / len(contested)
+    captured = sum(float(ref[x][0][list(ref[x][3])].sum()) for x in contested) / len(contested)
+    oracle_mass = sum(float(ref[x][0][list(ref[x][2])].sum()) for x in contested) / len(contested)
+    ent = sum(float(-(ref[x][1] * ref[x][1].clamp_min(1e-300).log()).sum() / math.log(x[1] // BK + 1))
+              for x in contested) / len(contested)
+    first = sum(0 in ref[x][3] for x in contested) / (TOPK * len(contested))
+    assert got["recall"] == pytest.approx(recall, abs=1e-6)
+    assert got["captured_mass"] == pytest.approx(captured, abs=1e-5)
+    assert got["oracle_mass"] == pytest.approx(oracle_mass, abs=1e-5)
+    assert got["oracle_mass"] >= got["captured_mass"]
+    assert got["selection_entropy"] == pytest.approx(ent, abs=1e-5)
+    assert got["slots_first"] == pytest.approx(first, abs=1e-9)
+    assert got["slots_local"] == pytest.approx(1 / TOPK)  # every contested query fills all slots
+    # heatmap rows are per query block: the indexer's row sums are the slots used, the oracle's k
+    heat = st["heatmap"] / st["rows"][None, :, None]
+    last = n_blocks - 1
+    assert heat[1, last].sum().item() == pytest.approx(TOPK)
+    assert heat[0, last].sum().item() == pytest.approx(TOPK)
+
+
+def _haystack(tmp_path):
+    rng = random.Random(0)
+    root = tmp_path / "corpus"
+    root.mkdir()
+    for i in range(3):
+        (root / f"m{i}.py").write_text("\n".join(f"x{j} = {rng.randrange(1000)}  # line {j}" for j in range(400)))
+    return root, Haystack(sorted(root.glob("*.py")), pool_bytes=1 << 20, seed=0)
+
+
+def test_retrieval_examples_are_exact_length_deterministic_and_answerable(tmp_path):
+    _, hay = _haystack(tmp_path)
+    for task in TASKS:
+        for depth in (0.0, 0.5, 1.0):
+            a = make_example(task, 700, depth, hay, random.Random(7))
+            b = make_example(task, 700, depth, hay, random.Random(7))
+            assert a == b and len(a.prompt) + len(a.answer) == 700
+            assert a.answer.isdigit() and len(a.answer) == 5
+            # the value that answers the question is written in the haystack
+            assert a.answer in a.prompt
+        assert make_example(task, 700, 0.5, hay, random.Random(8)).prompt != a.prompt
+    ex = make_example("passkey", 1000, 0.25, hay, random.Random(1))
+    assert abs(ex.prompt.index(b"PASSKEY =") / 1000 - 0.25) < 0.05
+    with pytest.raises(ValueError, match="too short"):
+        make_example("vartrack", 100, 0.5, hay, random.Random(1))
+    with pytest.raises(ValueError, match="unknown retrieval task"):
+        make_example("nope", 700, 0.5, hay, random.Random(1))
+    docs = list(training_documents(hay, 20_000, 1024, seed=3))
+    assert sum(map(len, docs)) >= 20_000 and all(128 <= len(d) <= 1024 for d in docs)
+
+
+def test_retrieval_share_puts_synthetic_documents_in_the_token_file(tmp_path):
+    root, _ = _haystack(tmp_path)
+    script = (
+        "import sys, numpy as np\n"
+        "from omegaconf import OmegaConf\n"
+        "from msa_model.config import DataConfig\n"
+        "from data.datasets import prepare_tokens\n"
+        "from megatron.core.datasets.indexed_dataset import IndexedDataset\n"
+        "out = []\n"
+        "for share in (0.0, 0.3):\n"
+        "    cfg = OmegaConf.structured(DataConfig(source=sys.argv[1], glob='*.py', cache_dir=sys.argv[2],"
+        " retrieval_share=share))\n"
+        "    ds = IndexedDataset(prepare_tokens(cfg, seq_length=512))\n"
+        "    docs = [bytes(np.asarray(ds[i][:-1], dtype=np.uint8)) for i in range(len(ds))]\n"
+        "    out.append((len(docs), sum(map(len, docs)), sum(b'assert ' in d for d in docs)))\n"
+        "print(out)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script, str(root), str(tmp_path / "cache")], cwd=REPO, env=_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (n0, tok0, q0), (n1, tok1, q1) = eval(proc.stdout.strip().splitlines()[-1])
+    assert n0 == 3 and q0 == 0
+    synthetic = tok1 - tok0
+    assert q1 == n1 - 3 > 0 and synthetic / tok1 == pytest.approx(0.3, abs=0.05)
+
+
+@pytest.fixture(scope="module")
+def diag_run(tmp_path_factory, data_cache):
+    # one micro-batch a step (so the diagnostics see the whole step), warmup for steps 1-2
+    run_dir = tmp_path_factory.mktemp("diag") / "run"
+    run_train(run_dir, "trainer.max_steps=4", "parallel.global_batch_size=2", "trainer.indexer_warmup_tokens=1024",
+              "logging.msa_diagnostics_interval=2", "checkpoint.interval=0", data_cache=data_cache)
+    return run_dir
+
+
+def test_training_logs_diagnostics_in_range_and_a_heatmap(diag_run):
+    m = metrics(diag_run)
+    assert [m[s]["phase"] for s in (2, 4)] == ["warmup", "sparse"]
+    assert "msa/recall" not in m[1] and "msa/recall" not in m[3]
+    for step in (2, 4):
+        r = m[step]
+        for name in ("recall", "captured_mass", "oracle_mass", "selection_entropy", "attention_entropy",
+                     "slots_first", "slots_recent", "block_popularity_max"):
+            for key in (f"msa/{name}", f"msa/{name}/layer_01", f"msa/{name}/layer_02"):
+                assert 0.0 <= r[key] <= 1.0, (step, key, r[key])
+        assert r["msa/oracle_mass"] >= r["msa/captured_mass"] - 1e-9
+        assert r["msa/slots_local"] == pytest.approx(1 / 4)
+        # the diagnostics' KL (reference ops, this step's only micro-batch) is the logged KL
+        assert r["msa/kl"] == pytest.approx(r["kl_loss"], rel=1e-4)
+        assert 0 < r["grad_norm_msa_index"] < r["grad_norm"]
+    for step in (2, 4):
+        png = diag_run / "diagnostics" / f"step_{step:08d}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        saved = json.loads(png.with_suffix(".json").read_text())
+        assert len(saved["heatmap_indexer"]) == 2 and len(saved["heatmap_indexer"][0]) == 256 // 16
+    assert "msa diagnostics step 4: recall@k" in (diag_run / "train.log").read_text()
+
+
+def test_eval_runs_on_the_checkpoint_and_writes_results(diag_run, tmp_path):
+    out = tmp_path / "eval"
+    cmd = [sys.executable, "-m", "msa_model.eval", str(diag_run), "--out", str(out), "--lengths", "256,384",
+           "--depths", "0,1", "--samples", "1", "--loss-sequences", "2"]
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((out / "results.json").read_text())
+    assert res["attention"] == "msa" and res["phase"] == "sparse" and res["key_budget"] == 64
+    assert set(res["tasks"]) == set(TASKS) and res["lengths"] == [256, 384]
+    for per in res["tasks"].values():
+        for n in ("256", "384"):
+            assert set(per[n]["by_depth"]) == {"0", "1"}
+            assert 0.0 <= per[n]["accuracy"] <= 1.0 and 0.0 <= per[n]["mean_rank"] < 257
+    buckets = res["loss_by_position"]["buckets"]
+    assert [b["from"] for b in buckets] == [0, 64, 128, 256] and all(0 < b["loss"] < 10 for b in buckets)
+    assert res["loss_by_position"]["source"] == "held-out"
+    for name in ("results.md", "accuracy.png", "loss_by_position.png"):
+        assert (out / name).stat().st_size > 0
+
+    bad = subprocess.run([sys.executable, "-m", "msa_model.eval", str(tmp_path), "--out", str(tmp_path / "x")],
+                         cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "is not a checkpoint" in bad.stderr

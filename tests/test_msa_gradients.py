@@ -1,0 +1,17 @@
+"""The index branch's gradients at model level: stop-gradient in both directions, the KL
+coefficient, and the index gradient norm apart from the rest (tests/msa_grads_main.py, in a
+subprocess because megatron and the CPU shim stay out of the pytest process)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from skeleton_helpers import REPO, TINY_TEST, _env
+
+
+def test_kl_reaches_exactly_the_index_parameters_and_scales_with_its_coefficient():
+    overrides = [o for o in TINY_TEST if not o.startswith("logging.")]
+    proc = subprocess.run([sys.executable, "tests/msa_grads_main.py", *overrides], cwd=REPO, env=_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-3000:] + proc.stderr[-5000:]
