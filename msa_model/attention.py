@@ -31,7 +31,7 @@ D = head dim, Di = index head dim, K = top-k blocks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import torch
@@ -64,6 +64,12 @@ class MSAOptions:
     force_sink: bool = False
     backend: str = "auto"
     rotary_base: int = 10000
+    local_blocks: int = 1  # blocks ending with the query's own that are always selected
+    # per layer (index layer_number - 1): "msa" or "dense"; (): every layer as `attention`
+    layer_attention: tuple = ()
+    # the index q/k rotate their first channels with the main RoPE table (model.rotary_dim set,
+    # as in MiniMax-M3) instead of a table of their own when Di != D
+    index_main_rope: bool = False
 
 
 @dataclass
@@ -131,6 +137,9 @@ class MSASelfAttention(SelfAttention):
                          attn_mask_type=attn_mask_type, cp_comm_type=cp_comm_type,
                          pg_collection=pg_collection, pp_layer_offset=pp_layer_offset, name=name)
         self.options = options or MSAOptions()
+        if self.options.layer_attention:
+            # layer_number is megatron's global 1-based layer index (pipeline offset included)
+            self.options = replace(self.options, attention=self.options.layer_attention[layer_number - 1])
         self.sparse = True
         if self.options.attention == "dense":
             return
@@ -153,7 +162,7 @@ class MSASelfAttention(SelfAttention):
                 p.average_gradients_across_tp_domain = True
         # the model's rotary table has the main head dim; a different Di needs its own table
         self.index_rotary = None
-        if di != self.hidden_size_per_attention_head:
+        if di != self.hidden_size_per_attention_head and not self.options.index_main_rope:
             self.index_rotary = RotaryEmbedding(kv_channels=di, rotary_percent=1.0, rotary_base=self.options.rotary_base,
                                                 use_cpu_initialization=config.use_cpu_initialization)
 
@@ -221,6 +230,7 @@ class MSASelfAttention(SelfAttention):
                     q[:, a:b], k, v, iq[:, a:b], ik, block_size=self.options.block_size, topk=self.options.topk,
                     dense=not self.sparse, scale=self.config.softmax_scale, force_sink=self.options.force_sink,
                     backend=self.options.backend, return_block_idx=True, q_offset=off,
+                    local_blocks=self.options.local_blocks,
                 )
                 outs.append(o_c)
                 kls.append(kl_c)
@@ -236,7 +246,9 @@ class MSASelfAttention(SelfAttention):
 
         # per-rank means over this rank's groups (TP) and queries (CP): their mean is the layer's value
         tracker, avg_group = get_moe_metrics_tracker(), self._tp_cp_group()
-        tracker.record(KEYS_METRIC, keys.float(), self.layer_number, self.config.num_layers, avg_group=avg_group)
+        # in a model mixing full and MSA layers keys/q reports the MSA layers' selection
+        if self.options.attention == "msa" or not self.options.layer_attention:
+            tracker.record(KEYS_METRIC, keys.float(), self.layer_number, self.config.num_layers, avg_group=avg_group)
         if kl is not None:
             tracker.record(KL_METRIC, kl.detach(), self.layer_number, self.config.num_layers, avg_group=avg_group)
             if self.training and self.options.kl_coeff > 0:

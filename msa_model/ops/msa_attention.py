@@ -13,7 +13,7 @@ from .sparse_attention import sparse_attention
 def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iq: torch.Tensor, ik: torch.Tensor,
                   block_size: int = 128, topk: int = 16, dense: bool = False, scale: float | None = None,
                   index_scale: float | None = None, force_sink: bool = False, backend: str = "auto",
-                  return_block_idx: bool = False, q_offset: int = 0):
+                  return_block_idx: bool = False, q_offset: int = 0, local_blocks: int = 1):
     """MSA attention: o [B, T, Hq, D] and the indexer KL (fp32 scalar, no coefficient applied).
 
     q [B, T, Hq, D], k/v [B, T, Hkv, D], iq [B, T, Hkv, Di], ik [B, T, Di].
@@ -24,6 +24,7 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iq: torch.T
     `q_offset`: the queries (q, iq) are positions q_offset .. q_offset + T - 1 of a sequence whose
     k, v, ik [B, >= q_offset + T, ...] are passed whole (context parallelism: a rank's query
     chunk against all-gathered keys); selection, output and KL equal those rows of the full call.
+    `local_blocks`: blocks ending with the query's own that are always selected (select_blocks).
     """
     _, T, _, Hkv, _ = check_qkv(q, k, v, q_offset)
     check_index(iq, ik, q.shape[0], T, Hkv, q_offset)
@@ -31,7 +32,8 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iq: torch.T
     block_idx = None
     if not dense:
         block_idx = select_blocks(iq.detach(), ik.detach(), block_size=block_size, topk=topk,
-                                  force_sink=force_sink, backend=backend, q_offset=q_offset)
+                                  force_sink=force_sink, backend=backend, q_offset=q_offset,
+                                  local_blocks=local_blocks)
     # select_blocks' ids are in range: no id check (check_ids), so the layer issues its work with
     # no host synchronisation
     if dense and q_offset == 0 and _use_flash(q, k, v, backend):

@@ -10,7 +10,8 @@ from .reference import select_blocks_reference
 
 @torch.no_grad()
 def select_blocks(iq: torch.Tensor, ik: torch.Tensor, block_size: int = 128, topk: int = 16,
-                  force_sink: bool = False, backend: str = "auto", q_offset: int = 0) -> torch.Tensor:
+                  force_sink: bool = False, backend: str = "auto", q_offset: int = 0,
+                  local_blocks: int = 1) -> torch.Tensor:
     """Choose the top-k key blocks for each query and GQA group.
 
     iq: [B, T, Hkv, Di] index queries (one per group); ik: [B, T, Di] the shared index key.
@@ -19,14 +20,18 @@ def select_blocks(iq: torch.Tensor, ik: torch.Tensor, block_size: int = 128, top
     Not differentiable (selection is discrete).
     `q_offset`: the queries are positions q_offset .. q_offset + T - 1 of a longer sequence
     whose index keys ik [B, >= q_offset + T, Di] are passed whole (context parallelism).
+    `local_blocks`: how many blocks ending with the query's own are always selected (1: the
+    local block only), at most `topk`; the sink ranks right below them.
     """
     check_block_size(block_size, topk)
+    if not isinstance(local_blocks, int) or not 1 <= local_blocks <= topk:
+        raise ValueError(f"local_blocks must be an int in [1, topk={topk}], got {local_blocks!r}")
     check_index(iq, ik, q_offset=q_offset)
     (ik,) = trim_keys(iq.shape[1], q_offset, ik)
     if resolve_backend(backend, iq, ik) == "triton":
         return load_triton("select_blocks").select_blocks_triton(iq, ik, block_size, topk, force_sink,
-                                                                 q_offset=q_offset)
-    return select_blocks_reference(iq, ik, block_size, topk, force_sink, q_offset)
+                                                                 q_offset=q_offset, local_blocks=local_blocks)
+    return select_blocks_reference(iq, ik, block_size, topk, force_sink, q_offset, local_blocks)
 
 
 __all__ = ["select_blocks", "select_blocks_reference"]

@@ -12,12 +12,12 @@ from ..common import num_blocks, query_chunk
 
 
 def select_blocks_reference(iq_BTGI: torch.Tensor, ik_BTI: torch.Tensor, block_size: int, topk: int,
-                            force_sink: bool = False, q_offset: int = 0) -> torch.Tensor:
+                            force_sink: bool = False, q_offset: int = 0, local_blocks: int = 1) -> torch.Tensor:
     """Top-k key blocks per (query, group) by block-max index score; int32 [B, T, G, K], -1 = empty.
 
-    The local block (the one holding the query) is always kept, and block 0 too when
-    `force_sink`. Ranking uses the raw dot products: softmax and a positive scale keep the order,
-    so no exp is needed. Slots are sorted ascending with -1 padding last. Query t sits at
+    The `local_blocks` blocks ending with the local one (the block holding the query, and the
+    ones right before it) are always kept, and block 0 too when `force_sink`. Ranking uses the
+    raw dot products: softmax and a positive scale keep the order, so no exp is needed. Slots are sorted ascending with -1 padding last. Query t sits at
     position q_offset + t of the keys ik [B, >= q_offset + T, Di].
     """
     B, T, G, _ = iq_BTGI.shape
@@ -38,9 +38,10 @@ def select_blocks_reference(iq_BTGI: torch.Tensor, ik_BTI: torch.Tensor, block_s
         pad = n_blk * block_size - key_end
         s_BCGJ = torch.nn.functional.pad(s_BCGJ, (0, pad), value=float("-inf"))
         bmax_BCGN = s_BCGJ.view(B, t1 - t0, G, n_blk, block_size).amax(-1)
-        local_CN = torch.arange(n_blk, device=pos.device)[None, :] == (qpos_C // block_size)[:, None]
+        n_N, qblk_C1 = torch.arange(n_blk, device=pos.device), (qpos_C // block_size)[:, None]
+        local_CN = (n_N[None, :] <= qblk_C1) & (n_N[None, :] > qblk_C1 - local_blocks)
         if force_sink:
-            # the sink ranks right below the local block, so topk=1 still keeps the local block
+            # the sink ranks right below the local blocks, so they are kept first
             bmax_BCGN[..., 0] = torch.finfo(bmax_BCGN.dtype).max
         bmax_BCGN = bmax_BCGN.masked_fill(local_CN[None, :, None, :], float("inf"))
         k = min(topk, n_blk)

@@ -39,18 +39,23 @@ def _insert(topv_RK, topi_RK, x_R, n_R, slot_K):
 
 
 @triton.jit
-def _init_topk(nloc_R, R: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, SINK: tl.constexpr):
-    """Running top-k state: the forced blocks sit in the first slots with +inf, never displaced."""
+def _init_topk(nloc_R, R: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, SINK: tl.constexpr,
+               LOCAL: tl.constexpr):
+    """Running top-k state: the forced blocks sit in the first slots with +inf, never displaced.
+
+    Slot l < LOCAL holds block nloc - l (the local block first); a slot whose block would be
+    before block 0 stays empty, which only happens when every visible block is already forced."""
     slot_K = tl.arange(0, KP)
     # padding slots (K not a power of two) hold +inf so they are never the minimum
     topv_RK = tl.where(slot_K[None, :] < K, float("-inf"), float("inf")) + tl.zeros([R, KP], tl.float32)
     topi_RK = tl.full([R, KP], -1, tl.int32)
-    local_RK = slot_K[None, :] == 0
+    forced_RK = nloc_R[:, None] - slot_K[None, :]
+    local_RK = (slot_K[None, :] < LOCAL) & (forced_RK >= 0)
     topv_RK = tl.where(local_RK, float("inf"), topv_RK)
-    topi_RK = tl.where(local_RK, nloc_R[:, None], topi_RK)
+    topi_RK = tl.where(local_RK, forced_RK, topi_RK)
     if SINK:
-        if K > 1:
-            sink_RK = (slot_K[None, :] == 1) & (nloc_R[:, None] != 0)
+        if K > LOCAL:
+            sink_RK = (slot_K[None, :] == LOCAL) & (nloc_R[:, None] >= LOCAL)
             topv_RK = tl.where(sink_RK, float("inf"), topv_RK)
             topi_RK = tl.where(sink_RK, 0, topi_RK)
     return topv_RK, topi_RK, slot_K
@@ -92,7 +97,7 @@ def _score_tile(q_RD, ik_base, s_ik_t, kt, p_R, TK, R: tl.constexpr, C: tl.const
 @triton.jit
 def _consume(bm_RN, kt, topv_RK, topi_RK, seen_R, slot_K, nloc_R, out_ptr, b, t_R, g_R, valid_R, N,
              s_out_b, s_out_t, s_out_g, R: tl.constexpr, NB: tl.constexpr, SINK: tl.constexpr,
-             MODE: tl.constexpr):
+             MODE: tl.constexpr, LOCAL: tl.constexpr):
     """Fold one tile's block maxima into the running top-k (or store them, or only keep a max)."""
     if MODE == 0:
         for jb in tl.static_range(NB):
@@ -102,7 +107,7 @@ def _consume(bm_RN, kt, topv_RK, topi_RK, seen_R, slot_K, nloc_R, out_ptr, b, t_
                 x_R = tl.max(tl.where(tl.arange(0, NB)[None, :] == jb, bm_RN, float("-inf")), axis=1)
             n = kt * NB + jb
             # forced blocks already sit in the top-k: keep them from taking a second slot
-            drop_R = nloc_R == n
+            drop_R = (n <= nloc_R) & (n > nloc_R - LOCAL)
             if SINK:
                 drop_R = drop_R | (n == 0)
             x_R = tl.where(drop_R, float("-inf"), x_R)
@@ -122,7 +127,7 @@ def _fused_kernel(iq_ptr, ik_ptr, out_ptr, T, TK, QOFF, N,
                   G: tl.constexpr, GP: tl.constexpr, DI: tl.constexpr, DP: tl.constexpr,
                   BLOCK: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr,
                   C: tl.constexpr, SINK: tl.constexpr, MODE: tl.constexpr, IEEE: tl.constexpr,
-                  INTERP: tl.constexpr):
+                  INTERP: tl.constexpr, LOCAL: tl.constexpr):
     R: tl.constexpr = BM * GP
     NB: tl.constexpr = C // BLOCK
     # the last query tiles read the most keys: start them first
@@ -140,7 +145,7 @@ def _fused_kernel(iq_ptr, ik_ptr, out_ptr, T, TK, QOFF, N,
     # causal positions of the rows
     p_R = QOFF + t_R
     nloc_R = p_R // BLOCK
-    topv_RK, topi_RK, slot_K = _init_topk(nloc_R, R, K, KP, SINK)
+    topv_RK, topi_RK, slot_K = _init_topk(nloc_R, R, K, KP, SINK, LOCAL)
     seen_R = tl.full([R], float("-inf"), tl.float32)
 
     p_last = QOFF + tl.minimum(t0 + BM, T) - 1
@@ -155,19 +160,19 @@ def _fused_kernel(iq_ptr, ik_ptr, out_ptr, T, TK, QOFF, N,
             bm_RN = _score_tile(q_RD, ik_base, s_ik_t, kt, p_R, TK, R, C, DI, DP, BLOCK, True, IEEE)
             topv_RK, topi_RK, seen_R = _consume(bm_RN, kt, topv_RK, topi_RK, seen_R, slot_K, nloc_R, out_ptr,
                                                 b, t_R, g_R, valid_R, N, s_out_b, s_out_t, s_out_g,
-                                                R, NB, SINK, MODE)
+                                                R, NB, SINK, MODE, LOCAL)
             kt += 1
     else:
         for kt in range(0, n_full):
             bm_RN = _score_tile(q_RD, ik_base, s_ik_t, kt, p_R, TK, R, C, DI, DP, BLOCK, False, IEEE)
             topv_RK, topi_RK, seen_R = _consume(bm_RN, kt, topv_RK, topi_RK, seen_R, slot_K, nloc_R, out_ptr,
                                                 b, t_R, g_R, valid_R, N, s_out_b, s_out_t, s_out_g,
-                                                R, NB, SINK, MODE)
+                                                R, NB, SINK, MODE, LOCAL)
         for kt in range(n_full, n_tiles):
             bm_RN = _score_tile(q_RD, ik_base, s_ik_t, kt, p_R, TK, R, C, DI, DP, BLOCK, True, IEEE)
             topv_RK, topi_RK, seen_R = _consume(bm_RN, kt, topv_RK, topi_RK, seen_R, slot_K, nloc_R, out_ptr,
                                                 b, t_R, g_R, valid_R, N, s_out_b, s_out_t, s_out_g,
-                                                R, NB, SINK, MODE)
+                                                R, NB, SINK, MODE, LOCAL)
 
     if MODE == 0:
         row_R = b * s_out_b + t_R.to(tl.int64) * s_out_t + g_R * s_out_g
@@ -249,7 +254,7 @@ def _check(block_size: int, di: int | None = None) -> None:
         raise ValueError(f"the Triton select_blocks needs a power-of-two block_size in [16, 128], got {block_size}")
 
 
-def _launch_fused(iq_BTGI, ik_BTI, out, block_size, topk, force_sink, mode, config, q_offset=0):
+def _launch_fused(iq_BTGI, ik_BTI, out, block_size, topk, force_sink, mode, config, q_offset=0, local_blocks=1):
     B, T, G, Di = iq_BTGI.shape
     TK = ik_BTI.shape[1]
     _check(block_size)
@@ -270,21 +275,22 @@ def _launch_fused(iq_BTGI, ik_BTI, out, block_size, topk, force_sink, mode, conf
         *s_out,
         G=G, GP=GP, DI=Di, DP=max(16, _next_pow2(Di)), BLOCK=block_size, K=topk, KP=_next_pow2(topk),
         BM=BM, C=C, SINK=bool(force_sink), MODE=mode, IEEE=iq_BTGI.dtype == torch.float32,
-        INTERP=_interpreting(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        INTERP=_interpreting(), LOCAL=int(local_blocks), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
 
 
 def select_blocks_triton(iq_BTGI: torch.Tensor, ik_BTI: torch.Tensor, block_size: int, topk: int,
-                         force_sink: bool = False, config: dict | None = None, q_offset: int = 0) -> torch.Tensor:
+                         force_sink: bool = False, config: dict | None = None, q_offset: int = 0,
+                         local_blocks: int = 1) -> torch.Tensor:
     """Fused index scoring, block max and top-k.
 
     iq_BTGI: [B, T, G, Di] and ik_BTI: [B, TK, Di], bf16, fp16 or fp32 (scores accumulate in fp32;
     fp32 inputs use full-precision products); query t sits at position q_offset + t and
-    TK = q_offset + T. Returns int32 [B, T, G, topk]: per (b, t, g) the local block, block 0 too
-    if `force_sink`, and the best other causally visible blocks by
-    max_j iq[t,g].ik[j] over visible keys j of the block. Slot 0 holds the local block, -1
-    padding comes last, the rest is in no particular order.
+    TK = q_offset + T. Returns int32 [B, T, G, topk]: per (b, t, g) the `local_blocks` blocks
+    ending with the local one, block 0 too if `force_sink`, and the best other causally visible
+    blocks by max_j iq[t,g].ik[j] over visible keys j of the block. Slot 0 holds the local block,
+    -1 padding comes last, the rest is in no particular order.
     """
     B, T, G, _ = iq_BTGI.shape
     if ik_BTI.shape[1] != q_offset + T:
@@ -292,7 +298,8 @@ def select_blocks_triton(iq_BTGI: torch.Tensor, ik_BTI: torch.Tensor, block_size
     out = torch.empty((B, T, G, topk), dtype=torch.int32, device=iq_BTGI.device)
     if T == 0:
         return out
-    return _launch_fused(iq_BTGI, ik_BTI, out, block_size, topk, force_sink, _SELECT, config, int(q_offset))
+    return _launch_fused(iq_BTGI, ik_BTI, out, block_size, topk, force_sink, _SELECT, config, int(q_offset),
+                         local_blocks)
 
 
 def block_scores_triton(iq_BTGI: torch.Tensor, ik_BTI: torch.Tensor, block_size: int,
