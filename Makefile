@@ -9,8 +9,8 @@ export PYTHONUNBUFFERED := 1
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check --ignore-requires-python -e . 2>&1 | grep -v "is ignored" || true
-	@$(PY) -c "import torch, megatron.core, hydra, triton" || { echo "virtualenv install failed"; exit 1; }
+	$(PY) -m pip install -q --disable-pip-version-check --ignore-requires-python -e ".[deepspeed]" 2>&1 | grep -v "is ignored" || true
+	@$(PY) -c "import torch, megatron.core, hydra, triton, deepspeed" || { echo "virtualenv install failed"; exit 1; }
 	@touch $(STAMP)
 
 venv: $(STAMP)

@@ -90,7 +90,8 @@ class ModelConfig:
     moe_router_expert_bias: bool = False
     moe_router_bias_update_rate: float = 1e-3
     moe_router_topk_scaling_factor: Optional[float] = None  # routed experts' weights x this (M3 routed_scaling_factor)
-    # per layer "msa" or "full" (full attention, no index branch); []: every layer as `attention`
+    # per layer "msa" or "full" (full attention, no index branch) when attention=msa; []: every
+    # layer MSA. attention=dense makes every layer full whatever this says (the dense baseline)
     attention_types: List[str] = field(default_factory=list)
     # per layer "dense" or "moe"; []: first_dense_layers dense layers, then MoE (when num_experts > 0)
     mlp_types: List[str] = field(default_factory=list)
@@ -269,8 +270,6 @@ def _check_m3_options(errors: list[str], m) -> None:
                f"{name} lists {len(types)} layers, model.num_layers is {m.num_layers}")
         bad = sorted({str(t) for t in types} - set(allowed))
         _check(errors, not bad, f"{name}: unknown value(s) {bad} (use {' or '.join(allowed)})")
-    _check(errors, m.attention == "msa" or "msa" not in m.attention_types,
-           f"model.attention_types names msa layers but model.attention is {m.attention!r}")
     _check(errors, m.num_experts > 0 or "moe" not in m.mlp_types,
            "model.mlp_types names moe layers but model.num_experts is 0")
 

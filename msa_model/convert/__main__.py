@@ -124,9 +124,14 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
-        from msa_model.training.distributed import shutdown
+        import torch.distributed as dist
 
-        shutdown()
+        # only a conversion that got as far as building the model holds a process group; an error
+        # before that stays the last line printed (no megatron import after it)
+        if dist.is_initialized():
+            from msa_model.training.distributed import shutdown
+
+            shutdown()
     return 0
 
 

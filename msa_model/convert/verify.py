@@ -8,6 +8,7 @@ attention) or, for MiniMax-M3, whose transformers model runs MSA itself, in the 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -38,7 +39,12 @@ def our_logits(src: str, tokens_BS: torch.Tensor, *, tp: int = 1, ep: int = 1, m
 
     from msa_model.attention import set_msa_phase
 
+    from msa_model.convert.commands import _padded_vocab_in_checkpoint
+
     cfg = mio.load_model_config(model_config or mio.find_model_config(src))
+    if cfg.vocab_size is None:
+        # a model trained here (tokenizer vocabulary): all its padded rows, as msa-to-hf exports them
+        cfg = dataclasses.replace(cfg, vocab_size=_padded_vocab_in_checkpoint(src))
     parallel = mio.init_megatron(tp=tp, ep=ep, sequence_parallel=tp > 1 and cfg.num_experts > 0)
     model = mio.build(cfg, parallel)
     mio.load(model, src)
