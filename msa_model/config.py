@@ -317,14 +317,14 @@ def validate(cfg, world_size: Optional[int] = None) -> None:
     _check(errors, m.rope_scaling.factor > 0, f"model.rope_scaling.factor must be positive, got {m.rope_scaling.factor}")
     _check_m3_options(errors, m)
     if m.attention == "msa":
-        # the index branch reuses the main rotary table when Di == D or RoPE is partial; its own
-        # full-width table (Di != D) is unscaled
+        # the index branch reuses the main rotary table when Di == D or rotary_dim is set; a table
+        # of its own (Di != D, rotary_dim unset) is unscaled
         _check(errors, m.rope_scaling.type == "none" or msa.index_head_dim == m.head_dim or m.rotary_dim is not None,
                f"model.rope_scaling ({m.rope_scaling.type}) needs model.msa.index_head_dim == model.head_dim "
                f"({msa.index_head_dim} != {m.head_dim})")
         _check(errors, 1 <= msa.local_blocks <= msa.topk,
                f"model.msa.local_blocks ({msa.local_blocks}) must be in [1, model.msa.topk={msa.topk}]")
-        # partial RoPE rotates the first rotary_dim channels of the index q/k with the main table
+        # with rotary_dim set the index q/k rotate their first rotary_dim channels with the main table
         _check(errors, m.rotary_dim is None or m.rotary_dim <= msa.index_head_dim,
                f"model.rotary_dim ({m.rotary_dim}) must be <= model.msa.index_head_dim ({msa.index_head_dim}): "
                "the index branch rotates the same channels as the main heads")

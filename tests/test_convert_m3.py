@@ -21,10 +21,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from msa_model.convert.fixtures import M3_TINY, save_tiny_m3
-from msa_model.convert.hf_io import load_all
-
 REPO = Path(__file__).resolve().parents[1]
+# run as the worker script, import this checkout's msa_model (not whichever the virtualenv points at)
+sys.path.insert(0, str(REPO))
+
+from msa_model.convert.fixtures import M3_TINY, save_tiny_m3  # noqa: E402
+from msa_model.convert.hf_io import load_all  # noqa: E402
 PARITY_MAX_ABS = 1e-4
 SEQ = 128
 # the vision-language checkpoint (release layout): layer 0 full with a dense MLP, one local block
@@ -89,10 +91,7 @@ def converted(tmp_path_factory):
     save_tiny_m3(root / "text" / "hf", seed=3)
     save_tiny_m3(root / "vl" / "hf", seed=4, vision=True, **VL)
     out = root / "results.json"
-    # the worker imports this checkout's msa_model whatever the virtualenv's install points at
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, __file__, str(root), str(out)], capture_output=True, text=True, timeout=900,
-                          env=env)
+    proc = subprocess.run([sys.executable, __file__, str(root), str(out)], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return root, json.loads(out.read_text()), proc.stderr
 
@@ -287,6 +286,7 @@ def test_config_refusals():
         (dict(num_experts_per_tok=1), r"num_experts_per_tok=1"),
         (dict(layer_types=["full_attention", "sliding_attention", "minimax_m3_sparse"]),
          r"layer_types has unsupported value\(s\) \['sliding_attention'\]"),
+        (dict(quantization_config={"quant_method": "fp8"}), r"a quantized checkpoint \(quant_method='fp8'\)"),
     ):
         with pytest.raises(ConversionError, match=message):
             model_config_from_hf({**base, **change}, where="m3/config.json")

@@ -64,7 +64,15 @@ def _check_selection(idx, bs64, block_size, topk, local_blocks, force_sink, q_of
     assert bool((best_unsel <= free_sel + 1e-4).all())
 
 
-@pytest.mark.parametrize("B, T, G, Di, block_size, topk, local_blocks, force_sink, q_offset", CASES)
+GPU = [
+    (2, 4096, 4, 128, 128, 16, 2, False, 0),
+    (1, 3000, 8, 64, 64, 8, 3, True, 1000),
+]
+
+
+@pytest.mark.parametrize("B, T, G, Di, block_size, topk, local_blocks, force_sink, q_offset",
+                         CASES + [pytest.param(*c, marks=pytest.mark.skipif(DEV != "cuda", reason="needs a GPU"))
+                                  for c in GPU])
 def test_local_blocks_triton_equals_reference(B, T, G, Di, block_size, topk, local_blocks, force_sink, q_offset):
     iq, ik = _index(B, T, G, Di, seed=T + local_blocks, q_offset=q_offset)
     kw = dict(block_size=block_size, topk=topk, force_sink=force_sink, q_offset=q_offset, local_blocks=local_blocks)

@@ -8,7 +8,9 @@
 | qwen3_moe | Qwen3MoeForCausalLM | no         | yes     | mlp.experts.E.{gate,up,down}_proj          | mlp.gate, norm_topk_prob|
 | mixtral   | MixtralForCausalLM  | no         | no      | block_sparse_moe.experts.E.{w1,w3,w2}      | block_sparse_moe.gate   |
 | mistral   | MistralForCausalLM  | no         | no      | mlp.{gate,up,down}_proj (no sliding window) |                        |
-| minimax_m3 | MiniMaxM3VLForCausalLM (and the VL model's text) | see msa_model.convert.minimax_m3         |                         |
+
+MiniMax-M3 (`minimax_m3`, MSA kept in both directions) has a layout of its own:
+msa_model.convert.minimax_m3.
 
 Every family is GQA with SwiGLU MLPs, RMSNorm and rotary embeddings, which is exactly our model's
 backbone; what differs is listed in `Family`. Router semantics: Mixtral and Qwen3-MoE with
@@ -126,6 +128,10 @@ def model_config_from_hf(hf_config: dict, *, attention: str = "msa", msa: MSACon
     Raises ConversionError for what our model cannot express (the message names the field).
     """
     fam = detect_family(hf_config, where)
+    quant = hf_config.get("quantization_config") or (hf_config.get("text_config") or {}).get("quantization_config")
+    if quant:
+        raise ConversionError(f"{where}: a quantized checkpoint (quant_method={quant.get('quant_method')!r}); "
+                              "convert its dequantized bf16/fp32 weights")
     if fam.name == "minimax_m3":
         return fam, m3.model_config_from_m3(hf_config, attention=attention, seq_length=seq_length, name=name, where=where)
     c = hf_config
@@ -198,10 +204,19 @@ def model_config_from_hf(hf_config: dict, *, attention: str = "msa", msa: MSACon
         # the largest alignment that needs no padding at TP=1 (so TP=1 logits are exactly HF's)
         make_vocab_size_divisible_by=math.gcd(vocab, 128),
         params_dtype="bf16" if dtype == "bfloat16" else "fp32",
-        msa=msa or MSAConfig(block_size=128, topk=16, index_head_dim=head_dim),
+        msa=msa or msa_from_hf(c, head_dim),
         **moe,
     )
     return fam, model
+
+
+def msa_from_hf(cfg: dict, head_dim: int) -> MSAConfig:
+    """The MSA geometry of an exported model (its config.json "msa" entry), else block 128, top-16,
+    Di = D."""
+    s = cfg.get("msa") or {}
+    return MSAConfig(block_size=int(s.get("block_size", 128)), topk=int(s.get("topk", 16)),
+                     index_head_dim=int(s.get("index_head_dim", head_dim)), force_sink=bool(s.get("force_sink", False)),
+                     local_blocks=int(s.get("local_blocks", 1)))
 
 
 def hf_config_from_model(model, fam: Family, source: dict | None = None) -> dict:
