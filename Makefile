@@ -12,9 +12,9 @@ $(STAMP): pyproject.toml
 	@echo "setting up $(VENV) (first use, or pyproject.toml changed; later runs skip this): installing torch (CPU),"
 	@echo "triton, megatron-core, hydra, wandb, tensorboard, transformers and their dependencies; a few minutes"
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@$(PY) -m pip install --disable-pip-version-check --progress-bar off --ignore-requires-python -e . 2>&1 \
+	@$(PY) -m pip install --disable-pip-version-check --progress-bar off --ignore-requires-python -e ".[deepspeed]" 2>&1 \
 		| grep --line-buffered -E "^(Collecting|Successfully installed|ERROR)" || true
-	@$(PY) -c "import torch, megatron.core, hydra, triton" || { echo "virtualenv install failed"; exit 1; }
+	@$(PY) -c "import torch, megatron.core, hydra, triton, deepspeed" || { echo "virtualenv install failed"; exit 1; }
 	@touch $(STAMP)
 	@echo "$(VENV) is ready; \`source $(VENV)/bin/activate\` puts its python and torchrun on your PATH"
 

@@ -38,7 +38,7 @@ D = head dim, Di = index head dim, K = top-k blocks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import torch
@@ -75,6 +75,12 @@ class MSAOptions:
     # checkpoint the attention core (selection, attention, KL; or dense attention) and rerun it
     # in backward: only its inputs stay alive between forward and backward
     recompute_core: bool = False
+    local_blocks: int = 1  # blocks ending with the query's own that are always selected
+    # per layer (index layer_number - 1): "msa" or "dense"; (): every layer as `attention`
+    layer_attention: tuple = ()
+    # the index q/k rotate their first channels with the main RoPE table (model.rotary_dim set,
+    # as in MiniMax-M3) instead of a table of their own when Di != D
+    index_main_rope: bool = False
 
 
 @dataclass
@@ -142,6 +148,9 @@ class MSASelfAttention(SelfAttention):
                          attn_mask_type=attn_mask_type, cp_comm_type=cp_comm_type,
                          pg_collection=pg_collection, pp_layer_offset=pp_layer_offset, name=name)
         self.options = options or MSAOptions()
+        if self.options.layer_attention:
+            # layer_number is megatron's global 1-based layer index (pipeline offset included)
+            self.options = replace(self.options, attention=self.options.layer_attention[layer_number - 1])
         self.sparse = True
         # set by msa_model.training.diagnostics to receive this layer's inputs of one forward
         self.diagnostics_capture = None
@@ -166,7 +175,7 @@ class MSASelfAttention(SelfAttention):
                 p.average_gradients_across_tp_domain = True
         # the model's rotary table has the main head dim; a different Di needs its own table
         self.index_rotary = None
-        if di != self.hidden_size_per_attention_head:
+        if di != self.hidden_size_per_attention_head and not self.options.index_main_rope:
             self.index_rotary = RotaryEmbedding(kv_channels=di, rotary_percent=1.0, rotary_base=self.options.rotary_base,
                                                 use_cpu_initialization=config.use_cpu_initialization)
 
@@ -251,7 +260,9 @@ class MSASelfAttention(SelfAttention):
 
         # per-rank means over this rank's groups (TP) and queries (CP): their mean is the layer's value
         tracker, avg_group = get_moe_metrics_tracker(), self._tp_cp_group()
-        tracker.record(KEYS_METRIC, keys.float(), self.layer_number, self.config.num_layers, avg_group=avg_group)
+        # in a model mixing full and MSA layers keys/q reports the MSA layers' selection
+        if self.options.attention == "msa" or not self.options.layer_attention:
+            tracker.record(KEYS_METRIC, keys.float(), self.layer_number, self.config.num_layers, avg_group=avg_group)
         if kl is not None:
             tracker.record(KL_METRIC, kl.detach(), self.layer_number, self.config.num_layers, avg_group=avg_group)
             if self.training and self.options.kl_coeff > 0:
@@ -287,6 +298,7 @@ class MSASelfAttention(SelfAttention):
                 # under recompute the KL's forward reruns right before its backward: keeping its
                 # teacher rows then costs memory only for the length of one layer's backward
                 keep_teacher=True if self.options.recompute_core else None,
+                local_blocks=self.options.local_blocks,
             )
             if self.diagnostics_capture is not None:
                 # the first forward after arming only (a recomputation finds the capture sealed)

@@ -30,6 +30,8 @@ class MSAConfig:
     index_head_dim: int = 32  # Di
     kl_coeff: float = 1.0  # weight of the indexer KL in the total loss
     force_sink: bool = False  # always select the first block
+    # blocks ending with the query's own that are always selected (MiniMax-M3 index_local_blocks)
+    local_blocks: int = 1
     backend: str = "auto"  # msa_model.ops backend: auto | reference | triton
 
 
@@ -57,9 +59,21 @@ class ModelConfig:
     qk_layernorm: bool = True
     seq_length: int = 512
     rotary_base: float = 10000.0
+    # channels of each head that RoPE rotates (the first ones; < head_dim is partial RoPE). When set,
+    # the index q/k rotate their first rotary_dim channels with the same table (MiniMax-M3); None:
+    # every head channel, and an index branch with Di != D gets a table of its own
+    rotary_dim: Optional[int] = None
     rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
     qkv_bias: bool = False  # bias on the q/k/v projections (Qwen2); no other linear has one
     norm_eps: float = 1e-5  # epsilon of every RMSNorm (layer, QK and final norms)
+    # every RMSNorm scales by (1 + w) with w stored and initialised at 0 (Gemma, MiniMax-M3)
+    norm_zero_centered: bool = False
+    # MLP: swiglu = silu(gate) * up; quick_geglu = gate * sigmoid(glu_alpha * gate) * (up + glu_linear_offset),
+    # with gate <= activation_clamp and |up| <= activation_clamp when the clamp is set (MiniMax-M3)
+    activation: str = "swiglu"
+    glu_alpha: float = 1.702
+    glu_linear_offset: float = 0.0
+    activation_clamp: Optional[float] = None
     num_experts: int = 4
     moe_router_topk: int = 2
     moe_ffn_hidden_size: int = 256
@@ -70,6 +84,17 @@ class ModelConfig:
     # true: softmax over all experts, keep the top-k probabilities as they are (Qwen3-MoE with
     # norm_topk_prob=false); false: softmax over the top-k logits (Mixtral, norm_topk_prob=true)
     moe_router_pre_softmax: bool = False
+    moe_router_score_function: str = "softmax"  # softmax | sigmoid (top-k probabilities renormalised)
+    # a per-expert bias added to the scores for choosing experts only, moved toward balanced load
+    # after every step by moe_router_bias_update_rate (aux-loss-free balancing; sigmoid only)
+    moe_router_expert_bias: bool = False
+    moe_router_bias_update_rate: float = 1e-3
+    moe_router_topk_scaling_factor: Optional[float] = None  # routed experts' weights x this (M3 routed_scaling_factor)
+    # per layer "msa" or "full" (full attention, no index branch) when attention=msa; []: every
+    # layer MSA. attention=dense makes every layer full whatever this says (the dense baseline)
+    attention_types: List[str] = field(default_factory=list)
+    # per layer "dense" or "moe"; []: first_dense_layers dense layers, then MoE (when num_experts > 0)
+    mlp_types: List[str] = field(default_factory=list)
     init_method_std: float = 0.02
     tie_embeddings: bool = False
     # embedding rows before padding; None: the tokenizer's vocabulary. Set by checkpoint
@@ -226,6 +251,24 @@ class TrainConfig:
     dry_run: bool = False
 
 
+def moe_layers(m) -> list[bool]:
+    """Per layer: True where the MLP is a mixture of experts (a ModelConfig's mlp_types, or its
+    first_dense_layers dense layers followed by MoE layers)."""
+    if m.mlp_types:
+        return [t == "moe" for t in m.mlp_types]
+    return [m.num_experts > 0 and i >= m.first_dense_layers for i in range(m.num_layers)]
+
+
+def msa_layers_of(m) -> list[bool]:
+    """Per layer: True where the attention is MSA (index branch and top-k blocks), False for full
+    attention (a ModelConfig's attention_types, or `attention` for every layer)."""
+    if m.attention != "msa":
+        return [False] * m.num_layers
+    if m.attention_types:
+        return [t == "msa" for t in m.attention_types]
+    return [True] * m.num_layers
+
+
 def register_configs() -> None:
     """Register the schema so `defaults: [train_schema, ...]` in configs/train.yaml finds it."""
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
@@ -275,6 +318,36 @@ def _check_kernel_shapes(errors: list[str], cfg, gpu: Optional[bool]) -> None:
            f"model.msa.index_head_dim ({msa.index_head_dim}) must be a power of two >= 16 {where}")
     _check(errors, _is_pow2(msa.block_size) and 16 <= msa.block_size <= 128,
            f"model.msa.block_size ({msa.block_size}) must be a power of two in [16, 128] {where}")
+
+
+def _check_m3_options(errors: list[str], m) -> None:
+    """The per-layer, activation, router, RoPE and norm options (MiniMax-M3 and alike)."""
+    _check(errors, m.rotary_dim is None or (0 < m.rotary_dim <= m.head_dim and m.rotary_dim % 2 == 0),
+           f"model.rotary_dim ({m.rotary_dim}) must be even and in (0, model.head_dim={m.head_dim}]")
+    _check(errors, m.activation in ("swiglu", "quick_geglu"),
+           f"model.activation must be swiglu or quick_geglu, got {m.activation!r}")
+    _check(errors, m.activation_clamp is None or m.activation_clamp > 0,
+           f"model.activation_clamp must be positive (or null), got {m.activation_clamp}")
+    _check(errors, m.activation == "quick_geglu" or m.glu_alpha == 1.702,
+           f"model.glu_alpha ({m.glu_alpha}) is used by activation=quick_geglu only")
+    _check(errors, m.moe_router_score_function in ("softmax", "sigmoid"),
+           f"model.moe_router_score_function must be softmax or sigmoid, got {m.moe_router_score_function!r}")
+    _check(errors, not m.moe_router_expert_bias or m.moe_router_score_function == "sigmoid",
+           "model.moe_router_expert_bias needs model.moe_router_score_function=sigmoid")
+    _check(errors, not m.moe_router_pre_softmax or m.moe_router_score_function == "softmax",
+           "model.moe_router_pre_softmax applies to moe_router_score_function=softmax only")
+    _check(errors, m.moe_router_topk_scaling_factor is None or m.moe_router_topk_scaling_factor > 0,
+           f"model.moe_router_topk_scaling_factor must be positive (or null), got {m.moe_router_topk_scaling_factor}")
+    for name, types, allowed in (("model.attention_types", m.attention_types, ("msa", "full")),
+                                 ("model.mlp_types", m.mlp_types, ("dense", "moe"))):
+        if not types:
+            continue
+        _check(errors, len(types) == m.num_layers,
+               f"{name} lists {len(types)} layers, model.num_layers is {m.num_layers}")
+        bad = sorted({str(t) for t in types} - set(allowed))
+        _check(errors, not bad, f"{name}: unknown value(s) {bad} (use {' or '.join(allowed)})")
+    _check(errors, m.num_experts > 0 or "moe" not in m.mlp_types,
+           "model.mlp_types names moe layers but model.num_experts is 0")
 
 
 def validate(cfg, world_size: Optional[int] = None, gpu: Optional[bool] = None) -> None:
@@ -338,11 +411,19 @@ def validate(cfg, world_size: Optional[int] = None, gpu: Optional[bool] = None) 
     _check(errors, m.rope_scaling.type in ("none", "linear", "llama3"),
            f"model.rope_scaling.type must be none, linear or llama3, got {m.rope_scaling.type!r}")
     _check(errors, m.rope_scaling.factor > 0, f"model.rope_scaling.factor must be positive, got {m.rope_scaling.factor}")
+    _check_m3_options(errors, m)
     if m.attention == "msa":
-        # the index branch reuses the main rotary table only when Di == D; its own table is unscaled
-        _check(errors, m.rope_scaling.type == "none" or msa.index_head_dim == m.head_dim,
+        # the index branch reuses the main rotary table when Di == D or rotary_dim is set; a table
+        # of its own (Di != D, rotary_dim unset) is unscaled
+        _check(errors, m.rope_scaling.type == "none" or msa.index_head_dim == m.head_dim or m.rotary_dim is not None,
                f"model.rope_scaling ({m.rope_scaling.type}) needs model.msa.index_head_dim == model.head_dim "
                f"({msa.index_head_dim} != {m.head_dim})")
+        _check(errors, 1 <= msa.local_blocks <= msa.topk,
+               f"model.msa.local_blocks ({msa.local_blocks}) must be in [1, model.msa.topk={msa.topk}]")
+        # with rotary_dim set the index q/k rotate their first rotary_dim channels with the main table
+        _check(errors, m.rotary_dim is None or m.rotary_dim <= msa.index_head_dim,
+               f"model.rotary_dim ({m.rotary_dim}) must be <= model.msa.index_head_dim ({msa.index_head_dim}): "
+               "the index branch rotates the same channels as the main heads")
         _check(errors, msa.block_size > 0 and msa.topk > 0, "model.msa.block_size and model.msa.topk must be positive")
         # a sparse phase whose top-k covers the whole context is dense attention in disguise
         sparse_steps_exist = t.indexer_warmup_tokens < t.max_steps * p.global_batch_size * m.seq_length

@@ -19,6 +19,7 @@ Sharding rules (megatron-core with the distributed optimizer):
 
 from __future__ import annotations
 
+from msa_model.config import moe_layers
 from msa_model.model import count_parameters, model_vocab_size, padded_vocab_size
 
 GIB = 1024**3
@@ -55,7 +56,7 @@ def memory_estimate(cfg, tokenizer_vocab: int, world_size: int | None = None) ->
     weight_bytes = 2 if m.params_dtype == "bf16" else 4
 
     counts = count_parameters(m, tokenizer_vocab)
-    n_moe = m.num_layers - m.first_dense_layers if m.num_experts > 0 else 0
+    n_moe = sum(moe_layers(m))
     expert_params = n_moe * m.num_experts * 3 * m.hidden_size * m.moe_ffn_hidden_size
     vocab = padded_vocab_size(model_vocab_size(m, tokenizer_vocab), m, tp)
     embedding = vocab * m.hidden_size

@@ -12,6 +12,7 @@ import functools
 import math
 
 import torch
+import torch.nn.functional as F
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
@@ -25,6 +26,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from msa_model.attention import (CoreAttentionPlaceholder, DuplicatedLinear, MSAOptions, MSASelfAttention,
                                  MSASelfAttentionSubmodules)
 from msa_model.experts import GroupedExperts, LocalDispatchMoELayer
+from msa_model.config import moe_layers, msa_layers_of
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -37,8 +39,19 @@ class TorchRMSNorm(torch.nn.RMSNorm):
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_):
         super().__init__(normalized_shape=hidden_size, eps=eps)
+        # megatron's zero-centred gamma: the weight w starts at 0 and the norm scales by 1 + w
+        self.zero_centered = config.layernorm_zero_centered_gamma
+        if self.zero_centered:
+            torch.nn.init.zeros_(self.weight)
         for p in self.parameters():
             p.sequence_parallel = config.sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.zero_centered:
+            return super().forward(x)
+        # 1 + w in fp32, as Gemma-style checkpoints define it (in bf16 1 + w would round w away)
+        out = F.rms_norm(x.float(), self.normalized_shape, None, self.eps) * (1.0 + self.weight.float())
+        return out.to(x.dtype)
 
 
 def _sp_norm(module):
@@ -49,6 +62,24 @@ def padded_vocab_size(vocab_size: int, model_cfg, tp: int = 1) -> int:
     """Round the tokenizer's vocabulary up so the embedding splits evenly and aligns (x TP)."""
     multiple = model_cfg.make_vocab_size_divisible_by * tp
     return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def _quick_gelu(x: torch.Tensor, alpha: float) -> torch.Tensor:
+    return x * torch.sigmoid(alpha * x)
+
+
+def activation_func(model_cfg, on_cpu: bool):
+    """The GLU's gate activation: silu (SwiGLU) or x * sigmoid(alpha * x) (quick-GELU GLU). With
+    alpha = 1.702 on CUDA it is megatron's own quick_gelu, which its fused GLU kernels recognise;
+    on CPU the same function unwrapped, since megatron's is torch.compile'd and its first call
+    (per input shape) compiles for tens of seconds there."""
+    if model_cfg.activation == "swiglu":
+        return F.silu
+    if model_cfg.glu_alpha == 1.702 and not on_cpu:
+        from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+        return quick_gelu
+    return functools.partial(_quick_gelu, alpha=model_cfg.glu_alpha)
 
 
 def transformer_config(model_cfg, parallel_cfg, on_cpu: bool) -> TransformerConfig:
@@ -69,10 +100,13 @@ def transformer_config(model_cfg, parallel_cfg, on_cpu: bool) -> TransformerConf
         qk_layernorm=m.qk_layernorm,
         normalization="RMSNorm",
         layernorm_epsilon=m.norm_eps,
+        layernorm_zero_centered_gamma=m.norm_zero_centered,
         add_qkv_bias=m.qkv_bias,
         add_bias_linear=False,
         gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu,
+        activation_func=activation_func(m, on_cpu),
+        glu_linear_offset=m.glu_linear_offset,
+        activation_func_clamp_value=m.activation_clamp,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=m.init_method_std,
@@ -89,7 +123,11 @@ def transformer_config(model_cfg, parallel_cfg, on_cpu: bool) -> TransformerConf
         moe_router_topk=m.moe_router_topk,
         moe_shared_expert_intermediate_size=(m.moe_shared_expert_size or None) if moe else None,
         moe_router_pre_softmax=m.moe_router_pre_softmax,
-        moe_layer_freq=[0] * m.first_dense_layers + [1] * (m.num_layers - m.first_dense_layers),
+        moe_router_score_function=m.moe_router_score_function,
+        moe_router_enable_expert_bias=m.moe_router_expert_bias and moe,
+        moe_router_bias_update_rate=m.moe_router_bias_update_rate,
+        moe_router_topk_scaling_factor=m.moe_router_topk_scaling_factor,
+        moe_layer_freq=[int(x) for x in moe_layers(m)],
         moe_router_load_balancing_type="aux_loss",
         moe_aux_loss_coeff=m.moe_aux_loss_coeff if moe else 0.0,
         moe_token_dispatcher_type=m.moe_token_dispatcher,
@@ -122,9 +160,13 @@ def _kl_scale_hook():
 
 def msa_options(model_cfg) -> MSAOptions:
     s = model_cfg.msa
+    layer_types = ()
+    if model_cfg.attention_types and model_cfg.attention == "msa":
+        layer_types = tuple("msa" if is_msa else "dense" for is_msa in msa_layers_of(model_cfg))
     return MSAOptions(attention=model_cfg.attention, block_size=s.block_size, topk=s.topk,
                       index_head_dim=s.index_head_dim, kl_coeff=s.kl_coeff, force_sink=s.force_sink,
-                      backend=s.backend, rotary_base=model_cfg.rotary_base,
+                      backend=s.backend, rotary_base=model_cfg.rotary_base, local_blocks=s.local_blocks,
+                      layer_attention=layer_types, index_main_rope=model_cfg.rotary_dim is not None,
                       recompute_core=model_cfg.recompute == "selective")
 
 
@@ -217,6 +259,7 @@ def build_model(model_cfg, parallel_cfg, vocab_size: int, *, on_cpu: bool,
         post_process=post_process,
         share_embeddings_and_output_weights=model_cfg.tie_embeddings,
         position_embedding_type="rope",
+        rotary_percent=rotary_percent(model_cfg),
         rotary_base=model_cfg.rotary_base,
         seq_len_interpolation_factor=scaling.factor if scaling.type == "linear" else None,
         vp_stage=vp_stage,
@@ -224,6 +267,17 @@ def build_model(model_cfg, parallel_cfg, vocab_size: int, *, on_cpu: bool,
     if scaling.type == "llama3" and hasattr(model, "rotary_pos_emb"):
         model.rotary_pos_emb.inv_freq = llama3_inv_freq(model.rotary_pos_emb.inv_freq, scaling)
     return model
+
+
+def rotary_percent(model_cfg) -> float:
+    """megatron's share of rotated head channels for model.rotary_dim (exact: int(D * p) == rotary_dim)."""
+    if model_cfg.rotary_dim is None or model_cfg.rotary_dim == model_cfg.head_dim:
+        return 1.0
+    percent = model_cfg.rotary_dim / model_cfg.head_dim
+    # megatron takes int(head_dim * percent) channels; nudge up so float rounding cannot lose one
+    while int(model_cfg.head_dim * percent) < model_cfg.rotary_dim:
+        percent = math.nextafter(percent, 1.0)
+    return percent
 
 
 def model_vocab_size(model_cfg, tokenizer_vocab_size: int) -> int:
@@ -257,17 +311,16 @@ def count_parameters(model_cfg, vocab_size: int) -> dict[str, int]:
     vocab = padded_vocab_size(model_vocab_size(m, vocab_size), m)
     norm_qk = 2 * d if m.qk_layernorm else 0
     attn = h * (hq + 2 * g) * d + hq * d * h + norm_qk
-    index = 0
-    if m.attention == "msa":
-        di = m.msa.index_head_dim
-        index = h * g * di + h * di + (2 * di if m.qk_layernorm else 0)
+    di = m.msa.index_head_dim
+    index = h * g * di + h * di + (2 * di if m.qk_layernorm else 0)
+    n_index = sum(msa_layers_of(m))
     dense_mlp = 3 * h * m.ffn_hidden_size
     expert = 3 * h * m.moe_ffn_hidden_size
     shared = 3 * h * m.moe_shared_expert_size
-    n_moe = m.num_layers - m.first_dense_layers if m.num_experts > 0 else 0
+    n_moe = sum(moe_layers(m))
     n_dense = m.num_layers - n_moe
-    per_layer_common = attn + index + 2 * h
+    common = m.num_layers * (attn + 2 * h) + n_index * index + n_dense * dense_mlp
     embed = vocab * h * (1 if m.tie_embeddings else 2)
-    total = embed + h + m.num_layers * per_layer_common + n_dense * dense_mlp + n_moe * (m.num_experts * expert + shared + h * m.num_experts)
-    active = embed + h + m.num_layers * per_layer_common + n_dense * dense_mlp + n_moe * (m.moe_router_topk * expert + shared + h * m.num_experts)
-    return {"total": total, "active": active, "index_branch": m.num_layers * index, "embedding": embed}
+    total = embed + h + common + n_moe * (m.num_experts * expert + shared + h * m.num_experts)
+    active = embed + h + common + n_moe * (m.moe_router_topk * expert + shared + h * m.num_experts)
+    return {"total": total, "active": active, "index_branch": n_index * index, "embedding": embed}

@@ -6,6 +6,7 @@ Every check here fails before any model is built, so these run in pytest's proce
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -132,3 +133,48 @@ def test_derived_init_needs_index_head_dim_equal_head_dim(tmp_path):
     src = save_tiny_hf("qwen3", tmp_path / "qwen3")
     with pytest.raises(ConversionError, match=r"--index-init derived needs index_head_dim == head_dim \(8 != 24\)"):
         hf_to_msa(str(src), str(tmp_path / "out"), index_head_dim=8, index_init="derived")
+
+
+def test_mistral_with_sliding_window_refused(tmp_path):
+    src = save_tiny_hf("mistral", tmp_path / "mistral", sliding_window=32)
+    with pytest.raises(ConversionError, match="sliding-window attention is not supported"):
+        hf_to_msa(str(src), str(tmp_path / "out"))
+
+
+def _truncate(path, keep: float = 0.5):
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)])
+
+
+def _damage(kind: str, tmp_path):
+    """A checkpoint damaged the way it happens (an interrupted copy, a stale index); returns
+    (checkpoint dir, the file the error must name, what it must say)."""
+    if kind == "truncated-file":
+        src = save_tiny_hf("llama", tmp_path / "hf")
+        _truncate(src / "model.safetensors")
+        return src, src / "model.safetensors", "not a readable safetensors file, truncated or damaged"
+    src = save_tiny_hf("mixtral", tmp_path / "hf", max_shard_size="40KB")
+    index_path = src / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    if kind == "truncated-shard":
+        _truncate(src / shards[1], keep=0.9)
+        return src, src / shards[1], "not a readable safetensors file, truncated or damaged"
+    # the index sends a tensor to a shard that does not hold it
+    name = next(n for n, f in index["weight_map"].items() if f == shards[0])
+    index["weight_map"][name] = shards[-1]
+    index_path.write_text(json.dumps(index))
+    return src, src / shards[-1], f"does not hold \\['{re.escape(name)}'\\], which model.safetensors.index.json assigns to it"
+
+
+@pytest.mark.parametrize("kind", ["truncated-file", "truncated-shard", "index-points-to-wrong-shard"])
+def test_damaged_checkpoint_cli(kind, tmp_path):
+    """`error: <file>: <what is wrong>`, exit code 2, no traceback, nothing written."""
+    src, bad_file, what = _damage(kind, tmp_path)
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "msa_model.convert", "hf-to-msa", str(src), str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert re.match(rf"error: {re.escape(str(bad_file))}: {what}", last), last
+    assert "Traceback" not in proc.stderr and not out.exists()

@@ -16,8 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from msa_model.convert.fixtures import TINY, save_tiny_hf, tiny_hf_model
-from msa_model.convert.hf_io import HFCheckpoint, load_all
+# run as the worker script, import this checkout's msa_model (not whichever the virtualenv points at)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from msa_model.convert.fixtures import TINY, save_tiny_hf, tiny_hf_model  # noqa: E402
+from msa_model.convert.hf_io import HFCheckpoint, load_all  # noqa: E402
 
 FAMILIES = sorted(TINY)
 # the MSA geometry of the converted tiny models: 64-token batches hold 4 blocks, 2 selected

@@ -1,5 +1,6 @@
-"""Checkpoint conversion between Hugging Face GQA models, our dense baseline and MSA.
+"""Checkpoint conversion between Hugging Face GQA models (MiniMax-M3 with its MSA), DeepSpeed ZeRO
+checkpoints of them, our dense baseline and MSA.
 
-`python -m msa_model.convert {hf-to-msa, dense-to-msa, msa-to-hf, verify} ...`; the functions
-are in `msa_model.convert.commands` and `msa_model.convert.verify`.
+`python -m msa_model.convert {hf-to-msa, deepspeed-to-msa, dense-to-msa, msa-to-hf, verify} ...`;
+the functions are in `msa_model.convert.commands`, `.deepspeed_io` and `.verify`.
 """

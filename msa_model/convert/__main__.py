@@ -1,9 +1,13 @@
 """`python -m msa_model.convert <command> ...`: checkpoint conversion (see README, "Converting dense checkpoints").
 
-    hf-to-msa SRC OUT       Hugging Face Llama/Qwen2/Qwen3/Qwen3-MoE/Mixtral dir -> our checkpoint
+    hf-to-msa SRC OUT       Hugging Face Llama/Mistral/Qwen2/Qwen3/Qwen3-MoE/Mixtral/MiniMax-M3 dir -> our checkpoint
+    deepspeed-to-msa CKPT_DIR OUT --hf-config DIR   a DeepSpeed ZeRO checkpoint of such a model -> our checkpoint
     dense-to-msa SRC OUT    our dense-baseline checkpoint -> MSA, index projections added
-    msa-to-hf SRC OUT       our checkpoint -> Hugging Face safetensors + config.json
+    msa-to-hf SRC OUT       our checkpoint -> Hugging Face safetensors + config.json (--format minimax_m3 keeps MSA)
     verify HF_DIR SRC       logits parity of our checkpoint with the transformers model
+
+Errors in the input (config, tensors, damaged files) end in `error: <file>: <what is wrong>` and
+exit code 2, with nothing written.
 """
 
 from __future__ import annotations
@@ -26,22 +30,34 @@ def _parser() -> argparse.ArgumentParser:
     def index_args(q, defaults_from_model: bool):
         q.add_argument("--index-init", choices=INIT_CHOICES, default=DEFAULT,
                        help=f"index projection initialisation (default {DEFAULT})")
-        keep = " (default: the model config's)" if defaults_from_model else ""
-        q.add_argument("--block-size", type=int, default=None if defaults_from_model else 128, help="MSA key block size" + keep)
-        q.add_argument("--topk", type=int, default=None if defaults_from_model else 16, help="MSA blocks per query" + keep)
-        q.add_argument("--index-head-dim", type=int, default=None, help="Di (default: the head dim)")
+        keep = (" (default: the model config's)" if defaults_from_model
+                else " (default: the checkpoint's for MiniMax-M3, else block 128, top-16, Di = head dim)")
+        q.add_argument("--block-size", type=int, default=None, help="MSA key block size" + keep)
+        q.add_argument("--topk", type=int, default=None, help="MSA blocks per query" + keep)
+        q.add_argument("--index-head-dim", type=int, default=None, help="Di" + keep)
+        q.add_argument("--local-blocks", type=int, default=None, help="blocks ending at the query always kept" + keep)
         q.add_argument("--name", default=None, help="model config name (OUT/model/<name>.yaml)")
         q.add_argument("--seed", type=int, default=0, help="seed of the random index init")
+
+    def hf_args(q):
+        q.add_argument("--attention", choices=("msa", "dense"), default="msa")
+        q.add_argument("--seq-length", type=int, default=4096, help="training context written to the model config")
+        for flag in ("--tp", "--pp", "--ep"):
+            q.add_argument(flag, type=int, default=1, help="target layout to check the model against; the checkpoint "
+                           "itself loads at any layout")
+        index_args(q, defaults_from_model=False)
 
     q = sub.add_parser("hf-to-msa", help="Hugging Face checkpoint dir -> our dist checkpoint + model config")
     q.add_argument("src")
     q.add_argument("out")
-    q.add_argument("--attention", choices=("msa", "dense"), default="msa")
-    q.add_argument("--seq-length", type=int, default=4096, help="training context written to the model config")
-    for flag in ("--tp", "--pp", "--ep"):
-        q.add_argument(flag, type=int, default=1, help="target layout to check the model against; the checkpoint "
-                       "itself loads at any layout")
-    index_args(q, defaults_from_model=False)
+    hf_args(q)
+
+    q = sub.add_parser("deepspeed-to-msa", help="DeepSpeed ZeRO 1/2/3 checkpoint of a Hugging Face model -> ours")
+    q.add_argument("src", help="ZeRO checkpoint directory (holds `latest` and global_stepN/)")
+    q.add_argument("out")
+    q.add_argument("--hf-config", required=True, help="directory with the model's config.json")
+    q.add_argument("--tag", default=None, help="checkpoint tag, e.g. global_step100 (default: `latest`)")
+    hf_args(q)
 
     q = sub.add_parser("dense-to-msa", help="our dense checkpoint -> MSA checkpoint (tensors kept bit-identical)")
     q.add_argument("src", help="checkpoint root (with `latest`) or step directory")
@@ -52,8 +68,9 @@ def _parser() -> argparse.ArgumentParser:
     q = sub.add_parser("msa-to-hf", help="our checkpoint -> Hugging Face safetensors + config.json")
     q.add_argument("src")
     q.add_argument("out")
-    q.add_argument("--family", choices=sorted(FAMILIES), default=None,
-                   help="target family (default: the family the checkpoint was converted from)")
+    q.add_argument("--format", "--family", dest="family", choices=sorted(FAMILIES), default=None,
+                   help="target family (default: the family the checkpoint was converted from); minimax_m3 "
+                   "keeps the index branch in a format transformers and serving engines run as MSA")
     q.add_argument("--model-config", default=None)
     q.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="tensor dtype (default: the source checkpoint's)")
@@ -80,14 +97,19 @@ def main(argv=None) -> int:
     from msa_model.convert.verify import verify
 
     try:
-        if args.command == "hf-to-msa":
-            commands.hf_to_msa(args.src, args.out, attention=args.attention, index_init=args.index_init, tp=args.tp,
-                               pp=args.pp, ep=args.ep, seq_length=args.seq_length, block_size=args.block_size,
-                               topk=args.topk, index_head_dim=args.index_head_dim, name=args.name, seed=args.seed)
+        geometry = {k: getattr(args, k, None) for k in ("block_size", "topk", "index_head_dim", "local_blocks")}
+        if args.command in ("hf-to-msa", "deepspeed-to-msa"):
+            kw = dict(attention=args.attention, index_init=args.index_init, tp=args.tp, pp=args.pp, ep=args.ep,
+                      seq_length=args.seq_length, name=args.name, seed=args.seed, **geometry)
+            if args.command == "hf-to-msa":
+                commands.hf_to_msa(args.src, args.out, **kw)
+            else:
+                from msa_model.convert.deepspeed_io import deepspeed_to_msa
+
+                deepspeed_to_msa(args.src, args.out, hf_config=args.hf_config, tag=args.tag, **kw)
         elif args.command == "dense-to-msa":
             commands.dense_to_msa(args.src, args.out, model_config=args.model_config, index_init=args.index_init,
-                                  block_size=args.block_size, topk=args.topk, index_head_dim=args.index_head_dim,
-                                  name=args.name, seed=args.seed)
+                                  name=args.name, seed=args.seed, **geometry)
         elif args.command == "msa-to-hf":
             commands.msa_to_hf(args.src, args.out, family=args.family, model_config=args.model_config,
                                dtype=args.dtype, max_shard_size=args.max_shard_size)
@@ -102,9 +124,14 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
-        from msa_model.training.distributed import shutdown
+        import torch.distributed as dist
 
-        shutdown()
+        # only a conversion that got as far as building the model holds a process group; an error
+        # before that stays the last line printed (no megatron import after it)
+        if dist.is_initialized():
+            from msa_model.training.distributed import shutdown
+
+            shutdown()
     return 0
 
 

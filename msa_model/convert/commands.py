@@ -13,8 +13,10 @@ from pathlib import Path
 
 import torch
 
-from msa_model.config import ConfigError, ModelConfig, MSAConfig, ParallelConfig, TrainConfig, validate
+from msa_model.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig, msa_layers_of, validate
 from msa_model.convert import megatron_io as mio
+from msa_model.convert import minimax_m3 as m3
+from msa_model.convert.minimax_m3 import M3Checkpoint
 from msa_model.convert.hf_families import FAMILIES, check_exportable, hf_config_from_model, model_config_from_hf
 from msa_model.convert.hf_io import CONFIG_FILE, ConversionError, HFCheckpoint, read_config, save_safetensors
 from msa_model.convert.hf_mapping import Rule, check_hf_shapes, fuse, hf_shapes, rules, split
@@ -41,7 +43,7 @@ def check_layout(model: ModelConfig, tp: int, pp: int, ep: int) -> None:
 
 def _index_tensors(model: ModelConfig, method: str, layer_qk, seed: int) -> dict:
     """Index-branch tensors (megatron names -> zero-argument functions computing them) of every
-    layer. layer_qk(i) = (q [Hq*D, H], k [Hkv*D, H], q_norm, k_norm) of layer i. Each layer is
+    MSA layer. layer_qk(i) = (q [Hq*D, H], k [Hkv*D, H], q_norm, k_norm) of layer i. Each layer is
     computed once, when first asked for, from its own seeded generator (so the result does not
     depend on the order of the calls)."""
     cache: dict[int, dict[str, torch.Tensor]] = {}
@@ -54,7 +56,9 @@ def _index_tensors(model: ModelConfig, method: str, layer_qk, seed: int) -> dict
         return cache[i]
 
     out = {}
-    for i in range(model.num_layers):
+    for i, is_msa in enumerate(msa_layers_of(model)):
+        if not is_msa:
+            continue
         for attr in index_weight_names(model):
             out[f"decoder.layers.{i}.self_attention.{attr}"] = lambda i=i, attr=attr: layer(i)[attr]
     return out
@@ -65,26 +69,50 @@ def _metadata(**kw) -> dict:
 
 
 def hf_to_msa(src: str, out: str, *, attention: str = "msa", index_init: str = DEFAULT, tp: int = 1, pp: int = 1,
-              ep: int = 1, seq_length: int = 4096, block_size: int = 128, topk: int = 16,
-              index_head_dim: int | None = None, name: str | None = None, seed: int = 0) -> Path:
-    """A Hugging Face checkpoint directory -> our checkpoint + model config in `out`. Returns `out`."""
-    hf_cfg = read_config(src)
-    where = str(Path(src) / CONFIG_FILE)
-    fam, model = model_config_from_hf(hf_cfg, attention=attention, seq_length=seq_length, name=name, where=where)
-    model.msa = MSAConfig(block_size=block_size, topk=topk, index_head_dim=index_head_dim or model.head_dim)
-    check_layout(model, tp, pp, ep)
+              ep: int = 1, seq_length: int = 4096, block_size: int | None = None, topk: int | None = None,
+              index_head_dim: int | None = None, local_blocks: int | None = None, name: str | None = None,
+              seed: int = 0) -> Path:
+    """A Hugging Face checkpoint directory -> our checkpoint + model config in `out`. Returns `out`.
 
-    ckpt = HFCheckpoint(src)
-    msa = attention == "msa"
-    if msa:
-        check_method(model, index_init)
+    The MSA geometry comes from the checkpoint when it has one (MiniMax-M3), else block 128, top-16,
+    Di = D; the keyword arguments override it."""
+    hf_cfg = read_config(src)
+    return convert_hf_tensors(HFCheckpoint(src), hf_cfg, out, source=str(Path(src).resolve()),
+                              where=str(Path(src) / CONFIG_FILE), kind="hf-to-msa", attention=attention,
+                              index_init=index_init, tp=tp, pp=pp, ep=ep, seq_length=seq_length, block_size=block_size,
+                              topk=topk, index_head_dim=index_head_dim, local_blocks=local_blocks, name=name, seed=seed)
+
+
+def convert_hf_tensors(ckpt, hf_cfg: dict, out: str, *, source: str, where: str, kind: str, attention: str = "msa",
+                       index_init: str = DEFAULT, tp: int = 1, pp: int = 1, ep: int = 1, seq_length: int = 4096,
+                       block_size: int | None = None, topk: int | None = None, index_head_dim: int | None = None,
+                       local_blocks: int | None = None, name: str | None = None, seed: int = 0) -> Path:
+    """Tensors in a Hugging Face family's names (an HFCheckpoint, or a TensorDict of a DeepSpeed
+    checkpoint) + that model's config.json -> our checkpoint in `out`. Everything is checked
+    (config, names, shapes, layout) before the model is built and anything is written."""
+    fam, model = model_config_from_hf(hf_cfg, attention=attention, seq_length=seq_length, name=name, where=where)
+    s = model.msa
+    model.msa = dataclasses.replace(s, block_size=block_size or s.block_size, topk=topk or s.topk,
+                                    index_head_dim=index_head_dim or s.index_head_dim,
+                                    local_blocks=local_blocks or s.local_blocks)
+    check_layout(model, tp, pp, ep)
+    skipped = {}
+    if fam.name == "minimax_m3":
+        ckpt = M3Checkpoint(ckpt)
+        skipped = dict(ckpt.skipped)
+        for part, count in sorted(skipped.items()):
+            log.info("%s: skipping %d tensor(s) of %s (not part of the text model)", source, count, part)
+
+    msa = model.attention == "msa"
     index_names = set(hf_shapes(model, fam, with_index=True)) - set(hf_shapes(model, fam, with_index=False))
     has_index = msa and bool(index_names) and all(n in ckpt for n in index_names)
+    if msa and not has_index:
+        check_method(model, index_init)
     expected = hf_shapes(model, fam, with_index=has_index)
-    check_hf_shapes(ckpt, expected, str(src))
+    check_hf_shapes(ckpt, expected, source)
     unexpected = [n for n in ckpt.names if n not in expected and n not in index_names and not n.endswith(_IGNORED_HF_SUFFIXES)]
     if unexpected:
-        raise ConversionError(f"{src}: tensors the {fam.name} mapping does not know: {unexpected[:6]}"
+        raise ConversionError(f"{source}: tensors the {fam.name} mapping does not know: {unexpected[:6]}"
                               f"{' ...' if len(unexpected) > 6 else ''}")
     source_dtype = _SAFETENSORS_DTYPES.get(ckpt.dtype(ckpt.names[0]), "float32")
 
@@ -101,12 +129,12 @@ def hf_to_msa(src: str, out: str, *, attention: str = "msa", index_init: str = D
 
     parallel = mio.init_megatron()
     megatron_model = mio.build(model, parallel)
-    mio.assign(megatron_model, tensors, str(src))
+    mio.assign(megatron_model, tensors, source)
     init = ("from checkpoint" if has_index else index_init) if msa else None
-    record = _metadata(kind="hf-to-msa", source=str(Path(src).resolve()), family=fam.name, index_init=init,
-                       source_dtype=source_dtype, hf_config=hf_cfg, target_layout={"tp": tp, "pp": pp, "ep": ep})
+    record = _metadata(kind=kind, source=source, family=fam.name, index_init=init, source_dtype=source_dtype,
+                       skipped=skipped or None, hf_config=hf_cfg, target_layout={"tp": tp, "pp": pp, "ep": ep})
     _write(megatron_model, model, out, record,
-           header=f"{fam.architecture} converted from {Path(src).resolve()} ({attention} attention)")
+           header=f"{fam.architecture} converted from {source} ({model.attention} attention)")
     return Path(out)
 
 
@@ -138,16 +166,16 @@ def _load_source(src: str, model_config: str | None) -> tuple[ModelConfig, Model
 
 def dense_to_msa(src: str, out: str, *, model_config: str | None = None, index_init: str = DEFAULT,
                  block_size: int | None = None, topk: int | None = None, index_head_dim: int | None = None,
-                 name: str | None = None, seed: int = 0) -> Path:
+                 local_blocks: int | None = None, name: str | None = None, seed: int = 0) -> Path:
     """One of our dense-attention checkpoints -> the MSA model: every tensor kept bit-identical,
     index projections added."""
     cfg, build_cfg, dense = _load_source(src, model_config)
     if cfg.attention != "dense":
         raise ConversionError(f"{src}: model.attention is {cfg.attention!r}; dense-to-msa needs a dense checkpoint")
     s = cfg.msa
-    geometry = MSAConfig(block_size=block_size or s.block_size, topk=topk or s.topk,
-                         index_head_dim=index_head_dim or (cfg.head_dim if index_init == "derived" else s.index_head_dim),
-                         kl_coeff=s.kl_coeff, force_sink=s.force_sink, backend=s.backend)
+    geometry = dataclasses.replace(
+        s, block_size=block_size or s.block_size, topk=topk or s.topk, local_blocks=local_blocks or s.local_blocks,
+        index_head_dim=index_head_dim or (cfg.head_dim if index_init == "derived" else s.index_head_dim))
     msa_cfg = dataclasses.replace(cfg, attention="msa", msa=geometry, name=name or f"{cfg.name}-msa")
     check_method(msa_cfg, index_init)
     tensors = mio.full_state_dict(dense)
@@ -195,6 +223,8 @@ def msa_to_hf(src: str, out: str, *, family: str | None = None, model_config: st
             if hf_name in ("model.embed_tokens.weight", "lm_head.weight"):
                 t = t[:vocab]
             tensors[hf_name] = t.to(_DTYPES[dtype]).contiguous()
+    if fam.name == "minimax_m3":
+        tensors = m3.export_layout(tensors, build_cfg)
     files = save_safetensors(tensors, out, max_shard_bytes=max_shard_size)
     hf_cfg = hf_config_from_model(build_cfg, fam, record.get("hf_config"))
     hf_cfg["dtype"] = dtype

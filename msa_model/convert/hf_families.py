@@ -7,6 +7,10 @@
 | qwen3     | Qwen3ForCausalLM    | no         | yes     | mlp.{gate,up,down}_proj                    |                         |
 | qwen3_moe | Qwen3MoeForCausalLM | no         | yes     | mlp.experts.E.{gate,up,down}_proj          | mlp.gate, norm_topk_prob|
 | mixtral   | MixtralForCausalLM  | no         | no      | block_sparse_moe.experts.E.{w1,w3,w2}      | block_sparse_moe.gate   |
+| mistral   | MistralForCausalLM  | no         | no      | mlp.{gate,up,down}_proj (no sliding window) |                        |
+
+MiniMax-M3 (`minimax_m3`, MSA kept in both directions) has a layout of its own:
+msa_model.convert.minimax_m3.
 
 Every family is GQA with SwiGLU MLPs, RMSNorm and rotary embeddings, which is exactly our model's
 backbone; what differs is listed in `Family`. Router semantics: Mixtral and Qwen3-MoE with
@@ -22,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from msa_model.config import ModelConfig, MSAConfig, RopeScalingConfig
+from msa_model.convert import minimax_m3 as m3
 from msa_model.convert.hf_io import ConversionError
 
 
@@ -35,6 +40,8 @@ class Family:
     moe: bool = False
     moe_module: str = "mlp"  # HF submodule holding the router (`gate`) and `experts`
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # gate, up, down
+    # more architectures / model types read as this family (e.g. a vision-language wrapper)
+    aliases: tuple[str, ...] = ()
 
 
 FAMILIES = {
@@ -46,6 +53,10 @@ FAMILIES = {
         Family("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3_moe", qk_norm=True, moe=True),
         Family("mixtral", "MixtralForCausalLM", "mixtral", moe=True, moe_module="block_sparse_moe",
                expert_names=("w1", "w3", "w2")),
+        Family("mistral", "MistralForCausalLM", "mistral"),
+        # its own tensor layout and config translation: msa_model.convert.minimax_m3
+        Family("minimax_m3", m3.EXPORT_ARCHITECTURE, m3.EXPORT_MODEL_TYPE, qk_norm=True, moe=True,
+               aliases=m3.ARCHITECTURES + m3.MODEL_TYPES),
     )
 }
 
@@ -54,12 +65,12 @@ def detect_family(hf_config: dict, where: str = "config.json") -> Family:
     """The family of a parsed config.json, from `architectures` (or `model_type`)."""
     archs = hf_config.get("architectures") or []
     for fam in FAMILIES.values():
-        if fam.architecture in archs:
+        if fam.architecture in archs or set(fam.aliases) & set(archs):
             return fam
     model_type = hf_config.get("model_type")
     if not archs:
         for fam in FAMILIES.values():
-            if fam.model_type == model_type:
+            if model_type in (fam.model_type, *fam.aliases):
                 return fam
     supported = ", ".join(f.architecture for f in FAMILIES.values())
     raise ConversionError(f"{where}: unsupported architecture {archs or model_type!r}; supported: {supported}")
@@ -117,6 +128,12 @@ def model_config_from_hf(hf_config: dict, *, attention: str = "msa", msa: MSACon
     Raises ConversionError for what our model cannot express (the message names the field).
     """
     fam = detect_family(hf_config, where)
+    quant = hf_config.get("quantization_config") or (hf_config.get("text_config") or {}).get("quantization_config")
+    if quant:
+        raise ConversionError(f"{where}: a quantized checkpoint (quant_method={quant.get('quant_method')!r}); "
+                              "convert its dequantized bf16/fp32 weights")
+    if fam.name == "minimax_m3":
+        return fam, m3.model_config_from_m3(hf_config, attention=attention, seq_length=seq_length, name=name, where=where)
     c = hf_config
     hidden = int(_require(c, where, "hidden_size"))
     heads = int(_require(c, where, "num_attention_heads"))
@@ -130,7 +147,7 @@ def model_config_from_hf(hf_config: dict, *, attention: str = "msa", msa: MSACon
         raise ConversionError(f"{where}: hidden_act={act!r} is not supported (SwiGLU with silu only)")
     if float(_get(c, "partial_rotary_factor", default=1.0)) != 1.0:
         raise ConversionError(f"{where}: partial_rotary_factor != 1 is not supported")
-    if c.get("use_sliding_window") or (fam.name == "mixtral" and c.get("sliding_window")):
+    if c.get("use_sliding_window") or (fam.name in ("mixtral", "mistral") and c.get("sliding_window")):
         raise ConversionError(f"{where}: sliding-window attention is not supported")
     if c.get("mlp_bias"):
         raise ConversionError(f"{where}: mlp_bias=true is not supported")
@@ -187,16 +204,27 @@ def model_config_from_hf(hf_config: dict, *, attention: str = "msa", msa: MSACon
         # the largest alignment that needs no padding at TP=1 (so TP=1 logits are exactly HF's)
         make_vocab_size_divisible_by=math.gcd(vocab, 128),
         params_dtype="bf16" if dtype == "bfloat16" else "fp32",
-        msa=msa or MSAConfig(block_size=128, topk=16, index_head_dim=head_dim),
+        msa=msa or msa_from_hf(c, head_dim),
         **moe,
     )
     return fam, model
+
+
+def msa_from_hf(cfg: dict, head_dim: int) -> MSAConfig:
+    """The MSA geometry of an exported model (its config.json "msa" entry), else block 128, top-16,
+    Di = D."""
+    s = cfg.get("msa") or {}
+    return MSAConfig(block_size=int(s.get("block_size", 128)), topk=int(s.get("topk", 16)),
+                     index_head_dim=int(s.get("index_head_dim", head_dim)), force_sink=bool(s.get("force_sink", False)),
+                     local_blocks=int(s.get("local_blocks", 1)))
 
 
 def hf_config_from_model(model, fam: Family, source: dict | None = None) -> dict:
     """config.json for a ModelConfig exported as `fam`; keys of `source` (the original config.json,
     e.g. token ids) are kept unless they describe the architecture. The index branch, when present,
     is described under "msa" (ignored by transformers)."""
+    if fam.name == "minimax_m3":
+        return m3.hf_config_from_model(model, source)
     m = model
     cfg = dict(source or {})
     for key in ("rope_theta", "rope_scaling", "torch_dtype", "num_experts", "num_local_experts"):
@@ -212,6 +240,8 @@ def hf_config_from_model(model, fam: Family, source: dict | None = None) -> dict
     )
     if fam.name in ("llama", "qwen3", "qwen3_moe"):
         cfg["attention_bias"] = False
+    if fam.name in ("mistral", "mixtral"):
+        cfg["sliding_window"] = None
     if fam.moe:
         cfg["num_experts_per_tok"] = m.moe_router_topk
         cfg["router_aux_loss_coef"] = m.moe_aux_loss_coeff
@@ -228,6 +258,8 @@ def hf_config_from_model(model, fam: Family, source: dict | None = None) -> dict
         s = m.msa
         cfg["msa"] = {"index_head_dim": s.index_head_dim, "block_size": s.block_size, "topk": s.topk,
                       "force_sink": s.force_sink}
+        if s.local_blocks != 1:
+            cfg["msa"]["local_blocks"] = s.local_blocks
     else:
         cfg.pop("msa", None)
     return cfg
@@ -235,6 +267,8 @@ def hf_config_from_model(model, fam: Family, source: dict | None = None) -> dict
 
 def check_exportable(model, fam: Family) -> None:
     """Raise ConversionError when `model` has features `fam` cannot express."""
+    if fam.name == "minimax_m3":
+        return m3.check_exportable(model)
     problems = []
     if model.qkv_bias != fam.qkv_bias:
         problems.append(f"qkv_bias={model.qkv_bias} but {fam.name} has qkv bias={fam.qkv_bias}")
@@ -248,5 +282,20 @@ def check_exportable(model, fam: Family) -> None:
         problems.append(f"moe_shared_expert_size={model.moe_shared_expert_size}: {fam.name} has no shared expert")
     if fam.name == "mixtral" and model.moe_router_pre_softmax:
         problems.append("mixtral renormalises top-k probabilities (moe_router_pre_softmax must be false)")
+    problems += _m3_only_options(model)
     if problems:
         raise ConversionError(f"cannot export as {fam.name}: " + "; ".join(problems))
+
+
+def _m3_only_options(m) -> list[str]:
+    """Options of our model that the Llama-style families cannot express."""
+    return [text for bad, text in (
+        (m.norm_zero_centered, "norm_zero_centered=true"),
+        (m.activation != "swiglu" or m.glu_linear_offset != 0.0 or m.activation_clamp is not None,
+         f"activation={m.activation} (offset {m.glu_linear_offset}, clamp {m.activation_clamp}); only swiglu"),
+        (m.rotary_dim is not None and m.rotary_dim != m.head_dim, f"rotary_dim={m.rotary_dim} (partial RoPE)"),
+        (m.moe_router_score_function != "softmax" or m.moe_router_expert_bias or m.moe_router_topk_scaling_factor,
+         "a sigmoid router, expert bias or routed scaling factor"),
+        (bool(m.attention_types) and "full" in m.attention_types, "full-attention layers in an MSA model"),
+        (bool(m.mlp_types), "mlp_types (per-layer dense/MoE beyond leading dense layers)"),
+    ) if bad]

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Iterable
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 SINGLE_FILE = "model.safetensors"
@@ -35,21 +35,32 @@ def read_config(src: str | Path) -> dict:
         raise ConversionError(f"{path}: not valid JSON ({e})") from e
 
 
+def open_safetensors(path: Path):
+    """safe_open of one file; a truncated or otherwise damaged file is a ConversionError naming it
+    (safetensors checks at open that the header parses and its offsets cover the file exactly)."""
+    try:
+        return safe_open(path, framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise ConversionError(f"{path}: not a readable safetensors file, truncated or damaged ({e})") from e
+
+
 class HFCheckpoint:
     """Lazy access to the tensors of a (possibly sharded) safetensors checkpoint directory.
 
-    `names` lists every tensor; `get(name)` reads one. Missing shards are reported at open time,
-    naming the shard file and one of the tensors it should hold.
+    `names` lists every tensor; `get(name)` reads one. Every file's header is read at open time:
+    a missing, truncated or damaged shard, and a tensor that the index assigns to a shard which
+    does not hold it, are reported then (ConversionError naming the file), before any work.
     """
 
     def __init__(self, src: str | Path):
         self.root = Path(src)
         self._weight_map: dict[str, str] = {}
+        self._handles: dict[str, object] = {}
         index = self.root / INDEX_FILE
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as e:
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
                 raise ConversionError(f"{index}: not a safetensors index (needs a 'weight_map' object): {e}") from e
             missing = sorted({f for f in weight_map.values() if not (self.root / f).is_file()})
             if missing:
@@ -58,14 +69,18 @@ class HFCheckpoint:
                     f"{self.root}: missing shard file(s) {missing} listed in {INDEX_FILE} "
                     f"(e.g. {missing[0]} should hold {example!r})")
             self._weight_map = dict(weight_map)
+            for file in sorted(set(weight_map.values())):
+                held = set(self._handle(file).keys())
+                lacking = sorted(n for n, f in weight_map.items() if f == file and n not in held)
+                if lacking:
+                    raise ConversionError(f"{self.root / file}: does not hold {lacking[:3]}"
+                                          f"{' ...' if len(lacking) > 3 else ''}, which {INDEX_FILE} assigns to it")
         elif (self.root / SINGLE_FILE).is_file():
-            with safe_open(self.root / SINGLE_FILE, framework="pt") as f:
-                self._weight_map = {name: SINGLE_FILE for name in f.keys()}
+            self._weight_map = {name: SINGLE_FILE for name in self._handle(SINGLE_FILE).keys()}
         else:
             found = sorted(p.name for p in self.root.glob("*.safetensors"))
             hint = f"; found {found} but no {INDEX_FILE} naming them" if found else ""
             raise ConversionError(f"{self.root}: no {SINGLE_FILE} or {INDEX_FILE}{hint}")
-        self._handles: dict[str, object] = {}
 
     @property
     def names(self) -> list[str]:
@@ -76,14 +91,24 @@ class HFCheckpoint:
 
     def _handle(self, file: str):
         if file not in self._handles:
-            self._handles[file] = safe_open(self.root / file, framework="pt")
+            self._handles[file] = open_safetensors(self.root / file)
         return self._handles[file]
 
+    def _slice(self, name: str):
+        if name not in self._weight_map:
+            raise ConversionError(f"{self.root}: tensor {name!r} not found in the checkpoint")
+        file = self._weight_map[name]
+        try:
+            return self._handle(file).get_slice(name)
+        except SafetensorError as e:
+            raise ConversionError(f"{self.root / file}: cannot read tensor {name!r}: {e}") from e
+
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(self._weight_map[name]).get_slice(name).get_shape())
+        return tuple(self._slice(name).get_shape())
 
     def dtype(self, name: str) -> str:
-        return self._handle(self._weight_map[name]).get_slice(name).get_dtype()
+        """The safetensors dtype string ("F32", "BF16", ...)."""
+        return self._slice(name).get_dtype()
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self._weight_map:
@@ -91,8 +116,46 @@ class HFCheckpoint:
         file = self._weight_map[name]
         try:
             return self._handle(file).get_tensor(name)
-        except Exception as e:  # a shard listed for a tensor that it does not hold
+        except SafetensorError as e:
             raise ConversionError(f"{self.root / file}: cannot read tensor {name!r}: {e}") from e
+
+    def get_row(self, name: str, i: int) -> torch.Tensor:
+        """`get(name)[i]`, reading only that row (one expert of a stacked expert tensor)."""
+        sl, file = self._slice(name), self._weight_map[name]
+        try:
+            return sl[i]
+        except SafetensorError as e:
+            raise ConversionError(f"{self.root / file}: cannot read row {i} of tensor {name!r}: {e}") from e
+
+
+class TensorDict:
+    """The HFCheckpoint interface over tensors already in memory (a DeepSpeed state dict)."""
+
+    _DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+    def __init__(self, tensors: dict[str, torch.Tensor], where: str):
+        self.tensors, self.root = tensors, where
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self.tensors)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.get(name).shape)
+
+    def dtype(self, name: str) -> str:
+        return self._DTYPES.get(self.get(name).dtype, str(self.get(name).dtype))
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.tensors:
+            raise ConversionError(f"{self.root}: tensor {name!r} not found in the checkpoint")
+        return self.tensors[name]
+
+    def get_row(self, name: str, i: int) -> torch.Tensor:
+        return self.get(name)[i]
 
 
 def save_safetensors(tensors: dict[str, torch.Tensor], out: str | Path, max_shard_bytes: int = 5 * 2**30) -> list[str]:

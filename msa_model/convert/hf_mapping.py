@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from msa_model.config import moe_layers, msa_layers_of
+from msa_model.convert import minimax_m3 as m3
 from msa_model.convert.hf_families import Family
 from msa_model.convert.hf_io import ConversionError
 
@@ -40,12 +42,11 @@ class Rule:
     kind: str = "copy"  # copy | qkv | glu
 
 
-def _is_moe_layer(model, i: int) -> bool:
-    return model.num_experts > 0 and i >= model.first_dense_layers
-
-
 def rules(model, fam: Family, with_index: bool) -> list[Rule]:
     """Every tensor of a `model` (ModelConfig) model and its HF source, in a fixed order."""
+    if fam.name == "minimax_m3":
+        return m3.rules(model, with_index)
+    moe, msa = moe_layers(model), msa_layers_of(model)
     out = [Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",))]
     for i in range(model.num_layers):
         hf, mc = f"model.layers.{i}", f"decoder.layers.{i}"
@@ -58,13 +59,13 @@ def rules(model, fam: Family, with_index: bool) -> list[Rule]:
             out.append(Rule(f"{sa}.q_layernorm.weight", (f"{attn}.q_norm.weight",)))
             out.append(Rule(f"{sa}.k_layernorm.weight", (f"{attn}.k_norm.weight",)))
         out.append(Rule(f"{sa}.linear_proj.weight", (f"{attn}.o_proj.weight",)))
-        if with_index:
+        if with_index and msa[i]:
             for mname, hname in INDEX_TENSORS.items():
                 if "layernorm" in mname and not model.qk_layernorm:
                     continue
                 out.append(Rule(f"{sa}.{mname}", (f"{attn}.{hname}",)))
         out.append(Rule(f"{mc}.pre_mlp_layernorm.weight", (f"{hf}.post_attention_layernorm.weight",)))
-        if _is_moe_layer(model, i):
+        if moe[i]:
             moe = f"{hf}.{fam.moe_module}"
             gate, up, down = fam.expert_names
             out.append(Rule(f"{mc}.mlp.router.weight", (f"{moe}.gate.weight",)))
@@ -83,6 +84,8 @@ def rules(model, fam: Family, with_index: bool) -> list[Rule]:
 
 def hf_shapes(model, fam: Family, with_index: bool) -> dict[str, tuple[int, ...]]:
     """The shape every HF tensor must have for `model` (unpadded vocab)."""
+    if fam.name == "minimax_m3":
+        return m3.shapes(model, with_index)
     m = model
     h, d, hq, g, v = m.hidden_size, m.head_dim, m.num_attention_heads, m.num_query_groups, m.vocab_size
     di = m.msa.index_head_dim

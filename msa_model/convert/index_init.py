@@ -4,7 +4,7 @@ The index branch (docs/msa.md) scores keys for selection and is trained only by 
 main branch's attention. Two starting points:
 
 - `random`: W_iq, W_ik ~ N(0, 1/H), so a unit-RMS hidden state gives unit-variance index q/k;
-  index norm weights are ones.
+  index norms scale by one (weights 1, or 0 for zero-centred `1 + w` norms).
 - `derived`: from the dense attention it must imitate. The index query of group g is the mean
   of that group's G query-head projections; the index key is the mean of all Hkv key-head
   projections; the index norms copy the q/k norms. Needs Di = D. With one query head per
@@ -50,8 +50,10 @@ def index_weights(model, method: str, q_proj: torch.Tensor, k_proj: torch.Tensor
         out["index_q_proj.weight"] = torch.randn(g * di, h, generator=generator) * std
         out["index_k_proj.weight"] = torch.randn(di, h, generator=generator) * std
         if model.qk_layernorm:
-            out["index_q_layernorm.weight"] = torch.ones(di)
-            out["index_k_layernorm.weight"] = torch.ones(di)
+            # unit norm scales: w = 1, or w = 0 for (1 + w) norms
+            unit = torch.zeros(di) if getattr(model, "norm_zero_centered", False) else torch.ones(di)
+            out["index_q_layernorm.weight"] = unit.clone()
+            out["index_k_layernorm.weight"] = unit.clone()
     elif method == "derived":
         check_method(model, method)
         q_GGDH = q_proj.float().reshape(g, hq // g, d, h)

@@ -1,12 +1,14 @@
 """Check a conversion by numbers: our model's logits against the transformers model's.
 
-`logits(...)` runs one of our checkpoints (at any TP, under torchrun) on token batches in the
-indexer-warmup mode (dense attention: the main branch is exactly the source model's attention);
+`our_logits(...)` runs one of our checkpoints (at any TP, under torchrun) on token batches in the
+indexer-warmup mode (dense attention: the main branch is exactly a dense source model's
+attention) or, for MiniMax-M3, whose transformers model runs MSA itself, in the top-k mode;
 `compare(...)` reports max |logit difference| and the mean KL(p_source || p_ours) per token.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -15,6 +17,7 @@ import torch.nn.functional as F
 from msa_model.convert import megatron_io as mio
 from msa_model.convert.hf_families import detect_family
 from msa_model.convert.hf_io import read_config
+from msa_model.convert.minimax_m3 import text_config
 
 
 def random_tokens(vocab_size: int, batches: int, seq_length: int, seed: int) -> torch.Tensor:
@@ -36,7 +39,12 @@ def our_logits(src: str, tokens_BS: torch.Tensor, *, tp: int = 1, ep: int = 1, m
 
     from msa_model.attention import set_msa_phase
 
+    from msa_model.convert.commands import _padded_vocab_in_checkpoint
+
     cfg = mio.load_model_config(model_config or mio.find_model_config(src))
+    if cfg.vocab_size is None:
+        # a model trained here (tokenizer vocabulary): all its padded rows, as msa-to-hf exports them
+        cfg = dataclasses.replace(cfg, vocab_size=_padded_vocab_in_checkpoint(src))
     parallel = mio.init_megatron(tp=tp, ep=ep, sequence_parallel=tp > 1 and cfg.num_experts > 0)
     model = mio.build(cfg, parallel)
     mio.load(model, src)
@@ -57,8 +65,10 @@ def hf_logits(hf_dir: str, tokens_BS: torch.Tensor) -> torch.Tensor:
     """fp32 logits [B, S, V] of the transformers model in `hf_dir` (its own class, eager attention)."""
     import transformers
 
-    fam = detect_family(read_config(hf_dir))
-    cls = getattr(transformers, fam.architecture)
+    cfg = read_config(hf_dir)
+    fam = detect_family(cfg)
+    archs = [a for a in cfg.get("architectures") or () if a in (fam.architecture, *fam.aliases)]
+    cls = getattr(transformers, archs[0] if archs else fam.architecture)
     model = cls.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager").eval()
     return model(tokens_BS).logits.float()
 
@@ -74,12 +84,15 @@ def compare(reference_BSV: torch.Tensor, ours_BSV: torch.Tensor) -> dict[str, fl
 
 def verify(hf_dir: str, src: str, *, batches: int = 2, seq_length: int = 64, seed: int = 0, tp: int = 1,
            ep: int = 1, model_config: str | None = None, save_logits: str | None = None) -> dict:
-    """Parity of our checkpoint `src` (indexer-warmup phase) with the transformers model in
-    `hf_dir` on random tokens. `save_logits` also stores {tokens, logits, sparse_logits}."""
+    """Parity of our checkpoint `src` with the transformers model in `hf_dir` on random tokens, in
+    the indexer-warmup phase (top-k for MiniMax-M3, which transformers runs sparse).
+    `save_logits` also stores {tokens, logits, sparse_logits}."""
     cfg = read_config(hf_dir)
-    tokens = random_tokens(int(cfg["vocab_size"]), batches, seq_length, seed)
+    sparse = detect_family(cfg).name == "minimax_m3"
+    tokens = random_tokens(int(text_config(cfg)["vocab_size"]), batches, seq_length, seed)
     ours = our_logits(src, tokens, tp=tp, ep=ep, model_config=model_config, both_phases=True)
-    result = {"tp": tp, "ep": ep, "phase": "dense (indexer warmup)", **compare(hf_logits(hf_dir, tokens), ours[False])}
+    result = {"tp": tp, "ep": ep, "phase": "sparse (top-k)" if sparse else "dense (indexer warmup)",
+              **compare(hf_logits(hf_dir, tokens), ours[sparse])}
     if save_logits:
         Path(save_logits).parent.mkdir(parents=True, exist_ok=True)
         torch.save({"tokens": tokens, "logits": ours[False], "sparse_logits": ours[True]}, save_logits)

@@ -11,7 +11,8 @@ from .reference import select_blocks_reference
 @torch.no_grad()
 def select_blocks(iq: torch.Tensor, ik: torch.Tensor, block_size: int = 128, topk: int = 16,
                   force_sink: bool = False, backend: str = "auto", q_offset: int = 0,
-                  doc_start: torch.Tensor | None = None, check_ids: bool = True, tuning=None) -> torch.Tensor:
+                  doc_start: torch.Tensor | None = None, check_ids: bool = True, tuning=None,
+                  local_blocks: int = 1) -> torch.Tensor:
     """Choose the top-k key blocks for each query and GQA group.
 
     iq: [B, T, Hkv, Di] index queries (one per group); ik: [B, T, Di] the shared index key.
@@ -25,16 +26,20 @@ def select_blocks(iq: torch.Tensor, ik: torch.Tensor, block_size: int = 128, top
     document's keys only, and block ids count from the document's start (docs/msa.md).
     `check_ids=False` skips the check of doc_start's values (a host synchronisation).
     `tuning`: the Triton kernel's tile shape (`select_blocks.triton.Tuning`; None: defaults).
+    `local_blocks`: how many blocks ending with the query's own are always selected (1: the
+    local block only), at most `topk`; the sink ranks right below them.
     """
     check_block_size(block_size, topk)
+    if not isinstance(local_blocks, int) or not 1 <= local_blocks <= topk:
+        raise ValueError(f"local_blocks must be an int in [1, topk={topk}], got {local_blocks!r}")
     B, T, _, _ = check_index(iq, ik, q_offset=q_offset)
     check_doc_start(doc_start, B, T, q_offset, values=check_ids, device=iq.device)
     (ik,) = trim_keys(iq.shape[1], q_offset, ik)
     if resolve_backend(backend, iq, ik) == "triton":
         return load_triton("select_blocks").select_blocks_triton(iq, ik, block_size, topk, force_sink,
                                                                  tuning=tuning, q_offset=q_offset,
-                                                                 doc_start=doc_start)
-    return select_blocks_reference(iq, ik, block_size, topk, force_sink, q_offset, doc_start)
+                                                                 doc_start=doc_start, local_blocks=local_blocks)
+    return select_blocks_reference(iq, ik, block_size, topk, force_sink, q_offset, doc_start, local_blocks)
 
 
 __all__ = ["select_blocks", "select_blocks_reference"]

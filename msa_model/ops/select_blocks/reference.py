@@ -13,12 +13,12 @@ from ..common import num_blocks, query_chunk
 
 def select_blocks_reference(iq_BTGI: torch.Tensor, ik_BTI: torch.Tensor, block_size: int, topk: int,
                             force_sink: bool = False, q_offset: int = 0,
-                            doc_start_BT: torch.Tensor | None = None) -> torch.Tensor:
+                            doc_start_BT: torch.Tensor | None = None, local_blocks: int = 1) -> torch.Tensor:
     """Top-k key blocks per (query, group) by block-max index score; int32 [B, T, G, K], -1 = empty.
 
-    The local block (the one holding the query) is always kept, and block 0 too when
-    `force_sink`. Ranking uses the raw dot products: softmax and a positive scale keep the order,
-    so no exp is needed. Slots are sorted ascending with -1 padding last. Query t sits at
+    The `local_blocks` blocks ending with the local one (the block holding the query, and the
+    ones right before it) are always kept, and block 0 too when `force_sink`. Ranking uses the
+    raw dot products: softmax and a positive scale keep the order, so no exp is needed. Slots are sorted ascending with -1 padding last. Query t sits at
     position q_offset + t of the keys ik [B, >= q_offset + T, Di].
 
     With `doc_start_BT` (int [B, T]) each document is its own sequence: query t sees keys
@@ -44,7 +44,7 @@ def select_blocks_reference(iq_BTGI: torch.Tensor, ik_BTI: torch.Tensor, block_s
             pad = n_blk * block_size - key_end
             s_BCGJ = torch.nn.functional.pad(s_BCGJ, (0, pad), value=float("-inf"))
             bmax_BCGN = s_BCGJ.view(B, t1 - t0, G, n_blk, block_size).amax(-1)
-            local_BCN = (torch.arange(n_blk, device=pos.device)[None, :] == (qpos_C // block_size)[:, None])[None]
+            local_BC = (qpos_C // block_size)[None]
         else:
             start_BC = doc_start_BT[:, t0:t1].long()
             rel_BCJ = pos[None, None, :key_end] - start_BC[..., None]
@@ -55,9 +55,11 @@ def select_blocks_reference(iq_BTGI: torch.Tensor, ik_BTI: torch.Tensor, block_s
             bmax_BCGN = bmax_BCGN.scatter_reduce(-1, block_BCJ[:, :, None, :].expand_as(s_BCGJ), s_BCGJ, "amax")
             bmax_BCGN = bmax_BCGN[..., :n_blk]
             local_BC = (qpos_C[None] - start_BC) // block_size
-            local_BCN = torch.arange(n_blk, device=pos.device)[None, None, :] == local_BC[..., None]
+        # the local block and the local_blocks - 1 before it are forced
+        n_N = torch.arange(n_blk, device=pos.device)[None, None, :]
+        local_BCN = (n_N <= local_BC[..., None]) & (n_N > local_BC[..., None] - local_blocks)
         if force_sink:
-            # the sink ranks right below the local block, so topk=1 still keeps the local block
+            # the sink ranks right below the local blocks, so they are kept first
             bmax_BCGN[..., 0] = torch.finfo(bmax_BCGN.dtype).max
         bmax_BCGN = bmax_BCGN.masked_fill(local_BCN[:, :, None, :], float("inf"))
         k = min(topk, n_blk)

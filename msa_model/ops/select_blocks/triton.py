@@ -45,18 +45,23 @@ def _insert(topv_RK, topi_RK, x_R, n_R, slot_K):
 
 
 @triton.jit
-def _init_topk(nloc_R, R: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, SINK: tl.constexpr):
-    """Running top-k state: the forced blocks sit in the first slots with +inf, never displaced."""
+def _init_topk(nloc_R, R: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, SINK: tl.constexpr,
+               LOCAL: tl.constexpr):
+    """Running top-k state: the forced blocks sit in the first slots with +inf, never displaced.
+
+    Slot l < LOCAL holds block nloc - l (the local block first); a slot whose block would be
+    before block 0 stays empty, which only happens when every visible block is already forced."""
     slot_K = tl.arange(0, KP)
     # padding slots (K not a power of two) hold +inf so they are never the minimum
     topv_RK = tl.where(slot_K[None, :] < K, float("-inf"), float("inf")) + tl.zeros([R, KP], tl.float32)
     topi_RK = tl.full([R, KP], -1, tl.int32)
-    local_RK = slot_K[None, :] == 0
+    forced_RK = nloc_R[:, None] - slot_K[None, :]
+    local_RK = (slot_K[None, :] < LOCAL) & (forced_RK >= 0)
     topv_RK = tl.where(local_RK, float("inf"), topv_RK)
-    topi_RK = tl.where(local_RK, nloc_R[:, None], topi_RK)
+    topi_RK = tl.where(local_RK, forced_RK, topi_RK)
     if SINK:
-        if K > 1:
-            sink_RK = (slot_K[None, :] == 1) & (nloc_R[:, None] != 0)
+        if K > LOCAL:
+            sink_RK = (slot_K[None, :] == LOCAL) & (nloc_R[:, None] >= LOCAL)
             topv_RK = tl.where(sink_RK, float("inf"), topv_RK)
             topi_RK = tl.where(sink_RK, 0, topi_RK)
     return topv_RK, topi_RK, slot_K
@@ -102,7 +107,7 @@ def _score_tile(q_RD, ik_base, s_ik_t, kt, p_R, TK, R: tl.constexpr, C: tl.const
 @triton.jit
 def _consume(bm_RN, kt, topv_RK, topi_RK, seen_R, slot_K, nloc_R, out_ptr, b, t_R, g_R, valid_R, N,
              s_out_b, s_out_t, s_out_g, R: tl.constexpr, NB: tl.constexpr, SINK: tl.constexpr,
-             MODE: tl.constexpr):
+             MODE: tl.constexpr, LOCAL: tl.constexpr):
     """Fold one tile's block maxima into the running top-k (or store them, or only keep a max)."""
     if MODE == 0:
         for jb in tl.static_range(NB):
@@ -112,7 +117,7 @@ def _consume(bm_RN, kt, topv_RK, topi_RK, seen_R, slot_K, nloc_R, out_ptr, b, t_
                 x_R = tl.max(tl.where(tl.arange(0, NB)[None, :] == jb, bm_RN, float("-inf")), axis=1)
             n = kt * NB + jb
             # forced blocks already sit in the top-k: keep them from taking a second slot
-            drop_R = nloc_R == n
+            drop_R = (n <= nloc_R) & (n > nloc_R - LOCAL)
             if SINK:
                 drop_R = drop_R | (n == 0)
             x_R = tl.where(drop_R, float("-inf"), x_R)
@@ -127,10 +132,10 @@ def _consume(bm_RN, kt, topv_RK, topi_RK, seen_R, slot_K, nloc_R, out_ptr, b, t_
 
 
 @triton.jit
-def _offer(topv_RK, topi_RK, x_R, n_R, nloc_R, slot_K, SINK: tl.constexpr):
-    """Offer block n_R (score x_R) of each row to its running top-k; forced blocks and n < 0 (no
-    block) are not candidates."""
-    drop_R = (n_R == nloc_R) | (n_R < 0)
+def _offer(topv_RK, topi_RK, x_R, n_R, nloc_R, slot_K, SINK: tl.constexpr, LOCAL: tl.constexpr):
+    """Offer block n_R (score x_R) of each row to its running top-k; forced blocks (the LOCAL
+    blocks ending with the local one, the sink) and n < 0 (no block) are not candidates."""
+    drop_R = ((n_R <= nloc_R) & (n_R > nloc_R - LOCAL)) | (n_R < 0)
     if SINK:
         drop_R = drop_R | (n_R == 0)
     return _insert(topv_RK, topi_RK, tl.where(drop_R, float("-inf"), x_R), n_R, slot_K)
@@ -139,7 +144,7 @@ def _offer(topv_RK, topi_RK, x_R, n_R, nloc_R, slot_K, SINK: tl.constexpr):
 @triton.jit
 def _doc_tile(q_RD, ik_base, s_ik_t, kt, TK, start_R, p_R, nloc_R, topv_RK, topi_RK, slot_K, carry_n_R, carry_x_R,
               C: tl.constexpr, DI: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr, SINK: tl.constexpr,
-              PREC: tl.constexpr):
+              PREC: tl.constexpr, LOCAL: tl.constexpr):
     """One key tile with packed documents: row r sees keys start_R .. p_R, and key j is in its
     block (j - start_R) // BLOCK. The tile's NB + 1 possible blocks per row are reduced one by
     one; the block in progress (carry_n_R, its max so far carry_x_R) is offered to the top-k when
@@ -156,7 +161,7 @@ def _doc_tile(q_RD, ik_base, s_ik_t, kt, TK, start_R, p_R, nloc_R, topv_RK, topi
         x_R = tl.max(tl.where(n_RC == n_R[:, None], s_RC, float("-inf")), axis=1)
         fresh_R = (n_R != carry_n_R) & (x_R > float("-inf"))
         topv_RK, topi_RK = _offer(topv_RK, topi_RK, tl.where(fresh_R, carry_x_R, float("-inf")), carry_n_R,
-                                  nloc_R, slot_K, SINK)
+                                  nloc_R, slot_K, SINK, LOCAL)
         carry_x_R = tl.where(fresh_R, x_R, tl.where(n_R == carry_n_R, tl.maximum(carry_x_R, x_R), carry_x_R))
         carry_n_R = tl.where(fresh_R, n_R, carry_n_R)
     return topv_RK, topi_RK, carry_n_R, carry_x_R
@@ -168,7 +173,7 @@ def _fused_kernel(iq_ptr, ik_ptr, out_ptr, doc_ptr, T, TK, QOFF, N,
                   G: tl.constexpr, GP: tl.constexpr, DI: tl.constexpr, DP: tl.constexpr,
                   BLOCK: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr,
                   C: tl.constexpr, SINK: tl.constexpr, MODE: tl.constexpr, PREC: tl.constexpr,
-                  DOCS: tl.constexpr):
+                  DOCS: tl.constexpr, LOCAL: tl.constexpr):
     R: tl.constexpr = BM * GP
     NB: tl.constexpr = C // BLOCK
     # the last query tiles read the most keys: start them first
@@ -190,7 +195,7 @@ def _fused_kernel(iq_ptr, ik_ptr, out_ptr, doc_ptr, T, TK, QOFF, N,
         nloc_R = (p_R - start_R) // BLOCK
     else:
         nloc_R = p_R // BLOCK
-    topv_RK, topi_RK, slot_K = _init_topk(nloc_R, R, K, KP, SINK)
+    topv_RK, topi_RK, slot_K = _init_topk(nloc_R, R, K, KP, SINK, LOCAL)
     seen_R = tl.full([R], float("-inf"), tl.float32)
 
     p_last = QOFF + tl.minimum(t0 + BM, T) - 1
@@ -208,34 +213,34 @@ def _fused_kernel(iq_ptr, ik_ptr, out_ptr, doc_ptr, T, TK, QOFF, N,
             while kt < n_tiles:
                 topv_RK, topi_RK, carry_n_R, carry_x_R = _doc_tile(
                     q_RD, ik_base, s_ik_t, kt, TK, start_R, p_R, nloc_R, topv_RK, topi_RK, slot_K, carry_n_R,
-                    carry_x_R, C, DI, DP, BLOCK, SINK, PREC)
+                    carry_x_R, C, DI, DP, BLOCK, SINK, PREC, LOCAL)
                 kt += 1
         else:
             for kt in range(kt_first, n_tiles):
                 topv_RK, topi_RK, carry_n_R, carry_x_R = _doc_tile(
                     q_RD, ik_base, s_ik_t, kt, TK, start_R, p_R, nloc_R, topv_RK, topi_RK, slot_K, carry_n_R,
-                    carry_x_R, C, DI, DP, BLOCK, SINK, PREC)
+                    carry_x_R, C, DI, DP, BLOCK, SINK, PREC, LOCAL)
         # the last block in progress (a row's local block, which is forced: offered for completeness)
-        topv_RK, topi_RK = _offer(topv_RK, topi_RK, carry_x_R, carry_n_R, nloc_R, slot_K, SINK)
+        topv_RK, topi_RK = _offer(topv_RK, topi_RK, carry_x_R, carry_n_R, nloc_R, slot_K, SINK, LOCAL)
     elif INTERPRET:
         kt = n_full * 0
         while kt < n_tiles:
             bm_RN = _score_tile(q_RD, ik_base, s_ik_t, kt, p_R, TK, R, C, DI, DP, BLOCK, True, PREC)
             topv_RK, topi_RK, seen_R = _consume(bm_RN, kt, topv_RK, topi_RK, seen_R, slot_K, nloc_R, out_ptr,
                                                 b, t_R, g_R, valid_R, N, s_out_b, s_out_t, s_out_g,
-                                                R, NB, SINK, MODE)
+                                                R, NB, SINK, MODE, LOCAL)
             kt += 1
     else:
         for kt in range(0, n_full):
             bm_RN = _score_tile(q_RD, ik_base, s_ik_t, kt, p_R, TK, R, C, DI, DP, BLOCK, False, PREC)
             topv_RK, topi_RK, seen_R = _consume(bm_RN, kt, topv_RK, topi_RK, seen_R, slot_K, nloc_R, out_ptr,
                                                 b, t_R, g_R, valid_R, N, s_out_b, s_out_t, s_out_g,
-                                                R, NB, SINK, MODE)
+                                                R, NB, SINK, MODE, LOCAL)
         for kt in range(n_full, n_tiles):
             bm_RN = _score_tile(q_RD, ik_base, s_ik_t, kt, p_R, TK, R, C, DI, DP, BLOCK, True, PREC)
             topv_RK, topi_RK, seen_R = _consume(bm_RN, kt, topv_RK, topi_RK, seen_R, slot_K, nloc_R, out_ptr,
                                                 b, t_R, g_R, valid_R, N, s_out_b, s_out_t, s_out_g,
-                                                R, NB, SINK, MODE)
+                                                R, NB, SINK, MODE, LOCAL)
 
     if MODE == 0:
         row_R = b * s_out_b + t_R.to(tl.int64) * s_out_t + g_R * s_out_g
@@ -326,7 +331,8 @@ def _check(block_size: int, di: int | None = None) -> None:
         raise ValueError(f"the Triton select_blocks needs a power-of-two block_size in [16, 128], got {block_size}")
 
 
-def _launch_fused(iq_BTGI, ik_BTI, out, block_size, topk, force_sink, mode, tuning, q_offset=0, doc_start=None):
+def _launch_fused(iq_BTGI, ik_BTI, out, block_size, topk, force_sink, mode, tuning, q_offset=0, doc_start=None,
+                  local_blocks=1):
     B, T, G, Di = iq_BTGI.shape
     TK = ik_BTI.shape[1]
     _check(block_size)
@@ -348,22 +354,22 @@ def _launch_fused(iq_BTGI, ik_BTI, out, block_size, topk, force_sink, mode, tuni
         BM=BM, C=C, SINK=bool(force_sink), MODE=mode,
         # fp32 inputs get full-precision products (tf32 could swap near-tied blocks)
         PREC="ieee" if iq_BTGI.dtype == torch.float32 else "tf32", DOCS=doc_start is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        LOCAL=int(local_blocks), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 
 
 def select_blocks_triton(iq_BTGI: torch.Tensor, ik_BTI: torch.Tensor, block_size: int, topk: int,
                          force_sink: bool = False, tuning: Tuning | None = None, q_offset: int = 0,
-                         doc_start: torch.Tensor | None = None) -> torch.Tensor:
+                         doc_start: torch.Tensor | None = None, local_blocks: int = 1) -> torch.Tensor:
     """Fused index scoring, block max and top-k.
 
     iq_BTGI: [B, T, G, Di] and ik_BTI: [B, TK, Di], bf16, fp16 or fp32 (scores accumulate in fp32;
     fp32 inputs use full-precision products); query t sits at position q_offset + t and
-    TK = q_offset + T. Returns int32 [B, T, G, topk]: per (b, t, g) the local block, block 0 too
-    if `force_sink`, and the best other causally visible blocks by
-    max_j iq[t,g].ik[j] over visible keys j of the block. Slot 0 holds the local block, -1
-    padding comes last, the rest is in no particular order. With doc_start int [B, T] (packed
+    TK = q_offset + T. Returns int32 [B, T, G, topk]: per (b, t, g) the `local_blocks` blocks
+    ending with the local one, block 0 too if `force_sink`, and the best other causally visible
+    blocks by max_j iq[t,g].ik[j] over visible keys j of the block. Slot 0 holds the local block,
+    -1 padding comes last, the rest is in no particular order. With doc_start int [B, T] (packed
     documents) a query sees its own document only and its block ids count from the document's
     start (the local block is then (q_offset + t - doc_start[t]) // block_size).
     """
@@ -374,7 +380,7 @@ def select_blocks_triton(iq_BTGI: torch.Tensor, ik_BTI: torch.Tensor, block_size
     if T == 0:
         return out
     return _launch_fused(iq_BTGI, ik_BTI, out, block_size, topk, force_sink, _SELECT, tuning, int(q_offset),
-                         doc_start)
+                         doc_start, local_blocks)
 
 
 def block_scores_triton(iq_BTGI: torch.Tensor, ik_BTI: torch.Tensor, block_size: int,

@@ -1,0 +1,59 @@
+"""DeepSpeed ZeRO checkpoints (stage 1, 2 or 3) of a Hugging Face model -> our MSA checkpoint.
+
+A ZeRO checkpoint directory (what `engine.save_checkpoint(dir)` and the Hugging Face Trainer's
+`checkpoint-N/` hold: `latest` naming a `global_stepN/` of model and optimizer-state shards) is
+read with DeepSpeed's own loader, `deepspeed.utils.zero_to_fp32`, which gathers the fp32 master
+weights from every data-parallel rank's partition. Those tensors carry the module's parameter
+names, i.e. the Hugging Face family's when the engine wrapped a transformers model, and go
+through the same mapping as `hf-to-msa` with the model's config.json (`--hf-config`).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from msa_model.convert.hf_io import CONFIG_FILE, ConversionError, TensorDict, read_config
+
+log = logging.getLogger(__name__)
+
+# a wrapper module (torch DDP, a user's own `self.module = model`) prefixes every name with this
+_WRAPPER_PREFIX = "module."
+
+
+def load_zero_checkpoint(ckpt_dir: str | Path, tag: str | None = None) -> dict:
+    """fp32 state dict {name: tensor} of a ZeRO checkpoint directory (the newest tag, or `tag`)."""
+    try:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    except ImportError as e:
+        raise ConversionError(f"deepspeed-to-msa needs DeepSpeed (pip install 'msa-model[deepspeed]'): {e}") from e
+    ckpt_dir = Path(ckpt_dir)
+    if tag is None and not (ckpt_dir / "latest").is_file():
+        steps = sorted(p.name for p in ckpt_dir.glob("global_step*") if p.is_dir())
+        hint = f"; pass --tag (found {steps})" if steps else ""
+        raise ConversionError(f"{ckpt_dir}: not a DeepSpeed checkpoint directory (no `latest` file){hint}")
+    try:
+        state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
+    except (FileNotFoundError, ValueError, KeyError, RuntimeError) as e:
+        raise ConversionError(f"{ckpt_dir}: cannot read the ZeRO checkpoint{f' {tag}' if tag else ''}: {e}") from e
+    if state and all(name.startswith(_WRAPPER_PREFIX) for name in state):
+        state = {name[len(_WRAPPER_PREFIX):]: t for name, t in state.items()}
+    return state
+
+
+def deepspeed_to_msa(ckpt_dir: str, out: str, *, hf_config: str, tag: str | None = None, **convert_kw) -> Path:
+    """A ZeRO checkpoint of a Hugging Face model (config.json in `hf_config`) -> our checkpoint in
+    `out`; keywords as for `hf_to_msa` (attention, index_init, geometry, layout checks)."""
+    from msa_model.convert.commands import convert_hf_tensors
+
+    cfg = read_config(hf_config)
+    state = load_zero_checkpoint(ckpt_dir, tag)
+    if not state:
+        raise ConversionError(f"{ckpt_dir}: the ZeRO checkpoint holds no parameters")
+    # a tied output layer is restored as a second name for the embedding: one weight, not two
+    if cfg.get("tie_word_embeddings") and "lm_head.weight" in state and "model.embed_tokens.weight" in state:
+        state.pop("lm_head.weight")
+    source = str(Path(ckpt_dir).resolve()) + (f" ({tag})" if tag else "")
+    log.info("read %d tensors from the ZeRO checkpoint %s", len(state), source)
+    return convert_hf_tensors(TensorDict(state, source), cfg, out, source=source,
+                              where=str(Path(hf_config) / CONFIG_FILE), kind="deepspeed-to-msa", **convert_kw)

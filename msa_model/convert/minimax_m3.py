@@ -1,0 +1,412 @@
+"""MiniMax-M3 checkpoints <-> our model: the export format that keeps MSA.
+
+M3's text model is our model with these options (msa_model.config.ModelConfig):
+
+| M3 (config.json / transformers `minimax_m3_vl`)    | ModelConfig                                           |
+|----------------------------------------------------|-------------------------------------------------------|
+| layer_types full_attention / minimax_m3_sparse     | attention_types full / msa                            |
+| mlp_layer_types dense / sparse                     | mlp_types dense / moe (or first_dense_layers)         |
+| index_head_dim, index_block_size, index_topk_blocks, index_local_blocks | msa.index_head_dim, block_size, topk, local_blocks |
+| index_n_heads                                      | must equal num_key_value_heads (one index head per group) |
+| sigmoid router + e_score_correction_bias           | moe_router_score_function=sigmoid, moe_router_expert_bias |
+| routed_scaling_factor                              | moe_router_topk_scaling_factor                        |
+| shared_experts (shared_intermediate_size)          | moe_shared_expert_size                                |
+| swiglu_alpha, swiglu_limit, (up + 1)               | activation=quick_geglu, glu_alpha, activation_clamp, glu_linear_offset=1 |
+| rope_parameters.partial_rotary_factor              | rotary_dim (index q/k rotate the same channels)       |
+| Gemma RMSNorm `x * (1 + w)`                        | norm_zero_centered (w copied as is: exact)            |
+| dense_intermediate_size / intermediate_size        | ffn_hidden_size / moe_ffn_hidden_size                 |
+
+Two on-disk layouts are read:
+- release (what MiniMax publishes and transformers' `MiniMaxM3SparseForConditionalGeneration`
+  writes): `language_model.model.layers.N...`, experts per expert `block_sparse_moe.experts.E.
+  {w1,w3,w2}`, `block_sparse_moe.{gate.weight,e_score_correction_bias}`, shared and dense MLPs as
+  `{gate,up,down}_proj`, index tensors `self_attn.index_{q,k}_{proj,norm}`; the vision tower,
+  projector, patch merger and MTP heads are named and skipped;
+- transformers' text model (`MiniMaxM3VLForCausalLM.save_pretrained`): `model.layers.N...` with
+  experts stacked `mlp.experts.{gate_up_proj [E, 2F, H], down_proj [E, H, F]}`, fused
+  `gate_up_proj` MLPs and `self_attn.indexer.{q,k}_{proj,norm}`.
+`msa-to-hf --format minimax_m3` writes the second (it loads with transformers'
+AutoModelForCausalLM). Both map through one canonical naming: the text layout with the stacked
+expert tensors split per expert (`mlp.experts.E.{gate_up_proj,down_proj}`), so every conversion
+is a copy, a concatenation or a row of a stacked tensor, and a round trip is bit-exact.
+
+Legend: H = hidden, F = expert MLP width, E = experts, Hkv = kv heads, D = head dim, Di = index head dim.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from collections import Counter
+
+import torch
+
+from msa_model.config import ModelConfig, MSAConfig, moe_layers, msa_layers_of
+from msa_model.convert.hf_io import ConversionError
+
+log = logging.getLogger(__name__)
+
+ARCHITECTURES = ("MiniMaxM3VLForCausalLM", "MiniMaxM3SparseForConditionalGeneration")
+MODEL_TYPES = ("minimax_m3_vl_text", "minimax_m3_vl")
+EXPORT_ARCHITECTURE, EXPORT_MODEL_TYPE = ARCHITECTURES[0], MODEL_TYPES[0]
+# parts of a release checkpoint that are not the text model; counted and skipped
+SKIPPED_PARTS = ("vision_tower", "multi_modal_projector", "patch_merge_mlp", "mtp")
+_ATTENTION = {"full_attention": "full", "minimax_m3_sparse": "msa"}
+_MLP = {"dense": "dense", "sparse": "moe"}
+
+# release name (after the language_model prefix) -> canonical name, or (canonical, part) for the
+# two halves of a fused [gate; up] weight
+_RELEASE_RULES = [
+    (re.compile(r"(.*)\.block_sparse_moe\.experts\.(\d+)\.w1\.weight$"), r"\1.mlp.experts.\2.gate_up_proj", 0),
+    (re.compile(r"(.*)\.block_sparse_moe\.experts\.(\d+)\.w3\.weight$"), r"\1.mlp.experts.\2.gate_up_proj", 1),
+    (re.compile(r"(.*)\.block_sparse_moe\.experts\.(\d+)\.w2\.weight$"), r"\1.mlp.experts.\2.down_proj", None),
+    (re.compile(r"(.*)\.block_sparse_moe\.gate\.weight$"), r"\1.mlp.gate.weight", None),
+    (re.compile(r"(.*)\.block_sparse_moe\.e_score_correction_bias$"), r"\1.mlp.gate.e_score_correction_bias", None),
+    (re.compile(r"(.*)\.block_sparse_moe\.shared_experts\.gate_proj\.weight$"),
+     r"\1.mlp.shared_experts.gate_up_proj.weight", 0),
+    (re.compile(r"(.*)\.block_sparse_moe\.shared_experts\.up_proj\.weight$"),
+     r"\1.mlp.shared_experts.gate_up_proj.weight", 1),
+    (re.compile(r"(.*)\.block_sparse_moe\.shared_experts\.down_proj\.weight$"),
+     r"\1.mlp.shared_experts.down_proj.weight", None),
+    (re.compile(r"(.*)\.mlp\.gate_proj\.weight$"), r"\1.mlp.gate_up_proj.weight", 0),
+    (re.compile(r"(.*)\.mlp\.up_proj\.weight$"), r"\1.mlp.gate_up_proj.weight", 1),
+    (re.compile(r"(.*)\.self_attn\.index_(q|k)_(proj|norm)\.weight$"), r"\1.self_attn.indexer.\2_\3.weight", None),
+]
+_STACKED = re.compile(r"(.*)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+
+
+def is_m3(hf_config: dict) -> bool:
+    return (bool(set(hf_config.get("architectures") or ()) & set(ARCHITECTURES))
+            or hf_config.get("model_type") in MODEL_TYPES)
+
+
+def text_config(hf_config: dict) -> dict:
+    """The text model's config: `text_config` of a vision-language config.json, else the config."""
+    return hf_config.get("text_config") or hf_config
+
+
+class M3Checkpoint:
+    """A checkpoint (HFCheckpoint or TensorDict) of either M3 layout, seen under canonical names.
+
+    Same interface as HFCheckpoint (names, in, shape, dtype, get). `skipped` counts the tensors
+    of the parts that are not the text model, by part.
+    """
+
+    def __init__(self, ckpt):
+        self.ckpt, self.root = ckpt, ckpt.root
+        # canonical name -> ("copy", name) | ("cat", [gate name, up name]) | ("row", stacked name, e)
+        self._map: dict[str, tuple] = {}
+        self.skipped: Counter = Counter()
+        for name in ckpt.names:
+            self._add(name)
+
+    def _add(self, name: str) -> None:
+        part = next((p for p in SKIPPED_PARTS if re.search(rf"(^|\.){p}\.", name)), None)
+        if part is not None:
+            self.skipped[part] += 1
+            return
+        if name.startswith("language_model."):
+            inner = name[len("language_model."):]
+            for pattern, target, part in _RELEASE_RULES:
+                if pattern.match(inner):
+                    canonical = pattern.sub(target, inner)
+                    if part is None:
+                        self._map[canonical] = ("copy", name)
+                    else:
+                        entry = self._map.setdefault(canonical, ("cat", [None, None]))
+                        entry[1][part] = name
+                    return
+            self._map[inner] = ("copy", name)
+            return
+        stacked = _STACKED.match(name)
+        if stacked:
+            for e in range(self.ckpt.shape(name)[0]):
+                self._map[f"{stacked.group(1)}.mlp.experts.{e}.{stacked.group(2)}"] = ("row", name, e)
+            return
+        self._map[name] = ("copy", name)
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self._map)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._map
+
+    def _entry(self, name: str) -> tuple:
+        if name not in self._map:
+            raise ConversionError(f"{self.root}: tensor {name!r} not found in the checkpoint")
+        entry = self._map[name]
+        if entry[0] == "cat" and None in entry[1]:
+            have = next(n for n in entry[1] if n is not None)
+            raise ConversionError(f"{self.root}: tensor {have!r} has no {'up' if entry[1][1] is None else 'gate'} "
+                                  "half to fuse with (w1/w3 or gate_proj/up_proj come in pairs)")
+        return entry
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        entry = self._entry(name)
+        if entry[0] == "copy":
+            return self.ckpt.shape(entry[1])
+        if entry[0] == "row":
+            return tuple(self.ckpt.shape(entry[1])[1:])
+        gate, up = (self.ckpt.shape(n) for n in entry[1])
+        if gate[1:] != up[1:]:
+            raise ConversionError(f"{self.root}: {entry[1][0]!r} {list(gate)} and {entry[1][1]!r} {list(up)} "
+                                  "differ in their input size")
+        return (gate[0] + up[0], *gate[1:])
+
+    def dtype(self, name: str) -> str:
+        entry = self._entry(name)
+        return self.ckpt.dtype(entry[1] if entry[0] != "cat" else entry[1][0])
+
+    def get(self, name: str) -> torch.Tensor:
+        entry = self._entry(name)
+        if entry[0] == "copy":
+            return self.ckpt.get(entry[1])
+        if entry[0] == "row":
+            return self.ckpt.get_row(entry[1], entry[2]).contiguous()
+        return torch.cat([self.ckpt.get(n) for n in entry[1]], dim=0)
+
+
+def _rotary_dim(c: dict, head_dim: int, where: str) -> int:
+    """Channels of each head that RoPE rotates: head_dim * partial_rotary_factor, the rule
+    transformers applies. A `rotary_dim` that says otherwise is refused when no factor is given
+    (transformers would rotate every channel, serving engines rotary_dim of them)."""
+    params = c.get("rope_parameters") or {}
+    factor = params.get("partial_rotary_factor", c.get("partial_rotary_factor"))
+    legacy = c.get("rotary_dim")
+    if factor is None:
+        if legacy is not None and int(legacy) != head_dim:
+            raise ConversionError(f"{where}: rotary_dim={legacy} but no partial_rotary_factor: transformers rotates all "
+                                  f"{head_dim} channels; set rope_parameters.partial_rotary_factor={legacy}/{head_dim} "
+                                  f"(or rotary_dim={head_dim}) so both readings agree")
+        return head_dim
+    dim = int(head_dim * float(factor))
+    if legacy is not None and int(legacy) != dim:
+        log.warning("%s: rotary_dim=%s disagrees with partial_rotary_factor=%s (%d of %d channels); following "
+                    "partial_rotary_factor, as transformers does", where, legacy, factor, dim, head_dim)
+    if dim <= 0 or dim % 2:
+        raise ConversionError(f"{where}: partial_rotary_factor={factor} gives {dim} rotated channels of {head_dim}; "
+                              "it must be a positive even number")
+    return dim
+
+
+def _types(c: dict, key: str, table: dict, layers: int, default: str, where: str) -> list[str]:
+    values = c.get(key) or [default] * layers
+    if len(values) != layers:
+        raise ConversionError(f"{where}: {key} lists {len(values)} layers, num_hidden_layers is {layers}")
+    unknown = sorted(set(values) - set(table))
+    if unknown:
+        raise ConversionError(f"{where}: {key} has unsupported value(s) {unknown} (supported: {sorted(table)})")
+    return [table[v] for v in values]
+
+
+def model_config_from_m3(hf_config: dict, *, attention: str = "msa", seq_length: int = 4096, name: str | None = None,
+                         where: str = "config.json") -> ModelConfig:
+    """The ModelConfig of an M3 config.json (text model; a vision-language config's text_config)."""
+    from msa_model.convert.hf_families import _get, _require, rope_from_hf
+
+    c = text_config(hf_config)
+    if c is not hf_config:
+        where = f"{where} (text_config)"
+    layers = int(_require(c, where, "num_hidden_layers"))
+    hidden, heads = int(_require(c, where, "hidden_size")), int(_require(c, where, "num_attention_heads"))
+    kv_heads = int(_require(c, where, "num_key_value_heads"))
+    if heads % kv_heads:
+        raise ConversionError(f"{where}: num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv_heads})")
+    head_dim = int(_get(c, "head_dim", default=hidden // heads))
+    attn_types = _types(c, "layer_types", _ATTENTION, layers, "full_attention", where)
+    mlp_types = _types(c, "mlp_layer_types", _MLP, layers, "sparse", where)
+    has_msa = "msa" in attn_types and attention == "msa"
+    index_heads = int(_get(c, "index_n_heads", default=kv_heads))
+    if has_msa and index_heads != kv_heads:
+        raise ConversionError(f"{where}: index_n_heads ({index_heads}) != num_key_value_heads ({kv_heads}); MSA has "
+                              "one index head per GQA group")
+    msa = MSAConfig(block_size=int(_get(c, "index_block_size", default=128)), topk=int(_get(c, "index_topk_blocks", default=16)),
+                    index_head_dim=int(_get(c, "index_head_dim", default=head_dim)),
+                    local_blocks=int(_get(c, "index_local_blocks", default=1)))
+    if has_msa and not 1 <= msa.local_blocks <= msa.topk:
+        raise ConversionError(f"{where}: index_local_blocks ({msa.local_blocks}) must be in [1, index_topk_blocks="
+                              f"{msa.topk}] (with more forced blocks than slots the kept ones are arbitrary)")
+    rotary_dim = _rotary_dim(c, head_dim, where)
+    if has_msa and rotary_dim > msa.index_head_dim:
+        raise ConversionError(f"{where}: {rotary_dim} rotated channels do not fit index_head_dim={msa.index_head_dim}")
+    theta, scaling = rope_from_hf(c, where)
+    experts = int(_get(c, "num_local_experts", "num_experts", default=0)) if "moe" in mlp_types else 0
+    topk = int(_get(c, "num_experts_per_tok", default=1))
+    if experts and topk < 2:
+        raise ConversionError(f"{where}: num_experts_per_tok={topk}: M3 renormalises the chosen experts' weights to sum "
+                              "to 1, which for one expert our sigmoid router (megatron's) does not")
+    leading = next((i for i, t in enumerate(mlp_types) if t == "moe"), layers)
+    moe_kw = {}
+    if experts:
+        moe_kw = dict(num_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=int(_require(c, where, "intermediate_size")),
+                      moe_shared_expert_size=int(_get(c, "shared_intermediate_size", default=0)),
+                      moe_router_score_function="sigmoid", moe_router_expert_bias=True,
+                      moe_router_topk_scaling_factor=float(_get(c, "routed_scaling_factor", default=1.0)),
+                      moe_aux_loss_coeff=float(_get(c, "router_aux_loss_coef", default=1e-3)))
+    vocab = int(_require(c, where, "vocab_size"))
+    dtype = str(_get(c, "dtype", "torch_dtype", default=_get(hf_config, "dtype", "torch_dtype", default="float32")))
+    return ModelConfig(
+        name=name or "minimax_m3-converted",
+        attention="msa" if has_msa else "dense",
+        attention_types=attn_types if has_msa and set(attn_types) != {"msa"} else [],
+        num_layers=layers, hidden_size=hidden,
+        ffn_hidden_size=int(_get(c, "dense_intermediate_size", default=_get(c, "intermediate_size"))),
+        num_attention_heads=heads, num_query_groups=kv_heads, head_dim=head_dim, qk_layernorm=True,
+        norm_zero_centered=True, norm_eps=float(_get(c, "rms_norm_eps", default=1e-6)), seq_length=seq_length,
+        rotary_base=theta, rotary_dim=rotary_dim, rope_scaling=scaling,
+        activation="quick_geglu", glu_alpha=float(_get(c, "swiglu_alpha", default=1.702)), glu_linear_offset=1.0,
+        activation_clamp=float(_get(c, "swiglu_limit", default=7.0)),
+        first_dense_layers=leading if all(t == "moe" for t in mlp_types[leading:]) else 0,
+        mlp_types=[] if all(t == "moe" for t in mlp_types[leading:]) or not experts else mlp_types,
+        init_method_std=float(_get(c, "initializer_range", default=0.02)),
+        tie_embeddings=bool(_get(c, "tie_word_embeddings", default=hf_config.get("tie_word_embeddings", False))),
+        vocab_size=vocab, make_vocab_size_divisible_by=math.gcd(vocab, 128),
+        params_dtype="bf16" if dtype.replace("torch.", "") == "bfloat16" else "fp32",
+        msa=msa, **moe_kw,
+    )
+
+
+def rules(model, with_index: bool) -> list:
+    """Every megatron tensor of `model` and the canonical M3 tensors it is made of."""
+    from msa_model.convert.hf_mapping import Rule
+
+    msa, moe = msa_layers_of(model), moe_layers(model)
+    out = [Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",))]
+    for i in range(model.num_layers):
+        hf, mc = f"model.layers.{i}", f"decoder.layers.{i}"
+        attn, sa = f"{hf}.self_attn", f"{mc}.self_attention"
+        out += [Rule(f"{mc}.input_layernorm.weight", (f"{hf}.input_layernorm.weight",)),
+                Rule(f"{sa}.linear_qkv.weight", tuple(f"{attn}.{p}_proj.weight" for p in "qkv"), "qkv"),
+                Rule(f"{sa}.q_layernorm.weight", (f"{attn}.q_norm.weight",)),
+                Rule(f"{sa}.k_layernorm.weight", (f"{attn}.k_norm.weight",)),
+                Rule(f"{sa}.linear_proj.weight", (f"{attn}.o_proj.weight",))]
+        if with_index and msa[i]:
+            out += [Rule(f"{sa}.index_{p}_proj.weight", (f"{attn}.indexer.{p}_proj.weight",)) for p in "qk"]
+            out += [Rule(f"{sa}.index_{p}_layernorm.weight", (f"{attn}.indexer.{p}_norm.weight",)) for p in "qk"]
+        out.append(Rule(f"{mc}.pre_mlp_layernorm.weight", (f"{hf}.post_attention_layernorm.weight",)))
+        if moe[i]:
+            out.append(Rule(f"{mc}.mlp.router.weight", (f"{hf}.mlp.gate.weight",)))
+            if model.moe_router_expert_bias:
+                out.append(Rule(f"{mc}.mlp.router.expert_bias", (f"{hf}.mlp.gate.e_score_correction_bias",)))
+            for e in range(model.num_experts):
+                ex, mx = f"{hf}.mlp.experts.{e}", f"{mc}.mlp.experts.local_experts.{e}"
+                out += [Rule(f"{mx}.linear_fc1.weight", (f"{ex}.gate_up_proj",)),
+                        Rule(f"{mx}.linear_fc2.weight", (f"{ex}.down_proj",))]
+            if model.moe_shared_expert_size:
+                out += [Rule(f"{mc}.mlp.shared_experts.linear_fc{n}.weight", (f"{hf}.mlp.shared_experts.{p}.weight",))
+                        for n, p in ((1, "gate_up_proj"), (2, "down_proj"))]
+        else:
+            out += [Rule(f"{mc}.mlp.linear_fc{n}.weight", (f"{hf}.mlp.{p}.weight",))
+                    for n, p in ((1, "gate_up_proj"), (2, "down_proj"))]
+    out.append(Rule("decoder.final_layernorm.weight", ("model.norm.weight",)))
+    if not model.tie_embeddings:
+        out.append(Rule("output_layer.weight", ("lm_head.weight",)))
+    return out
+
+
+def shapes(model, with_index: bool) -> dict[str, tuple[int, ...]]:
+    """The shape every canonical M3 tensor must have for `model` (unpadded vocab)."""
+    m = model
+    h, d, hq, g, di = m.hidden_size, m.head_dim, m.num_attention_heads, m.num_query_groups, m.msa.index_head_dim
+    by_leaf = {"q_proj.weight": (hq * d, h), "k_proj.weight": (g * d, h), "v_proj.weight": (g * d, h),
+               "o_proj.weight": (h, hq * d), "q_norm.weight": (d,), "k_norm.weight": (d,),
+               "gate.weight": (m.num_experts, h), "gate.e_score_correction_bias": (m.num_experts,)}
+    out = {}
+    for rule in rules(model, with_index):
+        for name in rule.hf:
+            leaf = ".".join(name.split(".")[-2:])
+            if name in ("model.embed_tokens.weight", "lm_head.weight"):
+                shape = (m.vocab_size, h)
+            elif ".indexer." in name:
+                shape = {"q_proj.weight": (g * di, h), "k_proj.weight": (di, h)}.get(leaf, (di,))
+            elif ".experts." in name:
+                f = m.moe_ffn_hidden_size
+                shape = (2 * f, h) if name.endswith("gate_up_proj") else (h, f)
+            elif ".mlp." in name and leaf not in by_leaf:
+                f = m.moe_shared_expert_size if ".shared_experts." in name else m.ffn_hidden_size
+                shape = (2 * f, h) if leaf == "gate_up_proj.weight" else (h, f)
+            else:
+                shape = by_leaf.get(leaf, (h,))
+            out[name] = shape
+    return out
+
+
+def check_exportable(model) -> None:
+    """Raise ConversionError naming every option that M3 cannot express exactly."""
+    m = model
+    problems = [text for bad, text in (
+        (not m.qk_layernorm, "qk_layernorm=false (M3 always has QK norms)"),
+        (not m.norm_zero_centered, "norm_zero_centered=false (M3's norms scale by 1 + w; w - 1 is not exact)"),
+        (m.qkv_bias, "qkv_bias=true"),
+        (m.activation != "quick_geglu", f"activation={m.activation} (M3 uses quick_geglu)"),
+        (m.glu_linear_offset != 1.0, f"glu_linear_offset={m.glu_linear_offset} (M3 multiplies by up + 1)"),
+        (m.activation_clamp is None, "activation_clamp unset (M3 always clamps at swiglu_limit)"),
+        (m.num_experts > 0 and m.moe_router_score_function != "sigmoid",
+         f"moe_router_score_function={m.moe_router_score_function} (M3 routes by sigmoid scores)"),
+        (m.num_experts > 0 and m.moe_router_topk < 2, "moe_router_topk=1 (M3 renormalises one weight to 1)"),
+        (m.num_experts > 0 and not m.moe_shared_expert_size, "moe_shared_expert_size=0 (M3 has a shared expert)"),
+        (m.attention == "msa" and m.msa.force_sink, "msa.force_sink=true (M3 forces no sink block)"),
+        (m.attention == "msa" and (m.rotary_dim or m.head_dim) > m.msa.index_head_dim,
+         "the rotated channels do not fit msa.index_head_dim"),
+        (m.attention == "msa" and m.rotary_dim is None and m.msa.index_head_dim != m.head_dim,
+         "index_head_dim != head_dim without rotary_dim (our index branch then has its own RoPE table; M3 "
+         "rotates the index q/k with the main one)"),
+    ) if bad]
+    if problems:
+        raise ConversionError("cannot export as minimax_m3: " + "; ".join(problems))
+
+
+def export_layout(tensors: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
+    """Canonical tensors -> transformers' text layout: per-expert tensors stacked into
+    `mlp.experts.{gate_up_proj,down_proj}`, a zero `e_score_correction_bias` where the model has
+    no expert bias (the same routing)."""
+    out = {}
+    moe = moe_layers(model)
+    for name, t in tensors.items():
+        if ".mlp.experts." not in name:
+            out[name] = t
+    for i, is_moe in enumerate(moe):
+        if not is_moe:
+            continue
+        mlp = f"model.layers.{i}.mlp"
+        for part in ("gate_up_proj", "down_proj"):
+            out[f"{mlp}.experts.{part}"] = torch.stack([tensors[f"{mlp}.experts.{e}.{part}"]
+                                                        for e in range(model.num_experts)])
+        bias = f"{mlp}.gate.e_score_correction_bias"
+        if bias not in out:
+            out[bias] = torch.zeros(model.num_experts, dtype=tensors[f"{mlp}.gate.weight"].dtype)
+    return out
+
+
+def hf_config_from_model(model, source: dict | None = None) -> dict:
+    """config.json of the exported text model; keys of the source's (text) config that do not
+    describe the architecture (token ids, ...) are kept."""
+    from msa_model.convert.hf_families import rope_to_hf
+
+    m = model
+    cfg = {k: v for k, v in text_config(source or {}).items() if k not in ("rope_theta", "rope_scaling", "torch_dtype",
+                                                                          "sparse_attention_config", "moe_layer_freq")}
+    rotary = m.rotary_dim or m.head_dim
+    rope = rope_to_hf(m.rotary_base, m.rope_scaling)
+    if rotary != m.head_dim:
+        rope["partial_rotary_factor"] = rotary / m.head_dim
+    msa, moe = msa_layers_of(m), moe_layers(m)
+    cfg.update(
+        architectures=[EXPORT_ARCHITECTURE], model_type=EXPORT_MODEL_TYPE, vocab_size=int(m.vocab_size),
+        hidden_size=m.hidden_size, num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
+        num_key_value_heads=m.num_query_groups, head_dim=m.head_dim, hidden_act="silu", rms_norm_eps=m.norm_eps,
+        rope_parameters=rope, rotary_dim=rotary, tie_word_embeddings=m.tie_embeddings,
+        initializer_range=m.init_method_std, dense_intermediate_size=m.ffn_hidden_size,
+        intermediate_size=m.moe_ffn_hidden_size, shared_intermediate_size=m.moe_shared_expert_size,
+        num_local_experts=max(1, m.num_experts), num_experts_per_tok=m.moe_router_topk,
+        routed_scaling_factor=m.moe_router_topk_scaling_factor or 1.0, router_aux_loss_coef=m.moe_aux_loss_coeff,
+        swiglu_alpha=m.glu_alpha, swiglu_limit=m.activation_clamp,
+        layer_types=["minimax_m3_sparse" if x else "full_attention" for x in msa],
+        mlp_layer_types=["sparse" if x else "dense" for x in moe],
+        index_n_heads=m.num_query_groups, index_head_dim=m.msa.index_head_dim, index_block_size=m.msa.block_size,
+        index_topk_blocks=m.msa.topk, index_local_blocks=m.msa.local_blocks,
+        dtype="bfloat16" if m.params_dtype == "bf16" else cfg.get("dtype", "float32"),
+    )
+    return cfg
