@@ -337,7 +337,7 @@ def load_checkpoint(trainer, path: str | Path, verify: bool = True, model_config
     try:
         check_resume_architecture(_unwrap(trainer.model_chunks[0]), Path(path), common.get("model_config"),
                                   model_config)
-    except (CheckpointError, DamagedCheckpointError):
+    except CheckpointError:
         raise
     except CHECKPOINT_FAILURES as e:
         raise unreadable("resume:", path, e) from e
@@ -386,7 +386,7 @@ def load_weights(module, step_dir: str | Path, allow_missing_index: bool, what: 
     With `allow_missing_index`, index-branch tensors absent from the checkpoint keep their current
     values; any other absent tensor raises `error` naming it. Returns the number of absent
     index-branch tensors. The trainer's `init_from` and the conversion tools share this rule."""
-    verify_checkpoint(step_dir, what, error=error if issubclass(error, ValueError) else DamagedCheckpointError)
+    verify_checkpoint(step_dir, what)
     sharded = module.sharded_state_dict()
     # compare keys before loading: a tensor factory (e.g. fused expert weights) without stored
     # values fails deep inside dist_checkpointing with a message that names no parameter
@@ -436,7 +436,7 @@ def load_model_weights(model_chunks, path: str | Path, model_config: dict | None
         saved = dist_checkpointing.load_common_state_dict(str(path)).get("model_config")
         check_init_architecture(module, path, saved, model_config, is_index_branch_key)
         fresh = load_weights(module, path, allow_missing_index=True)
-    except (CheckpointError, DamagedCheckpointError):
+    except CheckpointError:
         raise
     except CHECKPOINT_FAILURES as e:
         raise unreadable("init_from", path, e) from e

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from msa_model.training.checkpoint_checks import CheckpointError
+
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
@@ -25,8 +27,11 @@ _FORMAT = 1
 _CHUNK = 8 << 20
 
 
-class DamagedCheckpointError(ValueError):
-    """A checkpoint whose files differ from its manifest (or have none of it); names the files."""
+class DamagedCheckpointError(CheckpointError, ValueError):
+    """A checkpoint whose files differ from its manifest (or have none of it); names the files.
+
+    A CheckpointError to the trainer (an input error: exit 2) and a ValueError to the conversion
+    tools, which report bad input that way."""
 
 
 def _dist() -> tuple[int, int]:
