@@ -120,7 +120,10 @@ def slurm_cluster(tmp_path_factory):
     # a cluster of our own: another one on this host (other ports, other state) is left alone
     state = Path(tempfile.mkdtemp(prefix="msa-slurm-test-", dir="/var/tmp"))
     # 16 CPUs a node: every scenario's job runs at once (they share the host's cores)
-    env = {"MSA_SLURM_STATE": str(state), "MSA_SLURM_PORT": str(_free_port_block()), "MSA_SLURM_CPUS": "16"}
+    # KillWait 90 s instead of 30: the scenarios' jobs share two cores, where a stop save and the
+    # exit of a gloo job have been seen to outlast 30 s (task 1 then dies by SIGKILL)
+    env = {"MSA_SLURM_STATE": str(state), "MSA_SLURM_PORT": str(_free_port_block()), "MSA_SLURM_CPUS": "16",
+           "MSA_SLURM_KILL_WAIT": "90"}
     install = _cluster("install", env, timeout=900)
     assert install.returncode == 0, f"slurm install failed:\n{install.stderr}"
     start = _cluster("start", env, timeout=120)
