@@ -238,8 +238,8 @@ def dense_rows(T: int, reps: int, res: dict) -> None:
         document_rows(r, q, k, v, iq, ik, do, True, reps)
     measure(r, "sdpa_fwdbwd_ms", lambda: timed(sdpa_fb, reps))
     measure(r, "sdpa_peak_gib", lambda: peak_gib(sdpa_fb))
-    msa_mod = importlib.import_module("msa_model.ops.msa_attention")
-    r["dense_attention"] = "cudnn" if msa_mod._CUDNN["ok"] else "flash"
+    compat = importlib.import_module("msa_model.compat")
+    r["dense_attention"] = "cudnn" if compat.CUDNN_ATTENTION["ok"] else "flash"
 
 
 def forward_rows(T: int, reps: int, res: dict, with_sdpa: bool) -> None:

@@ -6,6 +6,8 @@ the 257-entry vocabulary up to a multiple of `model.make_vocab_size_divisible_by
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from megatron.core.tokenizers import MegatronTokenizerBase
 
@@ -53,7 +55,10 @@ class ByteTokenizer(MegatronTokenizerBase):
         raise NotImplementedError("the byte tokenizer has no chat template")
 
 
+@functools.lru_cache(maxsize=None)
 def build_tokenizer(name: str) -> ByteTokenizer:
+    """The tokenizer named `name`, built once per process (the trainer, the data pipeline and the
+    eval all ask for it)."""
     if name != "byte":
         raise ValueError(f"data.tokenizer: unknown tokenizer {name!r} (available: byte)")
     return ByteTokenizer()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gpu_sync import assert_no_host_sync
 from msa_model.ops import indexer_kl_loss, msa_attention, select_blocks, sparse_attention
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -79,11 +80,4 @@ def test_a_training_step_never_waits_on_the_device(dense, docs):
                               check_ids=False)
         torch.autograd.backward([o, kl], [torch.ones_like(o), torch.ones_like(kl)])
 
-    step()  # compiles the kernels and fills the allocator's cache
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
+    assert_no_host_sync(step)

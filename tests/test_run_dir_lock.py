@@ -56,8 +56,9 @@ def test_a_second_launch_is_refused_naming_the_holder(tmp_path, data_cache):
     err = proc.stderr.strip().splitlines()
     assert f"in use by pid {holder.pid} on host {socket.gethostname()}" in err[-1], err[-5:]
     assert "Traceback" not in proc.stderr
-    # it wrote nothing: the holder's config, checkpoints and metrics are not its to touch
-    assert not [n for n in ("config.yaml", "launch.sh", "checkpoints", "metrics.jsonl") if (run_dir / n).exists()]
+    # it wrote nothing: the holder's config, log, checkpoints and metrics are not its to touch
+    assert not [n for n in ("config.yaml", "launch.sh", "checkpoints", "metrics.jsonl", "train.log")
+                if (run_dir / n).exists()]
 
 
 @pytest.mark.slow

@@ -14,7 +14,6 @@ converted directory OUT:
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -89,7 +88,7 @@ def save(model, out: str | Path, metadata: dict) -> Path:
     """Write `model` as OUT/step_00000000 with a `latest` pointer (the trainer's layout)."""
     from megatron.core import dist_checkpointing
 
-    from msa_model.training.checkpoint import step_dir_name, write_latest
+    from msa_model.training.checkpoint import publish_save, step_dir_name
     from msa_model.training.manifest import write_manifest
 
     out = Path(out)
@@ -104,9 +103,7 @@ def save(model, out: str | Path, metadata: dict) -> Path:
     dist.barrier()
     write_manifest(tmp)
     if dist.get_rank() == 0:
-        shutil.rmtree(final, ignore_errors=True)
-        os.rename(tmp, final)
-        write_latest(out, name)
+        publish_save(out, tmp, name)
     dist.barrier()
     return final
 

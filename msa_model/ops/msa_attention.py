@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from msa_model.compat import causal_attention_with_lse
+
 from .common import check_doc_start, check_index, check_qkv, default_scale, resolve_backend, trim_keys
 from .indexer_kl import indexer_kl_loss
 from .select_blocks import select_blocks
@@ -49,7 +51,7 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iq: torch.T
     # select_blocks' ids are in range and doc_start is checked above: no id checks (check_ids), so
     # the layer issues its work with no host synchronisation
     if dense and q_offset == 0 and doc_start is None and _use_flash(q, k, v, backend):
-        o, lse = _flash_dense(q, k, v, default_scale(q.shape[-1], scale))
+        o, lse = causal_attention_with_lse(q, k, v, default_scale(q.shape[-1], scale))
     else:
         o, lse = sparse_attention(q, k, v, block_idx, block_size=block_size, scale=scale, backend=backend,
                                   q_offset=q_offset, check_ids=False, doc_start=doc_start,
@@ -67,23 +69,3 @@ def _use_flash(q, k, v, backend: str) -> bool:
     fused kernels do it (and return the lse the KL needs), faster than our Triton dense path."""
     return (resolve_backend(backend, q, k, v) == "triton" and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
             and q.shape[-1] in (64, 96, 128, 256))
-
-
-# the cuDNN kernel is preferred (faster than flash at GQA 64/4: bench/RESULTS.md, "Figures behind
-# code choices"); a build or shape it refuses falls back to flash attention for the rest of the process
-_CUDNN = {"ok": True}
-
-
-def _flash_dense(q, k, v, scale: float):
-    """Causal GQA attention: o [B, T, Hq, D] and lse float32 [B, T, Hq] (natural log)."""
-    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    if _CUDNN["ok"]:
-        try:
-            out = torch.ops.aten._scaled_dot_product_cudnn_attention(qt, kt, vt, None, True, 0.0, True, False,
-                                                                     scale=scale)
-            lse = out[1].reshape(q.shape[0], q.shape[2], q.shape[1])
-            return out[0].transpose(1, 2), lse.transpose(1, 2)
-        except RuntimeError:
-            _CUDNN["ok"] = False
-    out = torch.ops.aten._scaled_dot_product_flash_attention(qt, kt, vt, 0.0, True, False, scale=scale)
-    return out[0].transpose(1, 2), out[1].transpose(1, 2)

@@ -46,6 +46,7 @@ from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
+from msa_model.compat import load_optimizer_state
 from msa_model.training.callbacks import Callback
 from msa_model.training.manifest import (DamagedCheckpointError, check_manifest, describe, verify_checkpoint,
                                          warn_unverified, write_manifest)
@@ -109,6 +110,21 @@ def write_latest(root: Path, name: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(pointer_tmp, root / LATEST)
+
+
+def publish_save(root: Path, tmp: Path, name: str) -> Path:
+    """Rank 0, once every rank has written the save `tmp` and its manifest: move it into place as
+    root/name and point `latest` at it. A directory already named so is set aside first and
+    removed only after `latest` names the new save, so a crash at any point leaves `latest`
+    naming a complete checkpoint."""
+    final, aside = root / name, root / f".old-{name}"
+    if final.exists():
+        shutil.rmtree(aside, ignore_errors=True)
+        os.rename(final, aside)
+    os.rename(tmp, final)
+    write_latest(root, name)
+    shutil.rmtree(aside, ignore_errors=True)
+    return final
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:
@@ -205,16 +221,11 @@ def save_checkpoint(trainer, root: str | Path, keep: int = 0, model_config: dict
     dist.barrier()
     write_manifest(tmp)
     if dist.get_rank() == 0:
-        aside = root / f".old-{name}"
         if final.exists():
             # not what `latest` names (checked above): a save left behind by a run whose `latest`
             # was pointed back, possibly damaged; it must not stand in for this one
             log.warning("replacing %s, which `latest` does not name (left by a rolled-back run)", final)
-            shutil.rmtree(aside, ignore_errors=True)
-            os.rename(final, aside)
-        os.rename(tmp, final)
-        write_latest(root, name)
-        shutil.rmtree(aside, ignore_errors=True)
+        publish_save(root, tmp, name)
         if keep > 0:
             # only saves older than this one: a newer directory (left by a rollback of `latest`)
             # is not ours to judge, and the one just saved is never pruned
@@ -250,28 +261,6 @@ def _restore_adam_steps(optimizer) -> None:
             for p in group["params"]:
                 if "step" in inner.state[p]:
                     inner.state[p]["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
-
-
-def _load_optimizer_state(optimizer, state: dict) -> None:
-    """optimizer.load_state_dict, working around megatron 0.19's fully_reshardable loader with torch
-    Adam: it restores the per-parameter `step` on its own, then asks the checkpoint for every
-    tensor of a parameter's state, `step` included, which it never passes along (KeyError).
-    A None `step` is skipped."""
-    patched = []
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        setter = getattr(opt, "_set_main_param_and_optimizer_states", None)
-        if setter is None:
-            continue
-        opt._set_main_param_and_optimizer_states = (
-            lambda model_param, tensors, _set=setter: _set(model_param, {"step": None, **tensors}))
-        patched.append(opt)
-    try:
-        # fp32 main params are written in place; outside no_grad autograd would track the copy
-        with torch.no_grad():
-            optimizer.load_state_dict(state)
-    finally:
-        for opt in patched:
-            del opt._set_main_param_and_optimizer_states
 
 
 DAMAGED_PREFIX = "damaged-"
@@ -357,7 +346,7 @@ def load_checkpoint(trainer, path: str | Path, verify: bool = True, model_config
     _unwrap(trainer.model_chunks[0]).load_state_dict(loaded["model"])
     # the config's learning rates win over the saved ones (a relaunch may change optim.lr)
     align_lr_groups(loaded["optimizer"], trainer.optimizer)
-    _load_optimizer_state(trainer.optimizer, loaded["optimizer"])
+    load_optimizer_state(trainer.optimizer, loaded["optimizer"])
     _restore_adam_steps(trainer.optimizer)
     trainer.scheduler.load_state_dict(loaded["scheduler"])
     trainer.state.load_state_dict(loaded["trainer"])

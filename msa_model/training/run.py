@@ -25,6 +25,7 @@ from pathlib import Path  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from data.cache_check import DataCacheError  # noqa: E402
+from msa_model.compat import warn_untested_versions  # noqa: E402
 from msa_model.config import ConfigError, validate  # noqa: E402
 from msa_model.training.checkpoint_checks import CheckpointError  # noqa: E402
 from msa_model.training.distributed import launch_env, parallel_layout  # noqa: E402
@@ -152,7 +153,9 @@ def run(cfg: DictConfig) -> None:
     ckpt_root = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-    setup_logging(run_dir if rank == 0 else None, rank == 0)
+    # the console only: train.log is the run's, written once the run dir's lock is ours
+    setup_logging(None, rank == 0)
+    warn_untested_versions()
     latest = ckpt.latest_checkpoint(ckpt_root)
     if cfg.resume == "never" and latest is not None:
         raise ConfigError(f"resume=never but {ckpt_root} already holds checkpoints; choose another run_dir")
@@ -164,6 +167,7 @@ def run(cfg: DictConfig) -> None:
         # one's save in progress and interleave its metrics
         lock = lock_run_dir(run_dir, env.is_main)
         if env.is_main:
+            setup_logging(run_dir, True)
             write_run_files(cfg, run_dir)
             ckpt.cleanup_partial_saves(ckpt_root)
             log.info("run dir %s | %s", run_dir, " ".join(f"{k}={v}" for k, v in parallel_layout(cfg.parallel, world_size).items()))

@@ -1,0 +1,86 @@
+"""The private megatron-core and PyTorch APIs this project relies on, in one place.
+
+Each entry is something a public API does not offer; each was checked with the versions in
+`CHECKED_WITH` and is the first place to look after an upgrade.
+
+| private API | used for | where |
+|---|---|---|
+| `torch.ops.aten._scaled_dot_product_cudnn_attention` and `_scaled_dot_product_flash_attention` (their output tuples: o, then the logsumexp) | the dense warmup's causal attention with the lse the KL needs (public SDPA returns no lse) | `causal_attention_with_lse` below |
+| megatron optimizer `_set_main_param_and_optimizer_states` | loading a torch-Adam optimizer state: megatron 0.19's reshardable loader asks for a `step` it never passes along | `load_optimizer_state` below |
+| `torch.cuda.*` stand-ins, `megatron.core.tensor_parallel.random._get_cuda_rng_state` / `_set_cuda_rng_state`, `megatron.core.transformer.moe.token_dispatcher.maybe_move_tensor_to_cpu` | megatron-core on CPU (gloo) | `msa_model/cpu_shim.py` (its table says why each one) |
+"""
+
+from __future__ import annotations
+
+import logging
+from importlib import metadata
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# what the private APIs above were checked with (GPU machine: torch 2.11; CPU: torch 2.13)
+CHECKED_WITH = {"megatron-core": ("0.19.2",), "torch": ("2.11", "2.13")}
+
+
+def untested_versions() -> list[str]:
+    """'package X (checked with Y)' for every installed package in CHECKED_WITH whose version
+    was not checked."""
+    out = []
+    for package, checked in CHECKED_WITH.items():
+        try:
+            version = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            continue
+        if not any(version == c or version.startswith(c + ".") or version.startswith(c + "+") for c in checked):
+            out.append(f"{package} {version} (checked with {', '.join(checked)})")
+    return out
+
+
+def warn_untested_versions() -> None:
+    found = untested_versions()
+    if found:
+        log.warning("private APIs of %s are used (msa_model/compat.py); check them if anything breaks",
+                    "; ".join(found))
+
+
+# the cuDNN kernel is preferred (faster than flash at GQA 64/4: bench/RESULTS.md, "Figures behind
+# code choices"); a build or shape it refuses falls back to flash attention for the rest of the process
+CUDNN_ATTENTION = {"ok": True}
+
+
+def causal_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    """Causal GQA attention on CUDA: o [B, T, Hq, D] and lse float32 [B, T, Hq] (natural log)."""
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if CUDNN_ATTENTION["ok"]:
+        try:
+            out = torch.ops.aten._scaled_dot_product_cudnn_attention(qt, kt, vt, None, True, 0.0, True, False,
+                                                                     scale=scale)
+            lse = out[1].reshape(q.shape[0], q.shape[2], q.shape[1])
+            return out[0].transpose(1, 2), lse.transpose(1, 2)
+        except RuntimeError:
+            CUDNN_ATTENTION["ok"] = False
+    out = torch.ops.aten._scaled_dot_product_flash_attention(qt, kt, vt, 0.0, True, False, scale=scale)
+    return out[0].transpose(1, 2), out[1].transpose(1, 2)
+
+
+def load_optimizer_state(optimizer, state: dict) -> None:
+    """optimizer.load_state_dict, working around megatron 0.19's fully_reshardable loader with torch
+    Adam: it restores the per-parameter `step` on its own, then asks the checkpoint for every
+    tensor of a parameter's state, `step` included, which it never passes along (KeyError).
+    A None `step` is skipped."""
+    patched = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        setter = getattr(opt, "_set_main_param_and_optimizer_states", None)
+        if setter is None:
+            continue
+        opt._set_main_param_and_optimizer_states = (
+            lambda model_param, tensors, _set=setter: _set(model_param, {"step": None, **tensors}))
+        patched.append(opt)
+    try:
+        # fp32 main params are written in place; outside no_grad autograd would track the copy
+        with torch.no_grad():
+            optimizer.load_state_dict(state)
+    finally:
+        for opt in patched:
+            del opt._set_main_param_and_optimizer_states
