@@ -4,7 +4,7 @@
         --account myproj -- recipe=pt model=small run_dir=/shared/runs/pt-small
 
 What the job asks SLURM for is the config's `launch.*` (msa_model.config.LaunchConfig), so a
-recipe can carry it; the options above are shorthands for those keys
+recipe can carry it (`-- recipe=msa_109b_pt`); the options above are shorthands for those keys
 (`--nodes 4` is `launch.nodes=4`, `--time 24:00:00` is `launch.time_min=1440`) and win over them.
 The Hydra overrides are composed here exactly as train.py would compose them, validated for the
 world size of the job, and rendered with launch/submit.sbatch.in into <run_dir>/submit.sbatch next

@@ -61,7 +61,7 @@ def classify(command: str) -> str:
     if words[:2] == ["python", "train.py"]:
         if any(w.startswith("model=qwen3") for w in words):
             return "skip"  # the model entry a conversion of your Hugging Face checkpoint writes
-        if "-m" in words or any(w.startswith(("model=small", "model=msa_109b")) for w in words):
+        if "-m" in words or any(w.startswith(("model=small", "model=msa_109b", "recipe=msa_109b")) for w in words):
             # the 109B dry runs are run by tests/test_recipes.py
             return "validate"
         if any(w.startswith("optim.") for w in words):
