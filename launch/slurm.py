@@ -3,13 +3,16 @@
     python -m launch.slurm --nodes 4 --gpus-per-node 8 --time 24:00:00 --partition gpu \\
         --account myproj -- recipe=pt model=small run_dir=/shared/runs/pt-small
 
+What the job asks SLURM for is the config's `launch.*` (msa_model.config.LaunchConfig), so a
+recipe can carry it (`-- recipe=msa_109b_pt`); the options above are shorthands for those keys
+(`--nodes 4` is `launch.nodes=4`, `--time 24:00:00` is `launch.time_min=1440`) and win over them.
 The Hydra overrides are composed here exactly as train.py would compose them, validated for the
 world size of the job, and rendered with launch/submit.sbatch.in into <run_dir>/submit.sbatch next
 to the resolved config (config.yaml) and the code's commit (git.txt). `sbatch <run_dir>/submit.sbatch`
 relaunches the run; with resume=auto it continues from the latest complete checkpoint, which is
 also what a requeued job does.
 
-Two ways to start the ranks:
+Two ways to start the ranks (launch.mode, `--mode`):
 - torchrun (default): one srun task per node runs torchrun, which starts one rank per GPU and
   meets the other nodes through a c10d rendezvous at the first node of the allocation;
 - srun: one srun task per rank; the trainer reads its rank from SLURM_PROCID / SLURM_NTASKS.
@@ -18,42 +21,17 @@ Two ways to start the ranks:
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import shlex
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TEMPLATE = Path(__file__).with_name("submit.sbatch.in")
 COMM_ENV = Path(__file__).with_name("comm_env.sh")
-
-
-@dataclass
-class JobSpec:
-    """What the job asks SLURM for. ranks_per_node defaults to gpus_per_node (1 without GPUs)."""
-
-    nodes: int = 1
-    gpus_per_node: int = 0
-    ranks_per_node: int | None = None
-    cpus_per_task: int | None = None
-    time: str = "01:00:00"
-    partition: str | None = None
-    account: str | None = None
-    signal_seconds: int = 300
-    mode: str = "torchrun"  # torchrun | srun
-    job_name: str | None = None
-    env: dict[str, str] = field(default_factory=dict)
-    sbatch_args: list[str] = field(default_factory=list)
-
-    @property
-    def ranks(self) -> int:
-        return self.ranks_per_node or max(self.gpus_per_node, 1)
-
-    @property
-    def world_size(self) -> int:
-        return self.nodes * self.ranks
 
 
 def time_to_seconds(time: str) -> int:
@@ -67,6 +45,23 @@ def time_to_seconds(time: str) -> int:
     if c is not None:  # H:M:S
         return int(a) * 3600 + int(b) * 60 + int(c)
     return int(a) * 60 + int(b or 0)  # M or M:S
+
+
+def time_to_minutes(time: str) -> int:
+    """A SLURM time as launch.time_min; seconds round up to the next minute, as SLURM rounds them."""
+    return math.ceil(time_to_seconds(time) / 60)
+
+
+def slurm_time(minutes: int) -> str:
+    """launch.time_min as SLURM's [D-]HH:MM:SS."""
+    days, rest = divmod(minutes, 24 * 60)
+    hours, mins = divmod(rest, 60)
+    return f"{days}-{hours:02d}:{mins:02d}:00" if days else f"{hours:02d}:{mins:02d}:00"
+
+
+def world_size(launch) -> int:
+    """The ranks a job of these launch settings (a LaunchConfig) starts."""
+    return launch.nodes * launch.ranks_per_node
 
 
 def compose_config(overrides: list[str]):
@@ -89,13 +84,11 @@ def job_overrides(overrides: list[str], run_dir: Path) -> list[str]:
     return [*kept, f"run_dir={run_dir}"]
 
 
-def _launch_command(spec: JobSpec) -> str:
+def _launch_command(launch) -> str:
     # --quiet: srun's own notes ("forcing job termination", ...) when SLURM ends or requeues the
     # job read like failures; its errors still show
-    if spec.mode == "srun":
+    if launch.mode == "srun":
         return 'srun --quiet --kill-on-bad-exit=1 "$PYTHON" train.py "${TRAIN_ARGS[@]}"'
-    if spec.mode != "torchrun":
-        raise ValueError(f"--mode must be torchrun or srun, got {spec.mode!r}")
     # stop signals reach every process of the step. torchrun would die of USR1 and turn TERM into
     # a SIGTERM-then-SIGKILL of its workers, so it starts with both ignored (that survives exec)
     # and is told not to handle TERM itself; the trainers install their handlers, save and exit
@@ -104,48 +97,48 @@ def _launch_command(spec: JobSpec) -> str:
         "srun --quiet --kill-on-bad-exit=1 --ntasks-per-node=1 bash -c 'trap \"\" USR1 TERM; exec \"$@\"' torchrun \\\n"
         '    "$PYTHON" -m torch.distributed.run --signals-to-handle=SIGINT,SIGHUP,SIGQUIT \\\n'
         '    --nnodes="$SLURM_JOB_NUM_NODES" '
-        f"--nproc-per-node={spec.ranks} \\\n"
+        f"--nproc-per-node={launch.ranks_per_node} \\\n"
         '    --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" '
         '--rdzv-id="$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}" \\\n'
         '    train.py "${TRAIN_ARGS[@]}"'
     )
 
 
-def render(spec: JobSpec, overrides: list[str], run_dir: Path, job_name: str,
-           python: str = sys.executable, workdir: Path = REPO_ROOT) -> str:
-    """The submit script for `overrides` (already including run_dir=...)."""
-    if spec.signal_seconds >= time_to_seconds(spec.time):
-        raise ValueError(f"--signal-seconds ({spec.signal_seconds}) must be shorter than --time ({spec.time})")
+def render(launch, overrides: list[str], run_dir: Path, env: dict[str, str] | None = None,
+           sbatch_args: list[str] | None = None, python: str = sys.executable, workdir: Path = REPO_ROOT) -> str:
+    """The submit script for `overrides` (already including run_dir=...) under `launch`, the
+    resolved and validated launch settings (a LaunchConfig); `env` is exported in the job and
+    `sbatch_args` are passed to sbatch as they are."""
     for what, path in (("run_dir", run_dir), ("workdir", workdir)):
         if re.search(r"\s", str(path)):
             raise ValueError(f"{what} {path} contains whitespace, which #SBATCH lines cannot hold")
     extra = []
-    if spec.gpus_per_node:
-        extra.append(f"--gpus-per-node={spec.gpus_per_node}")
-    if spec.cpus_per_task:
-        extra.append(f"--cpus-per-task={spec.cpus_per_task}")
-    if spec.partition:
-        extra.append(f"--partition={spec.partition}")
-    if spec.account:
-        extra.append(f"--account={spec.account}")
-    extra += spec.sbatch_args
-    torchrun = spec.mode == "torchrun"
+    if launch.gpus_per_node:
+        extra.append(f"--gpus-per-node={launch.gpus_per_node}")
+    if launch.cpus_per_task:
+        extra.append(f"--cpus-per-task={launch.cpus_per_task}")
+    if launch.partition:
+        extra.append(f"--partition={launch.partition}")
+    if launch.account:
+        extra.append(f"--account={launch.account}")
+    extra += sbatch_args or []
+    torchrun = launch.mode == "torchrun"
     values = {
         "run_dir": str(run_dir),
-        "job_name": job_name,
-        "nodes": str(spec.nodes),
-        "tasks_per_node": "1" if torchrun else str(spec.ranks),
-        "ranks_per_task": str(spec.ranks) if torchrun else "1",
-        "time": spec.time,
+        "job_name": launch.job_name,
+        "nodes": str(launch.nodes),
+        "tasks_per_node": "1" if torchrun else str(launch.ranks_per_node),
+        "ranks_per_task": str(launch.ranks_per_node) if torchrun else "1",
+        "time": slurm_time(launch.time_min),
         "workdir": str(workdir),
-        "signal_seconds": str(spec.signal_seconds),
+        "signal_seconds": str(launch.signal_seconds),
         "sbatch_extra": "\n".join(f"#SBATCH {shlex.quote(a)}" for a in extra),
         # the file's header (about the file itself) stays behind
         "comm_env": COMM_ENV.read_text().split("\n\n", 1)[1].rstrip(),
-        "env_exports": "\n".join(f"export {k}={shlex.quote(v)}" for k, v in spec.env.items()),
+        "env_exports": "\n".join(f"export {k}={shlex.quote(v)}" for k, v in (env or {}).items()),
         "python": shlex.quote(python),
         "train_args": " ".join(shlex.quote(o) for o in overrides),
-        "launch_command": _launch_command(spec),
+        "launch_command": _launch_command(launch),
     }
     text = TEMPLATE.read_text()
     missing = set(re.findall(r"{{(\w+)}}", text)) - values.keys()
@@ -179,8 +172,10 @@ def sbatch(script: Path, timeout: float = 60) -> str:
     return out.stdout.strip().split(";")[0]
 
 
-def prepare(spec: JobSpec, overrides: list[str]) -> tuple[Path, str, object]:
-    """Compose and validate the config; return (run_dir, script, cfg). Writes nothing."""
+def prepare(overrides: list[str], env: dict[str, str] | None = None,
+            sbatch_args: list[str] | None = None) -> tuple[Path, str, object]:
+    """Compose the config, validate it for the world size of its launch.* settings; return
+    (run_dir, script, cfg). Writes nothing."""
     from omegaconf import OmegaConf
 
     from msa_model.config import validate
@@ -192,38 +187,67 @@ def prepare(spec: JobSpec, overrides: list[str]) -> tuple[Path, str, object]:
     args = job_overrides(overrides, run_dir)
     cfg = compose_config(args)
     OmegaConf.resolve(cfg)
-    validate(cfg, spec.world_size, gpu=spec.gpus_per_node > 0)
-    name = spec.job_name or f"{cfg.model.name}-{cfg.name}"
-    return run_dir, render(spec, args, run_dir, name), cfg
+    validate(cfg, world_size(cfg.launch), gpu=bool(cfg.launch.gpus_per_node))
+    return run_dir, render(cfg.launch, args, run_dir, env, sbatch_args), cfg
 
 
-def submit(spec: JobSpec, overrides: list[str]) -> tuple[Path, str]:
+def submit(overrides: list[str], env: dict[str, str] | None = None,
+           sbatch_args: list[str] | None = None) -> tuple[Path, str]:
     """Write the run dir and submit; return (run_dir, job id)."""
-    run_dir, script, cfg = prepare(spec, overrides)
-    path = write_run_dir(run_dir, cfg, script)
-    return run_dir, sbatch(path)
+    run_dir, script, cfg = prepare(overrides, env, sbatch_args)
+    return run_dir, sbatch(write_run_dir(run_dir, cfg, script))
 
 
-def parse_args(argv: list[str]) -> tuple[JobSpec, list[str], bool]:
+@dataclass
+class Request:
+    """A command line: Hydra overrides (the options' launch.* keys last, so they win) and what
+    goes to the job as it is."""
+
+    overrides: list[str]
+    env: dict[str, str]
+    sbatch_args: list[str]
+    dry_run: bool
+
+
+# options that set the launch.* key of the same name (msa_model.config.LaunchConfig)
+LAUNCH_OPTIONS = ("nodes", "gpus_per_node", "ranks_per_node", "cpus_per_task", "partition", "account",
+                  "signal_seconds", "mode", "job_name")
+
+
+def _hydra_value(value) -> str:
+    """`value` as the right-hand side of a Hydra override: strings other than plain words quoted."""
+    text = str(value)
+    if not isinstance(value, str) or (re.fullmatch(r"[A-Za-z][\w.-]*", text)
+                                      and text.lower() not in ("null", "true", "false", "nan", "inf")):
+        return text
+    # in Hydra's quoted strings, backslashes escape only before a quote or at the end
+    return "'" + re.sub(r"(\\*)('|$)", lambda m: m.group(1) * 2 + ("\\'" if m.group(2) else ""), text) + "'"
+
+
+def parse_args(argv: list[str]) -> Request:
     if "--" in argv:
         split = argv.index("--")
         argv, overrides = argv[:split], argv[split + 1:]
     else:
         overrides = []
     p = argparse.ArgumentParser(prog="python -m launch.slurm", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nodes", type=int, default=1)
-    p.add_argument("--gpus-per-node", type=int, default=0, help="0 for CPU jobs (gloo)")
-    p.add_argument("--ranks-per-node", type=int, default=None, help="default: gpus per node, or 1")
-    p.add_argument("--cpus-per-task", type=int, default=None)
-    p.add_argument("--time", default="01:00:00", help="SLURM time limit, e.g. 04:00:00")
-    p.add_argument("--partition", default=None)
-    p.add_argument("--account", default=None)
-    p.add_argument("--signal-seconds", type=int, default=300,
-                   help="USR1 this many seconds before the time limit: save, requeue, exit")
-    p.add_argument("--mode", choices=["torchrun", "srun"], default="torchrun")
-    p.add_argument("--job-name", default=None)
-    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="exported in the job")
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="Options left out keep the config's launch.* values (defaults: "
+                                       "msa_model.config.LaunchConfig).")
+    p.add_argument("--nodes", type=int, help="launch.nodes")
+    p.add_argument("--gpus-per-node", type=int, help="launch.gpus_per_node; 0 for CPU jobs (gloo)")
+    p.add_argument("--ranks-per-node", type=int,
+                   help="launch.ranks_per_node; with --gpus-per-node given, defaults to it (1 without GPUs)")
+    p.add_argument("--cpus-per-task", type=int, help="launch.cpus_per_task")
+    p.add_argument("--time", help="SLURM time limit, e.g. 04:00:00: launch.time_min")
+    p.add_argument("--partition", help="launch.partition")
+    p.add_argument("--account", help="launch.account")
+    p.add_argument("--signal-seconds", type=int,
+                   help="launch.signal_seconds: USR1 this many seconds before the time limit: save, requeue, exit")
+    p.add_argument("--mode", choices=["torchrun", "srun"], help="launch.mode")
+    p.add_argument("--job-name", help="launch.job_name")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                   help="exported in the job (kept out of the run's config)")
     p.add_argument("--sbatch-arg", action="append", default=[], metavar="ARG",
                    help="extra sbatch option, e.g. --sbatch-arg=--exclusive")
     p.add_argument("--dry-run", action="store_true", help="print the submit script; submit and write nothing")
@@ -234,26 +258,33 @@ def parse_args(argv: list[str]) -> tuple[JobSpec, list[str], bool]:
         if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
             p.error(f"--env expects KEY=VALUE, got {item!r}")
         env[key] = value
-    spec = JobSpec(nodes=a.nodes, gpus_per_node=a.gpus_per_node, ranks_per_node=a.ranks_per_node,
-                   cpus_per_task=a.cpus_per_task, time=a.time, partition=a.partition, account=a.account,
-                   signal_seconds=a.signal_seconds, mode=a.mode, job_name=a.job_name, env=env,
-                   sbatch_args=a.sbatch_arg)
-    return spec, overrides, a.dry_run
+    options = {key: getattr(a, key) for key in LAUNCH_OPTIONS if getattr(a, key) is not None}
+    if a.ranks_per_node is None and a.gpus_per_node is not None:
+        # one rank per GPU
+        options["ranks_per_node"] = max(a.gpus_per_node, 1)
+    if a.time is not None:
+        try:
+            options["time_min"] = time_to_minutes(a.time)
+        except ValueError as e:
+            p.error(str(e))
+    launch = [f"launch.{key}={_hydra_value(value)}" for key, value in options.items()]
+    return Request([*overrides, *launch], env, a.sbatch_arg, a.dry_run)
 
 
 def main(argv: list[str] | None = None) -> None:
     from msa_model.config import ConfigError
 
-    spec, overrides, dry_run = parse_args(sys.argv[1:] if argv is None else argv)
+    request = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        if dry_run:
-            _, script, _ = prepare(spec, overrides)
-            print(script, end="")
-            return
-        run_dir, job_id = submit(spec, overrides)
+        run_dir, script, cfg = prepare(request.overrides, request.env, request.sbatch_args)
     except (ConfigError, ValueError) as e:
         sys.exit(f"launch.slurm: {e}")
-    print(f"submitted job {job_id}: {spec.nodes} node(s) x {spec.ranks} rank(s), run dir {run_dir}")
+    if request.dry_run:
+        print(script, end="")
+        return
+    job_id = sbatch(write_run_dir(run_dir, cfg, script))
+    print(f"submitted job {job_id}: {cfg.launch.nodes} node(s) x {cfg.launch.ranks_per_node} rank(s), "
+          f"run dir {run_dir}")
     print(f"  log:      {run_dir}/slurm-{job_id}.out")
     print(f"  relaunch: sbatch {run_dir}/submit.sbatch")
 

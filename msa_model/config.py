@@ -209,18 +209,23 @@ class TrainerConfig:
 
 @dataclass
 class LaunchConfig:
-    """Scheduler settings. `launch=slurm` maps them onto Hydra's submitit launcher (one task per
-    rank); `python -m launch.slurm` takes the same settings as command-line options."""
+    """Scheduler settings, read by both SLURM launchers: `python -m launch.slurm` (its options set
+    these keys) and `launch=slurm`, which maps them onto Hydra's submitit launcher."""
 
-    name: str = "local"  # local | slurm
+    name: str = "local"  # local | slurm (the submitit launcher)
     nodes: int = 1
-    ranks_per_node: int = 1  # SLURM tasks per node: one per GPU
-    gpus_per_node: Optional[int] = None
+    ranks_per_node: int = 1  # training processes per node: one per GPU
+    gpus_per_node: Optional[int] = None  # None or 0: CPU ranks (gloo)
     cpus_per_task: Optional[int] = None
-    time_min: int = 60
+    time_min: int = 60  # SLURM time limit in minutes
     partition: Optional[str] = None
     account: Optional[str] = None
     signal_seconds: int = 300  # USR1 this long before the time limit
+    job_name: str = "${model.name}-${name}"
+    # how `python -m launch.slurm` starts the ranks: torchrun (one srun task per node, torchrun
+    # starts the node's ranks) | srun (one srun task per rank). The submitit launcher always runs
+    # one task per rank
+    mode: str = "torchrun"
     # a stop on one of these signals inside a running SLURM batch job saves, then requeues the
     # job (a job SLURM itself is cancelling or requeueing is left to SLURM)
     requeue_signals: List[str] = field(default_factory=lambda: ["SIGUSR1", "SIGTERM"])
@@ -348,6 +353,17 @@ def _check_m3_options(errors: list[str], m) -> None:
         _check(errors, not bad, f"{name}: unknown value(s) {bad} (use {' or '.join(allowed)})")
     _check(errors, m.num_experts > 0 or "moe" not in m.mlp_types,
            "model.mlp_types names moe layers but model.num_experts is 0")
+
+
+def _check_launch(errors: list[str], launch) -> None:
+    for name in ("nodes", "ranks_per_node", "time_min"):
+        value = getattr(launch, name)
+        _check(errors, value > 0, f"launch.{name} must be positive, got {value}")
+    _check(errors, launch.mode in ("torchrun", "srun"), f"launch.mode must be torchrun or srun, got {launch.mode!r}")
+    # the warning must come after the job starts, and leave it time to save
+    _check(errors, 0 <= launch.signal_seconds < launch.time_min * 60,
+           f"launch.signal_seconds ({launch.signal_seconds}) must be in [0, launch.time_min * 60 = "
+           f"{launch.time_min * 60}): the stop warning comes that long before the time limit")
 
 
 def validate(cfg, world_size: Optional[int] = None, gpu: Optional[bool] = None) -> None:
@@ -481,6 +497,7 @@ def validate(cfg, world_size: Optional[int] = None, gpu: Optional[bool] = None) 
            f"logging.log_interval ({cfg.logging.log_interval})")
     _check(errors, cfg.logging.wandb_mode in ("offline", "online", "disabled"),
            f"logging.wandb_mode must be offline, online or disabled, got {cfg.logging.wandb_mode!r}")
+    _check_launch(errors, cfg.launch)
     if world_size is not None:
         model_parallel = p.tp * p.pp * p.cp
         _check(errors, world_size % model_parallel == 0,

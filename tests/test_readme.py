@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
+from launch.slurm import parse_args, world_size
 from msa_model.config import register_configs, validate
 from skeleton_helpers import REPO
 
@@ -60,7 +61,7 @@ def classify(command: str) -> str:
     if words[:2] == ["python", "train.py"]:
         if any(w.startswith("model=qwen3") for w in words):
             return "skip"  # the model entry a conversion of your Hugging Face checkpoint writes
-        if "-m" in words or any(w.startswith(("model=small", "model=msa_109b")) for w in words):
+        if "-m" in words or any(w.startswith(("model=small", "model=msa_109b", "recipe=msa_109b")) for w in words):
             # the 109B dry runs are run by tests/test_recipes.py
             return "validate"
         if any(w.startswith("optim.") for w in words):
@@ -77,18 +78,10 @@ def classify(command: str) -> str:
     raise AssertionError(f"README command not covered by tests/test_readme.py: {command}")
 
 
-def _world_size(words: list[str], cfg) -> int:
-    """The ranks the command launches: the sbatch launcher's nodes x GPUs, else the config's
-    launch.nodes x launch.ranks_per_node (what a dry run and the submitit launcher use)."""
-    if words[:3] == ["python", "-m", "launch.slurm"]:
-        opts = dict(re.findall(r"--([a-z-]+) (\d+)", " ".join(words)))
-        return int(opts.get("nodes", 1)) * int(opts.get("gpus-per-node", 1))
-    return cfg.launch.nodes * cfg.launch.ranks_per_node
-
-
 def _hydra_overrides(words: list[str]) -> list[str]:
-    if "--" in words:
-        words = words[words.index("--") + 1:]
+    """The overrides the command composes; launch.slurm's options become the launch.* keys they set."""
+    if words[:3] == ["python", "-m", "launch.slurm"]:
+        return parse_args(words[3:]).overrides
     return [w for w in words if "=" in w and not w.startswith(("-", "hydra."))]
 
 
@@ -104,7 +97,8 @@ def test_cluster_and_gpu_commands_validate(command):
     with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
         cfg = compose("train", overrides=[o for o in overrides if not o.startswith("launch=")]
                       + (["launch=slurm"] if "launch=slurm" in overrides else []))
-    validate(cfg, world_size=_world_size(words, cfg))
+    # the ranks it launches (every launcher and the dry run read launch.*)
+    validate(cfg, world_size=world_size(cfg.launch))
 
 
 @pytest.fixture(scope="module")

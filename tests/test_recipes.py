@@ -1,6 +1,7 @@
 """Model presets and recipes: every recipe x model composes, the 109B preset has the report's
-size (counted on the model built on the meta device), bad combinations fail naming the fields,
-and MSA-CPT continues a converted dense run from exactly the dense model's loss."""
+size (counted on the model built on the meta device), the 109B recipes validate on the 512 GPUs
+they launch on and submit through launch.slurm, bad combinations fail naming the fields, and
+MSA-CPT continues a converted dense run from exactly the dense model's loss."""
 
 from __future__ import annotations
 
@@ -44,16 +45,83 @@ def test_every_recipe_and_model_composes(recipe, model):
     assert (cfg.name, cfg.model.name) == (recipe, model)
 
 
-def test_109b_preset_counts_on_the_meta_device():
+@pytest.fixture(scope="module")
+def pt_109b_dry_run() -> str:
+    """The dry run of the full-scale MSA-PT recipe (about a minute of CPU: the 109B model on the
+    meta device)."""
+    return _dry_run("recipe=msa_109b_pt")
+
+
+def test_109b_preset_counts_on_the_meta_device(pt_109b_dry_run):
     from msa_model.model import count_parameters
 
-    out = _dry_run("model=msa_109b", "recipe=pt")
+    out = pt_109b_dry_run
     total, active = int(_field(out, "total_params")), int(_field(out, "active_params"))
     assert abs(total - 109e9) <= 0.03 * 109e9, total
     assert abs(active - 6e9) <= 0.10 * 6e9, active
     # the documented arithmetic (configs/model/msa_109b.yaml) is the built model's
     counts = count_parameters(_compose("model=msa_109b").model, 257)
     assert (total, active) == (counts["total"], counts["active"]) == (109_034_246_144, 6_055_694_336)
+
+
+# the report's runs: tokens, indexer warmup tokens and peak learning rate
+RUNS_109B = {"dense": (3e12, 0, 3e-4), "pt": (3e12, 40e9, 3e-4), "cpt": (400e9, 40e9, 1.5e-4)}
+
+
+def _compose_109b(recipe: str):
+    init = ["init_from=/ckpt-msa"] if recipe == "cpt" else []
+    return _compose(f"recipe=msa_109b_{recipe}", *init)
+
+
+@pytest.mark.parametrize("recipe", sorted(RUNS_109B))
+def test_109b_recipes_validate_on_the_gpus_they_launch_on(recipe):
+    cfg = _compose_109b(recipe)
+    world = cfg.launch.nodes * cfg.launch.ranks_per_node
+    assert world == 512 and cfg.launch.gpus_per_node == 8
+    validate(cfg, world_size=world, gpu=True)
+    tokens, warmup_tokens, lr = RUNS_109B[recipe]
+    tokens_per_step = cfg.parallel.global_batch_size * cfg.model.seq_length
+    assert tokens_per_step == 4 * 2**20
+    # as many whole steps as the tokens fill
+    assert 0 <= tokens - cfg.trainer.max_steps * tokens_per_step < tokens_per_step
+    assert (cfg.name, cfg.model.name, cfg.trainer.indexer_warmup_tokens, cfg.optim.lr) == \
+        (recipe, "msa_109b", warmup_tokens, lr)
+    assert cfg.optim.min_lr == pytest.approx(cfg.optim.lr / 10)
+
+
+def test_109b_recipe_names_the_cpt_checkpoint():
+    with pytest.raises(ConfigError, match="init_from=PATH"):
+        validate(_compose("recipe=msa_109b_cpt"), world_size=512)
+
+
+def test_109b_recipe_dry_run_prints_its_run(pt_109b_dry_run):
+    out = pt_109b_dry_run
+    assert _field(out, "world_size") == 512 and (_field(out, "tp"), _field(out, "pp"), _field(out, "ep")) == (2, 4, 32)
+    assert "x 715255 steps = 2,999,996,907,520 tokens" in out
+    assert 0 < _field(out, "memory_per_gpu_gib") < 68
+
+
+@pytest.mark.parametrize("recipe", sorted(RUNS_109B))
+def test_109b_script_submits_the_recipe(recipe, tmp_path):
+    """recipes/msa_109b.sh with DRY_RUN=1: the job script launch.slurm renders from the recipe's
+    launch settings (CPT: an already converted checkpoint is not converted again)."""
+    args = []
+    if recipe == "cpt":
+        (tmp_path / "dense").mkdir()
+        (tmp_path / "dense-msa").mkdir()
+        args = [str(tmp_path / "dense")]
+    env = {**_env(), "PYTHON": sys.executable, "DRY_RUN": "1", "PARTITION": "gpu", "TIME": "12:00:00"}
+    proc = subprocess.run(["bash", "recipes/msa_109b.sh", recipe, *args, f"run_dir={tmp_path / 'run'}"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for line in (f"#SBATCH --job-name=msa109b-{recipe}", "#SBATCH --nodes=64", "#SBATCH --gpus-per-node=8",
+                 "#SBATCH --time=12:00:00", "#SBATCH --partition=gpu", "--nproc-per-node=8"):
+        assert line in proc.stdout, line
+    train_args = re.search(r"^TRAIN_ARGS=\((.*)\)$", proc.stdout, re.M).group(1)
+    init = f" init_from={tmp_path / 'dense-msa'}" if recipe == "cpt" else ""
+    assert train_args == f"recipe=msa_109b_{recipe}{init} launch.partition=gpu launch.time_min=720 " \
+                         f"run_dir={tmp_path / 'run'}"
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("layout, seq", [("msa_109b_8k", 8192), ("msa_109b_128k", 131072)])

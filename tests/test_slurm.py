@@ -37,7 +37,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from launch.slurm import JobSpec, sbatch, submit
+from launch.slurm import sbatch, submit
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -315,9 +315,9 @@ def campaign(slurm_cluster, reference, data_cache, tmp_path_factory) -> dict:
     started = time.monotonic()
     scenarios = {name: Scenario(name, root / name) for name in ("straight", *SCENARIOS, "kill")}
     for sc in scenarios.values():
-        spec = JobSpec(nodes=2, time=str(TIME_MIN), signal_seconds=SIGNAL_S if sc.name == "time_limit" else 30,
-                       job_name=f"test-{sc.name}")
-        _, sc.job_id = submit(spec, tiny(sc.run_dir, data_cache))
+        signal_s = SIGNAL_S if sc.name == "time_limit" else 30
+        _, sc.job_id = submit([*tiny(sc.run_dir, data_cache), "launch.nodes=2", f"launch.time_min={TIME_MIN}",
+                               f"launch.signal_seconds={signal_s}", f"launch.job_name=test-{sc.name}"])
         sc.jobs.append(sc.job_id)
     submitit_dir = root / "submitit"
     submitit = subprocess.Popen(

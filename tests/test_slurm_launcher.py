@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from launch.slurm import JobSpec, prepare, time_to_seconds
+from launch.slurm import _hydra_value, parse_args, prepare, slurm_time, time_to_minutes, time_to_seconds
 from msa_model.config import ConfigError, register_configs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -20,6 +20,33 @@ REPO = Path(__file__).resolve().parents[1]
                                           ("1-00:00:00", 86400), ("2-3", 2 * 86400 + 3 * 3600)])
 def test_time_formats(text, seconds):
     assert time_to_seconds(text) == seconds
+
+
+@pytest.mark.parametrize("minutes,text", [(30, "00:30:00"), (1440, "1-00:00:00"), (2890, "2-00:10:00")])
+def test_time_min_renders_as_a_slurm_time(minutes, text):
+    assert slurm_time(minutes) == text and time_to_minutes(text) == minutes
+    # SLURM rounds seconds up to the next minute
+    assert time_to_minutes("5:30") == 6
+
+
+def test_options_are_launch_keys():
+    request = parse_args(["--nodes", "4", "--gpus-per-node", "8", "--time", "1-00:00:00", "--partition", "gpu,long",
+                          "--env", "A=1", "--sbatch-arg=--exclusive", "--", "recipe=pt", "launch.nodes=2"])
+    # the options come last: they win over the same keys among the overrides
+    assert request.overrides == ["recipe=pt", "launch.nodes=2", "launch.nodes=4", "launch.gpus_per_node=8",
+                                 "launch.partition='gpu,long'", "launch.ranks_per_node=8", "launch.time_min=1440"]
+    assert (request.env, request.sbatch_args, request.dry_run) == ({"A": "1"}, ["--exclusive"], False)
+    # an option left out keeps the config's value
+    assert parse_args(["--", "recipe=pt"]).overrides == ["recipe=pt"]
+    assert "launch.ranks_per_node=1" in parse_args(["--gpus-per-node", "0"]).overrides
+
+
+@pytest.mark.parametrize("value", ["gpu", "gpu,long", "a b", "it's", "back\\", "x\\'y", "null", "1"])
+def test_string_options_reach_the_config_as_they_are(value):
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    override = OverridesParser.create().parse_override(f"launch.account={_hydra_value(value)}")
+    assert override.value() == value
 
 
 def test_dry_run_prints_the_script_and_writes_nothing(tmp_path):
@@ -36,7 +63,8 @@ def test_dry_run_prints_the_script_and_writes_nothing(tmp_path):
                  "#SBATCH --signal=USR1@600", "#SBATCH --requeue", "export NCCL_SOCKET_IFNAME=ib0",
                  "--nproc-per-node=8", "--rdzv-backend=c10d", "export TORCH_NCCL_ASYNC_ERROR_HANDLING"):
         assert line in script, line
-    assert f"run_dir={run_dir}" in script
+    # the job's config records what it asked SLURM for
+    assert f"run_dir={run_dir}" in script and "launch.nodes=4 launch.gpus_per_node=8" in script
     assert "{{" not in script
     assert not run_dir.exists()
     # the rendered script is valid bash
@@ -45,8 +73,8 @@ def test_dry_run_prints_the_script_and_writes_nothing(tmp_path):
 
 
 def test_srun_mode_runs_one_task_per_rank(tmp_path):
-    spec = JobSpec(nodes=2, gpus_per_node=4, mode="srun", time="30")
-    run_dir, script, _ = prepare(spec, ["parallel.global_batch_size=16", f"run_dir={tmp_path}/r"])
+    run_dir, script, _ = prepare(["parallel.global_batch_size=16", f"run_dir={tmp_path}/r", "launch.nodes=2",
+                                  "launch.gpus_per_node=4", "launch.ranks_per_node=4", "launch.mode=srun"])
     assert run_dir == tmp_path / "r"
     assert "#SBATCH --ntasks-per-node=4" in script
     assert "torch.distributed.run" not in script and 'srun --quiet --kill-on-bad-exit=1 "$PYTHON" train.py' in script
@@ -54,16 +82,18 @@ def test_srun_mode_runs_one_task_per_rank(tmp_path):
 
 def test_relative_run_dir_is_pinned_to_an_absolute_path(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    run_dir, script, cfg = prepare(JobSpec(time="30", signal_seconds=60), ["run_dir=rel/run"])
+    run_dir, script, cfg = prepare(["run_dir=rel/run"])
     assert run_dir == tmp_path / "rel" / "run" and cfg.run_dir == str(run_dir)
     assert f"run_dir={run_dir}" in script and "run_dir=rel/run" not in script
 
 
 def test_invalid_jobs_are_refused_before_submission(tmp_path):
     with pytest.raises(ConfigError, match="global_batch_size"):
-        prepare(JobSpec(nodes=3, time="30", signal_seconds=60), [f"run_dir={tmp_path}"])
-    with pytest.raises(ValueError, match="signal-seconds"):
-        prepare(JobSpec(time="5", signal_seconds=300), [f"run_dir={tmp_path}"])
+        prepare([f"run_dir={tmp_path}", "launch.nodes=3"])
+    with pytest.raises(ConfigError, match=r"launch.signal_seconds \(300\)"):
+        prepare(parse_args(["--time", "5", "--", f"run_dir={tmp_path}"]).overrides)
+    with pytest.raises(ConfigError, match="launch.mode"):
+        prepare([f"run_dir={tmp_path}", "launch.mode=mpirun"])
 
 
 def test_submitit_launch_group_maps_onto_the_launcher():
@@ -81,7 +111,7 @@ def test_submitit_launch_group_maps_onto_the_launcher():
 
 
 def test_the_script_survives_stop_signals_and_requeues_after_the_step(tmp_path):
-    _, script, _ = prepare(JobSpec(nodes=2, time="30", signal_seconds=60), [f"run_dir={tmp_path}/r"])
+    _, script, _ = prepare([f"run_dir={tmp_path}/r", "launch.nodes=2"])
     # a signal to the batch shell goes on to the step; srun itself never gets SIGTERM from it
     assert "trap 'forward USR1' USR1" in script and "trap 'forward TERM' TERM" in script
     assert 'scancel --signal="$1" "$SLURM_JOB_ID"' in script
