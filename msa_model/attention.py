@@ -38,7 +38,7 @@ D = head dim, Di = index head dim, K = top-k blocks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 import torch
@@ -53,6 +53,7 @@ from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubm
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
+from msa_model.config import MSAConfig
 from msa_model.context_parallel import gather_sequence, local_query_chunks
 from msa_model.ops import msa_attention, sparse_attention
 
@@ -65,17 +66,12 @@ class MSAOptions:
     """What the layer needs beyond megatron's TransformerConfig (from ModelConfig)."""
 
     attention: str = "msa"  # msa | dense
-    block_size: int = 128
-    topk: int = 16
-    index_head_dim: int = 128
-    kl_coeff: float = 1.0
-    force_sink: bool = False
-    backend: str = "auto"
+    # model.msa: geometry, KL coefficient, sink, local blocks, ops backend
+    msa: MSAConfig = field(default_factory=MSAConfig)
     rotary_base: int = 10000
     # checkpoint the attention core (selection, attention, KL; or dense attention) and rerun it
     # in backward: only its inputs stay alive between forward and backward
     recompute_core: bool = False
-    local_blocks: int = 1  # blocks ending with the query's own that are always selected
     # per layer (index layer_number - 1): "msa" or "dense"; (): every layer as `attention`
     layer_attention: tuple = ()
     # the index q/k rotate their first channels with the main RoPE table (model.rotary_dim set,
@@ -157,7 +153,7 @@ class MSASelfAttention(SelfAttention):
         if self.options.attention == "dense":
             return
 
-        di = self.options.index_head_dim
+        di = self.options.msa.index_head_dim
         self.index_q_proj = submodules.index_q_proj(
             config.hidden_size, config.num_query_groups * di, config=config,
             init_method=config.init_method, gather_output=False, bias=False, skip_bias_add=False,
@@ -187,7 +183,7 @@ class MSASelfAttention(SelfAttention):
     def _index_branch(self, hidden_SBH: torch.Tensor, index_freqs):
         """iq [S, B, G_local, Di], ik [S, B, Di] from the detached normed hidden state."""
         x = hidden_SBH.detach()
-        di = self.options.index_head_dim
+        di = self.options.msa.index_head_dim
         iq_SBGI, _ = self.index_q_proj(x)
         iq_SBGI = iq_SBGI.view(iq_SBGI.shape[0], iq_SBGI.shape[1], -1, di)
         ik_SB1I, _ = self.index_k_proj(x)
@@ -265,11 +261,11 @@ class MSASelfAttention(SelfAttention):
             tracker.record(KEYS_METRIC, keys.float(), self.layer_number, self.config.num_layers, avg_group=avg_group)
         if kl is not None:
             tracker.record(KL_METRIC, kl.detach(), self.layer_number, self.config.num_layers, avg_group=avg_group)
-            if self.training and self.options.kl_coeff > 0:
+            if self.training and self.options.msa.kl_coeff > 0:
                 # the KL's gradient enters at this output during backward, scaled like the loss;
                 # megatron multiplies that scale by CP (right for losses it reduces over CP
                 # itself), while each rank's KL here is its local mean: divide CP back out
-                output = MoEAuxLossAutoScaler.apply(output, kl * (self.options.kl_coeff / cp_group.size()))
+                output = MoEAuxLossAutoScaler.apply(output, kl * (self.options.msa.kl_coeff / cp_group.size()))
         return output, bias
 
     def _core(self, q, k, v, iq, ik, doc_start=None):
@@ -287,18 +283,19 @@ class MSASelfAttention(SelfAttention):
                            for a, b, off in chunks], dim=1)
             keys = sum((b - a) / S * dense_keys_per_query(b - a, off, doc(a, b), q.device) for a, b, off in chunks)
             return o, None, keys
+        msa = self.options.msa
         outs, kls, keys = [], [], 0.0
         for a, b, off in chunks:
             o_c, kl_c, block_idx_c = msa_attention(
-                q[:, a:b], k, v, iq[:, a:b], ik, block_size=self.options.block_size, topk=self.options.topk,
-                dense=not self.sparse, scale=self.config.softmax_scale, force_sink=self.options.force_sink,
-                backend=self.options.backend, return_block_idx=True, q_offset=off, doc_start=doc(a, b),
+                q[:, a:b], k, v, iq[:, a:b], ik, block_size=msa.block_size, topk=msa.topk,
+                dense=not self.sparse, scale=self.config.softmax_scale, force_sink=msa.force_sink,
+                backend=msa.backend, return_block_idx=True, q_offset=off, doc_start=doc(a, b),
                 # the data pipeline builds the starts: no host synchronisation to check them
                 check_ids=False,
                 # under recompute the KL's forward reruns right before its backward: keeping its
                 # teacher rows then costs memory only for the length of one layer's backward
                 keep_teacher=True if self.options.recompute_core else None,
-                local_blocks=self.options.local_blocks,
+                local_blocks=msa.local_blocks,
             )
             if self.diagnostics_capture is not None:
                 # the first forward after arming only (a recomputation finds the capture sealed)
@@ -307,7 +304,7 @@ class MSASelfAttention(SelfAttention):
             outs.append(o_c)
             kls.append(kl_c)
             keys = keys + (b - a) / S * (
-                selected_keys_per_query(block_idx_c, self.options.block_size, off, doc(a, b))
+                selected_keys_per_query(block_idx_c, msa.block_size, off, doc(a, b))
                 if block_idx_c is not None else dense_keys_per_query(b - a, off, doc(a, b), q.device))
         if self.diagnostics_capture is not None:
             self.diagnostics_capture.seal()
@@ -325,8 +322,9 @@ class MSASelfAttention(SelfAttention):
         document starts int [B, C] each query reads its own document's keys only."""
         if doc_start_BC is not None:
             # SDPA would need a [C, J] mask per row: the ops' dense path takes the starts directly
-            o, _ = sparse_attention(q_BCHD, k_BJGD, v_BJGD, None, block_size=self.options.block_size,
-                                    scale=self.config.softmax_scale, backend=self.options.backend, q_offset=q_offset,
+            msa = self.options.msa
+            o, _ = sparse_attention(q_BCHD, k_BJGD, v_BJGD, None, block_size=msa.block_size,
+                                    scale=self.config.softmax_scale, backend=msa.backend, q_offset=q_offset,
                                     check_ids=False, doc_start=doc_start_BC)
             return o
         q, k, v = (t.transpose(1, 2) for t in (q_BCHD, k_BJGD, v_BJGD))

@@ -21,9 +21,17 @@ class ConfigError(ValueError):
     """A configuration that cannot run; the message names the fields involved."""
 
 
+# the production geometry of docs/msa.md ("Defaults"), which MiniMax's kernels hard-code: the ops'
+# defaults, and what checkpoint conversion uses when the source model has no MSA of its own
+# (Di is then the source's head dim, 128 in production)
+PRODUCTION_BLOCK_SIZE = 128  # Bk
+PRODUCTION_TOPK = 16  # k
+
+
 @dataclass
 class MSAConfig:
-    """Geometry of MiniMax Sparse Attention (see docs/msa.md)."""
+    """Geometry of MiniMax Sparse Attention (see docs/msa.md). The defaults are the `tiny` CPU
+    model's; configs/model/*.yaml set each preset's, PRODUCTION_* above is MiniMax's."""
 
     block_size: int = 32  # Bk: tokens per key block
     topk: int = 4  # k: blocks read per (query, group); topk * block_size keys per query

@@ -26,7 +26,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from msa_model.attention import (CoreAttentionPlaceholder, DuplicatedLinear, MSAOptions, MSASelfAttention,
                                  MSASelfAttentionSubmodules)
 from msa_model.experts import GroupedExperts, LocalDispatchMoELayer
-from msa_model.config import moe_layers, msa_layers_of
+from msa_model.config import MSAConfig, moe_layers, msa_layers_of
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -159,13 +159,12 @@ def _kl_scale_hook():
 
 
 def msa_options(model_cfg) -> MSAOptions:
-    s = model_cfg.msa
+    # a plain MSAConfig, also when model_cfg is an OmegaConf node: the layer reads it every forward
+    msa = MSAConfig(**{f.name: getattr(model_cfg.msa, f.name) for f in dataclasses.fields(MSAConfig)})
     layer_types = ()
     if model_cfg.attention_types and model_cfg.attention == "msa":
         layer_types = tuple("msa" if is_msa else "dense" for is_msa in msa_layers_of(model_cfg))
-    return MSAOptions(attention=model_cfg.attention, block_size=s.block_size, topk=s.topk,
-                      index_head_dim=s.index_head_dim, kl_coeff=s.kl_coeff, force_sink=s.force_sink,
-                      backend=s.backend, rotary_base=model_cfg.rotary_base, local_blocks=s.local_blocks,
+    return MSAOptions(attention=model_cfg.attention, msa=msa, rotary_base=model_cfg.rotary_base,
                       layer_attention=layer_types, index_main_rope=model_cfg.rotary_dim is not None,
                       recompute_core=model_cfg.recompute == "selective")
 

@@ -17,6 +17,7 @@ import json
 import logging
 import sys
 
+from msa_model.config import PRODUCTION_BLOCK_SIZE, PRODUCTION_TOPK
 from msa_model.convert.hf_families import FAMILIES
 from msa_model.convert.hf_io import ConversionError
 from msa_model.convert.index_init import DEFAULT, INIT_CHOICES
@@ -31,7 +32,8 @@ def _parser() -> argparse.ArgumentParser:
         q.add_argument("--index-init", choices=INIT_CHOICES, default=DEFAULT,
                        help=f"index projection initialisation (default {DEFAULT})")
         keep = (" (default: the model config's)" if defaults_from_model
-                else " (default: the checkpoint's for MiniMax-M3, else block 128, top-16, Di = head dim)")
+                else f" (default: the checkpoint's for MiniMax-M3, else block {PRODUCTION_BLOCK_SIZE}, "
+                     f"top-{PRODUCTION_TOPK}, Di = head dim)")
         q.add_argument("--block-size", type=int, default=None, help="MSA key block size" + keep)
         q.add_argument("--topk", type=int, default=None, help="MSA blocks per query" + keep)
         q.add_argument("--index-head-dim", type=int, default=None, help="Di" + keep)

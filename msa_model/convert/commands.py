@@ -74,7 +74,8 @@ def hf_to_msa(src: str, out: str, *, attention: str = "msa", index_init: str = D
               seed: int = 0) -> Path:
     """A Hugging Face checkpoint directory -> our checkpoint + model config in `out`. Returns `out`.
 
-    The MSA geometry comes from the checkpoint when it has one (MiniMax-M3), else block 128, top-16,
+    The MSA geometry comes from the checkpoint when it has one (MiniMax-M3), else the production
+    block size and top-k (msa_model.config.PRODUCTION_BLOCK_SIZE, PRODUCTION_TOPK) with
     Di = D; the keyword arguments override it."""
     hf_cfg = read_config(src)
     return convert_hf_tensors(HFCheckpoint(src), hf_cfg, out, source=str(Path(src).resolve()),

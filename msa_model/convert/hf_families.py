@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from msa_model.config import ModelConfig, MSAConfig, RopeScalingConfig
+from msa_model.config import PRODUCTION_BLOCK_SIZE, PRODUCTION_TOPK, ModelConfig, MSAConfig, RopeScalingConfig
 from msa_model.convert import minimax_m3 as m3
 from msa_model.convert.hf_io import ConversionError
 
@@ -211,12 +211,12 @@ def model_config_from_hf(hf_config: dict, *, attention: str = "msa", msa: MSACon
 
 
 def msa_from_hf(cfg: dict, head_dim: int) -> MSAConfig:
-    """The MSA geometry of an exported model (its config.json "msa" entry), else block 128, top-16,
-    Di = D."""
+    """The MSA geometry of an exported model (its config.json "msa" entry), else the production
+    block size and top-k with Di = D."""
     s = cfg.get("msa") or {}
-    return MSAConfig(block_size=int(s.get("block_size", 128)), topk=int(s.get("topk", 16)),
-                     index_head_dim=int(s.get("index_head_dim", head_dim)), force_sink=bool(s.get("force_sink", False)),
-                     local_blocks=int(s.get("local_blocks", 1)))
+    return MSAConfig(block_size=int(s.get("block_size", PRODUCTION_BLOCK_SIZE)),
+                     topk=int(s.get("topk", PRODUCTION_TOPK)), index_head_dim=int(s.get("index_head_dim", head_dim)),
+                     force_sink=bool(s.get("force_sink", False)), local_blocks=int(s.get("local_blocks", 1)))
 
 
 def hf_config_from_model(model, fam: Family, source: dict | None = None) -> dict:

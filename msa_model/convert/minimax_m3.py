@@ -42,7 +42,7 @@ from collections import Counter
 
 import torch
 
-from msa_model.config import ModelConfig, MSAConfig, moe_layers, msa_layers_of
+from msa_model.config import PRODUCTION_BLOCK_SIZE, PRODUCTION_TOPK, ModelConfig, MSAConfig, moe_layers, msa_layers_of
 from msa_model.convert.hf_io import ConversionError
 
 log = logging.getLogger(__name__)
@@ -222,7 +222,8 @@ def model_config_from_m3(hf_config: dict, *, attention: str = "msa", seq_length:
     if has_msa and index_heads != kv_heads:
         raise ConversionError(f"{where}: index_n_heads ({index_heads}) != num_key_value_heads ({kv_heads}); MSA has "
                               "one index head per GQA group")
-    msa = MSAConfig(block_size=int(_get(c, "index_block_size", default=128)), topk=int(_get(c, "index_topk_blocks", default=16)),
+    msa = MSAConfig(block_size=int(_get(c, "index_block_size", default=PRODUCTION_BLOCK_SIZE)),
+                    topk=int(_get(c, "index_topk_blocks", default=PRODUCTION_TOPK)),
                     index_head_dim=int(_get(c, "index_head_dim", default=head_dim)),
                     local_blocks=int(_get(c, "index_local_blocks", default=1)))
     if has_msa and not 1 <= msa.local_blocks <= msa.topk:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from msa_model.compat import causal_attention_with_lse
+from msa_model.config import PRODUCTION_BLOCK_SIZE, PRODUCTION_TOPK
 
 from .common import check_doc_start, check_index, check_qkv, default_scale, resolve_backend, trim_keys
 from .indexer_kl import indexer_kl_loss
@@ -13,11 +14,11 @@ from .sparse_attention import sparse_attention
 
 
 def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iq: torch.Tensor, ik: torch.Tensor,
-                  block_size: int = 128, topk: int = 16, dense: bool = False, scale: float | None = None,
-                  index_scale: float | None = None, force_sink: bool = False, backend: str = "auto",
-                  return_block_idx: bool = False, q_offset: int = 0, doc_start: torch.Tensor | None = None,
-                  check_ids: bool = True, tuning: dict | None = None, keep_teacher: bool | None = None,
-                  local_blocks: int = 1):
+                  block_size: int = PRODUCTION_BLOCK_SIZE, topk: int = PRODUCTION_TOPK, dense: bool = False,
+                  scale: float | None = None, index_scale: float | None = None, force_sink: bool = False,
+                  backend: str = "auto", return_block_idx: bool = False, q_offset: int = 0,
+                  doc_start: torch.Tensor | None = None, check_ids: bool = True, tuning: dict | None = None,
+                  keep_teacher: bool | None = None, local_blocks: int = 1):
     """MSA attention: o [B, T, Hq, D] and the indexer KL (fp32 scalar, no coefficient applied).
 
     q [B, T, Hq, D], k/v [B, T, Hkv, D], iq [B, T, Hkv, Di], ik [B, T, Di].

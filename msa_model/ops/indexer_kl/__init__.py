@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import torch
 
+from msa_model.config import PRODUCTION_BLOCK_SIZE
+
 from ..common import (check_block_idx, check_block_size, check_doc_start, check_index, check_qkv, default_scale,
                       load_triton, resolve_backend, trim_keys)
 from .reference import indexer_kl_loss_reference
 
 
 def indexer_kl_loss(q: torch.Tensor, k: torch.Tensor, iq: torch.Tensor, ik: torch.Tensor,
-                    block_idx: torch.Tensor | None, lse: torch.Tensor, block_size: int = 128,
+                    block_idx: torch.Tensor | None, lse: torch.Tensor, block_size: int = PRODUCTION_BLOCK_SIZE,
                     scale: float | None = None, index_scale: float | None = None,
                     backend: str = "auto", q_offset: int = 0, check_ids: bool = True,
                     doc_start: torch.Tensor | None = None, tuning=None,

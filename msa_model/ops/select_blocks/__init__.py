@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import torch
 
+from msa_model.config import PRODUCTION_BLOCK_SIZE, PRODUCTION_TOPK
+
 from ..common import check_block_size, check_doc_start, check_index, load_triton, resolve_backend, trim_keys
 from .reference import select_blocks_reference
 
 
 @torch.no_grad()
-def select_blocks(iq: torch.Tensor, ik: torch.Tensor, block_size: int = 128, topk: int = 16,
-                  force_sink: bool = False, backend: str = "auto", q_offset: int = 0,
+def select_blocks(iq: torch.Tensor, ik: torch.Tensor, block_size: int = PRODUCTION_BLOCK_SIZE,
+                  topk: int = PRODUCTION_TOPK, force_sink: bool = False, backend: str = "auto", q_offset: int = 0,
                   doc_start: torch.Tensor | None = None, check_ids: bool = True, tuning=None,
                   local_blocks: int = 1) -> torch.Tensor:
     """Choose the top-k key blocks for each query and GQA group.

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import torch
 
+from msa_model.config import PRODUCTION_BLOCK_SIZE
+
 from ..common import (check_block_idx, check_block_size, check_doc_start, check_qkv, default_scale, load_triton,
                       resolve_backend, trim_keys)
 from .reference import sparse_attention_reference
 
 
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor | None,
-                     block_size: int = 128, scale: float | None = None,
+                     block_size: int = PRODUCTION_BLOCK_SIZE, scale: float | None = None,
                      backend: str = "auto", q_offset: int = 0,
                      check_ids: bool = True, doc_start: torch.Tensor | None = None,
                      tuning=None) -> tuple[torch.Tensor, torch.Tensor]:
