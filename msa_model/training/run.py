@@ -116,6 +116,21 @@ def _flops_counter(cfg):
     return lambda keys_per_query, sparse: flops_per_token(cfg.model, vocab, keys_per_query, sparse)
 
 
+def _metric_sinks(cfg, run_dir: Path) -> list:
+    """Where rank 0's metric records go, in this order: the console line first, so that a sink
+    that fails cannot hide the step's numbers."""
+    from msa_model.training.metrics import ConsoleLine, JsonlFile, TensorBoard, Wandb
+
+    sinks = [ConsoleLine(cfg.trainer.max_steps, cfg.logging.log_interval, cfg.logging.progress_bar)]
+    if cfg.logging.jsonl:
+        sinks.append(JsonlFile(run_dir / "metrics.jsonl"))
+    if cfg.logging.tensorboard:
+        sinks.append(TensorBoard(run_dir / "tensorboard"))
+    if cfg.logging.wandb_mode != "disabled":
+        sinks.append(Wandb(cfg.logging, run_dir, OmegaConf.to_container(cfg, resolve=True)))
+    return sinks
+
+
 def _log_summary(state, cfg, run_dir: Path, ckpt_root: Path, last: dict | None, seconds: float) -> None:
     """The run's last lines: where it stopped, its last losses, where everything went."""
     from msa_model.training.checkpoint import latest_checkpoint
@@ -205,9 +220,9 @@ def run(cfg: DictConfig) -> None:
         checkpointer = ckpt.Checkpointer(ckpt_root, cfg.checkpoint.interval, cfg.checkpoint.keep,
                                          cfg.checkpoint.save_at_end, model_config)
         callbacks.append(checkpointer)
-        metrics_logger = MetricsLogger(cfg.logging, run_dir, env.is_main, cfg.trainer.max_steps,
-                                       OmegaConf.to_container(cfg, resolve=True),
-                                       flops_per_token=_flops_counter(cfg), world_size=world_size)
+        metrics_logger = MetricsLogger(_metric_sinks(cfg, run_dir) if env.is_main else [], cfg.logging.log_interval,
+                                       cfg.trainer.max_steps, flops_per_token=_flops_counter(cfg),
+                                       world_size=world_size)
         callbacks.append(metrics_logger)
         trainer = Trainer(cfg.trainer, cfg.parallel, cfg.model, model_chunks=model_chunks, optimizer=optimizer,
                           scheduler=scheduler, data=_build_data(cfg), callbacks=callbacks, device=env.device,
