@@ -19,6 +19,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -219,3 +220,30 @@ def build_train_iterator(dataset, consumed_samples: int, micro_batch_size: int, 
 
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=0, collate_fn=collate)
     return iter(loader)
+
+
+class TrainData:
+    """This data-parallel rank's training micro-batches from any position of the sample order.
+
+    The position is the number of samples the whole job has consumed (TrainState.consumed_samples,
+    saved in every checkpoint), so a resumed run continues with the sample after the last one it
+    trained on. The dataset is built at the first `iterator` call: a run with nothing left to do
+    never reads (or tokenizes) the corpus.
+    """
+
+    def __init__(self, build_dataset: Callable[[], torch.utils.data.Dataset], micro_batch_size: int,
+                 dp_rank: int, dp_size: int, document_mask: bool = False):
+        self._build_dataset, self._dataset = build_dataset, None
+        self.micro_batch_size, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
+        self.document_mask = document_mask
+
+    @property
+    def dataset(self) -> torch.utils.data.Dataset:
+        if self._dataset is None:
+            self._dataset = self._build_dataset()
+        return self._dataset
+
+    def iterator(self, consumed_samples: int):
+        """Micro-batch dicts as `build_train_iterator` gives them, from sample `consumed_samples`."""
+        return build_train_iterator(self.dataset, consumed_samples, self.micro_batch_size, self.dp_rank,
+                                    self.dp_size, document_mask=self.document_mask)

@@ -90,13 +90,12 @@ def full_grads(ddp) -> dict[str, torch.Tensor]:
 def main(out_dir: Path, overrides: list[str], save_init: str | None) -> None:
     from omegaconf import OmegaConf
 
-    from data.datasets import build_train_dataset, build_train_iterator
     from msa_model.config import validate
     from msa_model.training import checkpoint as ckpt
-    from msa_model.training.distributed import data_parallel_info, init_distributed, launch_env, shutdown
+    from msa_model.training.distributed import init_distributed, launch_env, shutdown
     from msa_model.training.diagnostics import MSADiagnostics
     from msa_model.training.indexer_warmup import IndexerWarmup
-    from msa_model.training.run import _build_model, _build_optimizer
+    from msa_model.training.run import _build_data, _build_model, _build_optimizer
     from msa_model.training.trainer import Trainer
 
     cfg = _compose(overrides)
@@ -108,14 +107,11 @@ def main(out_dir: Path, overrides: list[str], save_init: str | None) -> None:
         chunks = _build_model(cfg, env)
         optimizer, scheduler = _build_optimizer(cfg, chunks)
         chunks[0].config.grad_scale_func = optimizer.scale_loss
-        trainer = Trainer(model_chunks=chunks, optimizer=optimizer, scheduler=scheduler, data_iterator=None,
+        trainer = Trainer(cfg.trainer, cfg.parallel, cfg.model, model_chunks=chunks, optimizer=optimizer,
+                          scheduler=scheduler, data=_build_data(cfg), device=env.device,
                           callbacks=[IndexerWarmup(cfg.trainer.indexer_warmup_tokens, cfg.model.msa),
                                      MSADiagnostics(1, cfg.model.msa, cfg.model.num_layers, cfg.model.seq_length,
-                                                    out_dir, is_main=False)],
-                          max_steps=cfg.trainer.max_steps, stop_at_step=None, seq_length=cfg.model.seq_length,
-                          micro_batch_size=cfg.parallel.micro_batch_size,
-                          global_batch_size=cfg.parallel.global_batch_size, num_layers=cfg.model.num_layers,
-                          device=env.device)
+                                                    out_dir, is_main=False)])
         if cfg.init_from:
             ckpt.load_model_weights(chunks, cfg.init_from)
         if save_init:
@@ -123,10 +119,6 @@ def main(out_dir: Path, overrides: list[str], save_init: str | None) -> None:
 
             Path(save_init).mkdir(parents=True, exist_ok=True)
             dist_checkpointing.save({"model": chunks[0].module.sharded_state_dict()}, save_init)
-        dataset = build_train_dataset(cfg.data, cfg.model.seq_length, cfg.trainer.max_steps * cfg.parallel.global_batch_size)
-        dp_rank, dp_size = data_parallel_info()
-        trainer.data_iterator = build_train_iterator(dataset, 0, cfg.parallel.micro_batch_size, dp_rank, dp_size,
-                                                     document_mask=cfg.data.document_mask)
 
         steps, step_fn = [], optimizer.step
 

@@ -1,5 +1,6 @@
-"""Step metrics: reduction across ranks, and the logger callback (console line, progress bar,
-TensorBoard, wandb, metrics.jsonl) that receives the same scalars everywhere."""
+"""Step metrics: reduction across ranks, the logger callback that turns them into one record per
+log interval, and the sinks it hands each record to (console line and progress bar,
+metrics.jsonl, TensorBoard, wandb), in the order run.py lists them."""
 
 from __future__ import annotations
 
@@ -74,86 +75,65 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-class MetricsLogger(Callback):
-    """Every `log_interval` steps: one console line and the same scalars to TensorBoard, wandb
-    and <run_dir>/metrics.jsonl (interval means of per-step values). Only rank 0 writes.
+class MetricsSink:
+    """Where the records go. `step` is called after every step with that step's own values, and
+    with the interval's record at the steps that have one (None otherwise)."""
 
-    Between those lines the console is not left silent: the first step of a job gets a short line
-    (it includes start-up costs), and without a terminal (no progress bar) a short line follows
-    any PROGRESS_S seconds without output."""
+    def open(self, step: int) -> None:
+        """The run starts after `step` (0, or the step it resumes from)."""
+
+    def step(self, step: int, metrics: dict, record: dict | None) -> None:
+        if record is not None:
+            self.write(record)
+
+    def write(self, record: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class MetricsLogger(Callback):
+    """Every `log_interval` steps (and at the last step or a requested stop) one record of interval
+    means of the per-step values, handed to each sink in the order given; every step also goes to
+    the sinks (ConsoleLine uses it for its progress bar and its short lines in between). Every
+    rank reduces the same scalars; only rank 0 is given sinks. `last_record` is the newest record.
+    """
 
     name = "metrics"
     SCALARS = ("lm_loss", "kl_loss", "moe_aux_loss", "lr", "grad_norm", "grad_norm_msa_index", "tokens_per_s",
                "keys_per_query", "tflops_per_gpu", "peak_mem_gib", "step_ms", "attention_ms", "moe_ms")
-    PROGRESS_S = 30.0
 
-    def __init__(self, logging_cfg, run_dir: str | Path, enabled: bool, max_steps: int, hparams: dict,
-                 flops_per_token=None, world_size: int = 1):
+    def __init__(self, sinks: list[MetricsSink], log_interval: int, max_steps: int, flops_per_token=None,
+                 world_size: int = 1):
         """flops_per_token(keys_per_query, sparse) -> model FLOPs per token (msa_model.flops), for
-        the TFLOP/s per GPU of each line; None leaves it out."""
-        self.cfg, self.run_dir, self.enabled = logging_cfg, Path(run_dir), enabled
-        self.max_steps, self.hparams = max_steps, hparams
+        the TFLOP/s per GPU of each record; None leaves it out."""
+        self.sinks, self.log_interval, self.max_steps = sinks, log_interval, max_steps
         self.flops_per_token, self.world_size = flops_per_token, world_size
-        self.bar = self.tb = self.wandb_run = self.jsonl = None
         self._sums: dict[str, float] = {}
         self._counts: dict[str, int] = {}
         self._interval_tokens = 0
-        self._t0 = self._last_line = time.perf_counter()
-        self._first_step = 0
+        self._t0 = time.perf_counter()
         self.last_record: dict | None = None
 
     def on_train_start(self, trainer) -> None:
-        self._t0 = self._last_line = time.perf_counter()
-        self._first_step = trainer.state.step + 1
-        if not self.enabled:
-            return
-        if self.cfg.jsonl:
-            path = self.run_dir / "metrics.jsonl"
-            trim_metrics_after(path, trainer.state.step)
-            self.jsonl = open(path, "a")
-        if self.cfg.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
-        if self.cfg.wandb_mode != "disabled":
-            import wandb
-
-            # quiet: its run summary at the end would bury the run's own last lines
-            self.wandb_run = wandb.init(project=self.cfg.wandb_project, entity=self.cfg.wandb_entity,
-                                        mode=self.cfg.wandb_mode, dir=str(self.run_dir), config=self.hparams,
-                                        name=self.run_dir.name, resume="allow", settings=wandb.Settings(quiet=True))
-        if self.cfg.progress_bar:
-            from tqdm import tqdm
-
-            # disable=None: no bar when the output is not a terminal (CI logs, redirected runs)
-            self.bar = tqdm(total=self.max_steps, initial=trainer.state.step, desc="train", unit="step",
-                            dynamic_ncols=True, leave=False, disable=None)
+        self._t0 = time.perf_counter()
+        for sink in self.sinks:
+            sink.open(trainer.state.step)
 
     def on_step_end(self, trainer, metrics: dict) -> None:
         self._interval_tokens += metrics.pop("step_tokens")
         for key, value in metrics.items():
             self._sums[key] = self._sums.get(key, 0.0) + value
             self._counts[key] = self._counts.get(key, 0) + 1
-        if self.bar is not None:
-            self.bar.update(1)
-            self.bar.set_postfix(loss=f"{metrics['lm_loss']:.3f}", refresh=False)
         step = trainer.state.step
-        if step % self.cfg.log_interval == 0 or step == self.max_steps or trainer.state.stop_requested:
-            self._emit(trainer)
-        elif self.enabled and (step == self._first_step or (
-                self.bar is None and time.perf_counter() - self._last_line > self.PROGRESS_S)):
-            self._progress(trainer, metrics)
+        record = None
+        if step % self.log_interval == 0 or step == self.max_steps or trainer.state.stop_requested:
+            record = self._record(trainer)
+        for sink in self.sinks:
+            sink.step(step, metrics, record)
 
-    def _progress(self, trainer, metrics: dict) -> None:
-        """A short console line between the full ones (not a record: the interval means stay whole)."""
-        steps = self._counts.get("lm_loss", 1)
-        per_step = (time.perf_counter() - self._t0) / steps
-        nxt = min(self.max_steps, (trainer.state.step // self.cfg.log_interval + 1) * self.cfg.log_interval)
-        log.info("step %*d/%d | lm %.4f | %.1f s/step | next full line at step %d", len(str(self.max_steps)),
-                 trainer.state.step, self.max_steps, metrics["lm_loss"], per_step, nxt)
-        self._last_line = time.perf_counter()
-
-    def _emit(self, trainer) -> None:
+    def _record(self, trainer) -> dict:
         elapsed = time.perf_counter() - self._t0
         scalars = {k: self._sums[k] / self._counts[k] for k in self._sums}
         scalars["tokens_per_s"] = self._interval_tokens / max(elapsed, 1e-9)
@@ -166,45 +146,149 @@ class MetricsLogger(Callback):
             # peak of this interval, this rank (the same on every rank of a balanced layout)
             scalars["peak_mem_gib"] = torch.cuda.max_memory_allocated(trainer.device) / 2**30
             torch.cuda.reset_peak_memory_stats(trainer.device)
-        self._last_line = self._t0
-        if not self.enabled:
-            return
-        log.info("step %*d/%d | tokens %s | lm %s | kl %s | aux %s | lr %s | gnorm %s | %s tok/s | %s TFLOP/s%s | "
-                 "%s | keys/q %s", len(str(self.max_steps)), s.step, self.max_steps, f"{s.tokens:,}",
-                 _fmt(scalars.get("lm_loss"), ".4f"), _fmt(scalars.get("kl_loss"), ".4f"),
-                 _fmt(scalars.get("moe_aux_loss"), ".4f"), _fmt(scalars.get("lr"), ".2e"),
-                 _fmt(scalars.get("grad_norm"), ".3f"), f"{scalars['tokens_per_s']:,.0f}",
-                 _fmt(scalars.get("tflops_per_gpu"), ".1f"),
-                 f" | mem {scalars['peak_mem_gib']:.1f} GiB" if "peak_mem_gib" in scalars else "", phase,
-                 _fmt(scalars.get("keys_per_query"), ".1f"))
         # namespaced scalars ("msa/...", from the diagnostics) pass through as they are
-        record = {"step": s.step, "tokens": s.tokens, "phase": phase,
-                  **{k: scalars[k] for k in self.SCALARS if k in scalars},
-                  **{k: v for k, v in scalars.items() if "/" in k}}
-        self.last_record = record
-        if self.jsonl is not None:
-            self.jsonl.write(json.dumps(record) + "\n")
-            self.jsonl.flush()
-        numeric = {k: v for k, v in record.items() if k in self.SCALARS or "/" in k}
-        numeric["sparse"] = float(phase == "sparse")
-        if self.tb is not None:
-            for key, value in numeric.items():
-                self.tb.add_scalar(f"train/{key}", value, s.step)
-            self.tb.flush()
-        if self.wandb_run is not None:
-            self.wandb_run.log({f"train/{k}": v for k, v in numeric.items()} | {"tokens": s.tokens}, step=s.step)
+        self.last_record = {"step": s.step, "tokens": s.tokens, "phase": phase,
+                            **{k: scalars[k] for k in self.SCALARS if k in scalars},
+                            **{k: v for k, v in scalars.items() if "/" in k}}
+        return self.last_record
 
     def on_train_end(self, trainer) -> None:
+        for sink in self.sinks:
+            sink.close()
+
+
+def _numeric(record: dict) -> dict[str, float]:
+    """The record's scalars for TensorBoard and wandb, with the attention phase as 0/1 `sparse`."""
+    numeric = {k: v for k, v in record.items() if k in MetricsLogger.SCALARS or "/" in k}
+    numeric["sparse"] = float(record["phase"] == "sparse")
+    return numeric
+
+
+class ConsoleLine(MetricsSink):
+    """One log line per record, and a progress bar on a terminal. Between those lines the console
+    is not left silent: the first step of a job gets a short line (it includes start-up costs),
+    and without a terminal (no progress bar) a short line follows any PROGRESS_S seconds without
+    output."""
+
+    PROGRESS_S = 30.0
+
+    def __init__(self, max_steps: int, log_interval: int, progress_bar: bool):
+        self.max_steps, self.log_interval, self.progress_bar = max_steps, log_interval, progress_bar
+        self.bar = None
+        self._t0 = self._last_line = time.perf_counter()
+        self._first_step = 0
+        self._steps = 0  # since the last full line
+
+    def open(self, step: int) -> None:
+        self._t0 = self._last_line = time.perf_counter()
+        self._first_step = step + 1
+        if self.progress_bar:
+            from tqdm import tqdm
+
+            # disable=None: no bar when the output is not a terminal (CI logs, redirected runs)
+            self.bar = tqdm(total=self.max_steps, initial=step, desc="train", unit="step",
+                            dynamic_ncols=True, leave=False, disable=None)
+
+    def step(self, step: int, metrics: dict, record: dict | None) -> None:
+        self._steps += 1
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{metrics['lm_loss']:.3f}", refresh=False)
+        if record is not None:
+            self.write(record)
+        elif step == self._first_step or (self.bar is None and time.perf_counter() - self._last_line > self.PROGRESS_S):
+            self._progress(step, metrics)
+
+    def _progress(self, step: int, metrics: dict) -> None:
+        """A short line between the full ones (not a record: the interval means stay whole)."""
+        per_step = (time.perf_counter() - self._t0) / self._steps
+        nxt = min(self.max_steps, (step // self.log_interval + 1) * self.log_interval)
+        log.info("step %*d/%d | lm %.4f | %.1f s/step | next full line at step %d", len(str(self.max_steps)),
+                 step, self.max_steps, metrics["lm_loss"], per_step, nxt)
+        self._last_line = time.perf_counter()
+
+    def write(self, r: dict) -> None:
+        self._t0 = self._last_line = time.perf_counter()
+        self._steps = 0
+        log.info("step %*d/%d | tokens %s | lm %s | kl %s | aux %s | lr %s | gnorm %s | %s tok/s | %s TFLOP/s%s | "
+                 "%s | keys/q %s", len(str(self.max_steps)), r["step"], self.max_steps, f"{r['tokens']:,}",
+                 _fmt(r.get("lm_loss"), ".4f"), _fmt(r.get("kl_loss"), ".4f"), _fmt(r.get("moe_aux_loss"), ".4f"),
+                 _fmt(r.get("lr"), ".2e"), _fmt(r.get("grad_norm"), ".3f"), f"{r['tokens_per_s']:,.0f}",
+                 _fmt(r.get("tflops_per_gpu"), ".1f"),
+                 f" | mem {r['peak_mem_gib']:.1f} GiB" if "peak_mem_gib" in r else "", r["phase"],
+                 _fmt(r.get("keys_per_query"), ".1f"))
+
+    def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-        if self.jsonl is not None:
-            self.jsonl.close()
-        if self.tb is not None:
-            self.tb.close()
-        if self.wandb_run is not None:
+
+
+class JsonlFile(MetricsSink):
+    """One JSON line per record in <run_dir>/metrics.jsonl; a resumed run first drops the records
+    written after the step it resumes from."""
+
+    def __init__(self, path: str | Path):
+        self.path, self.file = Path(path), None
+
+    def open(self, step: int) -> None:
+        trim_metrics_after(self.path, step)
+        self.file = open(self.path, "a")
+
+    def write(self, record: dict) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
+class TensorBoard(MetricsSink):
+    """The record's scalars as train/<name> in <run_dir>/tensorboard."""
+
+    def __init__(self, log_dir: str | Path):
+        self.log_dir, self.writer = Path(log_dir), None
+
+    def open(self, step: int) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(self.log_dir))
+
+    def write(self, record: dict) -> None:
+        for key, value in _numeric(record).items():
+            self.writer.add_scalar(f"train/{key}", value, record["step"])
+        self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+class Wandb(MetricsSink):
+    """The record's scalars as train/<name> in a wandb run named after the run dir (resumed when it
+    exists), with the run's resolved config as its config."""
+
+    def __init__(self, logging_cfg, run_dir: str | Path, hparams: dict):
+        self.cfg, self.run_dir, self.hparams = logging_cfg, Path(run_dir), hparams
+        self.run = None
+
+    def open(self, step: int) -> None:
+        import wandb
+
+        # quiet: its run summary at the end would bury the run's own last lines
+        self.run = wandb.init(project=self.cfg.wandb_project, entity=self.cfg.wandb_entity, mode=self.cfg.wandb_mode,
+                              dir=str(self.run_dir), config=self.hparams, name=self.run_dir.name, resume="allow",
+                              settings=wandb.Settings(quiet=True))
+
+    def write(self, record: dict) -> None:
+        self.run.log({f"train/{k}": v for k, v in _numeric(record).items()} | {"tokens": record["tokens"]},
+                     step=record["step"])
+
+    def close(self) -> None:
+        if self.run is not None:
             import wandb
 
-            self.wandb_run.finish()
+            self.run.finish()
             # offline mode leaves a wandb-core helper process behind otherwise
             wandb.teardown()
 

@@ -20,6 +20,7 @@ import logging  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
+from functools import partial  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
@@ -97,12 +98,37 @@ def _build_model(cfg, env):
     return [ddp]
 
 
+def _build_data(cfg):
+    from data.datasets import TrainData, build_train_dataset
+    from msa_model.training.distributed import data_parallel_info
+
+    num_samples = cfg.trainer.max_steps * cfg.parallel.global_batch_size
+    dp_rank, dp_size = data_parallel_info()
+    return TrainData(partial(build_train_dataset, cfg.data, cfg.model.seq_length, num_samples),
+                     cfg.parallel.micro_batch_size, dp_rank, dp_size, document_mask=cfg.data.document_mask)
+
+
 def _flops_counter(cfg):
     from data.tokenizer import build_tokenizer
     from msa_model.flops import flops_per_token
 
     vocab = build_tokenizer(cfg.data.tokenizer).vocab_size
     return lambda keys_per_query, sparse: flops_per_token(cfg.model, vocab, keys_per_query, sparse)
+
+
+def _metric_sinks(cfg, run_dir: Path) -> list:
+    """Where rank 0's metric records go, in this order: the console line first, so that a sink
+    that fails cannot hide the step's numbers."""
+    from msa_model.training.metrics import ConsoleLine, JsonlFile, TensorBoard, Wandb
+
+    sinks = [ConsoleLine(cfg.trainer.max_steps, cfg.logging.log_interval, cfg.logging.progress_bar)]
+    if cfg.logging.jsonl:
+        sinks.append(JsonlFile(run_dir / "metrics.jsonl"))
+    if cfg.logging.tensorboard:
+        sinks.append(TensorBoard(run_dir / "tensorboard"))
+    if cfg.logging.wandb_mode != "disabled":
+        sinks.append(Wandb(cfg.logging, run_dir, OmegaConf.to_container(cfg, resolve=True)))
+    return sinks
 
 
 def _log_summary(state, cfg, run_dir: Path, ckpt_root: Path, last: dict | None, seconds: float) -> None:
@@ -139,9 +165,8 @@ def run(cfg: DictConfig) -> None:
     validate(cfg, world_size)
     started = time.monotonic()
 
-    from data.datasets import build_train_dataset, build_train_iterator
     from msa_model.training import checkpoint as ckpt
-    from msa_model.training.distributed import data_parallel_info, init_distributed, shutdown
+    from msa_model.training.distributed import init_distributed, shutdown
     from msa_model.training.indexer_warmup import IndexerWarmup
     from msa_model.training.metrics import MetricsLogger
     from msa_model.training.preemption import StopSignal, plan_requeue, requeue_slurm_job
@@ -195,17 +220,13 @@ def run(cfg: DictConfig) -> None:
         checkpointer = ckpt.Checkpointer(ckpt_root, cfg.checkpoint.interval, cfg.checkpoint.keep,
                                          cfg.checkpoint.save_at_end, model_config)
         callbacks.append(checkpointer)
-        metrics_logger = MetricsLogger(cfg.logging, run_dir, env.is_main, cfg.trainer.max_steps,
-                                       OmegaConf.to_container(cfg, resolve=True),
-                                       flops_per_token=_flops_counter(cfg), world_size=world_size)
+        metrics_logger = MetricsLogger(_metric_sinks(cfg, run_dir) if env.is_main else [], cfg.logging.log_interval,
+                                       cfg.trainer.max_steps, flops_per_token=_flops_counter(cfg),
+                                       world_size=world_size)
         callbacks.append(metrics_logger)
-        trainer = Trainer(
-            model_chunks=model_chunks, optimizer=optimizer, scheduler=scheduler, data_iterator=None,
-            callbacks=callbacks, max_steps=cfg.trainer.max_steps, stop_at_step=cfg.trainer.stop_at_step,
-            seq_length=cfg.model.seq_length, micro_batch_size=cfg.parallel.micro_batch_size,
-            global_batch_size=cfg.parallel.global_batch_size, num_layers=cfg.model.num_layers,
-            device=env.device, stop_signal=stop_signal,
-        )
+        trainer = Trainer(cfg.trainer, cfg.parallel, cfg.model, model_chunks=model_chunks, optimizer=optimizer,
+                          scheduler=scheduler, data=_build_data(cfg), callbacks=callbacks, device=env.device,
+                          stop_signal=stop_signal)
         if latest is not None:
             ckpt.load_checkpoint(trainer, latest, verify=False, model_config=model_config)
         elif cfg.init_from:
@@ -218,11 +239,6 @@ def run(cfg: DictConfig) -> None:
                      "to start a new run", run_dir, trainer.state.step, cfg.trainer.max_steps)
             return
 
-        dataset = build_train_dataset(cfg.data, cfg.model.seq_length, cfg.trainer.max_steps * cfg.parallel.global_batch_size)
-        dp_rank, dp_size = data_parallel_info()
-        trainer.data_iterator = build_train_iterator(dataset, trainer.state.consumed_samples,
-                                                     cfg.parallel.micro_batch_size, dp_rank, dp_size,
-                                                     document_mask=cfg.data.document_mask)
         try:
             state = trainer.train()
         except OutOfMemory as e:

@@ -74,20 +74,33 @@ def _forward_step(data_iterator, model, device: torch.device):
 
 
 class Trainer:
-    def __init__(self, *, model_chunks, optimizer, scheduler, data_iterator, callbacks: list[Callback],
-                 max_steps: int, stop_at_step: int | None, seq_length: int, micro_batch_size: int,
-                 global_batch_size: int, num_layers: int, device: torch.device, stop_signal=None):
+    """The loop over optimizer steps. Built whole from the run's config sections: `trainer_cfg`
+    (max_steps, stop_at_step), `parallel_cfg` (micro and global batch size) and `model_cfg`
+    (seq_length, num_layers); `data` gives this rank's micro-batches from a sample position
+    (data.datasets.TrainData). The position is `state.consumed_samples`, which a checkpoint
+    restores with the other counters before the first step reads a batch."""
+
+    def __init__(self, trainer_cfg, parallel_cfg, model_cfg, *, model_chunks, optimizer, scheduler, data,
+                 callbacks: list[Callback], device: torch.device, stop_signal=None):
         self.model_chunks, self.optimizer, self.scheduler = model_chunks, optimizer, scheduler
-        self.data_iterator, self.callbacks = data_iterator, callbacks
-        self.max_steps, self.stop_at_step = max_steps, stop_at_step
-        self.seq_length, self.micro_batch_size, self.global_batch_size = seq_length, micro_batch_size, global_batch_size
-        self.num_layers, self.device, self.stop_signal = num_layers, device, stop_signal
+        self.data, self.callbacks = data, callbacks
+        self.max_steps, self.stop_at_step = trainer_cfg.max_steps, trainer_cfg.stop_at_step
+        self.micro_batch_size, self.global_batch_size = parallel_cfg.micro_batch_size, parallel_cfg.global_batch_size
+        self.seq_length, self.num_layers = model_cfg.seq_length, model_cfg.num_layers
+        self.device, self.stop_signal = device, stop_signal
         self.state = TrainState()
         self.stage = "start"  # what the step is doing, for error messages
         # the stop signal every rank agreed on, once one arrived (e.g. "SIGUSR1")
         self.stop_reason: str | None = None
         dp = parallel_state.get_data_parallel_world_size()
-        self.num_microbatches = global_batch_size // (micro_batch_size * dp)
+        self.num_microbatches = self.global_batch_size // (self.micro_batch_size * dp)
+        self._data_iterator = None
+
+    def batches(self):
+        """This rank's micro-batches, opened at the first call from the state's data position."""
+        if self._data_iterator is None:
+            self._data_iterator = self.data.iterator(self.state.consumed_samples)
+        return self._data_iterator
 
     def _call(self, hook: str, *args) -> None:
         for cb in self.callbacks:
@@ -101,7 +114,7 @@ class Trainer:
         self.stage = "forward and backward"
         losses_reduced = get_forward_backward_func()(
             forward_step_func=partial(_forward_step, device=self.device),
-            data_iterator=self.data_iterator,
+            data_iterator=self.batches(),
             model=self.model_chunks,
             num_microbatches=self.num_microbatches,
             seq_length=self.seq_length,
@@ -136,6 +149,8 @@ class Trainer:
     def train(self) -> TrainState:
         for chunk in self.model_chunks:
             chunk.train()
+        # the dataset is built here, before the callbacks start their clocks
+        self.batches()
         self._call("on_train_start")
         step_tokens = self.global_batch_size * self.seq_length
         # a relaunch of a job that stopped at stop_at_step must not run one step more; a stop

@@ -1,0 +1,62 @@
+"""The metrics logger's records and its sinks: interval means handed to every sink in the order
+given, at each log interval, the last step and a requested stop; metrics.jsonl resumed cleanly."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import torch
+
+from msa_model.training.callbacks import TrainState
+from msa_model.training.metrics import JsonlFile, MetricsLogger, MetricsSink
+
+
+class _Sink(MetricsSink):
+    def __init__(self, name: str, seen: list):
+        self.name, self.seen = name, seen
+
+    def open(self, step: int) -> None:
+        self.seen.append((self.name, "open", step))
+
+    def write(self, record: dict) -> None:
+        self.seen.append((self.name, record["step"], record["lm_loss"]))
+
+    def close(self) -> None:
+        self.seen.append((self.name, "close"))
+
+
+def _run(logger: MetricsLogger, losses: list[float], start: int = 0, stop_after: int | None = None) -> None:
+    trainer = SimpleNamespace(state=TrainState(step=start), device=torch.device("cpu"))
+    logger.on_train_start(trainer)
+    for loss in losses:
+        trainer.state.step += 1
+        trainer.state.tokens += 8
+        trainer.state.stop_requested = trainer.state.step == stop_after
+        logger.on_step_end(trainer, {"lm_loss": loss, "step_tokens": 8})
+    logger.on_train_end(trainer)
+
+
+def test_records_are_interval_means_given_to_each_sink_in_order():
+    seen = []
+    logger = MetricsLogger([_Sink("a", seen), _Sink("b", seen)], log_interval=3, max_steps=7)
+    _run(logger, [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0])
+    assert seen == [("a", "open", 0), ("b", "open", 0),
+                    ("a", 3, 2.0), ("b", 3, 2.0), ("a", 6, 5.0), ("b", 6, 5.0), ("a", 7, 7.0), ("b", 7, 7.0),
+                    ("a", "close"), ("b", "close")]
+    assert logger.last_record["step"] == 7 and logger.last_record["tokens"] == 56
+
+
+def test_a_requested_stop_writes_the_interval_so_far():
+    seen = []
+    _run(MetricsLogger([_Sink("a", seen)], log_interval=10, max_steps=100), [1.0, 3.0], start=20, stop_after=22)
+    assert seen == [("a", "open", 20), ("a", 22, 2.0), ("a", "close")]
+
+
+def test_jsonl_of_a_resumed_run_continues_after_its_step(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    _run(MetricsLogger([JsonlFile(path)], log_interval=1, max_steps=6), [1.0, 2.0, 3.0, 4.0])
+    # resumed from the checkpoint of step 2: steps 3 and 4 are written again
+    _run(MetricsLogger([JsonlFile(path)], log_interval=1, max_steps=6), [30.0, 40.0, 50.0], start=2)
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["step"], r["lm_loss"]) for r in records] == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0), (5, 50.0)]

@@ -1,0 +1,53 @@
+"""The training data's position: a run resumed at `consumed_samples` reads on exactly where the
+interrupted one stopped, on every data-parallel rank, and the dataset is built only when read."""
+
+from __future__ import annotations
+
+import torch
+
+from data.datasets import TrainData
+
+
+class _Numbered(torch.utils.data.Dataset):
+    """Sample i is the single token i."""
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        return {"tokens": torch.tensor([i])}
+
+
+def _samples(batch) -> list[int]:
+    return batch["tokens"][:, 0].tolist()
+
+
+def test_dataset_is_built_at_the_first_read_and_once():
+    built = []
+
+    def build():
+        built.append(1)
+        return _Numbered()
+
+    data = TrainData(build, micro_batch_size=2, dp_rank=0, dp_size=1)
+    assert built == []
+    next(data.iterator(0))
+    next(data.iterator(6))
+    assert built == [1]
+
+
+def test_a_resumed_iterator_continues_where_the_first_stopped():
+    micro, dp, global_batch = 2, 2, 8
+    ranks = [TrainData(_Numbered, micro, rank, dp) for rank in range(dp)]
+    steps = 3
+    per_step = global_batch // (micro * dp)
+    # one uninterrupted run, and one stopped after `steps` steps and resumed at their samples
+    whole = [[_samples(b) for b, _ in zip(r.iterator(0), range(2 * steps * per_step))] for r in ranks]
+    resumed = [[_samples(b) for b, _ in zip(r.iterator(steps * global_batch), range(steps * per_step))]
+               for r in ranks]
+    for rank in range(dp):
+        assert resumed[rank] == whole[rank][steps * per_step:]
+    # together the ranks read each sample once, in order
+    read = sorted(s for rank in range(dp) for batch in whole[rank] for s in batch)
+    assert read == list(range(2 * steps * global_batch))
+    assert resumed[0][0] == [steps * global_batch, steps * global_batch + 1]
