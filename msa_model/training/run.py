@@ -180,7 +180,8 @@ def run(cfg: DictConfig) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
     # the console only: train.log is the run's, written once the run dir's lock is ours
     setup_logging(None, rank == 0)
-    warn_untested_versions()
+    if rank == 0:
+        warn_untested_versions()
     latest = ckpt.latest_checkpoint(ckpt_root)
     if cfg.resume == "never" and latest is not None:
         raise ConfigError(f"resume=never but {ckpt_root} already holds checkpoints; choose another run_dir")
