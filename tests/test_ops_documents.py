@@ -174,9 +174,9 @@ def test_triton_select_blocks_with_documents(G, bs, topk, force_sink, q0):
     assert torch.equal(got.sort(-1).values, want.sort(-1).values)
 
 
-def _attention(q, k, v, idx, ds, bs, backend, q0, w, dt):
+def _attention(q, k, v, idx, ds, bs, backend, q0, w, dt, tuning=None):
     q, k, v = (x.detach().to(dt).requires_grad_() for x in (q, k, v))
-    o, lse = sparse_attention(q, k, v, idx, bs, backend=backend, q_offset=q0, doc_start=ds)
+    o, lse = sparse_attention(q, k, v, idx, bs, backend=backend, q_offset=q0, doc_start=ds, tuning=tuning)
     return (o, lse, *torch.autograd.grad((o.float() * w).sum(), (q, k, v)))
 
 
@@ -188,6 +188,25 @@ ATTENTION_CASES = ([(4, 2, 0, torch.float32), (6, 2, 23, torch.float32), (4, 2, 
 @pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense"])
 @pytest.mark.parametrize("Hq,G,q0,dtype", ATTENTION_CASES, ids=lambda c: str(c))
 def test_triton_sparse_attention_with_documents(Hq, G, q0, dtype, dense, poisoned):
+    _check_attention_with_documents(Hq, G, q0, dtype, dense)
+
+
+def test_triton_tile_path_with_documents(poisoned):
+    """The tile-union path: a tile's queries straddle documents, so its union holds blocks of
+    several (table ids), each row reading its own document's only."""
+    import dataclasses
+
+    from msa_model.ops.sparse_attention.triton import DEFAULT_TUNING
+
+    tuning = dataclasses.replace(DEFAULT_TUNING, tile_rows=8, tile_dkdv_tiles=2, tile_backward=True, tile_min_heads=1,
+                                 tile_min_queries=0)
+    _check_attention_with_documents(6, 2, 23, torch.bfloat16 if CUDA else torch.float32, False, tuning)
+    # the hybrid forward: the tiles of few blocks on the tile path, the others gathered
+    tuning = dataclasses.replace(tuning, tile_backward=False, tile_union_max=1.25)
+    _check_attention_with_documents(6, 2, 23, torch.bfloat16 if CUDA else torch.float32, False, tuning)
+
+
+def _check_attention_with_documents(Hq, G, q0, dtype, dense, tuning=None):
     bs = 16
     gen = torch.Generator().manual_seed(5)
     q, k, v, _, _ = inputs(seed=5, dtype=torch.float32, Hq=Hq, G=G, device=DEV)
@@ -196,7 +215,7 @@ def test_triton_sparse_attention_with_documents(Hq, G, q0, dtype, dense, poisone
     ds = ds.to(DEV)
     w = torch.randn(q[:, q0:].shape, generator=gen).to(DEV)
     args = (q[:, q0:], k, v, idx, ds, bs)
-    out = _attention(*args, "triton", q0, w, dtype)
+    out = _attention(*args, "triton", q0, w, dtype, tuning)
     truth = _attention(*args, "reference", q0, w, torch.float64)
     names = ("o", "lse", "dq", "dk", "dv")
     for name, x in zip(names, out):

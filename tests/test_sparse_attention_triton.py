@@ -233,3 +233,68 @@ def test_empty_support_and_duplicates():
 ])
 def test_large_gpu(H, D, block_size, K, dtype):
     run_case(2, 1000, 2 * H, 2, D, block_size, K, dtype)
+
+
+def _tiles(rows, per_item=2, **kw):
+    """The tile path both ways (every tile); few tiles per dK/dV work item, so popular blocks span
+    several; 16 keys per step, so a 32-key block takes two."""
+    kw = {"tile_backward": True, "tile_keys": 16, "tile_min_heads": 1, "tile_min_queries": 0, **kw}
+    return dataclasses.replace(sa_triton.DEFAULT_TUNING, tile_rows=rows, tile_dkdv_tiles=per_item, **kw)
+
+
+@pytest.mark.parametrize("B,T,Hq,G,D,block_size,K,rows", [
+    (1, 1, 2, 1, 16, 16, 4, 2),
+    (2, 63, 4, 2, 32, 16, 4, 8),
+    (1, 70, 12, 4, 16, 32, 3, 8),
+])
+def test_tile_path_fp32(B, T, Hq, G, D, block_size, K, rows):
+    """Odd lengths (a partial last tile), H = 3 heads per group (padded rows), -1 slots, repeats
+    and future blocks (random_block_idx)."""
+    if DEVICE == "cuda":
+        pytest.skip("fp32 runs only under the interpreter")
+    run_case(B, T, Hq, G, D, block_size, K, torch.float32, tuning=_tiles(rows))
+
+
+@pytest.mark.parametrize("dtype,tile_backward", [(torch.bfloat16, True), (torch.float16, False)],
+                         ids=["tiles-bf16", "hybrid-fp16"])
+def test_tile_path_low_precision(dtype, tile_backward):
+    run_case(2, 63, 4, 2, 32, 32, 4, dtype, tuning=_tiles(4, tile_backward=tile_backward, tile_union_max=1.25))
+
+
+def test_hybrid_forward_splits_tiles_by_their_union():
+    """Tiles whose union is at most the limit take the tile kernel, the others the gather path, in
+    one call: both kinds occur here, and the result is the reference's."""
+    B, T, Hq, G, D, bs, K, QT = 1, 90, 4, 2, 16, 16, 4, 4  # 2 heads per group: 8 rows
+    gen = torch.Generator().manual_seed(0)  # run_case's first draws: q, k, v, do, then the sets
+    for shape in ((B, T, Hq, D), (B, T, G, D), (B, T, G, D), (B, T, Hq, D)):
+        torch.randn(*shape, generator=gen)
+    idx = inverse_index.clean_block_idx(random_block_idx(B, T, G, K, bs, gen), bs)
+    count = sa_triton.tile_union(idx, QT).count
+    limit = 1.0
+    assert (count <= limit * K).any() and (count > limit * K).any()
+    run_case(B, T, Hq, G, D, bs, K, torch.float32 if DEVICE == "cpu" else torch.bfloat16,
+             tuning=_tiles(2 * QT, tile_backward=False, tile_union_max=limit))
+
+
+def test_tile_path_chunks_the_dkdv_partials():
+    """A partial budget of a few work items: the unions' inverse index runs in several chunks."""
+    B, T, Hq, G, D, bs, K = 1, 90, 4, 2, 16, 16, 4
+    item = 2 * bs * D * 4
+    tuning = _tiles(4, per_item=3, partial_bytes=6 * item, partial_min_bytes=0)
+    run_case(B, T, Hq, G, D, bs, K, torch.float32 if DEVICE == "cpu" else torch.bfloat16, tuning=tuning)
+
+
+def test_tile_union_lists_each_tiles_distinct_blocks():
+    B, T, G, K, N, QT = 2, 37, 3, 4, 6, 4
+    gen = torch.Generator().manual_seed(3)
+    idx = torch.randint(-1, N, (B, T, G, K), generator=gen, dtype=torch.int32)
+    idx = inverse_index.clean_block_idx(idx, 1, q_offset=N)
+    union = sa_triton.tile_union(idx, QT)
+    assert union.blocks.shape == (B, G, -(-T // QT), QT * K)
+    for b in range(B):
+        for g in range(G):
+            for tile in range(-(-T // QT)):
+                want = sorted({x for x in idx[b, tile * QT:(tile + 1) * QT, g].flatten().tolist() if x >= 0})
+                n = int(union.count[b, g, tile])
+                assert union.blocks[b, g, tile, :n].tolist() == want
+                assert (union.blocks[b, g, tile, n:] == -1).all()

@@ -24,6 +24,7 @@ from ..triton_utils import LOG2E, interpreting
 from .triton_dense import dense_bwd_dkdv_kernel, dense_bwd_dq_kernel, dense_fwd_kernel
 from .triton_sparse import (delta_kernel, sparse_bwd_kernel, sparse_bwd_reduce_kernel, sparse_dq_combine_kernel,
                             sparse_fwd_combine_kernel, sparse_fwd_kernel)
+from .triton_tiles import tile_dkdv_kernel, tile_dq_kernel, tile_fwd_kernel
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,25 @@ class Tuning:
     partial_bytes: int = 4 << 30
     partial_q_ratio: float = 2.0
     partial_min_bytes: int = 512 << 20
+    # The tile-union path (triton_tiles.py). tile_rows: matrix rows per tile, queries x the group's
+    # heads (0: the gather path only). It is taken by calls of at least `tile_min_queries` queries
+    # whose groups have at least `tile_min_heads` heads (below, the gather path was as fast or
+    # faster: bench/RESULTS.md, "Round 5"), and there, in the forward, by each tile whose union
+    # holds at most `tile_union_max` x K blocks (the others' queries are gathered). tile_keys:
+    # keys per step; tile_warps, tile_stages: its query-outer kernels' launch. The backward is the
+    # gather path's unless `tile_backward` (then every tile takes the tile path both ways, with
+    # `tile_dkdv_tiles` tiles per dK/dV work item and `tile_dq_stages` in the dQ kernel).
+    tile_rows: int = 128
+    tile_min_heads: int = 8
+    tile_min_queries: int = 32768
+    tile_union_max: float = 1.5
+    tile_keys: int = 64
+    tile_warps: int = 8
+    tile_stages: int = 3
+    tile_backward: bool = False
+    tile_dq_stages: int = 2
+    tile_dkdv_warps: int = 8
+    tile_dkdv_tiles: int = 64
 
 
 DEFAULT_TUNING = Tuning()
@@ -134,6 +154,13 @@ def sparse_forward(q, k, v, idx, block_size, scale, q_offset=0, index=None, tuni
     return o, lse, index
 
 
+def _bucket_items(index: InverseIndex, per_item: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first, number) int32 [n_chunks, buckets]: each bucket's work items under `schedule(index,
+    per_item)`, numbered from its chunk's first (what the dK/dV reduction walks)."""
+    runs = ((index.count + per_item - 1) // per_item).view(index.n_chunks, -1)
+    return (torch.cumsum(runs, 1) - runs).to(torch.int32), runs.to(torch.int32)
+
+
 def _delta(do, o):
     """rowsum(dO * O) fp32 [B, T, Hq]: the softmax backward's correction term."""
     delta = torch.empty(o.shape[:-1], dtype=torch.float32, device=o.device)
@@ -161,10 +188,7 @@ def sparse_backward(do, q, k, v, o, lse, idx, block_size, scale, q_offset=0, ind
     # a popular block (the sink, the local block) over many programs
     per_item = QT * tuning.bwd_tiles
     ib, istart, icount = schedule(index, per_item)
-    # each bucket's work items, numbered from its chunk's first
-    runs = ((index.count + per_item - 1) // per_item).view(index.n_chunks, -1)
-    first = (torch.cumsum(runs, 1) - runs).to(torch.int32)
-    runs = runs.to(torch.int32)
+    first, runs = _bucket_items(index, per_item)
     # dq partials in the input dtype: each is one block's share, rounded once like torch's own
     # bf16 matmul output, and it halves the bytes of the pass that dominates the backward
     dqp = torch.empty(index.chunk_entries * H, D, dtype=q.dtype, device=q.device)
@@ -182,6 +206,132 @@ def sparse_backward(do, q, k, v, o, lse, idx, block_size, scale, q_offset=0, ind
             HKV=G, BS=block_size, RB=rb, D=D, DOCS=DOCS, num_warps=4)
         sparse_dq_combine_kernel[(B * (t1 - t0) * G,)](
             dqp, idx, dq, T, t1 - t0, t0, HQ=Hq, HKV=G, SLOTS=K, H=H, HP=HP, D=D, num_warps=4)
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+
+@dataclass
+class TileUnion:
+    """Each query tile's union of selected blocks (the tile path, triton_tiles.py).
+
+    ids: int32 [B, T, G, K] the cleaned block ids, table ids with packed documents (-1 unused).
+    blocks: int32 [B, G, NT, U] each tile's distinct ids ascending, then -1 (U = QT*K).
+    count: int32 [B, G, NT] how many; queries: QT, queries per tile.
+    """
+
+    ids: torch.Tensor
+    blocks: torch.Tensor
+    count: torch.Tensor
+    queries: int
+
+
+def tile_union(idx: torch.Tensor, queries: int, docs: DocumentBlocks | None = None) -> TileUnion:
+    """The union of each tile of `queries` consecutive queries' blocks, per (b, g): two segmented
+    sorts of [B, G, NT, QT*K], no host synchronisation."""
+    B, T, G, K = idx.shape
+    ids = idx if docs is None else torch.where(idx >= 0, idx + docs.base[:, :, None, None], -1)
+    ids = ids.to(torch.int32).contiguous()
+    NT = triton.cdiv(T, queries)
+    padded = torch.nn.functional.pad(ids, (0, 0, 0, 0, 0, NT * queries - T), value=-1)
+    u = padded.view(B, NT, queries, G, K).permute(0, 3, 1, 2, 4).reshape(B, G, NT, queries * K)
+    u = u.sort(-1).values
+    dup = torch.zeros_like(u, dtype=torch.bool)
+    dup[..., 1:] = u[..., 1:] == u[..., :-1]
+    none = torch.iinfo(torch.int32).max
+    u = torch.where(dup | (u < 0), none, u).sort(-1).values
+    count = (u != none).sum(-1, dtype=torch.int32)
+    return TileUnion(ids, torch.where(u == none, -1, u).contiguous(), count.contiguous(), queries)
+
+
+def _tile_queries(tuning: Tuning, H: int) -> int:
+    """Queries per tile: `tuning.tile_rows` rows of the group's HP heads each, at least 16 rows on a
+    GPU (a matrix product's least inner dimension, which the dK/dV kernel's products over rows need)."""
+    HP = triton.next_power_of_2(H)
+    return max(1, tuning.tile_rows // HP, 1 if interpreting() else triton.cdiv(16, HP))
+
+
+def _stages(stages: int, D: int) -> int:
+    """Pipeline stages of a tile kernel: each holds a key and a value step ([KB, D] each) in shared
+    memory, so heads wider than 128 take one (two of D = 256 would not fit in an H200's 227 KiB
+    with the tile's other buffers)."""
+    return stages if D <= 128 else 1
+
+
+def _tile_args(q, k, union: TileUnion, block_size, tuning: Tuning, docs):
+    B, T, Hq, G, H, HP, D = _geometry(q, k, block_size)
+    TK = k.shape[1]
+    K = union.ids.shape[-1]
+    N, bstart, bend, DOCS = _blocks(docs, TK, block_size, union.ids)
+    NT, U = union.blocks.shape[2:]
+    return (B, T, TK, G, N, NT, bstart, bend,
+            dict(HQ=Hq, HKV=G, SLOTS=K, KP=triton.next_power_of_2(K), H=H, HP=HP, QT=union.queries, U=U,
+                 BS=block_size, D=D, DOCS=DOCS))
+
+
+def tile_forward(q, k, v, union: TileUnion, block_size, scale, q_offset=0, tuning: Tuning = DEFAULT_TUNING,
+                 docs: DocumentBlocks | None = None, limit: int | None = None, out=None):
+    """o [B, T, Hq, D] and lse fp32 [B, T, Hq] of the tile path, one program per (tile, b, g). Only
+    tiles whose union holds at most `limit` blocks (None: all) are written, into `out` (o, lse)
+    when given."""
+    B, T, TK, G, N, NT, bstart, bend, meta = _tile_args(q, k, union, block_size, tuning, docs)
+    o, lse = out if out is not None else (torch.empty_like(q),
+                                          torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device))
+    COMPILED["tile_fwd"] = tile_fwd_kernel[(NT, B * G)](
+        q, k, v, o, lse, union.ids, union.blocks, union.count, bstart, bend, T, TK, q_offset, N, NT,
+        meta["U"] if limit is None else limit, scale * LOG2E.value, **meta, KB=min(tuning.tile_keys, block_size),
+        num_warps=tuning.tile_warps, num_stages=_stages(tuning.tile_stages, meta["D"]))
+    return o, lse
+
+
+def hybrid_forward(q, k, v, idx, union: TileUnion, block_size, scale, q_offset=0, tuning: Tuning = DEFAULT_TUNING,
+                   docs: DocumentBlocks | None = None):
+    """The forward with each tile on the path that suits its union: tiles whose union holds at
+    most `tuning.tile_union_max` x K blocks on the tile path, the others' queries on the gather
+    path. Decided per tile on the device (no synchronisation): the gather path runs first on the
+    other tiles' entries alone (the rest emptied, so its combine writes o = 0 there), then the
+    tile kernel writes its tiles over them."""
+    K = idx.shape[-1]
+    limit = int(tuning.tile_union_max * K)
+    QT, T = union.queries, idx.shape[1]
+    over_BTG = (union.count > limit).permute(0, 2, 1).repeat_interleave(QT, dim=1)[:, :T]
+    o, lse, _ = sparse_forward(q, k, v, torch.where(over_BTG[..., None], idx, -1), block_size, scale, q_offset,
+                               tuning=tuning, docs=docs)
+    return tile_forward(q, k, v, union, block_size, scale, q_offset, tuning, docs, limit, (o, lse))
+
+
+def tile_backward(do, q, k, v, o, lse, union: TileUnion, block_size, scale, q_offset=0,
+                  tuning: Tuning = DEFAULT_TUNING, docs: DocumentBlocks | None = None):
+    """(dq, dk, dv) of `tile_forward`: dQ per tile over its union; dK/dV per block over the tiles
+    whose union holds it (an inverse index of the unions, chunked over tiles so that the work
+    items' fp32 partials stay under the gather path's partial budget), reduced in order."""
+    B, T, TK, G, N, NT, bstart, bend, meta = _tile_args(q, k, union, block_size, tuning, docs)
+    delta = _delta(do, o)
+    dq = torch.empty_like(q)
+    COMPILED["tile_dq"] = tile_dq_kernel[(NT, B * G)](
+        q, k, v, do, lse, delta, dq, union.ids, union.blocks, union.count, bstart, bend, T, TK, q_offset, N, NT,
+        scale * LOG2E.value, scale, **meta, KB=min(tuning.tile_keys, block_size), num_warps=tuning.tile_warps,
+        num_stages=_stages(tuning.tile_dq_stages, meta["D"]))
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    per_item = tuning.tile_dkdv_tiles
+    U, D = meta["U"], meta["D"]
+    item_bytes = 2 * block_size * D * 4
+    budget = int(min(tuning.partial_bytes, max(tuning.partial_min_bytes, tuning.partial_q_ratio * q.numel()
+                                                * q.element_size())))
+    chunk = _chunk(NT, triton.cdiv(B * G * U, per_item) * item_bytes, budget)
+    index = build_inverse_index(union.blocks.permute(0, 2, 1, 3).contiguous(), N, chunk)
+    ib, istart, icount = schedule(index, per_item)
+    first, runs = _bucket_items(index, per_item)
+    dkp = torch.empty(ib.shape[1], block_size, D, dtype=torch.float32, device=q.device)
+    dvp = torch.empty_like(dkp)
+    rb = min(32, block_size)
+    for c in range(index.n_chunks):
+        COMPILED["tile_dkdv"] = tile_dkdv_kernel[(ib.shape[1],)](
+            q, k, v, do, lse, delta, dkp, dvp, union.ids, index.entry, ib[c], istart[c], icount[c], bstart, bend,
+            T, TK, q_offset, N, NT, scale * LOG2E.value, scale, **meta,
+            num_warps=tuning.tile_dkdv_warps, num_stages=1)
+        sparse_bwd_reduce_kernel[(runs.shape[1], block_size // rb)](
+            dkp, dvp, dk, dv, first[c], runs[c], bstart, bend, TK, N,
+            HKV=G, BS=block_size, RB=rb, D=D, DOCS=meta["DOCS"], num_warps=4)
     return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -233,14 +383,25 @@ class SparseAttentionTriton(torch.autograd.Function):
         if doc_start is not None:
             doc_start = doc_start.to(torch.int32).contiguous()
         idx = None if block_idx is None else clean_block_idx(block_idx, block_size, q_offset, doc_start)
-        ctx.index = ctx.docs = None
+        ctx.index = ctx.docs = ctx.union = None
         if idx is None:
             o, lse = dense_forward(q, k, v, scale, q_offset, doc_start)
         else:
             if doc_start is not None:
                 ctx.docs = document_blocks(doc_start, block_size, q_offset)
-            o, lse, ctx.index = sparse_forward(q, k, v, idx, block_size, scale, q_offset, tuning=tuning,
-                                               docs=ctx.docs)
+            H = q.shape[2] // k.shape[2]
+            queries = _tile_queries(tuning, H)
+            tiles = tuning.tile_rows and H >= tuning.tile_min_heads and q.shape[1] >= tuning.tile_min_queries
+            if tiles and tuning.tile_backward:
+                ctx.union = tile_union(idx, queries, ctx.docs)
+                o, lse = tile_forward(q, k, v, ctx.union, block_size, scale, q_offset, tuning, ctx.docs)
+            elif tiles:
+                # the backward builds the gather path's index of every entry
+                o, lse = hybrid_forward(q, k, v, idx, tile_union(idx, queries, ctx.docs), block_size, scale,
+                                        q_offset, tuning, ctx.docs)
+            else:
+                o, lse, ctx.index = sparse_forward(q, k, v, idx, block_size, scale, q_offset, tuning=tuning,
+                                                   docs=ctx.docs)
         ctx.save_for_backward(q, k, v, o, lse, idx, doc_start)
         ctx.args = (block_size, scale, q_offset, tuning)
         ctx.mark_non_differentiable(lse)
@@ -253,10 +414,12 @@ class SparseAttentionTriton(torch.autograd.Function):
         do = do.contiguous()
         if idx is None:
             dq, dk, dv = dense_backward(do, q, k, v, o, lse, scale, q_offset, tuning, doc_start)
+        elif ctx.union is not None:
+            dq, dk, dv = tile_backward(do, q, k, v, o, lse, ctx.union, block_size, scale, q_offset, tuning, ctx.docs)
         else:
             dq, dk, dv = sparse_backward(do, q, k, v, o, lse, idx, block_size, scale, q_offset, ctx.index, tuning,
                                          ctx.docs)
-        ctx.index = ctx.docs = None
+        ctx.index = ctx.docs = ctx.union = None
         return dq, dk, dv, None, None, None, None, None, None
 
 

@@ -1,0 +1,238 @@
+"""Triton kernels of sparse attention over the union of a query tile's blocks (query-outer).
+
+Neighbouring queries of a trained indexer select mostly the same key blocks. A *tile* is QT
+consecutive queries of one (b, g); its *union* is the distinct blocks its queries selected. A
+program takes a tile's QT queries x the group's H heads as R = QT*HP matrix rows and walks its
+union once, masking per row the blocks that row's query did not select (and, as everywhere, the
+causal future). So every key/value block is loaded once per tile rather than once per query, and
+the forward needs no per-entry partials nor a combine, at the price of the masked share of each
+product: (union size) / (blocks per query) times the exact FLOPs. Where queries' selections
+differ (random sets) the gather kernels of triton_sparse.py are faster; the launcher chooses.
+
+The backward is FlashAttention-2's split: dQ query-outer over the union (as the forward), dK/dV
+key-outer over the tiles whose union holds a block (the inverse index of the unions, with the
+gather path's schedule and reduction), recomputing the probabilities from the forward's lse.
+
+B = batch, T = queries (query t at position QOFF + t; TK = QOFF + T), G = groups, H = query heads
+per group (HP: next power of two), K = slots (KP: next power of two), NT = tiles, U = union slots
+per tile (QT*K, the largest union), BS = block size, D = head dim, R = QT*HP rows.
+Block ids are the cleaned block_idx's, or with packed documents the table ids of
+ops/inverse_index.py (`base + n`), in IDS [B, T, G, K]; UNION [B, G, NT, U] lists each tile's
+distinct ids ascending then -1, UCOUNT [B, G, NT] their number.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..inverse_index import decode_bucket
+from ..triton_utils import INTERPRET, LN2, LOG2E, mm
+from .triton_sparse import _kv_block
+
+
+@triton.jit
+def _tile_rows(Q, IDS, b, g, tile, T, HQ: tl.constexpr, HKV: tl.constexpr, SLOTS: tl.constexpr,
+               KP: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, QT: tl.constexpr, D: tl.constexpr):
+    """A tile's rows: query t [R], row validity, the rows' offsets in q-shaped tensors (row*D), q
+    [R, D] and each row's query's selected ids [R, KP] (-1 where none)."""
+    r = tl.arange(0, QT * HP)
+    t = tile * QT + r // HP
+    hh = r % HP
+    row_ok = (t < T) & (hh < H)
+    row = (b * T + t) * HQ + g * H + hh
+    d = tl.arange(0, D)
+    q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+    slot = tl.arange(0, KP)
+    ids = tl.load(IDS + ((b * T + t) * HKV + g)[:, None] * SLOTS + slot[None, :],
+                  mask=row_ok[:, None] & (slot < SLOTS)[None, :], other=-1)
+    return t, row_ok, row, q, ids
+
+
+@triton.jit
+def _kv_rows(K, V, b, g, n, part, TK, NBLK, BSTART, BEND, HKV: tl.constexpr, BS: tl.constexpr, KB: tl.constexpr,
+             D: tl.constexpr, DOCS: tl.constexpr):
+    """Key positions j [KB] and the key and value rows [KB, D] of part `part` (KB keys) of block n
+    (zero past the block's end)."""
+    if DOCS:
+        j = tl.load(BSTART + b * NBLK + n) + part * KB + tl.arange(0, KB)
+        end = tl.load(BEND + b * NBLK + n)
+    else:
+        j = n * BS + part * KB + tl.arange(0, KB)
+        end = TK
+    d = tl.arange(0, D)
+    kv = ((b * TK + j) * HKV + g) * D
+    kt = tl.load(K + kv[:, None] + d[None, :], mask=(j < end)[:, None], other=0.0)
+    vt = tl.load(V + kv[:, None] + d[None, :], mask=(j < end)[:, None], other=0.0)
+    return j, kt, vt
+
+
+@triton.jit
+def _selected(ids, n):
+    """[R]: whether each row's query selected block n."""
+    return tl.max((ids == n).to(tl.int32), 1) > 0
+
+
+@triton.jit
+def _fwd_block(q, hit, t, m, l, acc, K, V, b, g, n, TK, QOFF, NBLK, BSTART, BEND, qk_scale,
+               HKV: tl.constexpr, BS: tl.constexpr, KB: tl.constexpr, D: tl.constexpr, DOCS: tl.constexpr):
+    """One union block of the online softmax (exp2 domain), KB keys at a time. A row reads key j
+    iff its query selected the block and j is not in its future; keys past a block's end are
+    later than every query that selected the block."""
+    for part in tl.static_range(BS // KB):
+        j, kt, vt = _kv_rows(K, V, b, g, n, part, TK, NBLK, BSTART, BEND, HKV, BS, KB, D, DOCS)
+        vis = hit[:, None] & (j[None, :] <= QOFF + t[:, None])
+        s = tl.where(vis, mm(q, tl.trans(kt)) * qk_scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + mm(p.to(vt.dtype), vt)
+        m = m_new
+    return m, l, acc
+
+
+@triton.jit
+def tile_fwd_kernel(Q, K, V, O, LSE, IDS, UNION, UCOUNT, BSTART, BEND, T, TK, QOFF, NBLK, NT, LIMIT, qk_scale,
+                    HQ: tl.constexpr, HKV: tl.constexpr, SLOTS: tl.constexpr, KP: tl.constexpr, H: tl.constexpr,
+                    HP: tl.constexpr, QT: tl.constexpr, U: tl.constexpr, BS: tl.constexpr, KB: tl.constexpr,
+                    D: tl.constexpr, DOCS: tl.constexpr):
+    """One tile (program (tile, b*G + g)) whose union has at most LIMIT blocks (others exit: the
+    gather path covers them): o [R, D] and lse [R] (natural log; -inf and o = 0 on an empty
+    support), written directly."""
+    tile = tl.program_id(0)
+    bg = tl.program_id(1)
+    count = tl.load(UCOUNT + bg.to(tl.int64) * NT + tile)
+    if count > LIMIT:
+        return
+    b = (bg // HKV).to(tl.int64)
+    g = bg % HKV
+    t, row_ok, row, q, ids = _tile_rows(Q, IDS, b, g, tile, T, HQ, HKV, SLOTS, KP, H, HP, QT, D)
+    ub = (bg.to(tl.int64) * NT + tile) * U
+    m = tl.full([QT * HP], float("-inf"), tl.float32)
+    l = tl.zeros([QT * HP], tl.float32)
+    acc = tl.zeros([QT * HP, D], tl.float32)
+    if not INTERPRET:  # pipelined; the interpreter takes the while loop (triton_utils)
+        for u in range(0, count):
+            n = tl.load(UNION + ub + u)
+            m, l, acc = _fwd_block(q, _selected(ids, n), t, m, l, acc, K, V, b, g, n, TK, QOFF, NBLK, BSTART, BEND,
+                                   qk_scale, HKV, BS, KB, D, DOCS)
+    else:
+        u = count * 0
+        while u < count:
+            n = tl.load(UNION + ub + u)
+            m, l, acc = _fwd_block(q, _selected(ids, n), t, m, l, acc, K, V, b, g, n, TK, QOFF, NBLK, BSTART, BEND,
+                                   qk_scale, HKV, BS, KB, D, DOCS)
+            u += 1
+    empty = l == 0.0
+    l_safe = tl.where(empty, 1.0, l)
+    d = tl.arange(0, D)
+    tl.store(O + row[:, None] * D + d[None, :], (acc / l_safe[:, None]).to(O.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(LSE + row, tl.where(empty, float("-inf"), (m + tl.log2(l_safe)) * LN2), mask=row_ok)
+
+
+@triton.jit
+def _row_stats(LSE, DELTA, DO, row, row_ok, D: tl.constexpr):
+    """dO [R, D], lse in log2 units and delta of a tile's rows (0 where a row has no support)."""
+    d = tl.arange(0, D)
+    do = tl.load(DO + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+    lse = tl.load(LSE + row, mask=row_ok, other=0.0)
+    lse2 = tl.where(lse == float("-inf"), 0.0, lse * LOG2E)
+    delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
+    return do, lse2, delta
+
+
+@triton.jit
+def _dq_block(q, do, lse2, delta, hit, t, dq, K, V, b, g, n, TK, QOFF, NBLK, BSTART, BEND, qk_scale,
+              HKV: tl.constexpr, BS: tl.constexpr, KB: tl.constexpr, D: tl.constexpr, DOCS: tl.constexpr):
+    for part in tl.static_range(BS // KB):
+        j, kt, vt = _kv_rows(K, V, b, g, n, part, TK, NBLK, BSTART, BEND, HKV, BS, KB, D, DOCS)
+        vis = hit[:, None] & (j[None, :] <= QOFF + t[:, None])
+        p = tl.where(vis, tl.exp2(mm(q, tl.trans(kt)) * qk_scale - lse2[:, None]), 0.0)
+        ds = p * (mm(do, tl.trans(vt)) - delta[:, None])
+        dq += mm(ds.to(kt.dtype), kt)
+    return dq
+
+
+@triton.jit
+def tile_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, IDS, UNION, UCOUNT, BSTART, BEND, T, TK, QOFF, NBLK, NT,
+                   qk_scale, sm_scale,
+                   HQ: tl.constexpr, HKV: tl.constexpr, SLOTS: tl.constexpr, KP: tl.constexpr, H: tl.constexpr,
+                   HP: tl.constexpr, QT: tl.constexpr, U: tl.constexpr, BS: tl.constexpr, KB: tl.constexpr,
+                   D: tl.constexpr, DOCS: tl.constexpr):
+    """dQ [R, D] of one tile over its union (P recomputed from lse), written directly."""
+    tile = tl.program_id(0)
+    bg = tl.program_id(1)
+    b = (bg // HKV).to(tl.int64)
+    g = bg % HKV
+    t, row_ok, row, q, ids = _tile_rows(Q, IDS, b, g, tile, T, HQ, HKV, SLOTS, KP, H, HP, QT, D)
+    do, lse2, delta = _row_stats(LSE, DELTA, DO, row, row_ok, D)
+    ub = (bg.to(tl.int64) * NT + tile) * U
+    count = tl.load(UCOUNT + bg.to(tl.int64) * NT + tile)
+    dq = tl.zeros([QT * HP, D], tl.float32)
+    if not INTERPRET:
+        for u in range(0, count):
+            n = tl.load(UNION + ub + u)
+            dq = _dq_block(q, do, lse2, delta, _selected(ids, n), t, dq, K, V, b, g, n, TK, QOFF, NBLK, BSTART,
+                           BEND, qk_scale, HKV, BS, KB, D, DOCS)
+    else:
+        u = count * 0
+        while u < count:
+            n = tl.load(UNION + ub + u)
+            dq = _dq_block(q, do, lse2, delta, _selected(ids, n), t, dq, K, V, b, g, n, TK, QOFF, NBLK, BSTART,
+                           BEND, qk_scale, HKV, BS, KB, D, DOCS)
+            u += 1
+    d = tl.arange(0, D)
+    tl.store(DQ + row[:, None] * D + d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _dkdv_tile(Q, DO, LSE, DELTA, IDS, ENTRY, i, start, kt, vt, j, n, dk, dv, b, g, T, NT, QOFF, qk_scale,
+               HQ: tl.constexpr, HKV: tl.constexpr, SLOTS: tl.constexpr, KP: tl.constexpr, H: tl.constexpr,
+               HP: tl.constexpr, QT: tl.constexpr, U: tl.constexpr, D: tl.constexpr):
+    """One tile against the work item's block, transposed ([keys, rows], as the gather backward)."""
+    tile = ((tl.load(ENTRY + start + i).to(tl.int64) // (U * HKV)) % NT).to(tl.int32)
+    t, row_ok, row, q, ids = _tile_rows(Q, IDS, b, g, tile, T, HQ, HKV, SLOTS, KP, H, HP, QT, D)
+    do, lse2, delta = _row_stats(LSE, DELTA, DO, row, row_ok, D)
+    vis = _selected(ids, n)[None, :] & (j[:, None] <= QOFF + t[None, :])
+    pt = tl.where(vis, tl.exp2(mm(kt, tl.trans(q)) * qk_scale - lse2[None, :]), 0.0)
+    dv += mm(pt.to(do.dtype), do)
+    dst = pt * (mm(vt, tl.trans(do)) - delta[None, :])
+    dk += mm(dst.to(q.dtype), q)
+    return dk, dv
+
+
+@triton.jit
+def tile_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DKP, DVP, IDS, ENTRY, ITEM_BUCKET, ITEM_START, ITEM_COUNT,
+                     BSTART, BEND, T, TK, QOFF, NBLK, NT, qk_scale, sm_scale,
+                     HQ: tl.constexpr, HKV: tl.constexpr, SLOTS: tl.constexpr, KP: tl.constexpr, H: tl.constexpr,
+                     HP: tl.constexpr, QT: tl.constexpr, U: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
+                     DOCS: tl.constexpr):
+    """One work item (a run of the tiles whose union holds one block): dK/dV partials [items, BS, D]
+    (fp32), reduced per bucket by triton_sparse's `sparse_bwd_reduce_kernel`. The union index's
+    entries are ((b*NT + tile)*G + g)*U + slot."""
+    pid = tl.program_id(0)
+    bucket = tl.load(ITEM_BUCKET + pid)
+    if bucket < 0:
+        return
+    start = tl.load(ITEM_START + pid)
+    count = tl.load(ITEM_COUNT + pid)
+    b, g, j, kt, vt = _kv_block(K, V, bucket, TK, NBLK, BSTART, BEND, HKV, BS, D, DOCS)
+    _, _, n = decode_bucket(bucket, NBLK, HKV)
+    dk = tl.zeros([BS, D], tl.float32)
+    dv = tl.zeros([BS, D], tl.float32)
+    if not INTERPRET:
+        for i in range(0, count):
+            dk, dv = _dkdv_tile(Q, DO, LSE, DELTA, IDS, ENTRY, i, start, kt, vt, j, n, dk, dv, b, g, T, NT, QOFF,
+                                qk_scale, HQ, HKV, SLOTS, KP, H, HP, QT, U, D)
+    else:
+        i = count * 0
+        while i < count:
+            dk, dv = _dkdv_tile(Q, DO, LSE, DELTA, IDS, ENTRY, i, start, kt, vt, j, n, dk, dv, b, g, T, NT, QOFF,
+                                qk_scale, HQ, HKV, SLOTS, KP, H, HP, QT, U, D)
+            i += 1
+    d = tl.arange(0, D)
+    out = pid.to(tl.int64) * BS * D + tl.arange(0, BS)[:, None] * D + d[None, :]
+    tl.store(DKP + out, dk * sm_scale)
+    tl.store(DVP + out, dv)
