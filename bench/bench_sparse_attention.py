@@ -369,6 +369,96 @@ def tune(T):
     TUNING["sparse_attention"] = base
 
 
+def trained_sets(sets_dir, T, layers):
+    """Selections a trained model made (bench/selection_coherence.py --save), int32 [1, T, G, K] per
+    saved layer; a longer recording is cut to T (the model is causal)."""
+    import numpy as np
+    path = min((p for p in os.scandir(sets_dir) if p.name.startswith("sets_") and p.name.endswith(".npz")
+                and int(p.name[5:-4]) >= T), key=lambda p: int(p.name[5:-4]), default=None)
+    if path is None:
+        return {}
+    sets = np.load(path.path)
+    return {f"trained {name}": torch.from_numpy(sets[name][:T].astype(np.int32))[None].cuda()
+            for name in sets.files if not layers or int(name[5:]) in layers}
+
+
+TILE_VARIANTS = [{"tile_rows": 128}, {"tile_rows": 128, "tile_backward": True}]
+
+
+def _label(var):
+    return ",".join(f"{k.replace('tile_', '')}={v}" for k, v in var.items())
+
+
+def tiles(Ts, patterns, sets_dir, variants, layers, with_flex):
+    """The tile-union path (each variant of its tuning) against the gather path (and FlexAttention
+    on block-granular sets) on random, realistic and trained selections: the union ratio (distinct
+    blocks per tile / K) and fwd, fwd+bwd ms; errors against the reference at 4K."""
+    base = TUNING["sparse_attention"]
+    # correctness at the default geometry, as `check` does for the gather path
+    T = 4096
+    q, k, v, do = inputs(T)
+    for pat in ("random", "realistic"):
+        idx = (random_sets if pat == "random" else realistic_sets)(T, HKV, TOPK, BS, "cuda")
+
+        def grads(fn, dt):
+            qq, kk, vv = (x.detach().to(dt).requires_grad_() for x in (q, k, v))
+            o, lse = fn(qq, kk, vv)
+            return (o, *torch.autograd.grad(o, (qq, kk, vv), do.to(dt)))
+        ref = grads(lambda a, b, c: sparse_attention_reference(a, b, c, idx, BS, D ** -0.5), torch.float32)
+        torch_bf16 = grads(lambda a, b, c: sparse_attention_reference(a, b, c, idx, BS, D ** -0.5, upcast=False),
+                           torch.bfloat16)
+        for var in variants:
+            tun = dataclasses.replace(base, **var)
+            out = grads(lambda a, b, c: sparse_attention(a, b, c, idx, block_size=BS, backend="triton", tuning=tun),
+                        torch.bfloat16)
+            msg = " ".join(f"{n} {rel(x, r):.2e}/{rel(b, r):.2e}" for n, x, b, r in
+                           zip(("o", "dq", "dk", "dv"), out, torch_bf16, ref))
+            log(f"tiles check T={T} {pat} {_label(var)}: ours/torch-bf16 {msg}")
+    del q, k, v, do
+    rows = []
+    qts = sorted({sa_triton._tile_queries(dataclasses.replace(base, **var), HQ // HKV) for var in variants
+                  if var.get("tile_rows", base.tile_rows)})
+    for T in Ts:
+        q, k, v, do = inputs(T)
+        sets = {pat: (random_sets if pat == "random" else realistic_sets)(T, HKV, TOPK, BS, "cuda")
+                for pat in patterns}
+        if sets_dir:
+            sets.update(trained_sets(sets_dir, T, layers))
+        for name, idx in sets.items():
+            clean = sa_triton.clean_block_idx(idx, BS)
+            r = {"T": T, "sets": name}
+            for qt in qts:
+                r[f"union{qt}"] = round(float(sa_triton.tile_union(clean, qt).count.float().mean()) / TOPK, 3)
+            for label, var in [("gather", {"tile_rows": 0})] + [(_label(v), v) for v in variants]:
+                TUNING["sparse_attention"] = dataclasses.replace(base, **var)
+                try:
+                    with torch.no_grad():
+                        r[f"{label} fwd"] = timeit(lambda: ours(idx)(q, k, v))
+                    r[f"{label} fb"] = timeit(fwd_bwd(ours(idx), q, k, v, do))
+                except Exception as e:  # a variant may not fit in registers or shared memory
+                    log(f"tiles {label}: failed {type(e).__name__}: {str(e)[:160]}")
+                if label != "gather":
+                    r[f"{label} regs"] = _regs("tile_fwd")
+            TUNING["sparse_attention"] = base
+            if with_flex and name in ("random", "realistic"):
+                fx = flex(flex_sets(idx, name), T)
+                with torch.no_grad():
+                    r["flex fwd"] = timeit(lambda: fx(q, k, v))
+                r["flex fb"] = timeit(fwd_bwd(fx, q, k, v, do))
+            rows.append(r)
+            log(json.dumps({a: (round(b, 3) if isinstance(b, float) else b) for a, b in r.items()}))
+        del q, k, v, do, sets
+        torch.cuda.empty_cache()
+    f = lambda x: "-" if x is None else f"{x:.2f}"
+    labels = ["gather"] + [_label(v) for v in variants] + ["flex"]
+    log("\n| T | sets | " + " | ".join(f"union/K, {qt} queries" for qt in qts) + " | "
+        + " | ".join(f"{lb} fwd / fwd+bwd ms" for lb in labels) + " |")
+    log("|---|---|" + "---|" * (len(qts) + len(labels)))
+    for r in rows:
+        log(f"| {r['T'] // 1024}K | {r['sets']} | " + " | ".join(f(r[f'union{qt}']) for qt in qts) + " | "
+            + " | ".join(f"{f(r.get(f'{lb} fwd'))} / {f(r.get(f'{lb} fb'))}" for lb in labels) + " |")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--parts", default="check,time")
@@ -380,9 +470,16 @@ def main():
     ap.add_argument("--tune-T", type=int, default=131072)
     ap.add_argument("--profile-T", default="131072")
     ap.add_argument("--profile-fwd", action="store_true", help="profile the forward alone")
+    ap.add_argument("--sets", default="", help="tiles: a directory of trained selections (selection_coherence.py)")
+    ap.add_argument("--tile-variants", default="", help="tiles: JSON list of Tuning overrides to compare")
+    ap.add_argument("--layers", default="", help="tiles: which saved layers' selections to time (default: all)")
     ap.add_argument("--tuning", default="",
                     help="JSON overrides of the kernels' launch shapes (sparse_attention.triton.Tuning)")
+    ap.add_argument("--geometry", default="", help="Hq,Hkv,D instead of the MSA default 64,4,128")
     a = ap.parse_args()
+    if a.geometry:
+        global HQ, HKV, D
+        HQ, HKV, D = (int(x) for x in a.geometry.split(","))
     if a.tuning:
         TUNING["sparse_attention"] = dataclasses.replace(sa_triton.DEFAULT_TUNING, **json.loads(a.tuning))
     parts = a.parts.split(",")
@@ -402,6 +499,11 @@ def main():
                 for pat in patterns:
                     profile(T, pat, forward_only=a.profile_fwd)
             log(f"[profile done {time.time() - t0:.0f}s]")
+        if "tiles" in parts:
+            tiles([int(x) for x in a.T.split(",") if x], patterns, a.sets,
+                  json.loads(a.tile_variants) if a.tile_variants else TILE_VARIANTS,
+                  [int(x) for x in a.layers.split(",") if x], a.flex)
+            log(f"[tiles done {time.time() - t0:.0f}s]")
         if "time" in parts:
             Ts = [int(x) for x in a.T.split(",") if x]
             fTs = [int(x) for x in a.fwd_T.split(",") if x]
