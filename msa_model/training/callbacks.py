@@ -4,7 +4,7 @@ state_dict/load_state_dict and is saved in the checkpoint under its `name`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -15,7 +15,6 @@ class TrainState:
     consumed_samples: int = 0
     tokens: int = 0
     stop_requested: bool = False
-    extra: dict = field(default_factory=dict)
 
     def state_dict(self) -> dict:
         return {"step": self.step, "consumed_samples": self.consumed_samples, "tokens": self.tokens}
