@@ -103,13 +103,22 @@ class CausalSelfAttention(SelfAttention):
                          pg_collection=pg_collection, pp_layer_offset=pp_layer_offset, name=name)
         self.options = options or MSAOptions()
 
-    def _document_starts(self, hidden_states, attention_mask, inference_context, inference_params,
-                         packed_seq_params) -> torch.Tensor | None:
-        """The document starts int [B, S] megatron's attention_mask slot carries, or None."""
-        if inference_context is not None or inference_params is not None or packed_seq_params is not None:
+    def _document_starts(self, hidden_states, attention_mask, megatron_inputs: dict) -> torch.Tensor | None:
+        """The document starts int [B, S] of this rank's tokens that megatron's attention_mask slot
+        carries (see the module docstring), or None. Inference contexts and packed_seq_params are
+        refused; megatron's other inputs (fused-RoPE cos/sin, attention_bias, ...) are not used."""
+        refused = ("inference_context", "inference_params", "packed_seq_params")
+        if any(megatron_inputs.get(k) is not None for k in refused):
             raise NotImplementedError(f"{type(self).__name__}: inference contexts and megatron's packed_seq_params "
                                       "are not supported; pass document starts as attention_mask")
-        return _document_starts(attention_mask, hidden_states.shape[1], hidden_states.shape[0])
+        if attention_mask is None:
+            return None
+        seq, batch = hidden_states.shape[:2]
+        if attention_mask.dtype not in (torch.int32, torch.int64) or tuple(attention_mask.shape) != (batch, seq):
+            raise ValueError(f"{type(self).__name__} takes document starts (int32 [B, S] = [{batch}, {seq}]) as "
+                             f"attention_mask, got {attention_mask.dtype} {tuple(attention_mask.shape)}; set "
+                             "data.document_mask=true instead of building a mask")
+        return attention_mask
 
     def _rope(self, x, freqs):
         if freqs is None:
@@ -171,15 +180,9 @@ class CausalSelfAttention(SelfAttention):
 class DenseSelfAttention(CausalSelfAttention):
     """The full-attention GQA baseline (and the full layers of a model mixing them with MSA)."""
 
-    def forward(self, hidden_states, attention_mask=None, key_value_states=None, inference_context=None,
-                rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None, rotary_pos_cos_sin=None,
-                attention_bias=None, packed_seq_params=None, sequence_len_offset=None, *, inference_params=None):
-        """hidden_states [S, B, hidden] (already normed by the layer) -> ([S, B, hidden], bias).
-
-        attention_mask: None, or the document starts int [B, S] of this rank's tokens (see the
-        module docstring)."""
-        doc_start = self._document_starts(hidden_states, attention_mask, inference_context, inference_params,
-                                          packed_seq_params)
+    def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None, **megatron_inputs):
+        """hidden_states [S, B, hidden] (already normed by the layer) -> ([S, B, hidden], bias)."""
+        doc_start = self._document_starts(hidden_states, attention_mask, megatron_inputs)
         q, k, v, _ = self._attention_inputs(hidden_states, rotary_pos_emb)
         o_BSHD, keys = self._recomputed(self._core, q, k, v, doc_start)
         output, bias = self._project(o_BSHD)
@@ -252,15 +255,9 @@ class MSASelfAttention(CausalSelfAttention):
             self.index_rotary = RotaryEmbedding(kv_channels=di, rotary_percent=1.0, rotary_base=self.options.rotary_base,
                                                 use_cpu_initialization=config.use_cpu_initialization)
 
-    def forward(self, hidden_states, attention_mask=None, key_value_states=None, inference_context=None,
-                rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None, rotary_pos_cos_sin=None,
-                attention_bias=None, packed_seq_params=None, sequence_len_offset=None, *, inference_params=None):
-        """hidden_states [S, B, hidden] (already normed by the layer) -> ([S, B, hidden], bias).
-
-        attention_mask: None, or the document starts int [B, S] of this rank's tokens (see the
-        module docstring)."""
-        doc_start = self._document_starts(hidden_states, attention_mask, inference_context, inference_params,
-                                          packed_seq_params)
+    def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None, **megatron_inputs):
+        """hidden_states [S, B, hidden] (already normed by the layer) -> ([S, B, hidden], bias)."""
+        doc_start = self._document_starts(hidden_states, attention_mask, megatron_inputs)
         # main branch: q/k/v with their norms and RoPE
         q, k, v, q_freqs = self._attention_inputs(hidden_states, rotary_pos_emb)
         # index branch: iq per group, ik shared, from the detached hidden state
@@ -349,17 +346,6 @@ def _rows(doc_start_BS: torch.Tensor | None, a: int, b: int) -> torch.Tensor | N
 def _scalar(value: float, device) -> torch.Tensor:
     # torch.full fills on the device; torch.tensor(value, device=cuda) would copy from the host and wait
     return torch.full((), float(value), dtype=torch.float32, device=device)
-
-
-def _document_starts(attention_mask, batch: int, seq: int) -> torch.Tensor | None:
-    """The document starts int [B, S] megatron's attention_mask slot carries, or None."""
-    if attention_mask is None:
-        return None
-    if attention_mask.dtype not in (torch.int32, torch.int64) or tuple(attention_mask.shape) != (batch, seq):
-        raise ValueError(f"the attention layers take document starts (int32 [B, S] = [{batch}, {seq}]) as "
-                         f"attention_mask, got {attention_mask.dtype} {tuple(attention_mask.shape)}; set "
-                         "data.document_mask=true instead of building a mask")
-    return attention_mask
 
 
 def dense_keys_per_query(C: int, q_offset: int, doc_start_BC: torch.Tensor | None, device) -> torch.Tensor:
