@@ -160,9 +160,10 @@ class CausalSelfAttention(SelfAttention):
             kls.append(kl_c)
             keys = keys + (b - a) / S * keys_c
         o = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+        if kls[0] is None:
+            return o, None, keys
         # the chunks have equal lengths: the mean of their means is the mean over this rank's queries
-        kl = None if kls[0] is None else torch.stack(kls).mean() if len(kls) > 1 else kls[0]
-        return o, kl, keys
+        return o, torch.stack(kls).mean() if len(kls) > 1 else kls[0], keys
 
     def _project(self, o_BSHD: torch.Tensor):
         """linear_proj of the attention output: ([S, B, hidden], bias)."""
@@ -186,7 +187,8 @@ class DenseSelfAttention(CausalSelfAttention):
         q, k, v, _ = self._attention_inputs(hidden_states, rotary_pos_emb)
         o_BSHD, keys = self._recomputed(self._core, q, k, v, doc_start)
         output, bias = self._project(o_BSHD)
-        # no graph: evaluation, or the first pass of a layer megatron's full recompute reruns
+        # recorded with a graph only: not in evaluation, nor in the first pass of a layer that
+        # megatron's full recompute reruns in backward (it records then, once)
         if torch.is_grad_enabled() and self.options.dense_keys_metric:
             self._record_step_metrics(keys)
         return output, bias
