@@ -1,6 +1,10 @@
 """The loop's extension points. Side concerns (metrics, checkpoints, schedules) are callbacks so
 the loop stays a loop; anything with state that must survive a restart implements
-state_dict/load_state_dict and is saved in the checkpoint under its `name`."""
+state_dict/load_state_dict and is saved in the checkpoint under its `name`.
+
+Every hook calls the callbacks in the order the trainer was given them (run.py lists and
+explains it). What one callback needs of another is handed to it when they are built (the
+metrics logger gets the indexer warmup's phase), not left in shared state."""
 
 from __future__ import annotations
 
