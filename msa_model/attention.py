@@ -1,7 +1,8 @@
-"""MiniMax Sparse Attention as a megatron-core self-attention module.
+"""The attention layers as megatron-core self-attention modules: MiniMax Sparse Attention
+(`MSASelfAttention`) and the full-attention GQA baseline (`DenseSelfAttention`), over one base.
 
-`MSASelfAttention` is a `SelfAttention` (same linear_qkv, q/k norms, RoPE and linear_proj, so
-its main-branch weights are a plain GQA layer's) plus the index branch of docs/msa.md:
+Both are a `SelfAttention` (same linear_qkv, q/k norms, RoPE and linear_proj, so their main-branch
+weights are a plain GQA layer's). `MSASelfAttention` adds the index branch of docs/msa.md:
 
     x = normed hidden state, detached       (no gradient from the index branch to the backbone)
     iq = index_q_layernorm(index_q_proj(x)) one index query per GQA group   [S, B, G, Di]
@@ -16,7 +17,8 @@ without the coefficient (the logged KL is the mean over layers of the uncoeffici
 Phase: `sparse=False` (indexer warmup) runs dense causal attention with a dense KL; `sparse=True`
 selects the top-k key blocks per (query, group). The trainer flips it via `set_msa_phase`.
 
-With `attention="dense"` the layer is the full-attention GQA baseline: no index branch at all.
+Which layers are which: msa_model.model builds `DenseSelfAttention` for every layer of
+`attention="dense"` and for the full-attention layers of `attention_types`, MSA elsewhere.
 
 Packed documents: megatron's `attention_mask` argument carries the documents' starts, int
 [B, S] (`doc_start`, the position of each token's document's first token; a boolean
@@ -24,13 +26,9 @@ Packed documents: megatron's `attention_mask` argument carries the documents' st
 selection and KL, in both phases and in the dense baseline (docs/msa.md). None: one document per
 row. Under context parallelism the rows are this rank's, as for every [B, S] input.
 
-Parallelism. Tensor parallel: whole GQA groups per rank (query heads, kv heads and index queries
-split alike; TP must divide Hkv), the shared index key duplicated. Each rank's KL is the mean
-over its own groups, so the model's KL is the mean of the ranks' values: the index-query
-gradients are scaled by 1/TP, and the duplicated index-key weights average their gradients over
-TP, which together give exactly the gradients of one process. Context parallel: see
-msa_model.context_parallel (the KL attached per rank is divided by CP, because megatron's loss
-scale for auxiliary losses is multiplied by CP).
+Parallelism: each rank attends with its own GQA groups (TP) and query chunks (CP), against the
+whole sequence's keys (`_attention_inputs`, `_over_query_chunks`); the gradient adjustments that
+make the ranks' gradients one process's are msa_model.parallel_grads.
 
 Legend: S = tokens (sequence), B = batch, Hq = query heads, G = GQA groups (kv heads),
 D = head dim, Di = index head dim, K = top-k blocks.
@@ -38,24 +36,22 @@ D = head dim, Di = index head dim, K = top-k blocks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
-from megatron.core import parallel_state
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
-from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
-from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
 from msa_model.config import MSAConfig
 from msa_model.context_parallel import gather_sequence, local_query_chunks
 from msa_model.ops import msa_attention, sparse_attention
+from msa_model.parallel_grads import attach_kl, average_over_tp, metrics_group, scale_for_tp_mean
 
 KL_METRIC = "msa_kl_loss"
 KEYS_METRIC = "msa_keys_per_query"
@@ -63,20 +59,20 @@ KEYS_METRIC = "msa_keys_per_query"
 
 @dataclass
 class MSAOptions:
-    """What the layer needs beyond megatron's TransformerConfig (from ModelConfig)."""
+    """What the layers need beyond megatron's TransformerConfig (from ModelConfig)."""
 
-    attention: str = "msa"  # msa | dense
     # model.msa: geometry, KL coefficient, sink, local blocks, ops backend
     msa: MSAConfig = field(default_factory=MSAConfig)
     rotary_base: int = 10000
     # checkpoint the attention core (selection, attention, KL; or dense attention) and rerun it
     # in backward: only its inputs stay alive between forward and backward
     recompute_core: bool = False
-    # per layer (index layer_number - 1): "msa" or "dense"; (): every layer as `attention`
-    layer_attention: tuple = ()
     # the index q/k rotate their first channels with the main RoPE table (model.rotary_dim set,
     # as in MiniMax-M3) instead of a table of their own when Di != D
     index_main_rope: bool = False
+    # full-attention layers report their keys per query; off in a model mixing them with MSA
+    # layers, whose selection the metric then reports
+    dense_keys_metric: bool = True
 
 
 @dataclass
@@ -87,56 +83,18 @@ class MSASelfAttentionSubmodules(SelfAttentionSubmodules):
     index_k_layernorm: Any = None
 
 
-class DuplicatedLinear(torch.nn.Module):
-    """A bias-free linear layer whose weight is replicated on every tensor-parallel rank.
-
-    Megatron-style interface: forward returns (output, None). Under sequence parallelism the
-    input arrives split along S and is gathered first. Gradients are averaged over the TP group
-    by megatron's finalize_model_grads (`average_gradients_across_tp_domain`).
-    """
-
-    def __init__(self, input_size: int, output_size: int, *, config, init_method, tp_group=None):
-        super().__init__()
-        self.config = config
-        self.tp_group = tp_group
-        device = None if config.use_cpu_initialization else torch.cuda.current_device()
-        self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype, device=device))
-        if config.perform_initialization:
-            # the CPU generator draws the same numbers on every TP rank, keeping replicas equal
-            with torch.no_grad():
-                master = torch.empty(output_size, input_size, dtype=torch.float32)
-                init_method(master)
-                self.weight.copy_(master)
-        self.weight.average_gradients_across_tp_domain = True
-
-    def forward(self, x_SBH: torch.Tensor):
-        if self.config.sequence_parallel and self.tp_group is not None and self.tp_group.size() > 1:
-            x_SBH = gather_from_sequence_parallel_region(x_SBH, group=self.tp_group)
-        return F.linear(x_SBH, self.weight), None
-
-
-class _ScaleGrad(torch.autograd.Function):
-    """Identity forward; the backward multiplies the gradient by `factor`."""
-
-    @staticmethod
-    def forward(ctx, x, factor: float):
-        ctx.factor = factor
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.factor, None
-
-
 class CoreAttentionPlaceholder(IdentityOp):
-    """Stands in for megatron's core attention (never called: MSASelfAttention attends itself),
+    """Stands in for megatron's core attention (never called: our layers attend themselves),
     whose local implementation refuses context parallelism at construction."""
 
 
-class MSASelfAttention(SelfAttention):
-    """Self-attention with MSA (or plain dense GQA). Input/output [S, B, hidden] like SelfAttention."""
+class CausalSelfAttention(SelfAttention):
+    """What the dense baseline and MSA share: megatron's projections, q/k norms and RoPE, the
+    causal attention of this rank's query chunks against the whole sequence's keys, the output
+    projection and the per-step metrics. Input/output [S, B, hidden] like SelfAttention; the
+    subclasses' `forward` is the method."""
 
-    def __init__(self, config, submodules: MSASelfAttentionSubmodules, layer_number: int,
+    def __init__(self, config, submodules: SelfAttentionSubmodules, layer_number: int,
                  attn_mask_type=None, cp_comm_type: Optional[str] = None, pg_collection=None,
                  pp_layer_offset: Optional[int] = None, name: Optional[str] = None,
                  options: Optional[MSAOptions] = None):
@@ -144,78 +102,34 @@ class MSASelfAttention(SelfAttention):
                          attn_mask_type=attn_mask_type, cp_comm_type=cp_comm_type,
                          pg_collection=pg_collection, pp_layer_offset=pp_layer_offset, name=name)
         self.options = options or MSAOptions()
-        if self.options.layer_attention:
-            # layer_number is megatron's global 1-based layer index (pipeline offset included)
-            self.options = replace(self.options, attention=self.options.layer_attention[layer_number - 1])
-        self.sparse = True
-        # set by msa_model.training.diagnostics to receive this layer's inputs of one forward
-        self.diagnostics_capture = None
-        if self.options.attention == "dense":
-            return
 
-        di = self.options.msa.index_head_dim
-        self.index_q_proj = submodules.index_q_proj(
-            config.hidden_size, config.num_query_groups * di, config=config,
-            init_method=config.init_method, gather_output=False, bias=False, skip_bias_add=False,
-            is_expert=False, tp_comm_buffer_name="index_q", tp_group=self.pg_collection.tp,
-        )
-        self.index_k_proj = submodules.index_k_proj(
-            config.hidden_size, di, config=config, init_method=config.init_method,
-            tp_group=self.pg_collection.tp,
-        )
-        self.index_q_layernorm = self.index_k_layernorm = None
-        if config.qk_layernorm:
-            self.index_q_layernorm = submodules.index_q_layernorm(hidden_size=di, config=config, eps=config.layernorm_epsilon)
-            self.index_k_layernorm = submodules.index_k_layernorm(hidden_size=di, config=config, eps=config.layernorm_epsilon)
-            for p in self.index_k_layernorm.parameters():
-                p.average_gradients_across_tp_domain = True
-        # the model's rotary table has the main head dim; a different Di needs its own table
-        self.index_rotary = None
-        if di != self.hidden_size_per_attention_head and not self.options.index_main_rope:
-            self.index_rotary = RotaryEmbedding(kv_channels=di, rotary_percent=1.0, rotary_base=self.options.rotary_base,
-                                                use_cpu_initialization=config.use_cpu_initialization)
+    def _document_starts(self, hidden_states, attention_mask, megatron_inputs: dict) -> torch.Tensor | None:
+        """The document starts int [B, S] of this rank's tokens that megatron's attention_mask slot
+        carries (see the module docstring), or None. Inference contexts and packed_seq_params are
+        refused; megatron's other inputs (fused-RoPE cos/sin, attention_bias, ...) are not used."""
+        refused = ("inference_context", "inference_params", "packed_seq_params")
+        if any(megatron_inputs.get(k) is not None for k in refused):
+            raise NotImplementedError(f"{type(self).__name__}: inference contexts and megatron's packed_seq_params "
+                                      "are not supported; pass document starts as attention_mask")
+        if attention_mask is None:
+            return None
+        seq, batch = hidden_states.shape[:2]
+        if attention_mask.dtype not in (torch.int32, torch.int64) or tuple(attention_mask.shape) != (batch, seq):
+            raise ValueError(f"{type(self).__name__} takes document starts (int32 [B, S] = [{batch}, {seq}]) as "
+                             f"attention_mask, got {attention_mask.dtype} {tuple(attention_mask.shape)}; set "
+                             "data.document_mask=true instead of building a mask")
+        return attention_mask
 
     def _rope(self, x, freqs):
         if freqs is None:
             return x
         return apply_rotary_pos_emb(x, freqs, config=self.config, cp_group=self.pg_collection.cp)
 
-    def _index_branch(self, hidden_SBH: torch.Tensor, index_freqs):
-        """iq [S, B, G_local, Di], ik [S, B, Di] from the detached normed hidden state."""
-        x = hidden_SBH.detach()
-        di = self.options.msa.index_head_dim
-        iq_SBGI, _ = self.index_q_proj(x)
-        iq_SBGI = iq_SBGI.view(iq_SBGI.shape[0], iq_SBGI.shape[1], -1, di)
-        ik_SB1I, _ = self.index_k_proj(x)
-        ik_SB1I = ik_SB1I.unsqueeze(2)
-        if self.index_q_layernorm is not None:
-            iq_SBGI = self.index_q_layernorm(iq_SBGI)
-            ik_SB1I = self.index_k_layernorm(ik_SB1I)
-        iq_SBGI = self._rope(iq_SBGI, index_freqs)
-        ik_SB1I = self._rope(ik_SB1I, index_freqs)
-        tp = self.pg_collection.tp.size()
-        if tp > 1:
-            # the KL is the mean of the TP ranks' per-group means: this rank's index queries, and
-            # through them index_q_proj and the index-q norm (summed over TP), get 1/TP of its gradient
-            iq_SBGI = _ScaleGrad.apply(iq_SBGI, 1.0 / tp)
-        return iq_SBGI, ik_SB1I.squeeze(2)
-
-    def forward(self, hidden_states, attention_mask=None, key_value_states=None, inference_context=None,
-                rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None, rotary_pos_cos_sin=None,
-                attention_bias=None, packed_seq_params=None, sequence_len_offset=None, *, inference_params=None):
-        """hidden_states [S, B, hidden] (already normed by the layer) -> ([S, B, hidden], bias).
-
-        attention_mask: None, or the document starts int [B, S] of this rank's tokens (see the
-        module docstring)."""
-        if inference_context is not None or inference_params is not None or packed_seq_params is not None:
-            raise NotImplementedError("MSASelfAttention: inference contexts and megatron's packed_seq_params are not "
-                                      "supported; pass document starts as attention_mask")
-        doc_start = _document_starts(attention_mask, hidden_states.shape[1], hidden_states.shape[0])
+    def _attention_inputs(self, hidden_states, rotary_pos_emb):
+        """q/k/v projections (with the q/k norms) and RoPE: (q [B, S, Hq, D] of this rank's tokens,
+        k and v [B, S_all, G, D] of the whole sequence under context parallelism, q's RoPE table)."""
         q_SBHD, k_SBGD, v_SBGD = self.get_query_key_value_tensors(hidden_states)
-        if isinstance(rotary_pos_emb, tuple):
-            q_freqs, k_freqs = rotary_pos_emb
-        else:
-            q_freqs = k_freqs = rotary_pos_emb
+        q_freqs, k_freqs = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
         q_SBHD = self._rope(q_SBHD, q_freqs)
         k_SBGD = self._rope(k_SBGD, k_freqs)
         # context parallel: this rank's queries against the whole sequence's keys and values
@@ -223,99 +137,75 @@ class MSASelfAttention(SelfAttention):
         k_SBGD, v_SBGD = gather_sequence(k_SBGD, cp_group), gather_sequence(v_SBGD, cp_group)
         # ops use [B, S, H, D]
         q, k, v = (t.transpose(0, 1).contiguous() for t in (q_SBHD, k_SBGD, v_SBGD))
-        S = q.shape[1]
-        if self.options.attention == "dense":
-            iq = ik = None
-        else:
-            index_freqs = q_freqs
-            if self.index_rotary is not None and q_freqs is not None:
-                index_freqs = self.index_rotary(S * cp_group.size(), cp_group=cp_group)
-            if torch.is_grad_enabled():
-                # cheap to rebuild (projections to G*Di + Di features, norms, RoPE): keep only its
-                # outputs, which the KL needs anyway, not the intermediates
-                iq_SBGI, ik_SBI = torch.utils.checkpoint.checkpoint(self._index_branch, hidden_states, index_freqs,
-                                                                    use_reentrant=False)
-            else:
-                iq_SBGI, ik_SBI = self._index_branch(hidden_states, index_freqs)
-            ik = gather_sequence(ik_SBI, cp_group).transpose(0, 1).contiguous()
-            iq = iq_SBGI.transpose(0, 1).contiguous()
+        return q, k, v, q_freqs
+
+    def _recomputed(self, core, *args):
+        """core(*args), under model.recompute=selective rerun in backward (non-reentrant: the core's
+        own autograd graph is rebuilt there; its inputs are what stays alive)."""
         if self.options.recompute_core and torch.is_grad_enabled():
-            # non-reentrant: the core's own autograd graph is rebuilt in backward; its inputs
-            # (q, k, v, iq, ik) are what stays alive
-            o_BSHD, kl, keys = torch.utils.checkpoint.checkpoint(self._core, q, k, v, iq, ik, doc_start,
-                                                                 use_reentrant=False)
-        else:
-            o_BSHD, kl, keys = self._core(q, k, v, iq, ik, doc_start)
+            return torch.utils.checkpoint.checkpoint(core, *args, use_reentrant=False)
+        return core(*args)
 
-        context_SBX = o_BSHD.transpose(0, 1).reshape(S, o_BSHD.shape[0], -1)
-        output, bias = self.linear_proj(context_SBX)
-        if not torch.is_grad_enabled():
-            # no graph to attach the KL to (evaluation, or the first pass of a layer that
-            # megatron's full recompute reruns in backward: it records and attaches then, once)
-            return output, bias
-
-        # per-rank means over this rank's groups (TP) and queries (CP): their mean is the layer's value
-        tracker, avg_group = get_moe_metrics_tracker(), self._tp_cp_group()
-        # in a model mixing full and MSA layers keys/q reports the MSA layers' selection
-        if self.options.attention == "msa" or not self.options.layer_attention:
-            tracker.record(KEYS_METRIC, keys.float(), self.layer_number, self.config.num_layers, avg_group=avg_group)
-        if kl is not None:
-            tracker.record(KL_METRIC, kl.detach(), self.layer_number, self.config.num_layers, avg_group=avg_group)
-            if self.training and self.options.msa.kl_coeff > 0:
-                # the KL's gradient enters at this output during backward, scaled like the loss;
-                # megatron multiplies that scale by CP (right for losses it reduces over CP
-                # itself), while each rank's KL here is its local mean: divide CP back out
-                output = MoEAuxLossAutoScaler.apply(output, kl * (self.options.msa.kl_coeff / cp_group.size()))
-        return output, bias
-
-    def _core(self, q, k, v, iq, ik, doc_start=None):
-        """The attention core over this rank's query chunks: (o [B, S, Hq, D], KL fp32 scalar or
-        None for the dense baseline, mean keys a query reads fp32 scalar).
-        q [B, S, Hq, D] (this rank's queries), k/v [B, S_all, G, D], iq [B, S, G, Di],
-        ik [B, S_all, Di] (keys of the whole sequence under context parallelism), doc_start int
-        [B, S] or None (packed documents)."""
+    def _over_query_chunks(self, S: int, attend):
+        """The context-parallel chunk loop. `attend(a, b, q_offset)` -> (o [B, b - a, Hq, D], KL fp32
+        scalar or None, mean keys a query reads fp32 scalar) for this rank's query rows a:b, which
+        are the sequence positions q_offset.. (one chunk without CP, two with it:
+        msa_model.context_parallel). Returns the chunks' outputs concatenated along S, and the KL
+        and keys per query as means over this rank's S queries."""
         cp_group = self.pg_collection.cp
-        S = q.shape[1]
-        chunks = local_query_chunks(S, cp_group.rank(), cp_group.size())
-        doc = (lambda a, b: None) if doc_start is None else (lambda a, b: doc_start[:, a:b])
-        if self.options.attention == "dense":
-            o = torch.cat([self._dense_attention(q[:, a:b], k[:, :off + b - a], v[:, :off + b - a], off, doc(a, b))
-                           for a, b, off in chunks], dim=1)
-            keys = sum((b - a) / S * dense_keys_per_query(b - a, off, doc(a, b), q.device) for a, b, off in chunks)
-            return o, None, keys
-        msa = self.options.msa
         outs, kls, keys = [], [], 0.0
-        for a, b, off in chunks:
-            o_c, kl_c, block_idx_c = msa_attention(
-                q[:, a:b], k, v, iq[:, a:b], ik, block_size=msa.block_size, topk=msa.topk,
-                dense=not self.sparse, scale=self.config.softmax_scale, force_sink=msa.force_sink,
-                backend=msa.backend, return_block_idx=True, q_offset=off, doc_start=doc(a, b),
-                # the data pipeline builds the starts: no host synchronisation to check them
-                check_ids=False,
-                # under recompute the KL's forward reruns right before its backward: keeping its
-                # teacher rows then costs memory only for the length of one layer's backward
-                keep_teacher=True if self.options.recompute_core else None,
-                local_blocks=msa.local_blocks,
-            )
-            if self.diagnostics_capture is not None:
-                # the first forward after arming only (a recomputation finds the capture sealed)
-                self.diagnostics_capture.add(q=q[:, a:b], k=k, iq=iq[:, a:b], ik=ik, block_idx=block_idx_c,
-                                             q_offset=off, scale=self.config.softmax_scale)
+        for a, b, off in local_query_chunks(S, cp_group.rank(), cp_group.size()):
+            o_c, kl_c, keys_c = attend(a, b, off)
             outs.append(o_c)
             kls.append(kl_c)
-            keys = keys + (b - a) / S * (
-                selected_keys_per_query(block_idx_c, msa.block_size, off, doc(a, b))
-                if block_idx_c is not None else dense_keys_per_query(b - a, off, doc(a, b), q.device))
-        if self.diagnostics_capture is not None:
-            self.diagnostics_capture.seal()
+            keys = keys + (b - a) / S * keys_c
         o = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+        if kls[0] is None:
+            return o, None, keys
         # the chunks have equal lengths: the mean of their means is the mean over this rank's queries
-        kl = torch.stack(kls).mean() if len(kls) > 1 else kls[0]
-        return o, kl, keys
+        return o, torch.stack(kls).mean() if len(kls) > 1 else kls[0], keys
 
-    def _tp_cp_group(self):
-        group = getattr(self.pg_collection, "tp_cp", None)
-        return group if group is not None else parallel_state.get_tensor_and_context_parallel_group()
+    def _project(self, o_BSHD: torch.Tensor):
+        """linear_proj of the attention output: ([S, B, hidden], bias)."""
+        return self.linear_proj(o_BSHD.transpose(0, 1).reshape(o_BSHD.shape[1], o_BSHD.shape[0], -1))
+
+    def _record_step_metrics(self, keys: torch.Tensor, kl: torch.Tensor | None = None) -> None:
+        """Record keys per query and the KL in megatron's MoE metrics tracker: per-rank means over
+        this rank's groups (TP) and queries (CP), whose mean over `metrics_group` is the layer's."""
+        tracker, avg_group = get_moe_metrics_tracker(), metrics_group(self.pg_collection)
+        tracker.record(KEYS_METRIC, keys.float(), self.layer_number, self.config.num_layers, avg_group=avg_group)
+        if kl is not None:
+            tracker.record(KL_METRIC, kl.detach(), self.layer_number, self.config.num_layers, avg_group=avg_group)
+
+
+class DenseSelfAttention(CausalSelfAttention):
+    """The full-attention GQA baseline (and the full layers of a model mixing them with MSA)."""
+
+    def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None, **megatron_inputs):
+        """hidden_states [S, B, hidden] (already normed by the layer) -> ([S, B, hidden], bias)."""
+        doc_start = self._document_starts(hidden_states, attention_mask, megatron_inputs)
+        q, k, v, _ = self._attention_inputs(hidden_states, rotary_pos_emb)
+        o_BSHD, keys = self._recomputed(self._core, q, k, v, doc_start)
+        output, bias = self._project(o_BSHD)
+        # recorded with a graph only: not in evaluation, nor in the first pass of a layer that
+        # megatron's full recompute reruns in backward (it records then, once)
+        if torch.is_grad_enabled() and self.options.dense_keys_metric:
+            self._record_step_metrics(keys)
+        return output, bias
+
+    def _core(self, q, k, v, doc_start=None):
+        """Causal attention over this rank's query chunks: (o [B, S, Hq, D], mean keys a query
+        reads fp32 scalar). q [B, S, Hq, D] (this rank's queries), k/v [B, S_all, G, D], doc_start
+        int [B, S] or None."""
+
+        def attend(a, b, off):
+            # a chunk's queries read the keys up to its own last position
+            doc = _rows(doc_start, a, b)
+            o = self._dense_attention(q[:, a:b], k[:, :off + b - a], v[:, :off + b - a], off, doc)
+            return o, None, dense_keys_per_query(b - a, off, doc, q.device)
+
+        o, _, keys = self._over_query_chunks(q.shape[1], attend)
+        return o, keys
 
     def _dense_attention(self, q_BCHD, k_BJGD, v_BJGD, q_offset: int, doc_start_BC=None):
         """Causal GQA attention of queries at positions q_offset.. over keys 0..q_offset+C-1; with
@@ -338,20 +228,126 @@ class MSASelfAttention(SelfAttention):
         return o.transpose(1, 2)
 
 
+class MSASelfAttention(CausalSelfAttention):
+    """Self-attention with MSA: the index branch, top-k block selection and the indexer KL."""
+
+    def __init__(self, config, submodules: MSASelfAttentionSubmodules, layer_number: int, **kwargs):
+        super().__init__(config, submodules, layer_number, **kwargs)
+        self.sparse = True
+        # set by msa_model.training.diagnostics to receive this layer's inputs of one forward
+        self.diagnostics_capture = None
+        di = self.options.msa.index_head_dim
+        self.index_q_proj = submodules.index_q_proj(
+            config.hidden_size, config.num_query_groups * di, config=config,
+            init_method=config.init_method, gather_output=False, bias=False, skip_bias_add=False,
+            is_expert=False, tp_comm_buffer_name="index_q", tp_group=self.pg_collection.tp,
+        )
+        self.index_k_proj = submodules.index_k_proj(
+            config.hidden_size, di, config=config, init_method=config.init_method,
+            tp_group=self.pg_collection.tp,
+        )
+        self.index_q_layernorm = self.index_k_layernorm = None
+        if config.qk_layernorm:
+            self.index_q_layernorm = submodules.index_q_layernorm(hidden_size=di, config=config, eps=config.layernorm_epsilon)
+            self.index_k_layernorm = submodules.index_k_layernorm(hidden_size=di, config=config, eps=config.layernorm_epsilon)
+            average_over_tp(self.index_k_layernorm)
+        # the model's rotary table has the main head dim; a different Di needs its own table
+        self.index_rotary = None
+        if di != self.hidden_size_per_attention_head and not self.options.index_main_rope:
+            self.index_rotary = RotaryEmbedding(kv_channels=di, rotary_percent=1.0, rotary_base=self.options.rotary_base,
+                                                use_cpu_initialization=config.use_cpu_initialization)
+
+    def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None, **megatron_inputs):
+        """hidden_states [S, B, hidden] (already normed by the layer) -> ([S, B, hidden], bias)."""
+        doc_start = self._document_starts(hidden_states, attention_mask, megatron_inputs)
+        # main branch: q/k/v with their norms and RoPE
+        q, k, v, q_freqs = self._attention_inputs(hidden_states, rotary_pos_emb)
+        # index branch: iq per group, ik shared, from the detached hidden state
+        iq, ik = self._index_inputs(hidden_states, q_freqs, q.shape[1])
+        # top-k selection (dense in warmup), attention and the indexer KL
+        o_BSHD, kl, keys = self._recomputed(self._core, q, k, v, iq, ik, doc_start)
+        output, bias = self._project(o_BSHD)
+        if not torch.is_grad_enabled():
+            # no graph to attach the KL to (evaluation, or the first pass of a layer that
+            # megatron's full recompute reruns in backward: it records and attaches then, once)
+            return output, bias
+        self._record_step_metrics(keys, kl)
+        if self.training and self.options.msa.kl_coeff > 0:
+            output = attach_kl(output, kl, self.options.msa.kl_coeff, self.pg_collection.cp)
+        return output, bias
+
+    def _index_inputs(self, hidden_states, q_freqs, S: int):
+        """(iq [B, S, G_local, Di] of this rank's S tokens, ik [B, S_all, Di] of the whole sequence)."""
+        cp_group = self.pg_collection.cp
+        index_freqs = q_freqs
+        if self.index_rotary is not None and q_freqs is not None:
+            index_freqs = self.index_rotary(S * cp_group.size(), cp_group=cp_group)
+        if torch.is_grad_enabled():
+            # cheap to rebuild (projections to G*Di + Di features, norms, RoPE): keep only its
+            # outputs, which the KL needs anyway, not the intermediates
+            iq_SBGI, ik_SBI = torch.utils.checkpoint.checkpoint(self._index_branch, hidden_states, index_freqs,
+                                                                use_reentrant=False)
+        else:
+            iq_SBGI, ik_SBI = self._index_branch(hidden_states, index_freqs)
+        ik = gather_sequence(ik_SBI, cp_group).transpose(0, 1).contiguous()
+        return iq_SBGI.transpose(0, 1).contiguous(), ik
+
+    def _index_branch(self, hidden_SBH: torch.Tensor, index_freqs):
+        """iq [S, B, G_local, Di], ik [S, B, Di] from the detached normed hidden state."""
+        x = hidden_SBH.detach()
+        di = self.options.msa.index_head_dim
+        iq_SBGI, _ = self.index_q_proj(x)
+        iq_SBGI = iq_SBGI.view(iq_SBGI.shape[0], iq_SBGI.shape[1], -1, di)
+        ik_SB1I, _ = self.index_k_proj(x)
+        ik_SB1I = ik_SB1I.unsqueeze(2)
+        if self.index_q_layernorm is not None:
+            iq_SBGI = self.index_q_layernorm(iq_SBGI)
+            ik_SB1I = self.index_k_layernorm(ik_SB1I)
+        iq_SBGI = self._rope(iq_SBGI, index_freqs)
+        ik_SB1I = self._rope(ik_SB1I, index_freqs)
+        return scale_for_tp_mean(iq_SBGI, self.pg_collection.tp), ik_SB1I.squeeze(2)
+
+    def _core(self, q, k, v, iq, ik, doc_start=None):
+        """MSA over this rank's query chunks: (o [B, S, Hq, D], KL fp32 scalar, mean keys a query
+        reads fp32 scalar). q [B, S, Hq, D] (this rank's queries), k/v [B, S_all, G, D],
+        iq [B, S, G, Di], ik [B, S_all, Di] (keys of the whole sequence under context
+        parallelism), doc_start int [B, S] or None (packed documents)."""
+        msa = self.options.msa
+
+        def attend(a, b, off):
+            doc = _rows(doc_start, a, b)
+            o, kl, block_idx = msa_attention(
+                q[:, a:b], k, v, iq[:, a:b], ik, block_size=msa.block_size, topk=msa.topk,
+                dense=not self.sparse, scale=self.config.softmax_scale, force_sink=msa.force_sink,
+                backend=msa.backend, return_block_idx=True, q_offset=off, doc_start=doc,
+                # the data pipeline builds the starts: no host synchronisation to check them
+                check_ids=False,
+                # under recompute the KL's forward reruns right before its backward: keeping its
+                # teacher rows then costs memory only for the length of one layer's backward
+                keep_teacher=True if self.options.recompute_core else None,
+                local_blocks=msa.local_blocks,
+            )
+            if self.diagnostics_capture is not None:
+                # the first forward after arming only (a recomputation finds the capture sealed)
+                self.diagnostics_capture.add(q=q[:, a:b], k=k, iq=iq[:, a:b], ik=ik, block_idx=block_idx,
+                                             q_offset=off, scale=self.config.softmax_scale)
+            keys = (selected_keys_per_query(block_idx, msa.block_size, off, doc) if block_idx is not None
+                    else dense_keys_per_query(b - a, off, doc, q.device))
+            return o, kl, keys
+
+        o, kl, keys = self._over_query_chunks(q.shape[1], attend)
+        if self.diagnostics_capture is not None:
+            self.diagnostics_capture.seal()
+        return o, kl, keys
+
+
+def _rows(doc_start_BS: torch.Tensor | None, a: int, b: int) -> torch.Tensor | None:
+    return None if doc_start_BS is None else doc_start_BS[:, a:b]
+
+
 def _scalar(value: float, device) -> torch.Tensor:
     # torch.full fills on the device; torch.tensor(value, device=cuda) would copy from the host and wait
     return torch.full((), float(value), dtype=torch.float32, device=device)
-
-
-def _document_starts(attention_mask, batch: int, seq: int) -> torch.Tensor | None:
-    """The document starts int [B, S] megatron's attention_mask slot carries, or None."""
-    if attention_mask is None:
-        return None
-    if attention_mask.dtype not in (torch.int32, torch.int64) or tuple(attention_mask.shape) != (batch, seq):
-        raise ValueError(f"MSASelfAttention takes document starts (int32 [B, S] = [{batch}, {seq}]) as "
-                         f"attention_mask, got {attention_mask.dtype} {tuple(attention_mask.shape)}; set "
-                         "data.document_mask=true instead of building a mask")
-    return attention_mask
 
 
 def dense_keys_per_query(C: int, q_offset: int, doc_start_BC: torch.Tensor | None, device) -> torch.Tensor:

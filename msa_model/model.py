@@ -16,17 +16,20 @@ import torch.nn.functional as F
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-from msa_model.attention import (CoreAttentionPlaceholder, DuplicatedLinear, MSAOptions, MSASelfAttention,
+from msa_model.attention import (CoreAttentionPlaceholder, DenseSelfAttention, MSAOptions, MSASelfAttention,
                                  MSASelfAttentionSubmodules)
 from msa_model.experts import GroupedExperts, LocalDispatchMoELayer
 from msa_model.config import MSAConfig, moe_layers, msa_layers_of
+from msa_model.parallel_grads import DuplicatedLinear
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -88,7 +91,7 @@ def transformer_config(model_cfg, parallel_cfg, on_cpu: bool) -> TransformerConf
     dtype = _DTYPES[m.params_dtype]
     moe = m.num_experts > 0
     # "full": megatron checkpoints each layer and reruns it in backward. "selective" is ours
-    # (MSASelfAttention checkpoints its attention core; GroupedExperts never keeps activations)
+    # (the attention layers checkpoint their core; GroupedExperts never keeps activations)
     full = m.recompute == "full"
     return TransformerConfig(
         num_layers=m.num_layers,
@@ -161,12 +164,9 @@ def _kl_scale_hook():
 def msa_options(model_cfg) -> MSAOptions:
     # a plain MSAConfig, also when model_cfg is an OmegaConf node: the layer reads it every forward
     msa = MSAConfig(**{f.name: getattr(model_cfg.msa, f.name) for f in dataclasses.fields(MSAConfig)})
-    layer_types = ()
-    if model_cfg.attention_types and model_cfg.attention == "msa":
-        layer_types = tuple("msa" if is_msa else "dense" for is_msa in msa_layers_of(model_cfg))
-    return MSAOptions(attention=model_cfg.attention, msa=msa, rotary_base=model_cfg.rotary_base,
-                      layer_attention=layer_types, index_main_rope=model_cfg.rotary_dim is not None,
-                      recompute_core=model_cfg.recompute == "selective")
+    mixed = bool(model_cfg.attention_types) and model_cfg.attention == "msa"
+    return MSAOptions(msa=msa, rotary_base=model_cfg.rotary_base, index_main_rope=model_cfg.rotary_dim is not None,
+                      recompute_core=model_cfg.recompute == "selective", dense_keys_metric=not mixed)
 
 
 def use_grouped_gemm(model_cfg, on_cpu: bool) -> bool:
@@ -196,41 +196,41 @@ def _with_grouped_experts(layer_spec: ModuleSpec) -> ModuleSpec:
     return layer_spec
 
 
-def _with_msa_attention(layer_spec: ModuleSpec, options: MSAOptions, context_parallel: bool = False) -> ModuleSpec:
-    """A copy of a local GPT layer spec whose self-attention is MSASelfAttention."""
+def _with_attention(layer_spec: ModuleSpec, msa: bool, options: MSAOptions,
+                    context_parallel: bool = False) -> ModuleSpec:
+    """A copy of a local GPT layer spec whose self-attention is MSASelfAttention (msa) or
+    DenseSelfAttention."""
     layer_spec = copy.deepcopy(layer_spec)
     layer_spec.submodules.input_layernorm = _sp_norm(layer_spec.submodules.input_layernorm)
     layer_spec.submodules.pre_mlp_layernorm = _sp_norm(layer_spec.submodules.pre_mlp_layernorm)
     base = layer_spec.submodules.self_attention.submodules
     qk_norm = _sp_norm(base.q_layernorm)
-    # MSASelfAttention never calls core attention; megatron's local one refuses CP when built
+    # our layers never call core attention; megatron's local one refuses CP when built
     core_attention = CoreAttentionPlaceholder if context_parallel else base.core_attention
+    main = dict(linear_qkv=base.linear_qkv, core_attention=core_attention, linear_proj=base.linear_proj,
+                q_layernorm=qk_norm, k_layernorm=qk_norm)
+    if msa:
+        module, submodules = MSASelfAttention, MSASelfAttentionSubmodules(
+            **main, index_q_proj=ColumnParallelLinear, index_k_proj=DuplicatedLinear,
+            index_q_layernorm=qk_norm, index_k_layernorm=qk_norm)
+    else:
+        module, submodules = DenseSelfAttention, SelfAttentionSubmodules(**main)
     layer_spec.submodules.self_attention = ModuleSpec(
-        module=MSASelfAttention,
-        params={"attn_mask_type": AttnMaskType.causal, "options": options},
-        submodules=MSASelfAttentionSubmodules(
-            linear_qkv=base.linear_qkv,
-            core_attention=core_attention,
-            linear_proj=base.linear_proj,
-            q_layernorm=qk_norm,
-            k_layernorm=qk_norm,
-            index_q_proj=ColumnParallelLinear,
-            index_k_proj=DuplicatedLinear,
-            index_q_layernorm=qk_norm,
-            index_k_layernorm=qk_norm,
-        ),
-    )
+        module=module, params={"attn_mask_type": AttnMaskType.causal, "options": options}, submodules=submodules)
     return layer_spec
 
 
 def decoder_block_spec(config: TransformerConfig, model_cfg, vp_stage=None, pp_rank=None, grouped_gemm: bool = False):
-    """megatron's local decoder block spec (dense first layers, MoE after) with MSA attention,
-    and with `grouped_gemm` the routed experts as GroupedExperts."""
+    """megatron's local decoder block spec (dense first layers, MoE after) with our attention
+    layers (MSA or full, per msa_layers_of), and with `grouped_gemm` the routed experts as
+    GroupedExperts."""
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
                                        vp_stage=vp_stage, pp_rank=pp_rank)
     options = msa_options(model_cfg)
     cp = config.context_parallel_size > 1
-    block.layer_specs = [_with_msa_attention(spec, options, cp) for spec in block.layer_specs]
+    # the specs are this pipeline stage's layers, from megatron's offset (which numbers them too)
+    offset, msa = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank), msa_layers_of(model_cfg)
+    block.layer_specs = [_with_attention(spec, msa[offset + i], options, cp) for i, spec in enumerate(block.layer_specs)]
     if grouped_gemm:
         block.layer_specs = [_with_grouped_experts(spec) for spec in block.layer_specs]
     block.layer_norm = _sp_norm(block.layer_norm)

@@ -107,9 +107,10 @@ def main(out_dir: Path, overrides: list[str], save_init: str | None) -> None:
         chunks = _build_model(cfg, env)
         optimizer, scheduler = _build_optimizer(cfg, chunks)
         chunks[0].config.grad_scale_func = optimizer.scale_loss
+        warmup = IndexerWarmup(cfg.trainer.indexer_warmup_tokens, cfg.model.msa)
         trainer = Trainer(cfg.trainer, cfg.parallel, cfg.model, model_chunks=chunks, optimizer=optimizer,
                           scheduler=scheduler, data=_build_data(cfg), device=env.device,
-                          callbacks=[IndexerWarmup(cfg.trainer.indexer_warmup_tokens, cfg.model.msa),
+                          callbacks=[warmup,
                                      MSADiagnostics(1, cfg.model.msa, cfg.model.num_layers, cfg.model.seq_length,
                                                     out_dir, is_main=False)])
         if cfg.init_from:
@@ -135,7 +136,7 @@ def main(out_dir: Path, overrides: list[str], save_init: str | None) -> None:
             trainer._call("on_step_start")
             metrics = trainer.train_step()
             trainer._call("on_step_end", metrics)
-            steps[-1]["metrics"] = metrics | {"phase": trainer.state.extra.get("phase")}
+            steps[-1]["metrics"] = metrics | {"phase": warmup.phase}
             trainer.state.step += 1
             trainer.state.tokens += cfg.parallel.global_batch_size * cfg.model.seq_length
         out_dir.mkdir(parents=True, exist_ok=True)

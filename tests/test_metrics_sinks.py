@@ -60,3 +60,17 @@ def test_jsonl_of_a_resumed_run_continues_after_its_step(tmp_path):
     _run(MetricsLogger([JsonlFile(path)], log_interval=1, max_steps=6), [30.0, 40.0, 50.0], start=2)
     records = [json.loads(line) for line in path.read_text().splitlines()]
     assert [(r["step"], r["lm_loss"]) for r in records] == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0), (5, 50.0)]
+
+
+def test_each_record_carries_the_phase_it_is_given():
+    dense = MetricsLogger([], log_interval=1, max_steps=1)
+    _run(dense, [1.0])
+    assert dense.last_record["phase"] == "dense"
+    records = []
+    sink = MetricsSink()
+    sink.write = records.append
+    # the indexer warmup switches after two steps: the record of the third is the first sparse one
+    logger = MetricsLogger([sink], log_interval=1, max_steps=3,
+                           phase=lambda: "sparse" if len(records) >= 2 else "warmup")
+    _run(logger, [1.0, 2.0, 3.0])
+    assert [r["phase"] for r in records] == ["warmup", "warmup", "sparse"]

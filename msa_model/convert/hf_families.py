@@ -13,7 +13,8 @@ MiniMax-M3 (`minimax_m3`, MSA kept in both directions) has a layout of its own:
 msa_model.convert.minimax_m3.
 
 Every family is GQA with SwiGLU MLPs, RMSNorm and rotary embeddings, which is exactly our model's
-backbone; what differs is listed in `Family`. Router semantics: Mixtral and Qwen3-MoE with
+backbone; what differs is listed in `Family`. The config.json keys that are one ModelConfig field
+each are a table per family (`Family.keys`), which hf-to-msa reads and msa-to-hf writes. Router semantics: Mixtral and Qwen3-MoE with
 `norm_topk_prob=true` renormalise the top-k softmax probabilities, which equals megatron's
 "top-k logits, then softmax"; Qwen3-MoE with `norm_topk_prob=false` keeps the full-softmax
 probabilities of the chosen experts (`moe_router_pre_softmax=true`).
@@ -22,12 +23,52 @@ probabilities of the chosen experts (`moe_router_pre_softmax=true`).
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 from typing import Any
 
 from msa_model.config import PRODUCTION_BLOCK_SIZE, PRODUCTION_TOPK, ModelConfig, MSAConfig, RopeScalingConfig
 from msa_model.convert import minimax_m3 as m3
+from msa_model.convert.config_keys import Key, lookup, read_keys, write_keys
 from msa_model.convert.hf_io import ConversionError
+
+# config.json key <-> ModelConfig field, read by hf-to-msa and written by msa-to-hf
+# (msa_model.convert.config_keys); the rest of the translation is code below
+LLAMA_KEYS = (
+    Key("num_hidden_layers", "num_layers"),
+    Key("hidden_size", "hidden_size"),
+    Key("intermediate_size", "ffn_hidden_size"),
+    Key("num_attention_heads", "num_attention_heads"),
+    Key("num_key_value_heads", "num_query_groups", default=lambda f: f["num_attention_heads"]),
+    Key("head_dim", "head_dim", default=lambda f: f["hidden_size"] // f["num_attention_heads"]),
+    Key("rms_norm_eps", "norm_eps", float, 1e-6),
+    Key("initializer_range", "init_method_std", float, 0.02),
+    Key("tie_word_embeddings", "tie_embeddings", bool, False),
+    Key("vocab_size", "vocab_size", to_hf=int),
+)
+QWEN3_MOE_KEYS = LLAMA_KEYS + (
+    Key("num_experts", "num_experts", aliases=("num_local_experts",)),
+    Key("num_experts_per_tok", "moe_router_topk"),
+    Key("moe_intermediate_size", "moe_ffn_hidden_size"),
+    # true: the chosen experts' probabilities renormalised, as megatron's top-k-then-softmax
+    Key("norm_topk_prob", "moe_router_pre_softmax", operator.not_, False, to_hf=operator.not_),
+    Key("router_aux_loss_coef", "moe_aux_loss_coeff", float, 1e-2),
+)
+MIXTRAL_KEYS = LLAMA_KEYS + (
+    Key("num_local_experts", "num_experts", aliases=("num_experts",)),
+    Key("num_experts_per_tok", "moe_router_topk"),
+    # every MLP is experts: intermediate_size is their width (written over the dense one above)
+    Key("intermediate_size", "moe_ffn_hidden_size"),
+    Key("router_aux_loss_coef", "moe_aux_loss_coeff", float, 1e-2),
+)
+# the index branch of an exported model, under config.json "msa" (ignored by transformers)
+MSA_KEYS = (
+    Key("index_head_dim", "index_head_dim", default=lambda f: f["head_dim"]),
+    Key("block_size", "block_size", default=PRODUCTION_BLOCK_SIZE),
+    Key("topk", "topk", default=PRODUCTION_TOPK),
+    Key("force_sink", "force_sink", bool, False),
+    Key("local_blocks", "local_blocks", default=1),
+)
 
 
 @dataclass(frozen=True)
@@ -35,6 +76,8 @@ class Family:
     name: str
     architecture: str
     model_type: str
+    # its config.json keys that are one ModelConfig field each, in both directions
+    keys: tuple[Key, ...] = LLAMA_KEYS
     qkv_bias: bool = False
     qk_norm: bool = False
     moe: bool = False
@@ -50,12 +93,12 @@ FAMILIES = {
         Family("llama", "LlamaForCausalLM", "llama"),
         Family("qwen2", "Qwen2ForCausalLM", "qwen2", qkv_bias=True),
         Family("qwen3", "Qwen3ForCausalLM", "qwen3", qk_norm=True),
-        Family("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3_moe", qk_norm=True, moe=True),
-        Family("mixtral", "MixtralForCausalLM", "mixtral", moe=True, moe_module="block_sparse_moe",
+        Family("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3_moe", QWEN3_MOE_KEYS, qk_norm=True, moe=True),
+        Family("mixtral", "MixtralForCausalLM", "mixtral", MIXTRAL_KEYS, moe=True, moe_module="block_sparse_moe",
                expert_names=("w1", "w3", "w2")),
         Family("mistral", "MistralForCausalLM", "mistral"),
         # its own tensor layout and config translation: msa_model.convert.minimax_m3
-        Family("minimax_m3", m3.EXPORT_ARCHITECTURE, m3.EXPORT_MODEL_TYPE, qk_norm=True, moe=True,
+        Family("minimax_m3", m3.EXPORT_ARCHITECTURE, m3.EXPORT_MODEL_TYPE, m3.CONFIG_KEYS, qk_norm=True, moe=True,
                aliases=m3.ARCHITECTURES + m3.MODEL_TYPES),
     )
 }
@@ -76,26 +119,12 @@ def detect_family(hf_config: dict, where: str = "config.json") -> Family:
     raise ConversionError(f"{where}: unsupported architecture {archs or model_type!r}; supported: {supported}")
 
 
-def _get(cfg: dict, *names: str, default: Any = None) -> Any:
-    for n in names:
-        if cfg.get(n) is not None:
-            return cfg[n]
-    return default
-
-
-def _require(cfg: dict, where: str, *names: str) -> Any:
-    value = _get(cfg, *names)
-    if value is None:
-        raise ConversionError(f"{where}: missing {names[0]!r}")
-    return value
-
-
 def rope_from_hf(cfg: dict, where: str) -> tuple[float, RopeScalingConfig]:
     """(theta, scaling) from `rope_parameters` (transformers >= 5) or `rope_theta`/`rope_scaling`."""
     params = dict(cfg.get("rope_parameters") or {})
     legacy = cfg.get("rope_scaling") or {}
-    theta = float(_get(params, "rope_theta", default=_get(cfg, "rope_theta", default=10000.0)))
-    kind = _get(params, "rope_type", "type", default=None) or _get(legacy, "rope_type", "type", default="default")
+    theta = float(lookup(params, "rope_theta", default=lookup(cfg, "rope_theta", default=10000.0)))
+    kind = lookup(params, "rope_type", "type", default=None) or lookup(legacy, "rope_type", "type", default="default")
     source = params if params.get("factor") is not None or not legacy else legacy
     if kind == "default":
         return theta, RopeScalingConfig()
@@ -135,17 +164,15 @@ def model_config_from_hf(hf_config: dict, *, attention: str = "msa", msa: MSACon
     if fam.name == "minimax_m3":
         return fam, m3.model_config_from_m3(hf_config, attention=attention, seq_length=seq_length, name=name, where=where)
     c = hf_config
-    hidden = int(_require(c, where, "hidden_size"))
-    heads = int(_require(c, where, "num_attention_heads"))
-    kv_heads = int(_get(c, "num_key_value_heads", default=heads))
+    fields = read_keys(fam.keys, c, where)
+    heads, kv_heads = fields["num_attention_heads"], fields["num_query_groups"]
     if heads % kv_heads != 0:
         raise ConversionError(f"{where}: not a GQA model: num_attention_heads ({heads}) is not a multiple of "
                               f"num_key_value_heads ({kv_heads})")
-    head_dim = int(_get(c, "head_dim", default=hidden // heads))
-    act = _get(c, "hidden_act", "hidden_activation", default="silu")
+    act = lookup(c, "hidden_act", "hidden_activation", default="silu")
     if act not in ("silu", "swish"):
         raise ConversionError(f"{where}: hidden_act={act!r} is not supported (SwiGLU with silu only)")
-    if float(_get(c, "partial_rotary_factor", default=1.0)) != 1.0:
+    if float(lookup(c, "partial_rotary_factor", default=1.0)) != 1.0:
         raise ConversionError(f"{where}: partial_rotary_factor != 1 is not supported")
     if c.get("use_sliding_window") or (fam.name in ("mixtral", "mistral") and c.get("sliding_window")):
         raise ConversionError(f"{where}: sliding-window attention is not supported")
@@ -154,57 +181,35 @@ def model_config_from_hf(hf_config: dict, *, attention: str = "msa", msa: MSACon
     if fam.name != "qwen2" and c.get("attention_bias"):
         raise ConversionError(f"{where}: attention_bias=true (a bias on o_proj too) is not supported")
     theta, scaling = rope_from_hf(c, where)
-    vocab = int(_require(c, where, "vocab_size"))
-    layers = int(_require(c, where, "num_hidden_layers"))
-    dtype = str(_get(c, "dtype", "torch_dtype", default="float32")).replace("torch.", "")
+    dtype = str(lookup(c, "dtype", "torch_dtype", default="float32")).replace("torch.", "")
 
-    moe: dict[str, Any] = {"num_experts": 0, "first_dense_layers": layers}
-    ffn = int(_require(c, where, "intermediate_size"))
+    moe: dict[str, Any] = {"num_experts": 0, "first_dense_layers": fields["num_layers"]}
     if fam.moe:
-        experts = int(_require(c, where, "num_experts", "num_local_experts"))
-        first_dense = 0
+        moe = {"first_dense_layers": 0}
         if fam.name == "qwen3_moe":
             dense_layers = sorted(int(i) for i in c.get("mlp_only_layers") or [])
-            step = int(_get(c, "decoder_sparse_step", default=1))
+            step = int(lookup(c, "decoder_sparse_step", default=1))
             if step != 1:
                 raise ConversionError(f"{where}: decoder_sparse_step={step} is not supported (MoE layers must be "
                                       "contiguous after the leading dense ones)")
             if dense_layers != list(range(len(dense_layers))):
                 raise ConversionError(f"{where}: mlp_only_layers={dense_layers} is not supported (only leading "
                                       "dense layers, e.g. [0, 1])")
-            first_dense = len(dense_layers)
-            expert_ffn = int(_require(c, where, "moe_intermediate_size"))
-            pre_softmax = not bool(c.get("norm_topk_prob", False))
-        else:
-            expert_ffn = ffn
-            pre_softmax = False
-        moe = dict(num_experts=experts, moe_router_topk=int(_require(c, where, "num_experts_per_tok")),
-                   moe_ffn_hidden_size=expert_ffn, first_dense_layers=first_dense,
-                   moe_router_pre_softmax=pre_softmax,
-                   moe_aux_loss_coeff=float(_get(c, "router_aux_loss_coef", default=1e-2)))
+            moe["first_dense_layers"] = len(dense_layers)
 
     model = ModelConfig(
         name=name or f"{fam.name}-converted",
         attention=attention,
-        num_layers=layers,
-        hidden_size=hidden,
-        ffn_hidden_size=ffn,
-        num_attention_heads=heads,
-        num_query_groups=kv_heads,
-        head_dim=head_dim,
         qk_layernorm=fam.qk_norm,
         qkv_bias=fam.qkv_bias,
-        norm_eps=float(_get(c, "rms_norm_eps", default=1e-6)),
         seq_length=seq_length,
         rotary_base=theta,
         rope_scaling=scaling,
-        init_method_std=float(_get(c, "initializer_range", default=0.02)),
-        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-        vocab_size=vocab,
         # the largest alignment that needs no padding at TP=1 (so TP=1 logits are exactly HF's)
-        make_vocab_size_divisible_by=math.gcd(vocab, 128),
+        make_vocab_size_divisible_by=math.gcd(fields["vocab_size"], 128),
         params_dtype="bf16" if dtype == "bfloat16" else "fp32",
-        msa=msa or msa_from_hf(c, head_dim),
+        msa=msa or msa_from_hf(c, fields["head_dim"]),
+        **fields,
         **moe,
     )
     return fam, model
@@ -213,10 +218,7 @@ def model_config_from_hf(hf_config: dict, *, attention: str = "msa", msa: MSACon
 def msa_from_hf(cfg: dict, head_dim: int) -> MSAConfig:
     """The MSA geometry of an exported model (its config.json "msa" entry), else the production
     block size and top-k with Di = D."""
-    s = cfg.get("msa") or {}
-    return MSAConfig(block_size=int(s.get("block_size", PRODUCTION_BLOCK_SIZE)),
-                     topk=int(s.get("topk", PRODUCTION_TOPK)), index_head_dim=int(s.get("index_head_dim", head_dim)),
-                     force_sink=bool(s.get("force_sink", False)), local_blocks=int(s.get("local_blocks", 1)))
+    return MSAConfig(**read_keys(MSA_KEYS, cfg.get("msa") or {}, 'config.json "msa"', head_dim=head_dim))
 
 
 def hf_config_from_model(model, fam: Family, source: dict | None = None) -> dict:
@@ -230,36 +232,22 @@ def hf_config_from_model(model, fam: Family, source: dict | None = None) -> dict
     for key in ("rope_theta", "rope_scaling", "torch_dtype", "num_experts", "num_local_experts"):
         cfg.pop(key, None)
     cfg.update(
-        architectures=[fam.architecture], model_type=fam.model_type,
-        vocab_size=int(m.vocab_size), hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size,
-        num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
-        num_key_value_heads=m.num_query_groups, head_dim=m.head_dim, hidden_act="silu",
-        rms_norm_eps=m.norm_eps, rope_parameters=rope_to_hf(m.rotary_base, m.rope_scaling),
-        tie_word_embeddings=m.tie_embeddings, initializer_range=m.init_method_std,
+        architectures=[fam.architecture], model_type=fam.model_type, **write_keys(fam.keys, m), hidden_act="silu",
+        rope_parameters=rope_to_hf(m.rotary_base, m.rope_scaling),
         dtype="bfloat16" if m.params_dtype == "bf16" else cfg.get("dtype", "float32"),
     )
     if fam.name in ("llama", "qwen3", "qwen3_moe"):
         cfg["attention_bias"] = False
     if fam.name in ("mistral", "mixtral"):
         cfg["sliding_window"] = None
-    if fam.moe:
-        cfg["num_experts_per_tok"] = m.moe_router_topk
-        cfg["router_aux_loss_coef"] = m.moe_aux_loss_coeff
-        if fam.name == "qwen3_moe":
-            cfg["num_experts"] = m.num_experts
-            cfg["moe_intermediate_size"] = m.moe_ffn_hidden_size
-            cfg["norm_topk_prob"] = not m.moe_router_pre_softmax
-            cfg["mlp_only_layers"] = list(range(m.first_dense_layers))
-            cfg["decoder_sparse_step"] = 1
-        else:
-            cfg["num_local_experts"] = m.num_experts
-            cfg["intermediate_size"] = m.moe_ffn_hidden_size
+    if fam.name == "qwen3_moe":
+        cfg["mlp_only_layers"] = list(range(m.first_dense_layers))
+        cfg["decoder_sparse_step"] = 1
     if m.attention == "msa":
-        s = m.msa
-        cfg["msa"] = {"index_head_dim": s.index_head_dim, "block_size": s.block_size, "topk": s.topk,
-                      "force_sink": s.force_sink}
-        if s.local_blocks != 1:
-            cfg["msa"]["local_blocks"] = s.local_blocks
+        cfg["msa"] = write_keys(MSA_KEYS, m.msa)
+        if m.msa.local_blocks == 1:
+            # the default, left out as in exports from before local blocks
+            del cfg["msa"]["local_blocks"]
     else:
         cfg.pop("msa", None)
     return cfg

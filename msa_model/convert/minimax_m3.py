@@ -43,6 +43,7 @@ from collections import Counter
 import torch
 
 from msa_model.config import PRODUCTION_BLOCK_SIZE, PRODUCTION_TOPK, ModelConfig, MSAConfig, moe_layers, msa_layers_of
+from msa_model.convert.config_keys import Key, lookup, read_keys, write_keys
 from msa_model.convert.hf_io import ConversionError
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,37 @@ EXPORT_ARCHITECTURE, EXPORT_MODEL_TYPE = ARCHITECTURES[0], MODEL_TYPES[0]
 SKIPPED_PARTS = ("vision_tower", "multi_modal_projector", "patch_merge_mlp", "mtp")
 _ATTENTION = {"full_attention": "full", "minimax_m3_sparse": "msa"}
 _MLP = {"dense": "dense", "sparse": "moe"}
+
+# the text config's keys <-> ModelConfig fields (msa_model.convert.config_keys); the rest of the
+# translation (layer types, RoPE, the router, what M3 fixes) is code below
+CONFIG_KEYS = (
+    Key("num_hidden_layers", "num_layers"),
+    Key("hidden_size", "hidden_size"),
+    Key("num_attention_heads", "num_attention_heads"),
+    Key("num_key_value_heads", "num_query_groups"),
+    Key("head_dim", "head_dim", default=lambda f: f["hidden_size"] // f["num_attention_heads"]),
+    Key("dense_intermediate_size", "ffn_hidden_size", aliases=("intermediate_size",)),
+    Key("rms_norm_eps", "norm_eps", float, 1e-6),
+    Key("swiglu_alpha", "glu_alpha", float, 1.702),
+    Key("swiglu_limit", "activation_clamp", float, 7.0),
+    Key("initializer_range", "init_method_std", float, 0.02),
+    Key("vocab_size", "vocab_size", to_hf=int),
+)
+# read where the model has experts
+MOE_KEYS = (
+    Key("num_experts_per_tok", "moe_router_topk", default=1),
+    Key("intermediate_size", "moe_ffn_hidden_size"),
+    Key("shared_intermediate_size", "moe_shared_expert_size", default=0),
+    Key("routed_scaling_factor", "moe_router_topk_scaling_factor", float, 1.0, to_hf=lambda v: v or 1.0),
+    Key("router_aux_loss_coef", "moe_aux_loss_coeff", float, 1e-3),
+)
+# config.json keys <-> MSAConfig fields
+MSA_KEYS = (
+    Key("index_head_dim", "index_head_dim", default=lambda f: f["head_dim"]),
+    Key("index_block_size", "block_size", default=PRODUCTION_BLOCK_SIZE),
+    Key("index_topk_blocks", "topk", default=PRODUCTION_TOPK),
+    Key("index_local_blocks", "local_blocks", default=1),
+)
 
 # release name (after the language_model prefix) -> canonical name, or (canonical, part) for the
 # two halves of a fused [gate; up] weight
@@ -204,28 +236,24 @@ def _types(c: dict, key: str, table: dict, layers: int, default: str, where: str
 def model_config_from_m3(hf_config: dict, *, attention: str = "msa", seq_length: int = 4096, name: str | None = None,
                          where: str = "config.json") -> ModelConfig:
     """The ModelConfig of an M3 config.json (text model; a vision-language config's text_config)."""
-    from msa_model.convert.hf_families import _get, _require, rope_from_hf
+    from msa_model.convert.hf_families import rope_from_hf
 
     c = text_config(hf_config)
     if c is not hf_config:
         where = f"{where} (text_config)"
-    layers = int(_require(c, where, "num_hidden_layers"))
-    hidden, heads = int(_require(c, where, "hidden_size")), int(_require(c, where, "num_attention_heads"))
-    kv_heads = int(_require(c, where, "num_key_value_heads"))
+    fields = read_keys(CONFIG_KEYS, c, where)
+    layers, heads, kv_heads = fields["num_layers"], fields["num_attention_heads"], fields["num_query_groups"]
+    head_dim = fields["head_dim"]
     if heads % kv_heads:
         raise ConversionError(f"{where}: num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv_heads})")
-    head_dim = int(_get(c, "head_dim", default=hidden // heads))
     attn_types = _types(c, "layer_types", _ATTENTION, layers, "full_attention", where)
     mlp_types = _types(c, "mlp_layer_types", _MLP, layers, "sparse", where)
     has_msa = "msa" in attn_types and attention == "msa"
-    index_heads = int(_get(c, "index_n_heads", default=kv_heads))
+    index_heads = int(lookup(c, "index_n_heads", default=kv_heads))
     if has_msa and index_heads != kv_heads:
         raise ConversionError(f"{where}: index_n_heads ({index_heads}) != num_key_value_heads ({kv_heads}); MSA has "
                               "one index head per GQA group")
-    msa = MSAConfig(block_size=int(_get(c, "index_block_size", default=PRODUCTION_BLOCK_SIZE)),
-                    topk=int(_get(c, "index_topk_blocks", default=PRODUCTION_TOPK)),
-                    index_head_dim=int(_get(c, "index_head_dim", default=head_dim)),
-                    local_blocks=int(_get(c, "index_local_blocks", default=1)))
+    msa = MSAConfig(**read_keys(MSA_KEYS, c, where, head_dim=head_dim))
     if has_msa and not 1 <= msa.local_blocks <= msa.topk:
         raise ConversionError(f"{where}: index_local_blocks ({msa.local_blocks}) must be in [1, index_topk_blocks="
                               f"{msa.topk}] (with more forced blocks than slots the kept ones are arbitrary)")
@@ -233,37 +261,28 @@ def model_config_from_m3(hf_config: dict, *, attention: str = "msa", seq_length:
     if has_msa and rotary_dim > msa.index_head_dim:
         raise ConversionError(f"{where}: {rotary_dim} rotated channels do not fit index_head_dim={msa.index_head_dim}")
     theta, scaling = rope_from_hf(c, where)
-    experts = int(_get(c, "num_local_experts", "num_experts", default=0)) if "moe" in mlp_types else 0
-    topk = int(_get(c, "num_experts_per_tok", default=1))
-    if experts and topk < 2:
-        raise ConversionError(f"{where}: num_experts_per_tok={topk}: M3 renormalises the chosen experts' weights to sum "
-                              "to 1, which for one expert our sigmoid router (megatron's) does not")
-    leading = next((i for i, t in enumerate(mlp_types) if t == "moe"), layers)
+    experts = int(lookup(c, "num_local_experts", "num_experts", default=0)) if "moe" in mlp_types else 0
     moe_kw = {}
     if experts:
-        moe_kw = dict(num_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=int(_require(c, where, "intermediate_size")),
-                      moe_shared_expert_size=int(_get(c, "shared_intermediate_size", default=0)),
-                      moe_router_score_function="sigmoid", moe_router_expert_bias=True,
-                      moe_router_topk_scaling_factor=float(_get(c, "routed_scaling_factor", default=1.0)),
-                      moe_aux_loss_coeff=float(_get(c, "router_aux_loss_coef", default=1e-3)))
-    vocab = int(_require(c, where, "vocab_size"))
-    dtype = str(_get(c, "dtype", "torch_dtype", default=_get(hf_config, "dtype", "torch_dtype", default="float32")))
+        moe_kw = dict(num_experts=experts, **read_keys(MOE_KEYS, c, where), moe_router_score_function="sigmoid",
+                      moe_router_expert_bias=True)
+        if moe_kw["moe_router_topk"] < 2:
+            raise ConversionError(f"{where}: num_experts_per_tok={moe_kw['moe_router_topk']}: M3 renormalises the "
+                                  "chosen experts' weights to sum to 1, which for one expert our sigmoid router "
+                                  "(megatron's) does not")
+    leading = next((i for i, t in enumerate(mlp_types) if t == "moe"), layers)
+    dtype = str(lookup(c, "dtype", "torch_dtype", default=lookup(hf_config, "dtype", "torch_dtype", default="float32")))
     return ModelConfig(
         name=name or "minimax_m3-converted",
         attention="msa" if has_msa else "dense",
         attention_types=attn_types if has_msa and set(attn_types) != {"msa"} else [],
-        num_layers=layers, hidden_size=hidden,
-        ffn_hidden_size=int(_get(c, "dense_intermediate_size", default=_get(c, "intermediate_size"))),
-        num_attention_heads=heads, num_query_groups=kv_heads, head_dim=head_dim, qk_layernorm=True,
-        norm_zero_centered=True, norm_eps=float(_get(c, "rms_norm_eps", default=1e-6)), seq_length=seq_length,
+        **fields, qk_layernorm=True, norm_zero_centered=True, seq_length=seq_length,
         rotary_base=theta, rotary_dim=rotary_dim, rope_scaling=scaling,
-        activation="quick_geglu", glu_alpha=float(_get(c, "swiglu_alpha", default=1.702)), glu_linear_offset=1.0,
-        activation_clamp=float(_get(c, "swiglu_limit", default=7.0)),
+        activation="quick_geglu", glu_linear_offset=1.0,
         first_dense_layers=leading if all(t == "moe" for t in mlp_types[leading:]) else 0,
         mlp_types=[] if all(t == "moe" for t in mlp_types[leading:]) or not experts else mlp_types,
-        init_method_std=float(_get(c, "initializer_range", default=0.02)),
-        tie_embeddings=bool(_get(c, "tie_word_embeddings", default=hf_config.get("tie_word_embeddings", False))),
-        vocab_size=vocab, make_vocab_size_divisible_by=math.gcd(vocab, 128),
+        tie_embeddings=bool(lookup(c, "tie_word_embeddings", default=hf_config.get("tie_word_embeddings", False))),
+        make_vocab_size_divisible_by=math.gcd(fields["vocab_size"], 128),
         params_dtype="bf16" if dtype.replace("torch.", "") == "bfloat16" else "fp32",
         msa=msa, **moe_kw,
     )
@@ -395,19 +414,12 @@ def hf_config_from_model(model, source: dict | None = None) -> dict:
         rope["partial_rotary_factor"] = rotary / m.head_dim
     msa, moe = msa_layers_of(m), moe_layers(m)
     cfg.update(
-        architectures=[EXPORT_ARCHITECTURE], model_type=EXPORT_MODEL_TYPE, vocab_size=int(m.vocab_size),
-        hidden_size=m.hidden_size, num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
-        num_key_value_heads=m.num_query_groups, head_dim=m.head_dim, hidden_act="silu", rms_norm_eps=m.norm_eps,
-        rope_parameters=rope, rotary_dim=rotary, tie_word_embeddings=m.tie_embeddings,
-        initializer_range=m.init_method_std, dense_intermediate_size=m.ffn_hidden_size,
-        intermediate_size=m.moe_ffn_hidden_size, shared_intermediate_size=m.moe_shared_expert_size,
-        num_local_experts=max(1, m.num_experts), num_experts_per_tok=m.moe_router_topk,
-        routed_scaling_factor=m.moe_router_topk_scaling_factor or 1.0, router_aux_loss_coef=m.moe_aux_loss_coeff,
-        swiglu_alpha=m.glu_alpha, swiglu_limit=m.activation_clamp,
+        architectures=[EXPORT_ARCHITECTURE], model_type=EXPORT_MODEL_TYPE, **write_keys(CONFIG_KEYS, m),
+        hidden_act="silu", rope_parameters=rope, rotary_dim=rotary, tie_word_embeddings=m.tie_embeddings,
+        num_local_experts=max(1, m.num_experts), **write_keys(MOE_KEYS, m),
         layer_types=["minimax_m3_sparse" if x else "full_attention" for x in msa],
         mlp_layer_types=["sparse" if x else "dense" for x in moe],
-        index_n_heads=m.num_query_groups, index_head_dim=m.msa.index_head_dim, index_block_size=m.msa.block_size,
-        index_topk_blocks=m.msa.topk, index_local_blocks=m.msa.local_blocks,
+        index_n_heads=m.num_query_groups, **write_keys(MSA_KEYS, m.msa),
         dtype="bfloat16" if m.params_dtype == "bf16" else cfg.get("dtype", "float32"),
     )
     return cfg

@@ -1,10 +1,14 @@
 """The loop's extension points. Side concerns (metrics, checkpoints, schedules) are callbacks so
 the loop stays a loop; anything with state that must survive a restart implements
-state_dict/load_state_dict and is saved in the checkpoint under its `name`."""
+state_dict/load_state_dict and is saved in the checkpoint under its `name`.
+
+Every hook calls the callbacks in the order the trainer was given them (run.py lists and
+explains it). What one callback needs of another is handed to it when they are built (the
+metrics logger gets the indexer warmup's phase), not left in shared state."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -15,7 +19,6 @@ class TrainState:
     consumed_samples: int = 0
     tokens: int = 0
     stop_requested: bool = False
-    extra: dict = field(default_factory=dict)
 
     def state_dict(self) -> dict:
         return {"step": self.step, "consumed_samples": self.consumed_samples, "tokens": self.tokens}

@@ -27,6 +27,7 @@ class IndexerWarmup(Callback):
 
     @property
     def phase(self) -> str:
+        """The attention phase of the current step ("warmup" or "sparse"), set at its start."""
         return "sparse" if self.sparse else "warmup"
 
     def _apply(self, trainer) -> None:
@@ -57,7 +58,6 @@ class IndexerWarmup(Callback):
 
     def on_step_start(self, trainer) -> None:
         self._apply(trainer)
-        trainer.state.extra["phase"] = self.phase
 
     def state_dict(self) -> dict:
         return {"warmup_tokens": self.warmup_tokens, "switched_at_step": self.switched_at_step,

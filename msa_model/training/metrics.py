@@ -9,6 +9,7 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -105,11 +106,14 @@ class MetricsLogger(Callback):
                "keys_per_query", "tflops_per_gpu", "peak_mem_gib", "step_ms", "attention_ms", "moe_ms")
 
     def __init__(self, sinks: list[MetricsSink], log_interval: int, max_steps: int, flops_per_token=None,
-                 world_size: int = 1):
+                 world_size: int = 1, phase: Callable[[], str] | None = None):
         """flops_per_token(keys_per_query, sparse) -> model FLOPs per token (msa_model.flops), for
-        the TFLOP/s per GPU of each record; None leaves it out."""
+        the TFLOP/s per GPU of each record; None leaves it out. phase() -> the attention phase of
+        the step being recorded ("warmup" or "sparse": the IndexerWarmup's, which sets it at the
+        step's start); None: "dense", a model without an indexer warmup."""
         self.sinks, self.log_interval, self.max_steps = sinks, log_interval, max_steps
         self.flops_per_token, self.world_size = flops_per_token, world_size
+        self.phase = phase or (lambda: "dense")
         self._sums: dict[str, float] = {}
         self._counts: dict[str, int] = {}
         self._interval_tokens = 0
@@ -138,7 +142,7 @@ class MetricsLogger(Callback):
         scalars = {k: self._sums[k] / self._counts[k] for k in self._sums}
         scalars["tokens_per_s"] = self._interval_tokens / max(elapsed, 1e-9)
         self._sums, self._counts, self._interval_tokens, self._t0 = {}, {}, 0, time.perf_counter()
-        s, phase = trainer.state, _phase(trainer)
+        s, phase = trainer.state, self.phase()
         if self.flops_per_token is not None:
             flops = self.flops_per_token(scalars.get("keys_per_query"), phase != "warmup")
             scalars["tflops_per_gpu"] = flops * scalars["tokens_per_s"] / self.world_size / 1e12
@@ -317,7 +321,3 @@ def trim_metrics_after(path: Path, step: int) -> int:
         log.info("metrics.jsonl: removed %d record(s) after step %d (written after the checkpoint this run "
                  "resumes from)", dropped, step)
     return dropped
-
-
-def _phase(trainer) -> str:
-    return trainer.state.extra.get("phase", "dense")

@@ -203,18 +203,22 @@ def run(cfg: DictConfig) -> None:
         optimizer, scheduler = _build_optimizer(cfg, model_chunks)
         model_chunks[0].config.grad_scale_func = optimizer.scale_loss
 
+        # the callbacks run in this order at every hook: the module timer first (its step end is
+        # marked before any other callback's work); the indexer warmup, which sets the step's
+        # attention phase at its start; the diagnostics, which add to the step's metrics; the
+        # checkpointer; the metrics logger last, given the warmup's phase to record
         callbacks = []
         if cfg.logging.time_modules:
             from msa_model.training.module_timer import ModuleTimer
 
-            # first, so its step end is marked before any other callback's work
             callbacks.append(ModuleTimer(env.device))
+        warmup = None
         if cfg.model.attention == "msa":
-            callbacks.append(IndexerWarmup(cfg.trainer.indexer_warmup_tokens, cfg.model.msa))
+            warmup = IndexerWarmup(cfg.trainer.indexer_warmup_tokens, cfg.model.msa)
+            callbacks.append(warmup)
             if cfg.logging.msa_diagnostics_interval > 0:
                 from msa_model.training.diagnostics import MSADiagnostics
 
-                # before the metrics logger: it adds its values to the step's metrics
                 callbacks.append(MSADiagnostics(cfg.logging.msa_diagnostics_interval, cfg.model.msa,
                                                 cfg.model.num_layers, cfg.model.seq_length, run_dir, env.is_main))
         model_config = OmegaConf.to_container(cfg.model, resolve=True)
@@ -223,7 +227,7 @@ def run(cfg: DictConfig) -> None:
         callbacks.append(checkpointer)
         metrics_logger = MetricsLogger(_metric_sinks(cfg, run_dir) if env.is_main else [], cfg.logging.log_interval,
                                        cfg.trainer.max_steps, flops_per_token=_flops_counter(cfg),
-                                       world_size=world_size)
+                                       world_size=world_size, phase=(lambda: warmup.phase) if warmup else None)
         callbacks.append(metrics_logger)
         trainer = Trainer(cfg.trainer, cfg.parallel, cfg.model, model_chunks=model_chunks, optimizer=optimizer,
                           scheduler=scheduler, data=_build_data(cfg), callbacks=callbacks, device=env.device,
