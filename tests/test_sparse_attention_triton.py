@@ -298,3 +298,23 @@ def test_tile_union_lists_each_tiles_distinct_blocks():
                 n = int(union.count[b, g, tile])
                 assert union.blocks[b, g, tile, :n].tolist() == want
                 assert (union.blocks[b, g, tile, n:] == -1).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("tile_backward", [False, True], ids=["hybrid", "tiles"])
+def test_tile_path_never_waits_on_the_device(tile_backward):
+    """The per-tile choice and the unions' index are built on the device: a forward and backward
+    of the tile path issue their work without a host synchronisation."""
+    from gpu_sync import assert_no_host_sync
+
+    B, T, Hq, G, D, bs, K = 1, 2048, 32, 2, 64, 64, 8
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, T, h, D, generator=gen).to(DEVICE, torch.bfloat16).requires_grad_()
+               for h in (Hq, G, G))
+    idx = random_block_idx(B, T, G, K, bs, gen).to(DEVICE)
+    tuning = _tiles(128, tile_backward=tile_backward, tile_union_max=2.0)
+
+    def step():
+        o, _ = sparse_attention(q, k, v, idx, bs, backend="triton", check_ids=False, tuning=tuning)
+        o.float().sum().backward()
+    assert_no_host_sync(step)
