@@ -114,6 +114,8 @@ class CausalSelfAttention(SelfAttention):
         if attention_mask is None:
             return None
         seq, batch = hidden_states.shape[:2]
+        if self.config.sequence_parallel:  # hidden_states hold this TP rank's share of the sequence
+            seq *= self.pg_collection.tp.size()
         if attention_mask.dtype not in (torch.int32, torch.int64) or tuple(attention_mask.shape) != (batch, seq):
             raise ValueError(f"{type(self).__name__} takes document starts (int32 [B, S] = [{batch}, {seq}]) as "
                              f"attention_mask, got {attention_mask.dtype} {tuple(attention_mask.shape)}; set "

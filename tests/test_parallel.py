@@ -118,11 +118,13 @@ def test_layout_matches_one_process(reference, data_cache, layout):
 
 
 @pytest.mark.slow
-def test_context_parallel_with_packed_documents(tmp_path):
+@pytest.mark.parametrize("layout", ["cp2", "tp2"])
+def test_context_parallel_with_packed_documents(tmp_path, layout):
     """data.document_mask=true on a corpus of short files (most 256-token samples hold several
     documents): the document starts reach every layer (the warmup's dense attention reads fewer
     keys than the causal 128.5 per query), and CP=2, where each rank holds its slices of the
-    starts, trains like one process."""
+    starts, and TP=2 with sequence parallelism (LAYOUTS), where each rank's hidden states hold half the
+    sequence but its attention all of it, train like one process."""
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     gen = torch.Generator().manual_seed(0)
@@ -131,10 +133,10 @@ def test_context_parallel_with_packed_documents(tmp_path):
         (corpus / f"doc{i:02d}.txt").write_text("".join(chr(97 + int(c)) for c in letters))
     docs = ["data.document_mask=true", f"data.source={corpus}", "data.glob=*.txt"]
     ref = _run(tmp_path / "ws1", 1, *docs, f"--save-init={tmp_path / 'init'}", cache=tmp_path / "cache")[0]
-    ranks = _run(tmp_path / "cp2", 2, "parallel.cp=2", *docs, f"init_from={tmp_path / 'init'}",
+    ranks = _run(tmp_path / "two", 2, *LAYOUTS[layout][1], *docs, f"init_from={tmp_path / 'init'}",
                  cache=tmp_path / "cache")
     assert ref[0]["metrics"]["phase"] == "warmup" and ref[0]["metrics"]["keys_per_query"] < 100
     worst = max_differences(ref, ranks)
-    print("cp2 with documents: max relative difference " + " ".join(f"{k}={v:.1e}" for k, v in worst.items()))
+    print(f"{layout} with documents: max relative difference " + " ".join(f"{k}={v:.1e}" for k, v in worst.items()))
     for key, value in worst.items():
         assert value <= RTOL, (key, value)
