@@ -21,6 +21,13 @@ _SESSION_CACHE = tempfile.mkdtemp(prefix="msa-test-data-")
 os.environ["MSA_DATA_CACHE_DIR"] = _SESSION_CACHE
 
 
+def pytest_collection_modifyitems(config, items):
+    """The SLURM campaign first: it is the longest single piece (minutes, most of them its jobs'
+    own processes), so under `-n 2 --dist loadfile` one worker runs it while the other takes the
+    rest of the suite instead of it running last on its own."""
+    items.sort(key=lambda item: item.get_closest_marker("slurm") is None)
+
+
 @pytest.fixture(scope="session")
 def data_cache():
     """One tokenized copy of the default corpus shared by every test run of train.py."""
