@@ -23,8 +23,14 @@ venv: $(STAMP)
 train: $(STAMP)
 	$(PY) train.py $(ARGS)
 
+# two pytest workers (pytest-xdist), each taking a whole test file at a time, so a file's shared
+# fixtures are built once: most tests run one single-threaded process (train.py with
+# OMP_NUM_THREADS=1, Triton's interpreter), which leaves the other core idle. Files go out in the
+# order tests/conftest.py sorts them (longest first). TEST_WORKERS=0 runs the suite in one process
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) outputs runs .cache

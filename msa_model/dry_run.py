@@ -36,8 +36,9 @@ def built_parameter_counts(cfg: DictConfig, vocab_size: int) -> dict[str, int]:
         init_distributed(unsharded, "cpu", cfg.trainer.seed)
     try:
         assert parallel_state.get_tensor_model_parallel_world_size() == 1
+        # nothing to initialise on the meta device (megatron would run every expert's init op)
         with torch.device("meta"):
-            model = build_model(cfg.model, unsharded, vocab_size, on_cpu=True)
+            model = build_model(cfg.model, unsharded, vocab_size, on_cpu=True, init_weights=False)
         total = routed = 0
         for name, p in model.named_parameters():
             total += p.numel()

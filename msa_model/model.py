@@ -238,14 +238,18 @@ def decoder_block_spec(config: TransformerConfig, model_cfg, vp_stage=None, pp_r
 
 
 def build_model(model_cfg, parallel_cfg, vocab_size: int, *, on_cpu: bool,
-                pre_process: bool = True, post_process: bool = True, vp_stage=None) -> GPTModel:
+                pre_process: bool = True, post_process: bool = True, vp_stage=None,
+                init_weights: bool = True) -> GPTModel:
     """The MSA-MoE GPTModel for this pipeline stage. Needs megatron's parallel state initialised.
 
     vocab_size is the tokenizer's; model_cfg.vocab_size (a converted checkpoint's), when set,
     replaces it. It is padded here. Forward: GPTModel(tokens [B, S],
     position_ids [B, S], attention_mask=None, labels [B, S]) -> per-token loss [B, S].
+    init_weights=False leaves the weights as allocated (megatron's perform_initialization), for
+    a model that only counts its parameters on the meta device.
     """
     config = transformer_config(model_cfg, parallel_cfg, on_cpu)
+    config.perform_initialization = init_weights
     vocab_size = model_vocab_size(model_cfg, vocab_size)
     scaling = model_cfg.rope_scaling
     model = GPTModel(

@@ -21,6 +21,28 @@ _SESSION_CACHE = tempfile.mkdtemp(prefix="msa-test-data-")
 os.environ["MSA_DATA_CACHE_DIR"] = _SESSION_CACHE
 
 
+# the files that take longest (each runs many train.py / torchrun processes), longest first
+LONG_FILES = ("test_parallel.py", "test_checkpoint_guards.py", "test_recipes.py", "test_convert_checkpoints.py",
+              "test_train_resume.py", "test_readme.py", "test_indexer_kl_triton.py", "test_convert_m3.py",
+              "test_sparse_attention_triton.py", "test_parallel_checkpoint.py", "test_train_skeleton.py",
+              "test_convert_deepspeed.py", "test_preemption.py", "test_msa_diagnostics.py", "test_train_dp.py",
+              "test_golden_loss.py", "test_ops_reference.py", "test_ops_q_offset.py", "test_run_dir_lock.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Longest files first, whole files kept in their order: `make test` runs two workers that
+    take a file at a time in this order (`--dist loadfile --no-loadscope-reorder`), so the long
+    ones run side by side from the start rather than one of them last on its own. The SLURM
+    campaign leads: minutes, most of them its jobs' own processes."""
+    def rank(item) -> int:
+        if item.get_closest_marker("slurm"):
+            return -1
+        name = item.path.name
+        return LONG_FILES.index(name) if name in LONG_FILES else len(LONG_FILES)
+
+    items.sort(key=rank)
+
+
 @pytest.fixture(scope="session")
 def data_cache():
     """One tokenized copy of the default corpus shared by every test run of train.py."""

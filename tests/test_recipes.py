@@ -165,29 +165,34 @@ def test_the_entry_point_refuses_cpt_without_a_checkpoint(tmp_path):
     assert not (tmp_path / "checkpoints").exists()
 
 
-# the loss of a checkpoint on a fixed batch; a training run's config leaves model.vocab_size to
-# the tokenizer (257 bytes + EOD), which the model loader needs spelled out
+# the loss of each checkpoint named on the command line on one fixed batch; a training run's
+# config leaves model.vocab_size to the tokenizer (257 bytes + EOD), which the model loader needs
+# spelled out
 LOSS_SCRIPT = """
 import sys, tempfile, torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 from msa_model.convert import megatron_io as mio
 from msa_model.convert.verify import our_logits
-model = mio.load_model_config(mio.find_model_config(sys.argv[1]))
-model.vocab_size = model.vocab_size or 257
-path = tempfile.mktemp(suffix=".yaml")
-OmegaConf.save(OmegaConf.structured(model), path)
-tokens = torch.randint(0, 256, (2, 257), generator=torch.Generator().manual_seed(0))
-logits = our_logits(sys.argv[1], tokens[:, :-1], model_config=path)
-print("LOSS", F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).item())
+for checkpoint in sys.argv[1:]:
+    model = mio.load_model_config(mio.find_model_config(checkpoint))
+    model.vocab_size = model.vocab_size or 257
+    path = tempfile.mktemp(suffix=".yaml")
+    OmegaConf.save(OmegaConf.structured(model), path)
+    tokens = torch.randint(0, 256, (2, 257), generator=torch.Generator().manual_seed(0))
+    logits = our_logits(checkpoint, tokens[:, :-1], model_config=path)
+    print("LOSS", F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).item())
 """
 
 
-def _loss_of(checkpoint) -> float:
-    proc = subprocess.run([sys.executable, "-c", LOSS_SCRIPT, str(checkpoint)], cwd=REPO, env=_env(),
+def _losses_of(*checkpoints) -> list[float]:
+    """One process (one start-up) for all of them."""
+    proc = subprocess.run([sys.executable, "-c", LOSS_SCRIPT, *map(str, checkpoints)], cwd=REPO, env=_env(),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return float(proc.stdout.split("LOSS")[-1])
+    losses = [float(line.split()[1]) for line in proc.stdout.splitlines() if line.startswith("LOSS ")]
+    assert len(losses) == len(checkpoints), proc.stdout[-3000:]
+    return losses
 
 
 def test_cpt_continues_a_converted_dense_run(tmp_path, data_cache):
@@ -197,7 +202,7 @@ def test_cpt_continues_a_converted_dense_run(tmp_path, data_cache):
     subprocess.run([sys.executable, "-m", "msa_model.convert", "dense-to-msa", str(dense / "checkpoints"),
                     str(converted)], cwd=REPO, env=_env(), check=True, capture_output=True, timeout=300)
     # dense attention is the warmup phase of MSA: the converted model is the dense model
-    dense_loss, msa_warmup_loss = _loss_of(dense / "checkpoints"), _loss_of(converted)
+    dense_loss, msa_warmup_loss = _losses_of(dense / "checkpoints", converted)
     assert abs(dense_loss - msa_warmup_loss) < 1e-5, (dense_loss, msa_warmup_loss)
 
     cpt = tmp_path / "cpt"

@@ -20,12 +20,17 @@ COMPARED = ("lm_loss", "kl_loss", "moe_aux_loss", "grad_norm", "lr", "keys_per_q
 SWITCH = "indexer warmup done after step 3"
 
 
-def test_stop_and_resume_reproduces_the_uninterrupted_run_exactly(tmp_path, data_cache):
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, data_cache):
+    """The uninterrupted 6-step run the restarted ones are compared with (read only)."""
+    run_dir = tmp_path_factory.mktemp("straight") / "run"
+    run_train(run_dir, *COMMON, data_cache=data_cache)
+    return run_dir
+
+
+def test_stop_and_resume_reproduces_the_uninterrupted_run_exactly(tmp_path, data_cache, straight):
     """Resumed mid-warmup (step 2) and exactly at the warmup->sparse switch (step 3): same numbers
     and one switch line, logged by the job that makes the switch."""
-    straight = tmp_path / "straight"
-    run_train(straight, *COMMON, data_cache=data_cache)
-
     split = tmp_path / "split"
     run_train(split, *COMMON, "trainer.stop_at_step=2", data_cache=data_cache)
     assert max(metrics(split)) == 2
@@ -105,12 +110,11 @@ def test_sigterm_finishes_the_step_saves_and_exits_cleanly(tmp_path, data_cache)
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{last:08d}"
 
 
-def test_relaunch_with_stop_at_step_and_a_longer_schedule(tmp_path, data_cache):
+def test_relaunch_with_stop_at_step_and_a_longer_schedule(tmp_path, data_cache, straight):
     """A job stopped at step 3 and relaunched with the same stop runs no step; a relaunch that
-    trains longer follows the new config's lr schedule, not the checkpoint's."""
-    base = ("trainer.indexer_warmup_tokens=2048", "checkpoint.interval=0", "checkpoint.keep=1")
-    straight = tmp_path / "straight"
-    run_train(straight, *base, "trainer.max_steps=6", data_cache=data_cache)
+    trains longer follows the new config's lr schedule, not the checkpoint's (that of the
+    uninterrupted 6-step run)."""
+    base = ("trainer.indexer_warmup_tokens=3072", "checkpoint.interval=0", "checkpoint.keep=1")
 
     run = tmp_path / "run"
     run_train(run, *base, "trainer.max_steps=4", "trainer.stop_at_step=3", data_cache=data_cache)
