@@ -256,7 +256,7 @@ def _stages(stages: int, D: int) -> int:
     return stages if D <= 128 else 1
 
 
-def _tile_args(q, k, union: TileUnion, block_size, tuning: Tuning, docs):
+def _tile_args(q, k, union: TileUnion, block_size, docs):
     B, T, Hq, G, H, HP, D = _geometry(q, k, block_size)
     TK = k.shape[1]
     K = union.ids.shape[-1]
@@ -272,7 +272,7 @@ def tile_forward(q, k, v, union: TileUnion, block_size, scale, q_offset=0, tunin
     """o [B, T, Hq, D] and lse fp32 [B, T, Hq] of the tile path, one program per (tile, b, g). Only
     tiles whose union holds at most `limit` blocks (None: all) are written, into `out` (o, lse)
     when given."""
-    B, T, TK, G, N, NT, bstart, bend, meta = _tile_args(q, k, union, block_size, tuning, docs)
+    B, T, TK, G, N, NT, bstart, bend, meta = _tile_args(q, k, union, block_size, docs)
     o, lse = out if out is not None else (torch.empty_like(q),
                                           torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device))
     COMPILED["tile_fwd"] = tile_fwd_kernel[(NT, B * G)](
@@ -303,7 +303,7 @@ def tile_backward(do, q, k, v, o, lse, union: TileUnion, block_size, scale, q_of
     """(dq, dk, dv) of `tile_forward`: dQ per tile over its union; dK/dV per block over the tiles
     whose union holds it (an inverse index of the unions, chunked over tiles so that the work
     items' fp32 partials stay under the gather path's partial budget), reduced in order."""
-    B, T, TK, G, N, NT, bstart, bend, meta = _tile_args(q, k, union, block_size, tuning, docs)
+    B, T, TK, G, N, NT, bstart, bend, meta = _tile_args(q, k, union, block_size, docs)
     delta = _delta(do, o)
     dq = torch.empty_like(q)
     COMPILED["tile_dq"] = tile_dq_kernel[(NT, B * G)](
