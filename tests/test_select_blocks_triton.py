@@ -4,12 +4,15 @@ on the GPU at large shapes when one is present.
 Block ids are a set per (b, t, g): both sides are sorted before comparing.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
 from msa_model.ops import select_blocks
 from msa_model.ops.select_blocks import select_blocks_reference
-from msa_model.ops.select_blocks.triton import block_scores_triton, topk_blocks_triton
+from msa_model.ops.select_blocks.fp8 import key_scales, quantize_index
+from msa_model.ops.select_blocks.triton import Tuning, block_scores_triton, topk_blocks_triton
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -141,3 +144,77 @@ def test_deterministic():
     a = select_blocks(iq, ik, block_size=32, topk=4, backend="triton")
     b = select_blocks(iq, ik, block_size=32, topk=4, backend="triton")
     assert torch.equal(a, b)
+
+
+def fp8_scores64(iq, ik, block_size):
+    """float64 block maxima of the scores precision='fp8' ranks: quantized products times each key
+    block's scale."""
+    iq8, ik8, scale = quantize_index(iq, ik, block_size)
+    deq = ik8.double() * key_scales(scale, ik.shape[1], block_size).double()[..., None]
+    return block_scores64(iq8.double(), deq, block_size)
+
+
+@pytest.mark.parametrize("B,T,G,Di,block_size,topk,force_sink", CASES)
+def test_fp8_scores_pick_the_fp8_reference_sets(B, T, G, Di, block_size, topk, force_sink):
+    iq, ik = rand_index(B, T, G, Di, dtype=torch.bfloat16, seed=T + 11)
+    # keys of unequal norms: the per-block scales matter
+    ik = ik * torch.linspace(0.2, 3.0, T, device=ik.device, dtype=ik.dtype)[None, :, None]
+    out = select_blocks(iq, ik, block_size=block_size, topk=topk, force_sink=force_sink, backend="triton",
+                        precision="fp8")
+    ref = select_blocks_reference(iq, ik, block_size, topk, force_sink, precision="fp8")
+    # products of e4m3 values are exact in fp32: only the summation order (and, on the fp8 tensor
+    # cores, their accumulator) differ, so swaps are allowed only between near-tied blocks
+    check_valid_topk(out, fp8_scores64(iq, ik, block_size), block_size, topk, force_sink,
+                     tol=(1e-9 if DEV == "cpu" else 1e-3) * Di ** 0.5 * 448)
+    # (on an H200: 0.14% of the rows of 5000 tokens x 2 groups at Di=128, all such near-ties)
+    rows_differ = (as_sets(out) != as_sets(ref)).any(-1).float().mean().item()
+    assert rows_differ <= (0.0 if DEV == "cpu" else 5e-3)
+
+
+def test_fp8_scores_with_documents_and_query_offset():
+    T, q0, bs = 160, 37, 16
+    iq, ik = rand_index(1, T, 2, 32, dtype=torch.bfloat16, seed=4)
+    ik = ik * torch.rand(1, T, 1, generator=torch.Generator().manual_seed(5)).to(ik)
+    starts = torch.tensor([0] * 50 + [50] * 70 + [120] * 40, dtype=torch.int32, device=iq.device)[None]
+    kw = dict(block_size=bs, topk=4, force_sink=True, q_offset=q0, doc_start=starts[:, q0:], precision="fp8")
+    out = select_blocks(iq[:, q0:], ik, backend="triton", **kw)
+    ref = select_blocks(iq[:, q0:], ik, backend="reference", **kw)
+    rows_differ = (as_sets(out) != as_sets(ref)).any(-1).float().mean().item()
+    assert rows_differ <= (0.0 if DEV == "cpu" else 0.02)
+
+
+def test_fp8_quantization_error_is_one_e4m3_rounding():
+    iq, ik = rand_index(2, 100, 3, 32, seed=8, device="cpu")
+    ik = ik * torch.linspace(0.01, 5.0, 100)[None, :, None]
+    iq8, ik8, scale = quantize_index(iq, ik, 16)
+    assert iq8.dtype == ik8.dtype == torch.float8_e4m3fn and scale.shape == (2, 7)
+    # rows of iq: scaled to the e4m3 range by their amax (the scale is not needed for ranking)
+    amax_q = iq.abs().amax(-1, keepdim=True)
+    deq_q = iq8.float() * amax_q / 448
+    assert bool(((deq_q - iq).abs() <= 2 ** -4 * iq.abs() + 2 ** -10 * amax_q / 448 + 1e-7).all())
+    # keys: one scale per block of 16, the block's amax over 448
+    deq_k = ik8.float() * key_scales(scale, 100, 16)[..., None]
+    amax_k = key_scales(scale, 100, 16)[..., None] * 448
+    assert bool(((deq_k - ik).abs() <= 2 ** -4 * ik.abs() + 2 ** -10 * amax_k / 448 + 1e-7).all())
+
+
+def test_unknown_precision_is_refused():
+    iq, ik = rand_index(1, 40, 2, 16, seed=1)
+    with pytest.raises(ValueError, match="precision must be one of"):
+        select_blocks(iq, ik, block_size=16, topk=2, precision="int8")
+
+
+@pytest.mark.parametrize("skip_from", [0, 1])
+@pytest.mark.parametrize("precision", ["input", "fp8"])
+def test_topk_skip_changes_no_set(skip_from, precision):
+    # fp8 kernels over more than skip_from blocks skip top-k updates that no row of a program
+    # wins (input-precision kernels never do): the same sets either way
+    T = 3000 if DEV == "cuda" else 200
+    iq, ik = rand_index(1, T, 4, 32, dtype=torch.bfloat16, seed=21)
+    base = Tuning(rows=32, cols=32, num_warps=4, num_stages=1) if DEV == "cpu" else Tuning()
+    bs = 32 if DEV == "cpu" else 128
+    want = select_blocks(iq, ik, block_size=bs, topk=4, backend="triton", precision=precision,
+                         tuning=dataclasses.replace(base, skip_from=10 ** 9))
+    got = select_blocks(iq, ik, block_size=bs, topk=4, backend="triton", precision=precision,
+                        tuning=dataclasses.replace(base, skip_from=skip_from))
+    assert torch.equal(as_sets(got), as_sets(want))

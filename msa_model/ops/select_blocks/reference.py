@@ -9,11 +9,13 @@ from __future__ import annotations
 import torch
 
 from ..common import num_blocks, query_chunk
+from .fp8 import key_scales, quantize_index
 
 
 def select_blocks_reference(iq_BTGI: torch.Tensor, ik_BTI: torch.Tensor, block_size: int, topk: int,
                             force_sink: bool = False, q_offset: int = 0,
-                            doc_start_BT: torch.Tensor | None = None, local_blocks: int = 1) -> torch.Tensor:
+                            doc_start_BT: torch.Tensor | None = None, local_blocks: int = 1,
+                            precision: str = "input") -> torch.Tensor:
     """Top-k key blocks per (query, group) by block-max index score; int32 [B, T, G, K], -1 = empty.
 
     The `local_blocks` blocks ending with the local one (the block holding the query, and the
@@ -24,9 +26,16 @@ def select_blocks_reference(iq_BTGI: torch.Tensor, ik_BTI: torch.Tensor, block_s
     With `doc_start_BT` (int [B, T]) each document is its own sequence: query t sees keys
     doc_start[t] .. q_offset + t, and block ids count from its document's first token (block n
     = keys doc_start[t] + n*block_size ..), so the ids are those of the document run alone.
+
+    `precision="fp8"` ranks the scores of iq and ik quantized to float8 e4m3 (`fp8.py`): the
+    products of the quantized values, times each key block's scale.
     """
     B, T, G, _ = iq_BTGI.shape
     out_BTGK = torch.full((B, T, G, topk), -1, dtype=torch.int32, device=iq_BTGI.device)
+    key_scale_BJ = None
+    if precision == "fp8":
+        iq_BTGI, ik_BTI, ik_scale_BN = quantize_index(iq_BTGI, ik_BTI, block_size)
+        key_scale_BJ = key_scales(ik_scale_BN, ik_BTI.shape[1], block_size)
     iq_BTGI = iq_BTGI.float()
     ik_BTI = ik_BTI.float()
     pos = torch.arange(q_offset + T, device=iq_BTGI.device)
@@ -38,6 +47,8 @@ def select_blocks_reference(iq_BTGI: torch.Tensor, ik_BTI: torch.Tensor, block_s
         n_blk = num_blocks(key_end, block_size)
         qpos_C = pos[q_offset + t0:key_end]
         s_BCGJ = torch.einsum("bcgi,bji->bcgj", iq_BTGI[:, t0:t1], ik_BTI[:, :key_end])
+        if key_scale_BJ is not None:
+            s_BCGJ = s_BCGJ * key_scale_BJ[:, None, None, :key_end]
         visible_CJ = pos[None, :key_end] <= qpos_C[:, None]
         if doc_start_BT is None:
             s_BCGJ = s_BCGJ.masked_fill(~visible_CJ[None, :, None, :], float("-inf"))

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from ..common import num_blocks
+from .fp8 import check_precision, quantize_index
 from ..triton_utils import INTERPRET, dot, interpreting
 
 # what the fused kernel emits: the selection, the raw block scores (stage one of a two-stage
@@ -33,15 +34,35 @@ _SELECT, _SCORES, _BARE = 0, 1, 2
 
 
 @triton.jit
-def _insert(topv_RK, topi_RK, x_R, n_R, slot_K):
-    """Put candidate (x, n) of each row in place of the row's smallest kept value if it is larger."""
-    low_R = tl.min(topv_RK, axis=1)
+def _update(topv_RK, topi_RK, low_R, x_R, n_R, slot_K):
     # first slot holding the minimum (two plain reductions are cheaper than an index-carrying one)
     pos_R = tl.min(tl.where(topv_RK == low_R[:, None], slot_K[None, :], slot_K.shape[0]), axis=1)
     take_RK = (slot_K[None, :] == pos_R[:, None]) & (x_R > low_R)[:, None]
     topv_RK = tl.where(take_RK, x_R[:, None], topv_RK)
     topi_RK = tl.where(take_RK, n_R[:, None], topi_RK)
-    return topv_RK, topi_RK
+    return topv_RK, topi_RK, tl.min(topv_RK, axis=1)
+
+
+@triton.jit
+def _insert(topv_RK, topi_RK, low_R, x_R, n_R, slot_K, TRACK: tl.constexpr = False, SKIP: tl.constexpr = False):
+    """Put candidate (x, n) of each row in place of the row's smallest kept value if it is larger.
+
+    Without TRACK the minimum is found anew (low_R passes through unused). TRACK keeps it in low_R
+    with the state, and SKIP then first asks whether any row of the program takes its candidate,
+    updating only if one does. Far into a long row few candidates win (after n blocks a random
+    one enters a row's top-k with probability about k / n), so the update is mostly skipped; in
+    shorter rows the question (a reduction over the program) costs more than it saves, and a
+    kernel that tracks the minimum runs slower (bench/RESULTS.md, round 6): only fp8-score
+    kernels over more than `Tuning.skip_from` blocks track it (`_skips`)."""
+    if TRACK:
+        if SKIP:
+            if tl.max((x_R > low_R).to(tl.int32), axis=0) > 0:
+                topv_RK, topi_RK, low_R = _update(topv_RK, topi_RK, low_R, x_R, n_R, slot_K)
+        else:
+            topv_RK, topi_RK, low_R = _update(topv_RK, topi_RK, low_R, x_R, n_R, slot_K)
+    else:
+        topv_RK, topi_RK, _ = _update(topv_RK, topi_RK, tl.min(topv_RK, axis=1), x_R, n_R, slot_K)
+    return topv_RK, topi_RK, low_R
 
 
 @triton.jit
@@ -64,7 +85,7 @@ def _init_topk(nloc_R, R: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, SINK:
             sink_RK = (slot_K[None, :] == LOCAL) & (nloc_R[:, None] >= LOCAL)
             topv_RK = tl.where(sink_RK, float("inf"), topv_RK)
             topi_RK = tl.where(sink_RK, 0, topi_RK)
-    return topv_RK, topi_RK, slot_K
+    return topv_RK, topi_RK, tl.min(topv_RK, axis=1), slot_K
 
 
 @triton.jit
@@ -95,19 +116,26 @@ def _tile_scores(q_RD, ik_base, s_ik_t, kt, TK, C: tl.constexpr, DI: tl.constexp
 
 
 @triton.jit
-def _score_tile(q_RD, ik_base, s_ik_t, kt, p_R, TK, R: tl.constexpr, C: tl.constexpr, DI: tl.constexpr,
-                DP: tl.constexpr, BLOCK: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr):
-    """Block maxima [R, C // BLOCK] of key tile kt; keys after a row's position p_R (or past TK) count -inf."""
+def _score_tile(q_RD, ik_base, ks_base, s_ik_t, kt, p_R, TK, N, R: tl.constexpr, C: tl.constexpr,
+                DI: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
+                KSCALE: tl.constexpr):
+    """Block maxima [R, C // BLOCK] of key tile kt; keys after a row's position p_R (or past TK)
+    count -inf. KSCALE: fp8 keys, each block's maxima times its scale (ks_base [N]; a positive
+    factor commutes with the max)."""
     s_RC, j_C = _tile_scores(q_RD, ik_base, s_ik_t, kt, TK, C, DI, DP, PREC)
     if CAUSAL:
         s_RC = tl.where(j_C[None, :] <= p_R[:, None], s_RC, float("-inf"))
-    return _block_max(s_RC, R, C, BLOCK)
+    bm_RN = _block_max(s_RC, R, C, BLOCK)
+    if KSCALE:
+        n_N = kt * (C // BLOCK) + tl.arange(0, C // BLOCK)
+        bm_RN = bm_RN * tl.load(ks_base + n_N, mask=n_N < N, other=1.0)[None, :]
+    return bm_RN
 
 
 @triton.jit
-def _consume(bm_RN, kt, topv_RK, topi_RK, seen_R, slot_K, nloc_R, out_ptr, b, t_R, g_R, valid_R, N,
+def _consume(bm_RN, kt, topv_RK, topi_RK, low_R, seen_R, slot_K, nloc_R, out_ptr, b, t_R, g_R, valid_R, N,
              s_out_b, s_out_t, s_out_g, R: tl.constexpr, NB: tl.constexpr, SINK: tl.constexpr,
-             MODE: tl.constexpr, LOCAL: tl.constexpr):
+             MODE: tl.constexpr, LOCAL: tl.constexpr, TRACK: tl.constexpr, SKIP: tl.constexpr):
     """Fold one tile's block maxima into the running top-k (or store them, or only keep a max)."""
     if MODE == 0:
         for jb in tl.static_range(NB):
@@ -121,36 +149,40 @@ def _consume(bm_RN, kt, topv_RK, topi_RK, seen_R, slot_K, nloc_R, out_ptr, b, t_
             if SINK:
                 drop_R = drop_R | (n == 0)
             x_R = tl.where(drop_R, float("-inf"), x_R)
-            topv_RK, topi_RK = _insert(topv_RK, topi_RK, x_R, tl.zeros([R], tl.int32) + n, slot_K)
+            topv_RK, topi_RK, low_R = _insert(topv_RK, topi_RK, low_R, x_R, tl.zeros([R], tl.int32) + n, slot_K,
+                                              TRACK, SKIP)
     elif MODE == 1:
         n_N = kt * NB + tl.arange(0, NB)
         row_R = b * s_out_b + t_R.to(tl.int64) * s_out_t + g_R * s_out_g
         tl.store(out_ptr + row_R[:, None] + n_N[None, :], bm_RN, mask=valid_R[:, None] & (n_N[None, :] < N))
     else:
         seen_R = tl.maximum(seen_R, tl.max(bm_RN, axis=1))
-    return topv_RK, topi_RK, seen_R
+    return topv_RK, topi_RK, low_R, seen_R
 
 
 @triton.jit
-def _offer(topv_RK, topi_RK, x_R, n_R, nloc_R, slot_K, SINK: tl.constexpr, LOCAL: tl.constexpr):
+def _offer(topv_RK, topi_RK, low_R, x_R, n_R, nloc_R, slot_K, SINK: tl.constexpr, LOCAL: tl.constexpr):
     """Offer block n_R (score x_R) of each row to its running top-k; forced blocks (the LOCAL
     blocks ending with the local one, the sink) and n < 0 (no block) are not candidates."""
     drop_R = ((n_R <= nloc_R) & (n_R > nloc_R - LOCAL)) | (n_R < 0)
     if SINK:
         drop_R = drop_R | (n_R == 0)
-    return _insert(topv_RK, topi_RK, tl.where(drop_R, float("-inf"), x_R), n_R, slot_K)
+    return _insert(topv_RK, topi_RK, low_R, tl.where(drop_R, float("-inf"), x_R), n_R, slot_K)
 
 
 @triton.jit
-def _doc_tile(q_RD, ik_base, s_ik_t, kt, TK, start_R, p_R, nloc_R, topv_RK, topi_RK, slot_K, carry_n_R, carry_x_R,
-              C: tl.constexpr, DI: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr, SINK: tl.constexpr,
-              PREC: tl.constexpr, LOCAL: tl.constexpr):
+def _doc_tile(q_RD, ik_base, ks_base, s_ik_t, kt, TK, start_R, p_R, nloc_R, topv_RK, topi_RK, low_R, slot_K,
+              carry_n_R, carry_x_R, C: tl.constexpr, DI: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr,
+              SINK: tl.constexpr, PREC: tl.constexpr, LOCAL: tl.constexpr, KSCALE: tl.constexpr):
     """One key tile with packed documents: row r sees keys start_R .. p_R, and key j is in its
     block (j - start_R) // BLOCK. The tile's NB + 1 possible blocks per row are reduced one by
     one; the block in progress (carry_n_R, its max so far carry_x_R) is offered to the top-k when
-    a later block with a visible key begins."""
+    a later block with a visible key begins. KSCALE: fp8 keys, each key's score times its
+    (sequence) block's scale."""
     NB: tl.constexpr = C // BLOCK
     s_RC, j_C = _tile_scores(q_RD, ik_base, s_ik_t, kt, TK, C, DI, DP, PREC)
+    if KSCALE:
+        s_RC = s_RC * tl.load(ks_base + j_C // BLOCK, mask=j_C < TK, other=1.0)[None, :]
     vis_RC = (j_C[None, :] <= p_R[:, None]) & (j_C[None, :] >= start_R[:, None])
     s_RC = tl.where(vis_RC, s_RC, float("-inf"))
     # keys before the document's start are -inf, so their (clamped) block does not matter
@@ -160,20 +192,20 @@ def _doc_tile(q_RD, ik_base, s_ik_t, kt, TK, start_R, p_R, nloc_R, topv_RK, topi
         n_R = n0_R + i
         x_R = tl.max(tl.where(n_RC == n_R[:, None], s_RC, float("-inf")), axis=1)
         fresh_R = (n_R != carry_n_R) & (x_R > float("-inf"))
-        topv_RK, topi_RK = _offer(topv_RK, topi_RK, tl.where(fresh_R, carry_x_R, float("-inf")), carry_n_R,
-                                  nloc_R, slot_K, SINK, LOCAL)
+        topv_RK, topi_RK, low_R = _offer(topv_RK, topi_RK, low_R, tl.where(fresh_R, carry_x_R, float("-inf")),
+                                         carry_n_R, nloc_R, slot_K, SINK, LOCAL)
         carry_x_R = tl.where(fresh_R, x_R, tl.where(n_R == carry_n_R, tl.maximum(carry_x_R, x_R), carry_x_R))
         carry_n_R = tl.where(fresh_R, n_R, carry_n_R)
-    return topv_RK, topi_RK, carry_n_R, carry_x_R
+    return topv_RK, topi_RK, low_R, carry_n_R, carry_x_R
 
 
 @triton.jit
-def _fused_kernel(iq_ptr, ik_ptr, out_ptr, doc_ptr, T, TK, QOFF, N,
+def _fused_kernel(iq_ptr, ik_ptr, ks_ptr, out_ptr, doc_ptr, T, TK, QOFF, N, skip_tile,
                   s_iq_b, s_iq_t, s_iq_g, s_ik_b, s_ik_t, s_out_b, s_out_t, s_out_g,
                   G: tl.constexpr, GP: tl.constexpr, DI: tl.constexpr, DP: tl.constexpr,
                   BLOCK: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr,
                   C: tl.constexpr, SINK: tl.constexpr, MODE: tl.constexpr, PREC: tl.constexpr,
-                  DOCS: tl.constexpr, LOCAL: tl.constexpr):
+                  DOCS: tl.constexpr, LOCAL: tl.constexpr, KSCALE: tl.constexpr, SKIP: tl.constexpr):
     R: tl.constexpr = BM * GP
     NB: tl.constexpr = C // BLOCK
     # the last query tiles read the most keys: start them first
@@ -188,6 +220,8 @@ def _fused_kernel(iq_ptr, ik_ptr, out_ptr, doc_ptr, T, TK, QOFF, N,
     q_RD = tl.load(iq_ptr + b * s_iq_b + t_R[:, None].to(tl.int64) * s_iq_t + g_R[:, None] * s_iq_g + d_D[None, :],
                    mask=valid_R[:, None] & (d_D[None, :] < DI), other=0.0)
     ik_base = ik_ptr + b * s_ik_b
+    # fp8 keys: the [B, N] block scales of the sequence's blocks
+    ks_base = ks_ptr + b * N
     # causal positions of the rows
     p_R = QOFF + t_R
     if DOCS:
@@ -195,7 +229,7 @@ def _fused_kernel(iq_ptr, ik_ptr, out_ptr, doc_ptr, T, TK, QOFF, N,
         nloc_R = (p_R - start_R) // BLOCK
     else:
         nloc_R = p_R // BLOCK
-    topv_RK, topi_RK, slot_K = _init_topk(nloc_R, R, K, KP, SINK, LOCAL)
+    topv_RK, topi_RK, low_R, slot_K = _init_topk(nloc_R, R, K, KP, SINK, LOCAL)
     seen_R = tl.full([R], float("-inf"), tl.float32)
 
     p_last = QOFF + tl.minimum(t0 + BM, T) - 1
@@ -211,36 +245,62 @@ def _fused_kernel(iq_ptr, ik_ptr, out_ptr, doc_ptr, T, TK, QOFF, N,
         if INTERPRET:
             kt = kt_first
             while kt < n_tiles:
-                topv_RK, topi_RK, carry_n_R, carry_x_R = _doc_tile(
-                    q_RD, ik_base, s_ik_t, kt, TK, start_R, p_R, nloc_R, topv_RK, topi_RK, slot_K, carry_n_R,
-                    carry_x_R, C, DI, DP, BLOCK, SINK, PREC, LOCAL)
+                topv_RK, topi_RK, low_R, carry_n_R, carry_x_R = _doc_tile(
+                    q_RD, ik_base, ks_base, s_ik_t, kt, TK, start_R, p_R, nloc_R, topv_RK, topi_RK, low_R, slot_K,
+                    carry_n_R, carry_x_R, C, DI, DP, BLOCK, SINK, PREC, LOCAL, KSCALE)
                 kt += 1
         else:
             for kt in range(kt_first, n_tiles):
-                topv_RK, topi_RK, carry_n_R, carry_x_R = _doc_tile(
-                    q_RD, ik_base, s_ik_t, kt, TK, start_R, p_R, nloc_R, topv_RK, topi_RK, slot_K, carry_n_R,
-                    carry_x_R, C, DI, DP, BLOCK, SINK, PREC, LOCAL)
+                topv_RK, topi_RK, low_R, carry_n_R, carry_x_R = _doc_tile(
+                    q_RD, ik_base, ks_base, s_ik_t, kt, TK, start_R, p_R, nloc_R, topv_RK, topi_RK, low_R, slot_K,
+                    carry_n_R, carry_x_R, C, DI, DP, BLOCK, SINK, PREC, LOCAL, KSCALE)
         # the last block in progress (a row's local block, which is forced: offered for completeness)
-        topv_RK, topi_RK = _offer(topv_RK, topi_RK, carry_x_R, carry_n_R, nloc_R, slot_K, SINK, LOCAL)
+        topv_RK, topi_RK, low_R = _offer(topv_RK, topi_RK, low_R, carry_x_R, carry_n_R, nloc_R, slot_K, SINK, LOCAL)
     elif INTERPRET:
+        # every tile causally masked; with SKIP, tiles from skip_tile on ask before updating
         kt = n_full * 0
         while kt < n_tiles:
-            bm_RN = _score_tile(q_RD, ik_base, s_ik_t, kt, p_R, TK, R, C, DI, DP, BLOCK, True, PREC)
-            topv_RK, topi_RK, seen_R = _consume(bm_RN, kt, topv_RK, topi_RK, seen_R, slot_K, nloc_R, out_ptr,
-                                                b, t_R, g_R, valid_R, N, s_out_b, s_out_t, s_out_g,
-                                                R, NB, SINK, MODE, LOCAL)
+            bm_RN = _score_tile(q_RD, ik_base, ks_base, s_ik_t, kt, p_R, TK, N, R, C, DI, DP, BLOCK, True, PREC,
+                                KSCALE)
+            if SKIP and kt >= skip_tile:
+                topv_RK, topi_RK, low_R, seen_R = _consume(
+                    bm_RN, kt, topv_RK, topi_RK, low_R, seen_R, slot_K, nloc_R, out_ptr, b, t_R, g_R, valid_R, N,
+                    s_out_b, s_out_t, s_out_g, R, NB, SINK, MODE, LOCAL, True, True)
+            else:
+                topv_RK, topi_RK, low_R, seen_R = _consume(
+                    bm_RN, kt, topv_RK, topi_RK, low_R, seen_R, slot_K, nloc_R, out_ptr, b, t_R, g_R, valid_R, N,
+                    s_out_b, s_out_t, s_out_g, R, NB, SINK, MODE, LOCAL, SKIP, False)
             kt += 1
     else:
-        for kt in range(0, n_full):
-            bm_RN = _score_tile(q_RD, ik_base, s_ik_t, kt, p_R, TK, R, C, DI, DP, BLOCK, False, PREC)
-            topv_RK, topi_RK, seen_R = _consume(bm_RN, kt, topv_RK, topi_RK, seen_R, slot_K, nloc_R, out_ptr,
-                                                b, t_R, g_R, valid_R, N, s_out_b, s_out_t, s_out_g,
-                                                R, NB, SINK, MODE, LOCAL)
+        # tiles before the diagonal need no causal mask; with SKIP, those from skip_tile on update
+        # the top-k only when some row wins (the diagonal tiles, a row's most recent blocks, always)
+        if SKIP:
+            n_plain = tl.minimum(n_full, skip_tile)
+            for kt in range(0, n_plain):
+                bm_RN = _score_tile(q_RD, ik_base, ks_base, s_ik_t, kt, p_R, TK, N, R, C, DI, DP, BLOCK, False,
+                                    PREC, KSCALE)
+                topv_RK, topi_RK, low_R, seen_R = _consume(
+                    bm_RN, kt, topv_RK, topi_RK, low_R, seen_R, slot_K, nloc_R, out_ptr, b, t_R, g_R, valid_R, N,
+                    s_out_b, s_out_t, s_out_g, R, NB, SINK, MODE, LOCAL, True, False)
+            for kt in range(n_plain, n_full):
+                bm_RN = _score_tile(q_RD, ik_base, ks_base, s_ik_t, kt, p_R, TK, N, R, C, DI, DP, BLOCK, False,
+                                    PREC, KSCALE)
+                topv_RK, topi_RK, low_R, seen_R = _consume(
+                    bm_RN, kt, topv_RK, topi_RK, low_R, seen_R, slot_K, nloc_R, out_ptr, b, t_R, g_R, valid_R, N,
+                    s_out_b, s_out_t, s_out_g, R, NB, SINK, MODE, LOCAL, True, True)
+        else:
+            for kt in range(0, n_full):
+                bm_RN = _score_tile(q_RD, ik_base, ks_base, s_ik_t, kt, p_R, TK, N, R, C, DI, DP, BLOCK, False,
+                                    PREC, KSCALE)
+                topv_RK, topi_RK, low_R, seen_R = _consume(
+                    bm_RN, kt, topv_RK, topi_RK, low_R, seen_R, slot_K, nloc_R, out_ptr, b, t_R, g_R, valid_R, N,
+                    s_out_b, s_out_t, s_out_g, R, NB, SINK, MODE, LOCAL, False, False)
         for kt in range(n_full, n_tiles):
-            bm_RN = _score_tile(q_RD, ik_base, s_ik_t, kt, p_R, TK, R, C, DI, DP, BLOCK, True, PREC)
-            topv_RK, topi_RK, seen_R = _consume(bm_RN, kt, topv_RK, topi_RK, seen_R, slot_K, nloc_R, out_ptr,
-                                                b, t_R, g_R, valid_R, N, s_out_b, s_out_t, s_out_g,
-                                                R, NB, SINK, MODE, LOCAL)
+            bm_RN = _score_tile(q_RD, ik_base, ks_base, s_ik_t, kt, p_R, TK, N, R, C, DI, DP, BLOCK, True, PREC,
+                                KSCALE)
+            topv_RK, topi_RK, low_R, seen_R = _consume(
+                bm_RN, kt, topv_RK, topi_RK, low_R, seen_R, slot_K, nloc_R, out_ptr, b, t_R, g_R, valid_R, N,
+                s_out_b, s_out_t, s_out_g, R, NB, SINK, MODE, LOCAL, SKIP, False)
 
     if MODE == 0:
         row_R = b * s_out_b + t_R.to(tl.int64) * s_out_t + g_R * s_out_g
@@ -316,10 +376,14 @@ class Tuning:
     num_stages: int = 2
     topk_rows: int = 32
     topk_stages: int = 2
+    # fp8 scores: blocks after which a key tile's top-k update runs only if some row of the program
+    # takes a candidate (`_insert`, `_skips`); chosen on an H200 (bench/RESULTS.md, round 6)
+    skip_from: int = 1024
 
 
-# the interpreter runs each program in numpy: small tiles keep the tests quick
-INTERPRETER_TUNING = Tuning(rows=32, cols=32, num_warps=4, num_stages=1, topk_rows=32, topk_stages=1)
+# the interpreter runs each program in numpy: small tiles keep the tests quick (and the top-k
+# skip starts early, so the tests run both ways of updating it)
+INTERPRETER_TUNING = Tuning(rows=32, cols=32, num_warps=4, num_stages=1, topk_rows=32, topk_stages=1, skip_from=3)
 
 
 def default_tuning(device: torch.device) -> Tuning:
@@ -331,11 +395,24 @@ def _check(block_size: int, di: int | None = None) -> None:
         raise ValueError(f"the Triton select_blocks needs a power-of-two block_size in [16, 128], got {block_size}")
 
 
+def _skips(mode, precision, doc_start, n_blocks, cfg) -> bool:
+    """Whether the kernel tracks each row's minimum and skips top-k updates no row wins (`_insert`):
+    for fp8 scores over more than `cfg.skip_from` blocks. With products in the input precision
+    the tracking costs more than the skips save at every length measured, up to 1M keys."""
+    return mode == _SELECT and precision == "fp8" and doc_start is None and n_blocks > cfg.skip_from
+
+
 def _launch_fused(iq_BTGI, ik_BTI, out, block_size, topk, force_sink, mode, tuning, q_offset=0, doc_start=None,
-                  local_blocks=1):
+                  local_blocks=1, precision="input"):
     B, T, G, Di = iq_BTGI.shape
     TK = ik_BTI.shape[1]
     _check(block_size)
+    check_precision(precision, iq_BTGI.device)
+    ik_scale = None
+    if precision == "fp8":
+        iq_BTGI, ik_BTI, ik_scale = quantize_index(iq_BTGI, ik_BTI, block_size)
+    # fp32 inputs get full-precision products (tf32 could swap near-tied blocks)
+    prec = "ieee" if iq_BTGI.dtype == torch.float32 else "tf32"
     cfg = tuning or default_tuning(iq_BTGI.device)
     GP = _next_pow2(G)
     BM = max(2, cfg.rows // GP)
@@ -347,21 +424,23 @@ def _launch_fused(iq_BTGI, ik_BTI, out, block_size, topk, force_sink, mode, tuni
     if doc_start is not None:
         doc_start = doc_start.to(torch.int32).contiguous()
     _fused_kernel[grid](
-        iq_BTGI, ik_BTI, out, out if doc_start is None else doc_start, T, TK, q_offset, num_blocks(TK, block_size),
+        iq_BTGI, ik_BTI, out if ik_scale is None else ik_scale, out, out if doc_start is None else doc_start, T, TK,
+        q_offset, num_blocks(TK, block_size), max(0, cfg.skip_from * block_size // C),
         iq_BTGI.stride(0), iq_BTGI.stride(1), iq_BTGI.stride(2), ik_BTI.stride(0), ik_BTI.stride(1),
         *s_out,
         G=G, GP=GP, DI=Di, DP=max(16, _next_pow2(Di)), BLOCK=block_size, K=topk, KP=_next_pow2(topk),
         BM=BM, C=C, SINK=bool(force_sink), MODE=mode,
-        # fp32 inputs get full-precision products (tf32 could swap near-tied blocks)
-        PREC="ieee" if iq_BTGI.dtype == torch.float32 else "tf32", DOCS=doc_start is not None,
-        LOCAL=int(local_blocks), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PREC=prec, DOCS=doc_start is not None, LOCAL=int(local_blocks), KSCALE=ik_scale is not None,
+        SKIP=_skips(mode, precision, doc_start, num_blocks(TK, block_size), cfg),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 
 
 def select_blocks_triton(iq_BTGI: torch.Tensor, ik_BTI: torch.Tensor, block_size: int, topk: int,
                          force_sink: bool = False, tuning: Tuning | None = None, q_offset: int = 0,
-                         doc_start: torch.Tensor | None = None, local_blocks: int = 1) -> torch.Tensor:
+                         doc_start: torch.Tensor | None = None, local_blocks: int = 1,
+                         precision: str = "input") -> torch.Tensor:
     """Fused index scoring, block max and top-k.
 
     iq_BTGI: [B, T, G, Di] and ik_BTI: [B, TK, Di], bf16, fp16 or fp32 (scores accumulate in fp32;
@@ -372,6 +451,8 @@ def select_blocks_triton(iq_BTGI: torch.Tensor, ik_BTI: torch.Tensor, block_size
     -1 padding comes last, the rest is in no particular order. With doc_start int [B, T] (packed
     documents) a query sees its own document only and its block ids count from the document's
     start (the local block is then (q_offset + t - doc_start[t]) // block_size).
+    `precision="fp8"`: the scores are products of iq and ik quantized to float8 e4m3, on the fp8
+    tensor cores (`fp8.py`).
     """
     B, T, G, _ = iq_BTGI.shape
     if ik_BTI.shape[1] != q_offset + T:
@@ -380,7 +461,7 @@ def select_blocks_triton(iq_BTGI: torch.Tensor, ik_BTI: torch.Tensor, block_size
     if T == 0:
         return out
     return _launch_fused(iq_BTGI, ik_BTI, out, block_size, topk, force_sink, _SELECT, tuning, int(q_offset),
-                         doc_start, local_blocks)
+                         doc_start, local_blocks, precision)
 
 
 def block_scores_triton(iq_BTGI: torch.Tensor, ik_BTI: torch.Tensor, block_size: int,
@@ -427,11 +508,11 @@ def topk_blocks_triton(block_scores_BTGN: torch.Tensor, block_size: int, topk: i
 
 
 def score_only_triton(iq_BTGI: torch.Tensor, ik_BTI: torch.Tensor, block_size: int,
-                      tuning: Tuning | None = None) -> torch.Tensor:
+                      tuning: Tuning | None = None, precision: str = "input") -> torch.Tensor:
     """The scoring and block-max work of select_blocks without the top-k: for timing breakdowns only.
 
     Returns float32 [B, T * GP] (GP = G rounded up to a power of two) of each row's best block score.
     """
     B, T, G, _ = iq_BTGI.shape
     out = torch.empty((B, T * _next_pow2(G)), dtype=torch.float32, device=iq_BTGI.device)
-    return _launch_fused(iq_BTGI, ik_BTI, out, block_size, 1, False, _BARE, tuning)
+    return _launch_fused(iq_BTGI, ik_BTI, out, block_size, 1, False, _BARE, tuning, precision=precision)
