@@ -327,7 +327,7 @@ class MSASelfAttention(CausalSelfAttention):
                 # under recompute the KL's forward reruns right before its backward: keeping its
                 # teacher rows then costs memory only for the length of one layer's backward
                 keep_teacher=True if self.options.recompute_core else None,
-                local_blocks=msa.local_blocks,
+                local_blocks=msa.local_blocks, index_precision=msa.index_precision,
             )
             if self.diagnostics_capture is not None:
                 # the first forward after arming only (a recomputation finds the capture sealed)

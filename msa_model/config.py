@@ -40,6 +40,9 @@ class MSAConfig:
     force_sink: bool = False  # always select the first block
     # blocks ending with the query's own that are always selected (MiniMax-M3 index_local_blocks)
     local_blocks: int = 1
+    # products of the block selection's scores: input (the index q/k dtype) | fp8 (e4m3 on the fp8
+    # tensor cores, sm89+: about 1.7x faster scoring, near-tied blocks may swap; docs/msa.md)
+    index_precision: str = "input"
     backend: str = "auto"  # msa_model.ops backend: auto | reference | triton
 
 
@@ -444,6 +447,8 @@ def validate(cfg, world_size: Optional[int] = None, gpu: Optional[bool] = None) 
                f"({msa.index_head_dim} != {m.head_dim})")
         _check(errors, 1 <= msa.local_blocks <= msa.topk,
                f"model.msa.local_blocks ({msa.local_blocks}) must be in [1, model.msa.topk={msa.topk}]")
+        _check(errors, msa.index_precision in ("input", "fp8"),
+               f"model.msa.index_precision must be input or fp8, got {msa.index_precision!r}")
         # with rotary_dim set the index q/k rotate their first rotary_dim channels with the main table
         _check(errors, m.rotary_dim is None or m.rotary_dim <= msa.index_head_dim,
                f"model.rotary_dim ({m.rotary_dim}) must be <= model.msa.index_head_dim ({msa.index_head_dim}): "

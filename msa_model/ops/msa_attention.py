@@ -18,7 +18,7 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iq: torch.T
                   scale: float | None = None, index_scale: float | None = None, force_sink: bool = False,
                   backend: str = "auto", return_block_idx: bool = False, q_offset: int = 0,
                   doc_start: torch.Tensor | None = None, check_ids: bool = True, tuning: dict | None = None,
-                  keep_teacher: bool | None = None, local_blocks: int = 1):
+                  keep_teacher: bool | None = None, local_blocks: int = 1, index_precision: str = "input"):
     """MSA attention: o [B, T, Hq, D] and the indexer KL (fp32 scalar, no coefficient applied).
 
     q [B, T, Hq, D], k/v [B, T, Hkv, D], iq [B, T, Hkv, Di], ik [B, T, Di].
@@ -38,6 +38,8 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iq: torch.T
     "indexer_kl": that op's `triton.Tuning`}; a missing op takes its defaults.
     `keep_teacher`: see `indexer_kl_loss` (a memory/time trade of the KL's backward).
     `local_blocks`: blocks ending with the query's own that are always selected (select_blocks).
+    `index_precision`: select_blocks' `precision` ("input" or "fp8"); the KL's student scores
+    keep the inputs' precision either way.
     """
     tuning = tuning or {}
     B, T, _, Hkv, _ = check_qkv(q, k, v, q_offset)
@@ -48,7 +50,8 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iq: torch.T
     if not dense:
         block_idx = select_blocks(iq.detach(), ik.detach(), block_size=block_size, topk=topk,
                                   force_sink=force_sink, backend=backend, q_offset=q_offset, doc_start=doc_start,
-                                  check_ids=False, tuning=tuning.get("select_blocks"), local_blocks=local_blocks)
+                                  check_ids=False, tuning=tuning.get("select_blocks"), local_blocks=local_blocks,
+                                  precision=index_precision)
     # select_blocks' ids are in range and doc_start is checked above: no id checks (check_ids), so
     # the layer issues its work with no host synchronisation
     if dense and q_offset == 0 and doc_start is None and _use_flash(q, k, v, backend):
