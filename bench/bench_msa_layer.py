@@ -35,6 +35,8 @@ HQ, HKV, D, DI, BK, TOPK = 64, 4, 128, 128, 128, 16
 BUDGETS_MIB = [1024]
 # mean document length of the packed-document rows (0: none; --doc-len)
 DOC_LEN = [0]
+# select_blocks precisions also timed in each row beside "input" (--index-precision)
+EXTRA_PRECISIONS: list = []
 TRITON = dict(backend="triton")
 # the kernels' settings every timing passes explicitly; `tune` replaces the KL's with the best found
 TUNED = {"indexer_kl": kl_triton.DEFAULT_TUNING}
@@ -175,14 +177,20 @@ def sparse_rows(T: int, reps: int, res: dict) -> None:
             lambda: timed(lambda: indexer_kl_loss(q.detach(), k.detach(), iq, ik, bi, lse, BK, **kl_args()), reps))
     measure(r, "kl_fwdbwd_ms", lambda: timed(kl_fb, reps))
 
-    def layer_fb(**tuning):
-        o, kl = msa_attention(q, k, v, iq, ik, BK, TOPK, **layer_args(**tuning))
+    def layer_fb(index_precision="input", **tuning):
+        o, kl = msa_attention(q, k, v, iq, ik, BK, TOPK, index_precision=index_precision, **layer_args(**tuning))
         torch.autograd.backward([o, kl], [do, torch.ones_like(kl)])
         clear(q, k, v, iq, ik)
 
     measure(r, "layer_fwd_ms", lambda: timed(lambda: msa_attention(q, k, v, iq, ik, BK, TOPK, **layer_args()), reps))
     measure(r, "layer_fwdbwd_ms", lambda: timed(layer_fb, reps))
     measure(r, "layer_peak_gib", lambda: peak_gib(layer_fb))
+    for prec in EXTRA_PRECISIONS:
+        measure(r, f"select_fwd_{prec}_ms", lambda: timed(lambda: select_blocks(
+            iq.detach(), ik.detach(), BK, TOPK, precision=prec, **TRITON), reps))
+        measure(r, f"layer_fwd_{prec}_ms", lambda: timed(lambda: msa_attention(
+            q, k, v, iq, ik, BK, TOPK, index_precision=prec, **layer_args()), reps))
+        measure(r, f"layer_fwdbwd_{prec}_ms", lambda: timed(lambda: layer_fb(index_precision=prec), reps))
     if DOC_LEN[0]:
         document_rows(r, q, k, v, iq, ik, do, False, reps)
     # other budgets for the attention's partial buffers (more query chunks, less memory)
@@ -250,6 +258,9 @@ def forward_rows(T: int, reps: int, res: dict, with_sdpa: bool) -> None:
                 lambda: timed(lambda: msa_attention(q, k, v, iq, ik, BK, TOPK, **layer_args()), reps))
         measure(r, "layer_fwd_peak_gib",
                 lambda: peak_gib(lambda: msa_attention(q, k, v, iq, ik, BK, TOPK, **layer_args())))
+        for prec in EXTRA_PRECISIONS:
+            measure(r, f"layer_fwd_{prec}_ms", lambda: timed(lambda: msa_attention(
+                q, k, v, iq, ik, BK, TOPK, index_precision=prec, **layer_args()), reps))
         if with_sdpa:
             measure(r, "sdpa_fwd_ms", lambda: timed(lambda: sdpa(q, k, v), reps))
 
@@ -379,6 +390,11 @@ def table(res: dict) -> str:
         add(f"{t} speed-up fwd / fwd+bwd",
             f"{r['sdpa_fwd_ms'] / r['layer_fwd_ms']:.1f}x / {r['sdpa_fwdbwd_ms'] / r['layer_fwdbwd_ms']:.1f}x")
         add(f"{t} peak memory fwd+bwd MSA / SDPA (GiB)", f"{r['layer_peak_gib']:.1f} / {r['sdpa_peak_gib']:.1f}")
+        for prec in EXTRA_PRECISIONS:
+            add(f"{t} index_precision={prec}: select fwd; layer fwd / fwd+bwd (ms); speed-up fwd / fwd+bwd",
+                f"{r[f'select_fwd_{prec}_ms']:.1f}; {r[f'layer_fwd_{prec}_ms']:.1f} / "
+                f"{r[f'layer_fwdbwd_{prec}_ms']:.1f}; {r['sdpa_fwd_ms'] / r[f'layer_fwd_{prec}_ms']:.1f}x / "
+                f"{r['sdpa_fwdbwd_ms'] / r[f'layer_fwdbwd_{prec}_ms']:.1f}x")
     r = res.get("dense_32768")
     if r:
         add("32K dense KL fwd / fwd+bwd (ms)", f"{r['kl_fwd_ms']:.1f} / {r['kl_fwdbwd_ms']:.1f}")
@@ -404,6 +420,9 @@ def table(res: dict) -> str:
         est = r256["sdpa_fwd_ms"] * 16
         add("1M SDPA dense fwd, extrapolated from 256K as N^2 (ms); speed-up",
             f"{est:.0f}; {est / r1m['layer_fwd_ms']:.1f}x")
+        for prec in EXTRA_PRECISIONS:
+            add(f"1M MSA layer fwd with index_precision={prec} (ms); speed-up",
+                f"{r1m[f'layer_fwd_{prec}_ms']:.1f}; {est / r1m[f'layer_fwd_{prec}_ms']:.1f}x")
     return "\n".join(lines)
 
 
@@ -417,7 +436,9 @@ def main():
     ap.add_argument("--tune-T", type=int, default=32768, help="length of the KL tuning runs")
     ap.add_argument("--budgets", default="1024", help="attention partial budgets (MiB) also timed per sparse row")
     ap.add_argument("--doc-len", type=int, default=0, help="also time rows packed with documents of ~this length")
+    ap.add_argument("--index-precision", default="", help="select_blocks precisions timed beside input (fp8)")
     args = ap.parse_args()
+    EXTRA_PRECISIONS[:] = [x for x in args.index_precision.split(",") if x and x != "input"]
     BUDGETS_MIB[:] = [int(x) for x in args.budgets.split(",") if x]
     DOC_LEN[0] = args.doc_len
     torch.backends.cuda.matmul.allow_tf32 = True

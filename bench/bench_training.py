@@ -36,6 +36,8 @@ PEAK_TFLOPS = 989.4
 VARIANTS = {  # name -> recipe overrides
     "dense": ["recipe=dense"],
     "pt": ["recipe=pt", "trainer.indexer_warmup_tokens=0"],
+    # the sparse phase with the block selection's scores on the fp8 tensor cores
+    "pt_fp8": ["recipe=pt", "trainer.indexer_warmup_tokens=0", "model.msa.index_precision=fp8"],
     "warmup": ["recipe=pt"],  # every step inside the indexer warmup (set per job below)
 }
 
