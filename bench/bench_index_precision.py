@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import sys
 import time
 
 import torch
@@ -25,19 +27,10 @@ import torch
 from msa_model.ops.select_blocks.fp8 import quantize_index
 from msa_model.ops.select_blocks.triton import score_only_triton, select_blocks_triton
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_msa_layer import timed  # noqa: E402  (back-to-back CUDA-event medians)
+
 G, DI, BK, K = 4, 128, 128, 16
-
-
-def timed(fn, reps):
-    fn()
-    torch.cuda.synchronize()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for a, b in ev:
-        a.record()
-        fn()
-        b.record()
-    torch.cuda.synchronize()
-    return sorted(a.elapsed_time(b) for a, b in ev)[reps // 2]
 
 
 def row_quality(iq, ik, exact, fp8, rows, seed):

@@ -161,6 +161,18 @@ def _consume(bm_RN, kt, topv_RK, topi_RK, low_R, seen_R, slot_K, nloc_R, out_ptr
 
 
 @triton.jit
+def _tile(q_RD, ik_base, ks_base, s_ik_t, kt, p_R, TK, N, topv_RK, topi_RK, low_R, seen_R, slot_K, nloc_R, out_ptr,
+          b, t_R, g_R, valid_R, s_out_b, s_out_t, s_out_g, R: tl.constexpr, C: tl.constexpr, DI: tl.constexpr,
+          DP: tl.constexpr, BLOCK: tl.constexpr, SINK: tl.constexpr, MODE: tl.constexpr, LOCAL: tl.constexpr,
+          PREC: tl.constexpr, KSCALE: tl.constexpr, CAUSAL: tl.constexpr, TRACK: tl.constexpr, SKIP: tl.constexpr):
+    """One key tile of a program whose rows are one document each: its block maxima folded into the
+    state (CAUSAL: the tile reaches a row's position; TRACK, SKIP: see `_insert`)."""
+    bm_RN = _score_tile(q_RD, ik_base, ks_base, s_ik_t, kt, p_R, TK, N, R, C, DI, DP, BLOCK, CAUSAL, PREC, KSCALE)
+    return _consume(bm_RN, kt, topv_RK, topi_RK, low_R, seen_R, slot_K, nloc_R, out_ptr, b, t_R, g_R, valid_R, N,
+                    s_out_b, s_out_t, s_out_g, R, C // BLOCK, SINK, MODE, LOCAL, TRACK, SKIP)
+
+
+@triton.jit
 def _offer(topv_RK, topi_RK, low_R, x_R, n_R, nloc_R, slot_K, SINK: tl.constexpr, LOCAL: tl.constexpr):
     """Offer block n_R (score x_R) of each row to its running top-k; forced blocks (the LOCAL
     blocks ending with the local one, the sink) and n < 0 (no block) are not candidates."""
@@ -207,7 +219,6 @@ def _fused_kernel(iq_ptr, ik_ptr, ks_ptr, out_ptr, doc_ptr, T, TK, QOFF, N, skip
                   C: tl.constexpr, SINK: tl.constexpr, MODE: tl.constexpr, PREC: tl.constexpr,
                   DOCS: tl.constexpr, LOCAL: tl.constexpr, KSCALE: tl.constexpr, SKIP: tl.constexpr):
     R: tl.constexpr = BM * GP
-    NB: tl.constexpr = C // BLOCK
     # the last query tiles read the most keys: start them first
     qt = tl.cdiv(T, BM) - 1 - tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -260,16 +271,16 @@ def _fused_kernel(iq_ptr, ik_ptr, ks_ptr, out_ptr, doc_ptr, T, TK, QOFF, N, skip
         # every tile causally masked; with SKIP, tiles from skip_tile on ask before updating
         kt = n_full * 0
         while kt < n_tiles:
-            bm_RN = _score_tile(q_RD, ik_base, ks_base, s_ik_t, kt, p_R, TK, N, R, C, DI, DP, BLOCK, True, PREC,
-                                KSCALE)
             if SKIP and kt >= skip_tile:
-                topv_RK, topi_RK, low_R, seen_R = _consume(
-                    bm_RN, kt, topv_RK, topi_RK, low_R, seen_R, slot_K, nloc_R, out_ptr, b, t_R, g_R, valid_R, N,
-                    s_out_b, s_out_t, s_out_g, R, NB, SINK, MODE, LOCAL, True, True)
+                topv_RK, topi_RK, low_R, seen_R = _tile(
+                    q_RD, ik_base, ks_base, s_ik_t, kt, p_R, TK, N, topv_RK, topi_RK, low_R, seen_R, slot_K,
+                    nloc_R, out_ptr, b, t_R, g_R, valid_R, s_out_b, s_out_t, s_out_g, R, C, DI, DP, BLOCK, SINK,
+                    MODE, LOCAL, PREC, KSCALE, True, True, True)
             else:
-                topv_RK, topi_RK, low_R, seen_R = _consume(
-                    bm_RN, kt, topv_RK, topi_RK, low_R, seen_R, slot_K, nloc_R, out_ptr, b, t_R, g_R, valid_R, N,
-                    s_out_b, s_out_t, s_out_g, R, NB, SINK, MODE, LOCAL, SKIP, False)
+                topv_RK, topi_RK, low_R, seen_R = _tile(
+                    q_RD, ik_base, ks_base, s_ik_t, kt, p_R, TK, N, topv_RK, topi_RK, low_R, seen_R, slot_K,
+                    nloc_R, out_ptr, b, t_R, g_R, valid_R, s_out_b, s_out_t, s_out_g, R, C, DI, DP, BLOCK, SINK,
+                    MODE, LOCAL, PREC, KSCALE, True, SKIP, False)
             kt += 1
     else:
         # tiles before the diagonal need no causal mask; with SKIP, those from skip_tile on update
@@ -277,30 +288,26 @@ def _fused_kernel(iq_ptr, ik_ptr, ks_ptr, out_ptr, doc_ptr, T, TK, QOFF, N, skip
         if SKIP:
             n_plain = tl.minimum(n_full, skip_tile)
             for kt in range(0, n_plain):
-                bm_RN = _score_tile(q_RD, ik_base, ks_base, s_ik_t, kt, p_R, TK, N, R, C, DI, DP, BLOCK, False,
-                                    PREC, KSCALE)
-                topv_RK, topi_RK, low_R, seen_R = _consume(
-                    bm_RN, kt, topv_RK, topi_RK, low_R, seen_R, slot_K, nloc_R, out_ptr, b, t_R, g_R, valid_R, N,
-                    s_out_b, s_out_t, s_out_g, R, NB, SINK, MODE, LOCAL, True, False)
+                topv_RK, topi_RK, low_R, seen_R = _tile(
+                    q_RD, ik_base, ks_base, s_ik_t, kt, p_R, TK, N, topv_RK, topi_RK, low_R, seen_R, slot_K,
+                    nloc_R, out_ptr, b, t_R, g_R, valid_R, s_out_b, s_out_t, s_out_g, R, C, DI, DP, BLOCK, SINK,
+                    MODE, LOCAL, PREC, KSCALE, False, True, False)
             for kt in range(n_plain, n_full):
-                bm_RN = _score_tile(q_RD, ik_base, ks_base, s_ik_t, kt, p_R, TK, N, R, C, DI, DP, BLOCK, False,
-                                    PREC, KSCALE)
-                topv_RK, topi_RK, low_R, seen_R = _consume(
-                    bm_RN, kt, topv_RK, topi_RK, low_R, seen_R, slot_K, nloc_R, out_ptr, b, t_R, g_R, valid_R, N,
-                    s_out_b, s_out_t, s_out_g, R, NB, SINK, MODE, LOCAL, True, True)
+                topv_RK, topi_RK, low_R, seen_R = _tile(
+                    q_RD, ik_base, ks_base, s_ik_t, kt, p_R, TK, N, topv_RK, topi_RK, low_R, seen_R, slot_K,
+                    nloc_R, out_ptr, b, t_R, g_R, valid_R, s_out_b, s_out_t, s_out_g, R, C, DI, DP, BLOCK, SINK,
+                    MODE, LOCAL, PREC, KSCALE, False, True, True)
         else:
             for kt in range(0, n_full):
-                bm_RN = _score_tile(q_RD, ik_base, ks_base, s_ik_t, kt, p_R, TK, N, R, C, DI, DP, BLOCK, False,
-                                    PREC, KSCALE)
-                topv_RK, topi_RK, low_R, seen_R = _consume(
-                    bm_RN, kt, topv_RK, topi_RK, low_R, seen_R, slot_K, nloc_R, out_ptr, b, t_R, g_R, valid_R, N,
-                    s_out_b, s_out_t, s_out_g, R, NB, SINK, MODE, LOCAL, False, False)
+                topv_RK, topi_RK, low_R, seen_R = _tile(
+                    q_RD, ik_base, ks_base, s_ik_t, kt, p_R, TK, N, topv_RK, topi_RK, low_R, seen_R, slot_K,
+                    nloc_R, out_ptr, b, t_R, g_R, valid_R, s_out_b, s_out_t, s_out_g, R, C, DI, DP, BLOCK, SINK,
+                    MODE, LOCAL, PREC, KSCALE, False, False, False)
         for kt in range(n_full, n_tiles):
-            bm_RN = _score_tile(q_RD, ik_base, ks_base, s_ik_t, kt, p_R, TK, N, R, C, DI, DP, BLOCK, True, PREC,
-                                KSCALE)
-            topv_RK, topi_RK, low_R, seen_R = _consume(
-                bm_RN, kt, topv_RK, topi_RK, low_R, seen_R, slot_K, nloc_R, out_ptr, b, t_R, g_R, valid_R, N,
-                s_out_b, s_out_t, s_out_g, R, NB, SINK, MODE, LOCAL, SKIP, False)
+            topv_RK, topi_RK, low_R, seen_R = _tile(
+                q_RD, ik_base, ks_base, s_ik_t, kt, p_R, TK, N, topv_RK, topi_RK, low_R, seen_R, slot_K,
+                nloc_R, out_ptr, b, t_R, g_R, valid_R, s_out_b, s_out_t, s_out_g, R, C, DI, DP, BLOCK, SINK,
+                MODE, LOCAL, PREC, KSCALE, True, SKIP, False)
 
     if MODE == 0:
         row_R = b * s_out_b + t_R.to(tl.int64) * s_out_t + g_R * s_out_g
