@@ -25,8 +25,8 @@ import triton
 import triton.language as tl
 
 from ..common import num_blocks
-from .fp8 import check_precision, quantize_index
 from ..triton_utils import INTERPRET, dot, interpreting
+from .fp8 import check_precision, quantize_index
 
 # what the fused kernel emits: the selection, the raw block scores (stage one of a two-stage
 # path, used to time the top-k stage alone), or only a max of block scores (to time scoring)
