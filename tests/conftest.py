@@ -43,6 +43,12 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=rank)
 
 
+def pytest_unconfigure(config):
+    """Every process removes its cache directory, also `make test`'s controller, which runs no
+    fixture (its workers, importing this file themselves, tokenize into caches of their own)."""
+    shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def data_cache():
     """One tokenized copy of the default corpus shared by every test run of train.py."""

@@ -101,13 +101,6 @@ def parallel_layout(parallel_cfg, world_size: int) -> dict[str, int]:
             "grad_accumulation": p.global_batch_size // (p.micro_batch_size * dp)}
 
 
-def all_reduce_max(flag: bool, device: torch.device) -> bool:
-    """True on every rank if it is True on any rank."""
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item() > 0)
-
-
 def shutdown() -> None:
     from megatron.core import parallel_state
 
