@@ -28,6 +28,10 @@ PRODUCTION_BLOCK_SIZE = 128  # Bk
 PRODUCTION_TOPK = 16  # k
 
 
+# what select_blocks' products may run in (msa_model/ops/select_blocks/fp8.py)
+INDEX_PRECISIONS = ("input", "fp8")
+
+
 @dataclass
 class MSAConfig:
     """Geometry of MiniMax Sparse Attention (see docs/msa.md). The defaults are the `tiny` CPU
@@ -40,8 +44,9 @@ class MSAConfig:
     force_sink: bool = False  # always select the first block
     # blocks ending with the query's own that are always selected (MiniMax-M3 index_local_blocks)
     local_blocks: int = 1
-    # products of the block selection's scores: input (the index q/k dtype) | fp8 (e4m3 on the fp8
-    # tensor cores, sm89+: about 1.7x faster scoring, near-tied blocks may swap; docs/msa.md)
+    # products of the block selection's scores, one of INDEX_PRECISIONS: input (the index q/k
+    # dtype) | fp8 (e4m3 on the fp8 tensor cores, sm89+: about 1.6x faster scoring, near-tied
+    # blocks may swap; docs/msa.md)
     index_precision: str = "input"
     backend: str = "auto"  # msa_model.ops backend: auto | reference | triton
 
@@ -447,7 +452,7 @@ def validate(cfg, world_size: Optional[int] = None, gpu: Optional[bool] = None) 
                f"({msa.index_head_dim} != {m.head_dim})")
         _check(errors, 1 <= msa.local_blocks <= msa.topk,
                f"model.msa.local_blocks ({msa.local_blocks}) must be in [1, model.msa.topk={msa.topk}]")
-        _check(errors, msa.index_precision in ("input", "fp8"),
+        _check(errors, msa.index_precision in INDEX_PRECISIONS,
                f"model.msa.index_precision must be input or fp8, got {msa.index_precision!r}")
         # with rotary_dim set the index q/k rotate their first rotary_dim channels with the main table
         _check(errors, m.rotary_dim is None or m.rotary_dim <= msa.index_head_dim,

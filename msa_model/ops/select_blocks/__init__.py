@@ -33,7 +33,7 @@ def select_blocks(iq: torch.Tensor, ik: torch.Tensor, block_size: int = PRODUCTI
     local block only), at most `topk`; the sink ranks right below them.
     `precision`: "input" scores in the inputs' dtype (fp32 accumulation); "fp8" quantizes iq (per
     row) and ik (per key block) to float8 e4m3 and multiplies on the fp8 tensor cores, which
-    scores about 1.7x faster on Hopper; near-tied blocks may then swap (`fp8.py`).
+    scores about 1.6x faster on Hopper; near-tied blocks may then swap (`fp8.py`).
     """
     check_block_size(block_size, topk)
     if not isinstance(local_blocks, int) or not 1 <= local_blocks <= topk:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-PRECISIONS = ("input", "fp8")
+from msa_model.config import INDEX_PRECISIONS as PRECISIONS
 E4M3_MAX = 448.0
 _TINY = torch.finfo(torch.float32).tiny
 
