@@ -37,6 +37,8 @@ BUDGETS_MIB = [1024]
 DOC_LEN = [0]
 # select_blocks precisions also timed in each row beside "input" (--index-precision)
 EXTRA_PRECISIONS: list = []
+# where the KL's teacher is computed in the layer rows (--kl-teacher; msa_attention's kl_teacher)
+KL_TEACHER = ["forward"]
 TRITON = dict(backend="triton")
 # the kernels' settings every timing passes explicitly; `tune` replaces the KL's with the best found
 TUNED = {"indexer_kl": kl_triton.DEFAULT_TUNING}
@@ -47,8 +49,9 @@ def kl_args() -> dict:
 
 
 def layer_args(**tuning) -> dict:
-    """msa_attention's keywords: the Triton backend with the tuned settings (and `tuning` overrides)."""
-    return dict(backend="triton", tuning={**TUNED, **tuning})
+    """msa_attention's keywords: the Triton backend with the tuned settings (and `tuning` overrides)
+    and the KL teacher of --kl-teacher."""
+    return dict(backend="triton", tuning={**TUNED, **tuning}, kl_teacher=KL_TEACHER[0])
 
 
 def timed(fn, reps: int, warmup: int = 1) -> float:
@@ -437,7 +440,10 @@ def main():
     ap.add_argument("--budgets", default="1024", help="attention partial budgets (MiB) also timed per sparse row")
     ap.add_argument("--doc-len", type=int, default=0, help="also time rows packed with documents of ~this length")
     ap.add_argument("--index-precision", default="", help="select_blocks precisions timed beside input (fp8)")
+    ap.add_argument("--kl-teacher", default="forward", choices=("forward", "backward"),
+                    help="msa_attention's kl_teacher in the layer rows")
     args = ap.parse_args()
+    KL_TEACHER[0] = args.kl_teacher
     EXTRA_PRECISIONS[:] = [x for x in args.index_precision.split(",") if x and x != "input"]
     BUDGETS_MIB[:] = [int(x) for x in args.budgets.split(",") if x]
     DOC_LEN[0] = args.doc_len

@@ -38,6 +38,9 @@ VARIANTS = {  # name -> recipe overrides
     "pt": ["recipe=pt", "trainer.indexer_warmup_tokens=0"],
     # the sparse phase with the block selection's scores on the fp8 tensor cores
     "pt_fp8": ["recipe=pt", "trainer.indexer_warmup_tokens=0", "model.msa.index_precision=fp8"],
+    # the sparse phase with the KL's teacher computed by its own forward kernels (the default takes
+    # it from the attention's backward: msa_model/ops/late_teacher.py)
+    "pt_kl_forward": ["recipe=pt", "trainer.indexer_warmup_tokens=0", "model.msa.kl_teacher=forward"],
     "warmup": ["recipe=pt"],  # every step inside the indexer warmup (set per job below)
 }
 
@@ -67,7 +70,8 @@ def summarise(run_dir: Path, returncode: int, log: str) -> dict:
     timed = rows[2:] or rows[1:] or rows
     if not timed:
         return out
-    for key in ("tokens_per_s", "tflops_per_gpu", "step_ms", "attention_ms", "moe_ms", "keys_per_query", "lm_loss"):
+    for key in ("tokens_per_s", "tflops_per_gpu", "step_ms", "attention_ms", "moe_ms", "keys_per_query", "lm_loss",
+                "kl_loss"):
         values = [r[key] for r in timed if r.get(key) is not None]
         if values:
             out[key] = statistics.median(values)

@@ -50,7 +50,7 @@ from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
 from msa_model.config import MSAConfig
 from msa_model.context_parallel import gather_sequence, local_query_chunks
-from msa_model.ops import msa_attention, sparse_attention
+from msa_model.ops import late_teacher_applies, msa_attention, sparse_attention
 from msa_model.parallel_grads import attach_kl, average_over_tp, metrics_group, scale_for_tp_mean
 
 KL_METRIC = "msa_kl_loss"
@@ -236,6 +236,8 @@ class MSASelfAttention(CausalSelfAttention):
     def __init__(self, config, submodules: MSASelfAttentionSubmodules, layer_number: int, **kwargs):
         super().__init__(config, submodules, layer_number, **kwargs)
         self.sparse = True
+        # whether the last forward's KL gets its value in backward (see `_core`)
+        self._late_kl = False
         # set by msa_model.training.diagnostics to receive this layer's inputs of one forward
         self.diagnostics_capture = None
         di = self.options.msa.index_head_dim
@@ -273,7 +275,8 @@ class MSASelfAttention(CausalSelfAttention):
             # no graph to attach the KL to (evaluation, or the first pass of a layer that
             # megatron's full recompute reruns in backward: it records and attaches then, once)
             return output, bias
-        self._record_step_metrics(keys, kl)
+        # a KL whose teacher comes from the attention's backward is recorded there (`_core`)
+        self._record_step_metrics(keys, None if self._late_kl else kl)
         if self.training and self.options.msa.kl_coeff > 0:
             output = attach_kl(output, kl, self.options.msa.kl_coeff, self.pg_collection.cp)
         return output, bias
@@ -315,6 +318,19 @@ class MSASelfAttention(CausalSelfAttention):
         iq [B, S, G, Di], ik [B, S_all, Di] (keys of the whole sequence under context
         parallelism), doc_start int [B, S] or None (packed documents)."""
         msa = self.options.msa
+        cp = self.pg_collection.cp
+        # the teacher from the attention's backward (the KL's value known there) when the ops can
+        self._late_kl = (self.training and msa.kl_teacher == "backward" and self.sparse
+                         and late_teacher_applies(q, k, v, iq, ik, msa.block_size, msa.topk, backend=msa.backend))
+        record = None
+        if self._late_kl:
+            tracker, avg_group = get_moe_metrics_tracker(), metrics_group(self.pg_collection)
+            chunks = len(local_query_chunks(q.shape[1], cp.rank(), cp.size()))
+
+            def record(value):
+                # the layer's KL is the mean of its (equal-length) chunks': each adds its share
+                tracker.record(KL_METRIC, value / chunks, self.layer_number, self.config.num_layers,
+                               avg_group=avg_group)
 
         def attend(a, b, off):
             doc = _rows(doc_start, a, b)
@@ -328,6 +344,7 @@ class MSASelfAttention(CausalSelfAttention):
                 # teacher rows then costs memory only for the length of one layer's backward
                 keep_teacher=True if self.options.recompute_core else None,
                 local_blocks=msa.local_blocks, index_precision=msa.index_precision,
+                kl_teacher="backward" if self._late_kl else "forward", on_kl=record,
             )
             if self.diagnostics_capture is not None:
                 # the first forward after arming only (a recomputation finds the capture sealed)

@@ -30,6 +30,8 @@ PRODUCTION_TOPK = 16  # k
 
 # what select_blocks' products may run in (msa_model/ops/select_blocks/fp8.py)
 INDEX_PRECISIONS = ("input", "fp8")
+# where the indexer KL's teacher is computed (msa_model/ops/late_teacher.py)
+KL_TEACHERS = ("forward", "backward")
 
 
 @dataclass
@@ -48,6 +50,11 @@ class MSAConfig:
     # dtype) | fp8 (e4m3 on the fp8 tensor cores, sm89+: about 1.6x faster scoring, near-tied
     # blocks may swap; docs/msa.md)
     index_precision: str = "input"
+    # where the KL's teacher (the main branch's head-mean probabilities) is computed, one of
+    # KL_TEACHERS: backward (from the attention's backward, which recomputes them anyway; the
+    # Triton sparse path in training, elsewhere it falls back to forward) | forward (by the KL's
+    # own kernels). Same loss and gradients; backward saves the teacher's q.k (docs/msa.md)
+    kl_teacher: str = "backward"
     backend: str = "auto"  # msa_model.ops backend: auto | reference | triton
 
 
@@ -454,6 +461,8 @@ def validate(cfg, world_size: Optional[int] = None, gpu: Optional[bool] = None) 
                f"model.msa.local_blocks ({msa.local_blocks}) must be in [1, model.msa.topk={msa.topk}]")
         _check(errors, msa.index_precision in INDEX_PRECISIONS,
                f"model.msa.index_precision must be input or fp8, got {msa.index_precision!r}")
+        _check(errors, msa.kl_teacher in KL_TEACHERS,
+               f"model.msa.kl_teacher must be forward or backward, got {msa.kl_teacher!r}")
         # with rotary_dim set the index q/k rotate their first rotary_dim channels with the main table
         _check(errors, m.rotary_dim is None or m.rotary_dim <= msa.index_head_dim,
                f"model.rotary_dim ({m.rotary_dim}) must be <= model.msa.index_head_dim ({msa.index_head_dim}): "

@@ -5,7 +5,9 @@
    KL is the only auxiliary loss);
 2. model.msa.kl_coeff = 0.25 scales the index gradients by exactly 0.25, changes no other
    gradient and leaves the logged KL (recorded without the coefficient) as it was;
-3. GroupNormOptimizer: the index norm and the total norm it reports equal the norms of the
+3. kl_teacher=backward (the teacher from the attention's backward) logs the KL and gives the
+   gradients that kl_teacher=forward does;
+4. GroupNormOptimizer: the index norm and the total norm it reports equal the norms of the
    gradients, and separate clipping brings each group to its own limit.
 
     python tests/msa_grads_main.py key=value ...   (the tiny test overrides)
@@ -36,7 +38,7 @@ def main(overrides: list[str]) -> None:
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
     from omegaconf import OmegaConf
 
-    from msa_model.attention import KL_METRIC, set_msa_phase
+    from msa_model.attention import KL_METRIC, MSASelfAttention, set_msa_phase
     from msa_model.model import build_model
     from msa_model.training.distributed import init_distributed, shutdown
     from msa_model.training.grad_norm import INDEX_GROUP
@@ -94,6 +96,25 @@ def main(overrides: list[str]) -> None:
                 torch.testing.assert_close(g_q[n], want, rtol=1e-5, atol=1e-8, msg=lambda m, n=n: f"{n}: {m}")
             # the logged KL carries no coefficient
             torch.testing.assert_close(kl_q, kl_1, rtol=1e-6, atol=0)
+
+        # the KL's teacher from the attention's backward (the Triton kernels; the interpreter on CPU):
+        # the same logged KL and the same gradients as with the teacher from the KL's forward
+        got = {}
+        for teacher in ("forward", "backward"):
+            torch.manual_seed(1)
+            model_parallel_cuda_manual_seed(1)
+            c = cfg.model.copy()
+            c.msa.backend, c.msa.kl_teacher = "triton", teacher
+            m = build_model(c, cfg.parallel, 257, on_cpu=True)
+            m.train()
+            got[teacher] = grads(m, 1.0, 1.0, True)
+            late = [a._late_kl for a in m.modules() if isinstance(a, MSASelfAttention)]
+            assert late == [teacher == "backward"] * cfg.model.num_layers, (teacher, late)
+        (g_f, kl_f), (g_b, kl_b) = got["forward"], got["backward"]
+        assert torch.isfinite(kl_b).all() and (kl_b > 0).all(), kl_b
+        torch.testing.assert_close(kl_b, kl_f, rtol=1e-5, atol=1e-7)
+        for n in g_f:
+            torch.testing.assert_close(g_b[n], g_f[n], rtol=1e-4, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
 
         # the optimizer's norms, jointly and separately clipped
         for index_clip in (None, 1e-3):

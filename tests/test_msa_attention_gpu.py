@@ -30,9 +30,12 @@ def packed_starts(B: int, T: int, seed: int) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int32, device="cuda")
 
 
+@pytest.mark.parametrize("teacher", ["forward", "backward"])
 @pytest.mark.parametrize("docs", [False, True], ids=["rows", "documents"])
 @pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense"])
-def test_composition_matches_reference(dense, docs):
+def test_composition_matches_reference(dense, docs, teacher):
+    if dense and teacher == "backward":
+        pytest.skip("the warmup's KL has its teacher in the forward")
     B, T, Hq, G, D, Di, bs, topk = 2 if docs else 1, 1500, 16, 2, 128, 64, 64, 8
     gen = torch.Generator(device="cuda").manual_seed(3)
     mk = lambda *s: torch.randn(*s, device="cuda", generator=gen).bfloat16()  # noqa: E731
@@ -41,7 +44,7 @@ def test_composition_matches_reference(dense, docs):
     doc_start = packed_starts(B, T, seed=4) if docs else None
     leaves = [x.requires_grad_() for x in (q, k, v, iq, ik)]
     o, kl, block_idx = msa_attention(q, k, v, iq, ik, bs, topk, dense=dense, backend="triton",
-                                     return_block_idx=True, doc_start=doc_start)
+                                     return_block_idx=True, doc_start=doc_start, kl_teacher=teacher)
     assert (block_idx is None) == dense
     got = (o, kl, *torch.autograd.grad([o, kl], leaves, [do, torch.ones_like(kl)]))
 
@@ -64,9 +67,10 @@ def test_composition_matches_reference(dense, docs):
 
 # packed documents: the warmup needs no synchronisation either; the sparse phase reads the size of
 # the documents' block table back once per sparse_attention / indexer_kl_loss call (docs/msa.md)
-@pytest.mark.parametrize("dense,docs", [(False, False), (True, False), (True, True)],
-                         ids=["sparse", "dense", "dense-documents"])
-def test_a_training_step_never_waits_on_the_device(dense, docs):
+@pytest.mark.parametrize("dense,docs,teacher", [(False, False, "forward"), (False, False, "backward"),
+                                                 (True, False, "forward"), (True, True, "forward")],
+                         ids=["sparse", "sparse-late-teacher", "dense", "dense-documents"])
+def test_a_training_step_never_waits_on_the_device(dense, docs, teacher):
     """Forward and backward of the layer issue their work without a host synchronisation (one
     would drain the queue every layer): CUDA's sync debug mode turns any into an error."""
     B, T, Hq, G, D, Di, bs, topk = 1, 1000, 8, 2, 64, 64, 64, 4
@@ -77,7 +81,7 @@ def test_a_training_step_never_waits_on_the_device(dense, docs):
 
     def step():
         o, kl = msa_attention(q, k, v, iq, ik, bs, topk, dense=dense, backend="triton", doc_start=doc_start,
-                              check_ids=False)
+                              check_ids=False, kl_teacher=teacher)
         torch.autograd.backward([o, kl], [torch.ones_like(o), torch.ones_like(kl)])
 
     assert_no_host_sync(step)

@@ -2,8 +2,8 @@
 "reference" (readable PyTorch, the ground truth), "triton" (fused kernels) or "auto"."""
 
 from .indexer_kl import indexer_kl_loss
-from .msa_attention import msa_attention
+from .msa_attention import late_teacher_applies, msa_attention
 from .select_blocks import select_blocks
 from .sparse_attention import sparse_attention
 
-__all__ = ["select_blocks", "sparse_attention", "indexer_kl_loss", "msa_attention"]
+__all__ = ["select_blocks", "sparse_attention", "indexer_kl_loss", "msa_attention", "late_teacher_applies"]

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from msa_model.compat import causal_attention_with_lse
-from msa_model.config import PRODUCTION_BLOCK_SIZE, PRODUCTION_TOPK
+from msa_model.config import KL_TEACHERS, PRODUCTION_BLOCK_SIZE, PRODUCTION_TOPK
 
 from .common import check_doc_start, check_index, check_qkv, default_scale, resolve_backend, trim_keys
 from .indexer_kl import indexer_kl_loss
@@ -18,7 +20,8 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iq: torch.T
                   scale: float | None = None, index_scale: float | None = None, force_sink: bool = False,
                   backend: str = "auto", return_block_idx: bool = False, q_offset: int = 0,
                   doc_start: torch.Tensor | None = None, check_ids: bool = True, tuning: dict | None = None,
-                  keep_teacher: bool | None = None, local_blocks: int = 1, index_precision: str = "input"):
+                  keep_teacher: bool | None = None, local_blocks: int = 1, index_precision: str = "input",
+                  kl_teacher: str = "forward", on_kl: Callable[[torch.Tensor], None] | None = None):
     """MSA attention: o [B, T, Hq, D] and the indexer KL (fp32 scalar, no coefficient applied).
 
     q [B, T, Hq, D], k/v [B, T, Hkv, D], iq [B, T, Hkv, Di], ik [B, T, Di].
@@ -40,7 +43,17 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iq: torch.T
     `local_blocks`: blocks ending with the query's own that are always selected (select_blocks).
     `index_precision`: select_blocks' `precision` ("input" or "fp8"); the KL's student scores
     keep the inputs' precision either way.
+    `kl_teacher`: where the KL's teacher is computed. "forward": by the KL's own kernels, and kl
+    holds its value on return. "backward": from the attention's backward, which recomputes the
+    probabilities anyway (ops/late_teacher.py); the forward is then cheaper by the teacher's
+    q.k over all heads, and kl holds NaN until the backward has run and filled it in. Taken on
+    the Triton sparse path with gradients enabled (and the teacher rows within the KL tuning's
+    `teacher_bytes`); elsewhere "forward" is used.
+    `on_kl(value)`: called with the KL's detached value as soon as it is known: in the backward
+    when the teacher comes from there (`late_teacher_applies`), else in this call.
     """
+    if kl_teacher not in KL_TEACHERS:
+        raise ValueError(f"kl_teacher must be one of {KL_TEACHERS}, got {kl_teacher!r}")
     tuning = tuning or {}
     B, T, _, Hkv, _ = check_qkv(q, k, v, q_offset)
     check_index(iq, ik, B, T, Hkv, q_offset)
@@ -54,6 +67,14 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iq: torch.T
                                   precision=index_precision)
     # select_blocks' ids are in range and doc_start is checked above: no id checks (check_ids), so
     # the layer issues its work with no host synchronisation
+    if kl_teacher == "backward" and late_teacher_applies(q, k, v, iq, ik, block_size, topk, dense, backend, tuning):
+        from .late_teacher import msa_late_teacher
+
+        D, Di = q.shape[-1], iq.shape[-1]
+        o, _, kl = msa_late_teacher(q, k, v, iq, ik, block_idx, block_size, default_scale(D, scale),
+                                    default_scale(Di, index_scale), q_offset, tuning.get("sparse_attention"),
+                                    tuning.get("indexer_kl"), doc_start, on_kl)
+        return (o, kl, block_idx) if return_block_idx else (o, kl)
     if dense and q_offset == 0 and doc_start is None and _use_flash(q, k, v, backend):
         o, lse = causal_attention_with_lse(q, k, v, default_scale(q.shape[-1], scale))
     else:
@@ -63,9 +84,31 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iq: torch.T
     kl = indexer_kl_loss(q.detach(), k.detach(), iq, ik, block_idx, lse.detach(), block_size=block_size,
                          scale=scale, index_scale=index_scale, backend=backend, q_offset=q_offset, check_ids=False,
                          doc_start=doc_start, tuning=tuning.get("indexer_kl"), keep_teacher=keep_teacher)
+    if on_kl is not None:
+        on_kl(kl.detach())
     if return_block_idx:
         return o, kl, block_idx
     return o, kl
+
+
+def late_teacher_applies(q, k, v, iq, ik, block_size: int, topk: int, dense: bool = False, backend: str = "auto",
+                         tuning: dict | None = None) -> bool:
+    """Whether msa_attention honours kl_teacher="backward" for these arguments: the sparse Triton
+    path of both ops (fp16/bf16 on a GPU, or the interpreter), the gather backward, a graph to
+    run the backward on, and teacher rows within the KL's `teacher_bytes`."""
+    tuning = tuning or {}
+    if dense or not torch.is_grad_enabled() or resolve_backend(backend, q, k, v, iq, ik) != "triton":
+        return False
+    if backend == "auto" and q.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    from .indexer_kl.triton import DEFAULT_TUNING as KL_DEFAULT
+    from .late_teacher import teacher_bytes
+    from .sparse_attention.triton import DEFAULT_TUNING as SA_DEFAULT
+
+    if (tuning.get("sparse_attention") or SA_DEFAULT).tile_backward:
+        return False
+    budget = (tuning.get("indexer_kl") or KL_DEFAULT).teacher_bytes
+    return teacher_bytes(q, k.shape[2], topk, block_size) <= budget
 
 
 def _use_flash(q, k, v, backend: str) -> bool:

@@ -43,7 +43,7 @@ from ..inverse_index import (DocumentBlocks, InverseIndex, build_inverse_index, 
                              query_ends, schedule)
 from ..triton_utils import LOG2E
 from .triton_kernels import (kl_bwd_kernel, kl_dense_keys_kernel, kl_sparse_fwd_kernel, kl_stored_bwd_kernel,
-                             kl_student_lse_kernel)
+                             kl_student_lse_kernel, kl_teacher_sums_kernel)
 
 
 def _heads_per_dot(H: int, M: int, rows: int) -> int:
@@ -109,8 +109,10 @@ class Tuning:
     `teacher_q_ratio` times the bytes of q (they live from this layer's forward to its backward,
     like its other activations: at most about what the layer keeps anyway; a caller that reruns
     the forward just before the backward lifts this second bound); the backward then
-    recomputes only the student, with tiles of `stored_M` entries. Defaults chosen by
-    bench/bench_msa_layer.py tune (bench/RESULTS.md)."""
+    recomputes only the student, with tiles of `stored_M` entries (`late_M` / `late_warps` when
+    the rows come from the attention's backward and the loss is summed there too: 9.4 against
+    13.2 ms for 64 / 4 at 128K). Defaults chosen by bench/bench_msa_layer.py tune
+    (bench/RESULTS.md)."""
     M: int = 16
     rows: int = 128
     dense_rows: int = 128
@@ -131,6 +133,8 @@ class Tuning:
     stored_M: int = 64
     stored_warps: int = 4
     stored_stages: int = 2
+    late_M: int = 32
+    late_warps: int = 4
 
 
 DEFAULT_TUNING = Tuning()
@@ -162,12 +166,17 @@ def _dense_forward(q, k, lse, iq, ik, scale, index_scale, cfg, q_offset, doc_sta
     return kl, lse_z, inv_s, diq
 
 
+def _lse_over_slots(mz, lz):
+    """The student's lse_z [B, T, G] from each slot's max z and sum exp(z - max z) [B, T, G, K]."""
+    mx = mz.amax(-1)
+    mx = torch.where(torch.isinf(mx), torch.zeros_like(mx), mx)
+    return mx + torch.log((lz * torch.exp(mz - mx[..., None])).sum(-1))
+
+
 def _combine(part, B, T, G, K):
     """Reduce the per-slot sums [5, E] to kl, lse_z, 1/s_sum, each fp32 [B, T, G]."""
     mz, lz, s, a, bz = part.view(5, B, T, G, K).unbind(0)
-    mx = mz.amax(-1)
-    mx = torch.where(torch.isinf(mx), torch.zeros_like(mx), mx)
-    lse_z = mx + torch.log((lz * torch.exp(mz - mx[..., None])).sum(-1))
+    lse_z = _lse_over_slots(mz, lz)
     s_sum = s.sum(-1)
     s_safe = s_sum.clamp_min(torch.finfo(torch.float32).tiny)
     inv_s = 1.0 / s_safe
@@ -195,8 +204,56 @@ def _sparse_forward(q, k, lse, iq, ik, index, K, block_size, scale, index_scale,
         q, k, lse, iq, ik, index.entry, tb, ts, tc, part, part if pbar is None else pbar, bstart, bend, T, k.shape[1],
         q_offset, E, index.n_blocks, *_strides(q, k, lse, iq, ik), scale * LOG2E.value, index_scale,
         BLOCK=block_size, G=G, K=K, H=H, HS=HS, M=cfg.M, J=J, D=D, DI=Di, PREC=_precision(q, iq), STORE=store,
-        DOCS=docs_on, num_warps=cfg.warps, num_stages=cfg.fwd_stages)
+        DOCS=docs_on, TEACHER=True, num_warps=cfg.warps, num_stages=cfg.fwd_stages)
     return (*_combine(part, B, T, G, K), pbar)
+
+
+def student_lse(iq, ik, index, K, block_size, index_scale, cfg=DEFAULT_TUNING, q_offset=0, docs=None):
+    """The student's normaliser lse_z fp32 [B, T, G] on each (t, g)'s support (the sparse
+    forward without the teacher: what the forward needs when the teacher comes from the
+    attention's backward). iq [B, T, G, Di] and ik [B, TK, Di] contiguous."""
+    B, T, G, Di = iq.shape
+    _check_dims(Di, Di)
+    E = B * T * G * K
+    part = torch.zeros(2, E, dtype=torch.float32, device=iq.device)
+    part[0].fill_(float("-inf"))
+    tb, ts, tc = _programs(index, cfg.fwd_per_program)
+    bstart, bend, docs_on = _tables(docs, index.entry)
+    # q, k, lse are not read without the teacher: iq, ik stand in
+    kl_sparse_fwd_kernel[(tb.numel(),)](
+        iq, ik, iq, iq, ik, index.entry, tb, ts, tc, part, part, bstart, bend, T, ik.shape[1], q_offset, E,
+        index.n_blocks, *_strides(iq, ik, iq, iq, ik), 1.0, index_scale, BLOCK=block_size, G=G,
+        K=K, H=1, HS=1, M=cfg.M, J=triton.next_power_of_2(block_size), D=Di, DI=Di, PREC=_precision(iq, iq),
+        STORE=False, DOCS=docs_on, TEACHER=False, num_warps=cfg.warps, num_stages=cfg.fwd_stages)
+    return _lse_over_slots(*part.view(2, B, T, G, K).unbind(0))
+
+
+def teacher_backward(iq, ik, pbar, lse_z, index, K, block_size, index_scale, cfg=DEFAULT_TUNING, q_offset=0,
+                     docs=None):
+    """The loss and its unscaled gradients from teacher rows written after the forward (by the
+    attention's backward): (kl fp32 [B, T, G], d ik fp32 [B, TK, Di], d iq fp32 [B, T, G, Di]).
+    pbar [B*T*G*K, J] (rows of empty slots zero)."""
+    B, T, G, Di = iq.shape
+    TK = ik.shape[1]
+    rows, L = B * T * G, K * pbar.shape[1]
+    sums = torch.empty(2, rows, dtype=torch.float32, device=iq.device)
+    kl_teacher_sums_kernel[(triton.cdiv(rows, 16),)](pbar, sums, rows, L=L, RB=16, LB=min(256, triton.next_power_of_2(L)),
+                                                     num_warps=4)
+    s_sum, a = sums.view(2, B, T, G).unbind(0)
+    s_safe = s_sum.clamp_min(torch.finfo(torch.float32).tiny)
+    inv_s = 1.0 / s_safe
+    dik = torch.zeros(B, TK, Di, dtype=torch.float32, device=iq.device)
+    diq = torch.zeros(B, T, G, Di, dtype=torch.float32, device=iq.device)
+    bz = torch.zeros(B, T, G, dtype=torch.float32, device=iq.device)
+    tb, ts, tc = _programs(index, cfg.bwd_per_program)
+    bstart, bend, docs_on = _tables(docs, index.entry)
+    kl_stored_bwd_kernel[(tb.numel(),)](
+        iq, ik, pbar, lse_z, inv_s, index.entry, tb, ts, tc, dik, diq, bz, bstart, bend, T, TK, q_offset,
+        index.n_blocks, iq.stride(0), iq.stride(1), iq.stride(2), ik.stride(0), ik.stride(1), index_scale,
+        BLOCK=block_size, G=G, K=K, M=cfg.late_M, J=triton.next_power_of_2(block_size), DI=Di,
+        PREC=_precision(iq, iq), DOCS=docs_on, VALUE=True, num_warps=cfg.late_warps, num_stages=cfg.stored_stages)
+    kl = torch.where(s_sum > 0, (a - bz) * inv_s - torch.log(s_safe) + lse_z, torch.zeros_like(lse_z))
+    return kl, dik, diq
 
 
 def _teacher_dtype(q) -> torch.dtype:
@@ -222,10 +279,10 @@ def _stored_backward(iq, ik, pbar, lse_z, inv_s, index, K, block_size, index_sca
     tb, ts, tc = _programs(index, cfg.bwd_per_program)
     bstart, bend, docs_on = _tables(docs, index.entry)
     kl_stored_bwd_kernel[(tb.numel(),)](
-        iq, ik, pbar, lse_z, inv_s, index.entry, tb, ts, tc, dik, diq, bstart, bend, T, TK, q_offset, index.n_blocks,
-        iq.stride(0), iq.stride(1), iq.stride(2), ik.stride(0), ik.stride(1), index_scale,
-        BLOCK=block_size, G=G, K=K, M=cfg.stored_M, J=triton.next_power_of_2(block_size),
-        DI=Di, PREC=_precision(iq, iq), DOCS=docs_on, num_warps=cfg.stored_warps, num_stages=cfg.stored_stages)
+        iq, ik, pbar, lse_z, inv_s, index.entry, tb, ts, tc, dik, diq, dik, bstart, bend, T, TK, q_offset,
+        index.n_blocks, iq.stride(0), iq.stride(1), iq.stride(2), ik.stride(0), ik.stride(1), index_scale,
+        BLOCK=block_size, G=G, K=K, M=cfg.stored_M, J=triton.next_power_of_2(block_size), DI=Di,
+        PREC=_precision(iq, iq), DOCS=docs_on, VALUE=False, num_warps=cfg.stored_warps, num_stages=cfg.stored_stages)
     return dik, diq
 
 

@@ -87,7 +87,6 @@ def _teacher_student(q_ptr, lse_ptr, iq_ptr, b, g, t_M, t_R, row_M, row_R, k_JD,
     are the rows' document starts minus QOFF, and keys before them are off the support.
     """
     offs_d = tl.arange(0, D)
-    offs_i = tl.arange(0, DI)
     r_R = tl.arange(0, M * HS)
     t_R64 = t_R.to(tl.int64)
     # probabilities <= 1 go to the averaging product in fp16 (fp32 when the inputs are fp32)
@@ -107,13 +106,23 @@ def _teacher_student(q_ptr, lse_ptr, iq_ptr, b, g, t_M, t_R, row_M, row_R, k_JD,
         s_JR = dot(k_JD, tl.trans(q_RD), PREC)
         e_JR = tl.where(valid_JR, tl.exp2(s_JR * scale_log2 - lse_R[None, :] * LOG2E), 0.0)
         p_JM += dot(e_JR.to(P_DT), avg_RM, PREC)
-    iq_MI = tl.load(iq_ptr + b * si_b + t_M.to(tl.int64)[:, None] * si_t + g * si_h + offs_i[None, :],
+    z_JM, valid_JM, iq_MI = _student(iq_ptr, b, g, t_M, row_M, ik_JI, kpos_J, start_M, si_b, si_t, si_h,
+                                     index_scale, DI, PREC, DOC_MASK)
+    return p_JM, z_JM, valid_JM, iq_MI
+
+
+@triton.jit
+def _student(iq_ptr, b, g, t_M, row_M, ik_JI, kpos_J, start_M, si_b, si_t, si_h, index_scale, DI: tl.constexpr,
+             PREC: tl.constexpr, DOC_MASK: tl.constexpr):
+    """Key-major student logits z [J, M] (-inf off the support), the support mask [J, M] and the
+    iq tile [M, Di] of queries t_M (see `_teacher_student`)."""
+    iq_MI = tl.load(iq_ptr + b * si_b + t_M.to(tl.int64)[:, None] * si_t + g * si_h + tl.arange(0, DI)[None, :],
                     mask=row_M[:, None], other=0.0)
     valid_JM = (kpos_J[:, None] <= t_M[None, :]) & row_M[None, :]
     if DOC_MASK:
         valid_JM = valid_JM & (kpos_J[:, None] >= start_M[None, :])
     z_JM = tl.where(valid_JM, dot(ik_JI, tl.trans(iq_MI), PREC) * index_scale, float("-inf"))
-    return p_JM, z_JM, valid_JM, iq_MI
+    return z_JM, valid_JM, iq_MI
 
 
 @triton.jit
@@ -259,40 +268,47 @@ def kl_dense_keys_kernel(q_ptr, k_ptr, lse_ptr, iq_ptr, ik_ptr, kl_ptr, lsez_ptr
 def _sparse_fwd_step(start, hi, q_ptr, lse_ptr, iq_ptr, ent_ptr, part_ptr, pbar_ptr, b, g, T, E, k_JD, ik_JI,
                      kpos_J, sq_b, sq_t, sq_h, sl_b, sl_t, sl_h, si_b, si_t, si_h, scale_log2, index_scale,
                      G: tl.constexpr, K: tl.constexpr, H: tl.constexpr, HS: tl.constexpr, M: tl.constexpr,
-                     J: tl.constexpr, D: tl.constexpr, DI: tl.constexpr, PREC: tl.constexpr, STORE: tl.constexpr):
+                     J: tl.constexpr, D: tl.constexpr, DI: tl.constexpr, PREC: tl.constexpr, STORE: tl.constexpr,
+                     TEACHER: tl.constexpr):
     """M entries of one key block's list: writes their five sums (and, with STORE, the teacher row
-    p [J] of each entry to pbar [E, J], so the backward need not recompute it)."""
+    p [J] of each entry to pbar [E, J], so the backward need not recompute it). Without TEACHER
+    only the student's two (max z, sum exp(z - max z)) are written."""
     offs_j = tl.arange(0, J)
     idx_M = start + tl.arange(0, M)
     row_M = idx_M < hi
     e_M = tl.load(ent_ptr + idx_M, mask=row_M, other=0)
     t_M = e_M // (G * K) - b * T
-    idx_R = start + tl.arange(0, M * HS) // HS
-    row_R = idx_R < hi
-    t_R = tl.load(ent_ptr + idx_R, mask=row_R, other=0) // (G * K) - b * T
     # a table block holds keys of the entries' own document only: no document mask
-    p_JM, z_JM, valid_JM, iq_MI = _teacher_student(
-        q_ptr, lse_ptr, iq_ptr, b, g, t_M, t_R, row_M, row_R, k_JD, ik_JI, kpos_J, t_M, t_R,
-        sq_b, sq_t, sq_h, sl_b, sl_t, sl_h, si_b, si_t, si_h, scale_log2, index_scale,
-        H, HS, M, D, DI, J, PREC, False)
+    if TEACHER:
+        idx_R = start + tl.arange(0, M * HS) // HS
+        row_R = idx_R < hi
+        t_R = tl.load(ent_ptr + idx_R, mask=row_R, other=0) // (G * K) - b * T
+        p_JM, z_JM, valid_JM, iq_MI = _teacher_student(
+            q_ptr, lse_ptr, iq_ptr, b, g, t_M, t_R, row_M, row_R, k_JD, ik_JI, kpos_J, t_M, t_R,
+            sq_b, sq_t, sq_h, sl_b, sl_t, sl_h, si_b, si_t, si_h, scale_log2, index_scale,
+            H, HS, M, D, DI, J, PREC, False)
+    else:
+        z_JM, valid_JM, iq_MI = _student(iq_ptr, b, g, t_M, row_M, ik_JI, kpos_J, t_M, si_b, si_t, si_h,
+                                         index_scale, DI, PREC, False)
     mz = tl.max(z_JM, axis=0)
     mz_safe = tl.where(mz == float("-inf"), 0.0, mz)
     lz = tl.sum(tl.exp(z_JM - mz_safe[None, :]), axis=0)
-    s = tl.sum(p_JM, axis=0)
-    a = tl.sum(p_JM * tl.log(tl.maximum(p_JM, FP32_TINY)), axis=0)
-    bz = tl.sum(tl.where(valid_JM, p_JM * z_JM, 0.0), axis=0)
     e64 = e_M.to(tl.int64)
     tl.store(part_ptr + e64, mz, mask=row_M)
     tl.store(part_ptr + E + e64, lz, mask=row_M)
-    tl.store(part_ptr + 2 * E + e64, s, mask=row_M)
-    tl.store(part_ptr + 3 * E + e64, a, mask=row_M)
-    tl.store(part_ptr + 4 * E + e64, bz, mask=row_M)
-    if STORE:
-        p_st = p_JM
-        if pbar_ptr.dtype.element_ty == tl.float16:
-            p_st = tl.minimum(p_st, 65504.0)
-        tl.store(pbar_ptr + e64[None, :] * J + offs_j[:, None], p_st.to(pbar_ptr.dtype.element_ty),
-                 mask=row_M[None, :])
+    if TEACHER:
+        s = tl.sum(p_JM, axis=0)
+        a = tl.sum(p_JM * tl.log(tl.maximum(p_JM, FP32_TINY)), axis=0)
+        bz = tl.sum(tl.where(valid_JM, p_JM * z_JM, 0.0), axis=0)
+        tl.store(part_ptr + 2 * E + e64, s, mask=row_M)
+        tl.store(part_ptr + 3 * E + e64, a, mask=row_M)
+        tl.store(part_ptr + 4 * E + e64, bz, mask=row_M)
+        if STORE:
+            p_st = p_JM
+            if pbar_ptr.dtype.element_ty == tl.float16:
+                p_st = tl.minimum(p_st, 65504.0)
+            tl.store(pbar_ptr + e64[None, :] * J + offs_j[:, None], p_st.to(pbar_ptr.dtype.element_ty),
+                     mask=row_M[None, :])
 
 
 @triton.jit
@@ -301,27 +317,32 @@ def kl_sparse_fwd_kernel(q_ptr, k_ptr, lse_ptr, iq_ptr, ik_ptr, ent_ptr, tb_ptr,
                          sl_h, si_b, si_t, si_h, sik_b, sik_t, scale_log2, index_scale, BLOCK: tl.constexpr,
                          G: tl.constexpr, K: tl.constexpr, H: tl.constexpr, HS: tl.constexpr, M: tl.constexpr,
                          J: tl.constexpr, D: tl.constexpr, DI: tl.constexpr, PREC: tl.constexpr, STORE: tl.constexpr,
-                         DOCS: tl.constexpr):
+                         DOCS: tl.constexpr, TEACHER: tl.constexpr):
     """Key-outer: program p takes a run of entries ent[ts[p] : ts[p] + tc[p]] that all selected
     block n of bucket tb[p] = (b*G + g)*N + n (-1: spare program) and writes their five sums
-    (max z, sum exp(z - max z), s_sum, a, bz) to part [5, E] at each entry's index."""
+    (max z, sum exp(z - max z), s_sum, a, bz) to part [5, E] at each entry's index. Without
+    TEACHER (the teacher then comes from the attention's backward) only the first two, into
+    part [2, E]; q, k and lse are not read."""
     live, b, g, n, lo, hi, j0, j_end = _work_item(tb_ptr, ts_ptr, tc_ptr, TK, N, bstart_ptr, bend_ptr, G, BLOCK, DOCS)
     if live:
         kin_J, kpos_J, kpos64 = _key_positions(j0, j_end, QOFF, J)
-        k_JD = _key_rows(k_ptr + b * sk_b + g * sk_h, kpos64, sk_t, kin_J, D)
+        if TEACHER:
+            k_JD = _key_rows(k_ptr + b * sk_b + g * sk_h, kpos64, sk_t, kin_J, D)
+        else:
+            k_JD = kin_J
         ik_JI = _key_rows(ik_ptr + b * sik_b, kpos64, sik_t, kin_J, DI)
         if INTERPRET:
             start = lo
             while start < hi:
                 _sparse_fwd_step(start, hi, q_ptr, lse_ptr, iq_ptr, ent_ptr, part_ptr, pbar_ptr, b, g, T, E,
                                  k_JD, ik_JI, kpos_J, sq_b, sq_t, sq_h, sl_b, sl_t, sl_h, si_b, si_t, si_h,
-                                 scale_log2, index_scale, G, K, H, HS, M, J, D, DI, PREC, STORE)
+                                 scale_log2, index_scale, G, K, H, HS, M, J, D, DI, PREC, STORE, TEACHER)
                 start += M
         else:
             for start in range(lo, hi, M):
                 _sparse_fwd_step(start, hi, q_ptr, lse_ptr, iq_ptr, ent_ptr, part_ptr, pbar_ptr, b, g, T, E,
                                  k_JD, ik_JI, kpos_J, sq_b, sq_t, sq_h, sl_b, sl_t, sl_h, si_b, si_t, si_h,
-                                 scale_log2, index_scale, G, K, H, HS, M, J, D, DI, PREC, STORE)
+                                 scale_log2, index_scale, G, K, H, HS, M, J, D, DI, PREC, STORE, TEACHER)
 
 
 @triton.jit
@@ -426,10 +447,12 @@ def kl_bwd_kernel(q_ptr, k_ptr, lse_ptr, iq_ptr, ik_ptr, lsez_ptr, invs_ptr, ent
 
 
 @triton.jit
-def _stored_bwd_step(start, hi, dik_JI, iq_ptr, pbar_ptr, lsez_ptr, invs_ptr, ent_ptr, diq_ptr, b, g, T, ikT_IJ, ik_JI,
-                     kpos_J, si_b, si_t, si_h, index_scale, G: tl.constexpr, K: tl.constexpr, M: tl.constexpr,
-                     J: tl.constexpr, DI: tl.constexpr, PREC: tl.constexpr):
-    """M entries of one key block's list, teacher read from pbar [E, J]: only the student is recomputed."""
+def _stored_bwd_step(start, hi, dik_JI, iq_ptr, pbar_ptr, lsez_ptr, invs_ptr, ent_ptr, diq_ptr, bz_ptr, b, g, T,
+                     ikT_IJ, ik_JI, kpos_J, si_b, si_t, si_h, index_scale, G: tl.constexpr, K: tl.constexpr,
+                     M: tl.constexpr, J: tl.constexpr, DI: tl.constexpr, PREC: tl.constexpr, VALUE: tl.constexpr):
+    """M entries of one key block's list, teacher read from pbar [E, J]: only the student is
+    recomputed. With VALUE also the loss's sum bz = sum p z, added per (b, t, g) to bz [B*T*G]
+    (when the forward did not compute the teacher)."""
     dt = iq_ptr.dtype.element_ty
     offs_i = tl.arange(0, DI)
     idx_M = start + tl.arange(0, M)
@@ -451,16 +474,21 @@ def _stored_bwd_step(start, hi, dik_JI, iq_ptr, pbar_ptr, lsez_ptr, invs_ptr, en
     dik_JI += dot(tl.trans(dz_MJ), iq_MI, PREC)
     dq_MI = dot(dz_MJ, ik_JI, PREC)
     tl.atomic_add(diq_ptr + o_M[:, None] * DI + offs_i[None, :], dq_MI, mask=row_M[:, None], sem="relaxed")
+    if VALUE:
+        # p is zero off the support, where z is finite
+        tl.atomic_add(bz_ptr + o_M, tl.sum(p_MJ * z_MJ, axis=1), mask=row_M, sem="relaxed")
     return dik_JI
 
 
 @triton.jit
 def kl_stored_bwd_kernel(iq_ptr, ik_ptr, pbar_ptr, lsez_ptr, invs_ptr, ent_ptr, tb_ptr, ts_ptr, tc_ptr, dik_ptr,
-                         diq_ptr, bstart_ptr, bend_ptr, T, TK, QOFF, N, si_b, si_t, si_h, sik_b, sik_t, index_scale,
-                         BLOCK: tl.constexpr, G: tl.constexpr, K: tl.constexpr, M: tl.constexpr, J: tl.constexpr,
-                         DI: tl.constexpr, PREC: tl.constexpr, DOCS: tl.constexpr):
-    """Sparse backward with the teacher stored by the forward: program p takes a run of a bucket's
-    entries (as `kl_bwd_kernel`); d ik [B, TK, Di] and d iq [B, T, G, Di] by fp32 atomics."""
+                         diq_ptr, bz_ptr, bstart_ptr, bend_ptr, T, TK, QOFF, N, si_b, si_t, si_h, sik_b, sik_t,
+                         index_scale, BLOCK: tl.constexpr, G: tl.constexpr, K: tl.constexpr, M: tl.constexpr,
+                         J: tl.constexpr, DI: tl.constexpr, PREC: tl.constexpr, DOCS: tl.constexpr,
+                         VALUE: tl.constexpr):
+    """Sparse backward with the teacher stored (by the KL's forward or the attention's backward):
+    program p takes a run of a bucket's entries (as `kl_bwd_kernel`); d ik [B, TK, Di] and
+    d iq [B, T, G, Di] by fp32 atomics; with VALUE the loss's bz (`_stored_bwd_step`)."""
     live, b, g, n, lo, hi, j0, j_end = _work_item(tb_ptr, ts_ptr, tc_ptr, TK, N, bstart_ptr, bend_ptr, G, BLOCK, DOCS)
     if live:
         offs_i = tl.arange(0, DI)
@@ -472,13 +500,31 @@ def kl_stored_bwd_kernel(iq_ptr, ik_ptr, pbar_ptr, lsez_ptr, invs_ptr, ent_ptr, 
             start = lo
             while start < hi:
                 dik_JI = _stored_bwd_step(start, hi, dik_JI, iq_ptr, pbar_ptr, lsez_ptr, invs_ptr, ent_ptr, diq_ptr,
-                                          b, g, T, ikT_IJ, ik_JI, kpos_J, si_b, si_t, si_h, index_scale, G, K, M,
-                                          J, DI, PREC)
+                                          bz_ptr, b, g, T, ikT_IJ, ik_JI, kpos_J, si_b, si_t, si_h, index_scale,
+                                          G, K, M, J, DI, PREC, VALUE)
                 start += M
         else:
             for start in range(lo, hi, M):
                 dik_JI = _stored_bwd_step(start, hi, dik_JI, iq_ptr, pbar_ptr, lsez_ptr, invs_ptr, ent_ptr, diq_ptr,
-                                          b, g, T, ikT_IJ, ik_JI, kpos_J, si_b, si_t, si_h, index_scale, G, K, M,
-                                          J, DI, PREC)
+                                          bz_ptr, b, g, T, ikT_IJ, ik_JI, kpos_J, si_b, si_t, si_h, index_scale,
+                                          G, K, M, J, DI, PREC, VALUE)
         o_J = b * TK + kpos64
         tl.atomic_add(dik_ptr + o_J[:, None] * DI + offs_i[None, :], dik_JI, mask=kin_J[:, None], sem="relaxed")
+
+
+@triton.jit
+def kl_teacher_sums_kernel(pbar_ptr, sums_ptr, ROWS, L: tl.constexpr, RB: tl.constexpr, LB: tl.constexpr):
+    """Per (b, t, g), its L = K*J teacher values pbar [ROWS, L] (contiguous): sums [2, ROWS] =
+    (sum p, sum p log p), the loss's terms that need the teacher alone."""
+    r = tl.program_id(0).to(tl.int64) * RB + tl.arange(0, RB)
+    ok = r < ROWS
+    s = tl.zeros((RB,), tl.float32)
+    a = tl.zeros((RB,), tl.float32)
+    for c0 in range(0, L, LB):
+        c = c0 + tl.arange(0, LB)
+        p = tl.load(pbar_ptr + r[:, None] * L + c[None, :], mask=ok[:, None] & (c < L)[None, :], other=0.0)
+        p = p.to(tl.float32)
+        s += tl.sum(p, 1)
+        a += tl.sum(p * tl.log(tl.maximum(p, FP32_TINY)), 1)
+    tl.store(sums_ptr + r, s, mask=ok)
+    tl.store(sums_ptr + ROWS + r, a, mask=ok)

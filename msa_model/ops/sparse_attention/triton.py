@@ -171,8 +171,12 @@ def _delta(do, o):
 
 
 def sparse_backward(do, q, k, v, o, lse, idx, block_size, scale, q_offset=0, index=None,
-                    tuning: Tuning = DEFAULT_TUNING, docs: DocumentBlocks | None = None):
-    """(dq, dk, dv) of `sparse_forward` (given its inverse index, or building it), in the input dtype."""
+                    tuning: Tuning = DEFAULT_TUNING, docs: DocumentBlocks | None = None, teacher=None):
+    """(dq, dk, dv) of `sparse_forward` (given its inverse index, or building it), in the input dtype.
+
+    teacher: optional pbar [B*T*G*K, block_size] (zeroed): the indexer KL's teacher rows, the mean
+    of P over each group's heads, written by the kernel for every entry (an entry's id over all
+    queries is its row)."""
     B, T, Hq, G, H, HP, D = _geometry(q, k, block_size)
     TK = k.shape[1]
     K = idx.shape[-1]
@@ -195,12 +199,15 @@ def sparse_backward(do, q, k, v, o, lse, idx, block_size, scale, q_offset=0, ind
     dkp = torch.empty(ib.shape[1], block_size, D, dtype=torch.float32, device=q.device)
     dvp = torch.empty_like(dkp)
     rb = min(32, block_size)
+    pbar = delta if teacher is None else teacher
+    # the teacher's product has one column per entry of a tile, at least 16 on a GPU
+    qtc = triton.next_power_of_2(QT if interpreting() else max(QT, 16))
     for c, t0, t1 in _chunks(index, T):
         COMPILED["bwd"] = sparse_bwd_kernel[(ib.shape[1],)](
             q, k, v, do, lse, delta, dqp, dkp, dvp, index.entry, ib[c], istart[c], icount[c], bstart, bend,
-            T, TK, t1 - t0, t0, q_offset, N, scale * LOG2E.value, scale,
-            HQ=Hq, HKV=G, SLOTS=K, H=H, HP=HP, QT=QT, BS=block_size, D=D, DOCS=DOCS,
-            num_warps=tuning.bwd_warps, num_stages=tuning.bwd_stages)
+            pbar, T, TK, t1 - t0, t0, q_offset, N, scale * LOG2E.value, scale,
+            HQ=Hq, HKV=G, SLOTS=K, H=H, HP=HP, QT=QT, BS=block_size, D=D, DOCS=DOCS, TEACHER=teacher is not None,
+            QTC=qtc, num_warps=tuning.bwd_warps, num_stages=tuning.bwd_stages)
         sparse_bwd_reduce_kernel[(runs.shape[1], block_size // rb)](
             dkp, dvp, dk, dv, first[c], runs[c], bstart, bend, TK, N,
             HKV=G, BS=block_size, RB=rb, D=D, DOCS=DOCS, num_warps=4)
@@ -376,50 +383,77 @@ def dense_backward(do, q, k, v, o, lse, scale, q_offset=0, tuning: Tuning = DEFA
     return dq, dk, dv
 
 
+@dataclass
+class ForwardState:
+    """What the backward needs besides q, k, v, o, lse: the cleaned ids (None: dense), the packed
+    documents' start and block table, and the path's index (gather) or tile unions (tile backward)."""
+
+    idx: torch.Tensor | None
+    doc_start: torch.Tensor | None
+    docs: DocumentBlocks | None = None
+    index: InverseIndex | None = None
+    union: TileUnion | None = None
+
+
+def attention_forward(q, k, v, block_idx, block_size, scale, q_offset, tuning: Tuning, doc_start):
+    """(o, lse, ForwardState) of contiguous q, k, v: the dense kernels for block_idx None, else the
+    gather, hybrid or tile path as `tuning` says."""
+    if doc_start is not None:
+        doc_start = doc_start.to(torch.int32).contiguous()
+    idx = None if block_idx is None else clean_block_idx(block_idx, block_size, q_offset, doc_start)
+    state = ForwardState(idx, doc_start)
+    if idx is None:
+        o, lse = dense_forward(q, k, v, scale, q_offset, doc_start)
+        return o, lse, state
+    if doc_start is not None:
+        state.docs = document_blocks(doc_start, block_size, q_offset)
+    H = q.shape[2] // k.shape[2]
+    queries = _tile_queries(tuning, H)
+    tiles = tuning.tile_rows and H >= tuning.tile_min_heads and q.shape[1] >= tuning.tile_min_queries
+    if tiles and tuning.tile_backward:
+        state.union = tile_union(idx, queries, state.docs)
+        o, lse = tile_forward(q, k, v, state.union, block_size, scale, q_offset, tuning, state.docs)
+    elif tiles:
+        # the backward builds the gather path's index of every entry
+        o, lse = hybrid_forward(q, k, v, idx, tile_union(idx, queries, state.docs), block_size, scale, q_offset,
+                                tuning, state.docs)
+    else:
+        o, lse, state.index = sparse_forward(q, k, v, idx, block_size, scale, q_offset, tuning=tuning,
+                                             docs=state.docs)
+    return o, lse, state
+
+
+def attention_backward(do, q, k, v, o, lse, state: ForwardState, block_size, scale, q_offset, tuning: Tuning,
+                       teacher=None):
+    """(dq, dk, dv) of `attention_forward`; `teacher` as `sparse_backward`'s (gather path only)."""
+    do = do.contiguous()
+    if teacher is not None and (state.idx is None or state.union is not None):
+        raise ValueError("the KL teacher rows come from the sparse gather backward only")
+    if state.idx is None:
+        return dense_backward(do, q, k, v, o, lse, scale, q_offset, tuning, state.doc_start)
+    if state.union is not None:
+        return tile_backward(do, q, k, v, o, lse, state.union, block_size, scale, q_offset, tuning, state.docs)
+    return sparse_backward(do, q, k, v, o, lse, state.idx, block_size, scale, q_offset, state.index, tuning,
+                           state.docs, teacher)
+
+
 class SparseAttentionTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, block_idx, block_size, scale, q_offset, tuning, doc_start):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        if doc_start is not None:
-            doc_start = doc_start.to(torch.int32).contiguous()
-        idx = None if block_idx is None else clean_block_idx(block_idx, block_size, q_offset, doc_start)
-        ctx.index = ctx.docs = ctx.union = None
-        if idx is None:
-            o, lse = dense_forward(q, k, v, scale, q_offset, doc_start)
-        else:
-            if doc_start is not None:
-                ctx.docs = document_blocks(doc_start, block_size, q_offset)
-            H = q.shape[2] // k.shape[2]
-            queries = _tile_queries(tuning, H)
-            tiles = tuning.tile_rows and H >= tuning.tile_min_heads and q.shape[1] >= tuning.tile_min_queries
-            if tiles and tuning.tile_backward:
-                ctx.union = tile_union(idx, queries, ctx.docs)
-                o, lse = tile_forward(q, k, v, ctx.union, block_size, scale, q_offset, tuning, ctx.docs)
-            elif tiles:
-                # the backward builds the gather path's index of every entry
-                o, lse = hybrid_forward(q, k, v, idx, tile_union(idx, queries, ctx.docs), block_size, scale,
-                                        q_offset, tuning, ctx.docs)
-            else:
-                o, lse, ctx.index = sparse_forward(q, k, v, idx, block_size, scale, q_offset, tuning=tuning,
-                                                   docs=ctx.docs)
-        ctx.save_for_backward(q, k, v, o, lse, idx, doc_start)
+        o, lse, ctx.state = attention_forward(q, k, v, block_idx, block_size, scale, q_offset, tuning, doc_start)
+        # tensors go through save_for_backward (so activation checkpointing manages them)
+        ctx.save_for_backward(q, k, v, o, lse, ctx.state.idx, ctx.state.doc_start)
+        ctx.state.idx = ctx.state.doc_start = None
         ctx.args = (block_size, scale, q_offset, tuning)
         ctx.mark_non_differentiable(lse)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, _dlse):
-        q, k, v, o, lse, idx, doc_start = ctx.saved_tensors
-        block_size, scale, q_offset, tuning = ctx.args
-        do = do.contiguous()
-        if idx is None:
-            dq, dk, dv = dense_backward(do, q, k, v, o, lse, scale, q_offset, tuning, doc_start)
-        elif ctx.union is not None:
-            dq, dk, dv = tile_backward(do, q, k, v, o, lse, ctx.union, block_size, scale, q_offset, tuning, ctx.docs)
-        else:
-            dq, dk, dv = sparse_backward(do, q, k, v, o, lse, idx, block_size, scale, q_offset, ctx.index, tuning,
-                                         ctx.docs)
-        ctx.index = ctx.docs = ctx.union = None
+        q, k, v, o, lse, ctx.state.idx, ctx.state.doc_start = ctx.saved_tensors
+        dq, dk, dv = attention_backward(do, q, k, v, o, lse, ctx.state, *ctx.args)
+        ctx.state = None
         return dq, dk, dv, None, None, None, None, None, None
 
 

@@ -162,14 +162,23 @@ def sparse_fwd_combine_kernel(PO, PLSE, IDX, O, LSE, T, C, t0,
 
 
 @triton.jit
-def _bwd_tile(Q, DO, LSE, DELTA, DQP, ENTRY, kt, vt, dk, dv, j, b, g, start, i0, count, T, C, t0, QOFF,
-              qk_scale, sm_scale, HQ: tl.constexpr, HKV: tl.constexpr, SLOTS: tl.constexpr, H: tl.constexpr,
-              HP: tl.constexpr, QT: tl.constexpr, D: tl.constexpr):
+def _bwd_tile(Q, DO, LSE, DELTA, DQP, ENTRY, PBAR, kt, vt, dk, dv, j, b, g, start, i0, count, T, C, t0,
+              QOFF, qk_scale, sm_scale, HQ: tl.constexpr, HKV: tl.constexpr, SLOTS: tl.constexpr, H: tl.constexpr,
+              HP: tl.constexpr, QT: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, TEACHER: tl.constexpr,
+              QTC: tl.constexpr):
     """QT entries of one bucket: dK/dV accumulate into dk, dv [BS, D]; dQ partials are stored.
 
     Score tiles are computed transposed, [keys, rows] (S^T = K Q^T, ...): the block's keys are the
     products' M dimension, so a small tile of rows keeps them small in registers (faster than rows
-    as M: bench/RESULTS.md, "Figures behind code choices")."""
+    as M: bench/RESULTS.md, "Figures behind code choices").
+
+    TEACHER: P here is the final softmax (recomputed with the whole support's lse), so the
+    indexer KL's teacher row of each entry, the mean of P over the group's heads, costs one small
+    product with a constant [R, QTC] averaging matrix (QTC >= QT columns, one per entry: a
+    product's least width). It is stored to PBAR [entries, BS] at the entry's id over all
+    queries. Taken right after P, before dV: +4.6 ms on 105 at 128K, the same as at the tile's
+    end; taken after dV from P's bf16 copy, or with its sums added by atomics here, it cost
+    +9 to +34 ms (registers: the kernel runs at 255; bench/RESULTS.md round 7)."""
     hh, row_ok, trip, t = _tile_rows(ENTRY, start, i0, count, b, T, C, t0, HKV, SLOTS, H, HP, QT)
     d = tl.arange(0, D)
     row = (b * T + t) * HQ + g * H + hh
@@ -180,6 +189,8 @@ def _bwd_tile(Q, DO, LSE, DELTA, DQP, ENTRY, kt, vt, dk, dv, j, b, g, start, i0,
     st = mm(kt, tl.trans(q)) * qk_scale
     vis = (j[:, None] <= QOFF + t[None, :]) & row_ok[None, :]
     pt = tl.where(vis, tl.exp2(st - lse2[None, :]), 0.0)
+    if TEACHER:
+        _teacher_rows(PBAR, ENTRY, pt.to(PBAR.dtype.element_ty), start, i0, count, H, HP, QT, BS, QTC)
     dv += mm(pt.to(do.dtype), do)
     dst = pt * (mm(vt, tl.trans(do)) - delta[None, :])
     dk += mm(dst.to(q.dtype), q)
@@ -190,12 +201,26 @@ def _bwd_tile(Q, DO, LSE, DELTA, DQP, ENTRY, kt, vt, dk, dv, j, b, g, start, i0,
 
 
 @triton.jit
+def _teacher_rows(PBAR, ENTRY, pt, start, i0, count, H: tl.constexpr, HP: tl.constexpr, QT: tl.constexpr,
+                  BS: tl.constexpr, QTC: tl.constexpr):
+    """Each entry's teacher row, the mean of pt [BS, QT*HP] over its heads, to PBAR [entries, BS]."""
+    P_DT = PBAR.dtype.element_ty
+    col = tl.arange(0, QTC)
+    avg = tl.where(tl.arange(0, QT * HP)[:, None] // HP == col[None, :], 1.0 / H, 0.0).to(pt.dtype)
+    pbar = mm(pt, avg)
+    col_ok = (col < QT) & (i0 + col < count)
+    e = tl.load(ENTRY + start + i0 + col, mask=col_ok, other=0).to(tl.int64)
+    tl.store(PBAR + e[None, :] * BS + tl.arange(0, BS)[:, None], pbar.to(P_DT), mask=col_ok[None, :])
+
+
+@triton.jit
 def sparse_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQP, DKP, DVP, ENTRY, ITEM_BUCKET, ITEM_START, ITEM_COUNT,
-                      BSTART, BEND, T, TK, C, t0, QOFF, NBLK, qk_scale, sm_scale,
+                      BSTART, BEND, PBAR, T, TK, C, t0, QOFF, NBLK, qk_scale, sm_scale,
                       HQ: tl.constexpr, HKV: tl.constexpr, SLOTS: tl.constexpr, H: tl.constexpr,
-                      HP: tl.constexpr, QT: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, DOCS: tl.constexpr):
+                      HP: tl.constexpr, QT: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, DOCS: tl.constexpr,
+                      TEACHER: tl.constexpr, QTC: tl.constexpr):
     """One work item (a run of tiles of one bucket): dK/dV partials [items, BS, D] (fp32), dQ partials
-    per entry (DQP [E, H, D], input dtype, scaled)."""
+    per entry (DQP [E, H, D], input dtype, scaled); with TEACHER also the KL teacher's rows (`_bwd_tile`)."""
     pid = tl.program_id(0)
     bucket = tl.load(ITEM_BUCKET + pid)
     if bucket < 0:
@@ -207,13 +232,13 @@ def sparse_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQP, DKP, DVP, ENTRY, ITEM_BUCKET
     dv = tl.zeros([BS, D], tl.float32)
     if not INTERPRET:  # pipelined; the interpreter takes the while loop
         for i0 in range(0, count, QT):
-            dk, dv = _bwd_tile(Q, DO, LSE, DELTA, DQP, ENTRY, kt, vt, dk, dv, j, b, g, start, i0, count, T, C, t0,
-                               QOFF, qk_scale, sm_scale, HQ, HKV, SLOTS, H, HP, QT, D)
+            dk, dv = _bwd_tile(Q, DO, LSE, DELTA, DQP, ENTRY, PBAR, kt, vt, dk, dv, j, b, g, start, i0, count,
+                               T, C, t0, QOFF, qk_scale, sm_scale, HQ, HKV, SLOTS, H, HP, QT, BS, D, TEACHER, QTC)
     else:
         i0 = count * 0
         while i0 < count:
-            dk, dv = _bwd_tile(Q, DO, LSE, DELTA, DQP, ENTRY, kt, vt, dk, dv, j, b, g, start, i0, count, T, C, t0,
-                               QOFF, qk_scale, sm_scale, HQ, HKV, SLOTS, H, HP, QT, D)
+            dk, dv = _bwd_tile(Q, DO, LSE, DELTA, DQP, ENTRY, PBAR, kt, vt, dk, dv, j, b, g, start, i0, count,
+                               T, C, t0, QOFF, qk_scale, sm_scale, HQ, HKV, SLOTS, H, HP, QT, BS, D, TEACHER, QTC)
             i0 += QT
     d = tl.arange(0, D)
     out = pid.to(tl.int64) * BS * D + tl.arange(0, BS)[:, None] * D + d[None, :]

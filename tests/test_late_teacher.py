@@ -1,0 +1,116 @@
+"""msa_attention with kl_teacher="backward" (ops/late_teacher.py): the KL's teacher rows come from
+the attention's backward, the KL's value is filled in there. Against the float64 reference ops on
+the same selection (value and every gradient) and against kl_teacher="forward"; on CPU the
+kernels run in Triton's interpreter, so shapes are small."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from msa_model.ops import indexer_kl_loss, late_teacher_applies, msa_attention, sparse_attention
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+# fp32 in the interpreter (exact products), bf16 on a GPU
+DTYPE = torch.bfloat16 if CUDA else torch.float32
+TOL = 2e-2 if CUDA else 1e-4
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def inputs(B, T, Hq, G, D, Di, q_offset=0, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    mk = lambda *s: torch.randn(*s, generator=gen).to(DEV, DTYPE).requires_grad_()  # noqa: E731
+    TK = q_offset + T
+    return mk(B, T, Hq, D), mk(B, TK, G, D), mk(B, TK, G, D), mk(B, T, G, Di), mk(B, TK, Di)
+
+
+def starts(B, T, q_offset, cut):
+    """Documents: one ending at position `cut`, the next from there (positions q_offset + t)."""
+    pos = q_offset + torch.arange(T)
+    return torch.where(pos < cut, 0, cut).to(torch.int32).expand(B, T).contiguous().to(DEV)
+
+
+def step(leaves, do, teacher, **kw):
+    seen = []
+    o, kl, block_idx = msa_attention(*leaves, backend="triton", return_block_idx=True, kl_teacher=teacher,
+                                     on_kl=seen.append, **kw)
+    before = kl.detach().clone()
+    grads = torch.autograd.grad([o, kl], leaves, [do, torch.full_like(kl, 0.7)])
+    return o, kl, before, seen, block_idx, grads
+
+
+# (B, T, Hq, G, D, Di, block_size, topk, q_offset, document cut): odd lengths, 1-3 heads per group
+# (3: padded head rows), slots left empty early in the sequence, context-parallel offsets, documents
+CASES = [
+    (1, 70, 4, 2, 16, 16, 16, 3, 0, None),
+    (2, 45, 6, 2, 16, 32, 16, 4, 0, None),
+    (1, 50, 2, 2, 32, 16, 16, 2, 30, None),
+    (2, 64, 4, 1, 16, 16, 16, 3, 0, 29),
+    (1, 40, 4, 2, 16, 16, 16, 3, 24, 37),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}T{}Hq{}G{}D{}Di{}bs{}k{}off{}doc{}".format(*c))
+def test_late_teacher_matches_the_reference(case):
+    B, T, Hq, G, D, Di, bs, topk, off, cut = case
+    leaves = inputs(B, T, Hq, G, D, Di, off, seed=T + Hq)
+    doc = None if cut is None else starts(B, T, off, cut)
+    kw = dict(block_size=bs, topk=topk, q_offset=off, doc_start=doc)
+    assert late_teacher_applies(*leaves, bs, topk, backend="triton")
+    do = torch.randn(leaves[0].shape, generator=torch.Generator().manual_seed(1)).to(DEV, DTYPE)
+    o, kl, before, seen, block_idx, grads = step(leaves, do, "backward", **kw)
+    # the value comes with the backward: NaN before, filled in place and reported once after
+    assert math.isnan(before.item())
+    assert len(seen) == 1 and seen[0].item() == kl.item()
+
+    ref = [x.detach().double().requires_grad_() for x in leaves]
+    rq, rk, rv, riq, rik = ref
+    ro, rlse = sparse_attention(rq, rk, rv, block_idx, bs, backend="reference", q_offset=off, doc_start=doc)
+    rkl = indexer_kl_loss(rq.detach(), rk.detach(), riq, rik, block_idx, rlse.detach(), bs, backend="reference",
+                          q_offset=off, doc_start=doc)
+    want = torch.autograd.grad([ro, rkl], ref, [do.double(), torch.full_like(rkl, 0.7)])
+    assert rel(o, ro) < TOL and abs(kl.item() - rkl.item()) < TOL * max(1.0, abs(rkl.item()))
+    for name, g, w in zip(("dq", "dk", "dv", "d iq", "d ik"), grads, want):
+        assert torch.isfinite(g).all(), name
+        assert rel(g, w) < TOL, (name, rel(g, w))
+
+    # and the forward-teacher path on the same inputs: same value and gradients
+    _, kl_f, before_f, seen_f, idx_f, grads_f = step(leaves, do, "forward", **kw)
+    assert torch.equal(idx_f, block_idx) and before_f.item() == kl_f.item() == seen_f[0].item()
+    assert abs(kl_f.item() - kl.item()) < 1e-3 * max(1.0, abs(kl.item()))
+    for name, g, w in zip(("dq", "dk", "dv", "d iq", "d ik"), grads, grads_f):
+        assert rel(g, w) < (1e-2 if CUDA else 1e-5), (name, rel(g, w))
+
+
+def test_without_a_graph_the_teacher_comes_from_the_forward():
+    """No backward will run (no_grad, or the reference backend): kl holds its value on return and
+    on_kl is called right away."""
+    leaves = inputs(1, 40, 4, 2, 16, 16)
+    for ctx, backend in ((torch.no_grad, "triton"), (torch.enable_grad, "reference")):
+        with ctx():
+            assert not late_teacher_applies(*leaves, 16, 2, backend=backend)
+            seen = []
+            o, kl = msa_attention(*leaves, block_size=16, topk=2, backend=backend, kl_teacher="backward",
+                                  on_kl=seen.append)
+        assert math.isfinite(kl.item()) and len(seen) == 1 and seen[0].item() == kl.item()
+    with pytest.raises(ValueError, match="kl_teacher"):
+        msa_attention(*leaves, block_size=16, topk=2, kl_teacher="later")
+
+
+def test_only_the_kl_needs_a_gradient():
+    """A backward from the KL alone still runs the attention's backward for the teacher (o's
+    gradient is zero): the index inputs get the forward path's gradients."""
+    leaves = inputs(1, 48, 4, 2, 16, 16, seed=3)
+    got = {}
+    for teacher in ("backward", "forward"):
+        o, kl = msa_attention(*leaves, block_size=16, topk=3, backend="triton", kl_teacher=teacher)
+        got[teacher] = (*torch.autograd.grad(kl, leaves[3:]), kl.item())
+    assert abs(got["backward"][2] - got["forward"][2]) < 1e-4
+    for g, w in zip(got["backward"][:2], got["forward"][:2]):
+        assert rel(g, w) < (1e-2 if CUDA else 1e-5)
