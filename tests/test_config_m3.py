@@ -58,6 +58,7 @@ def test_m3_tiny_built_size_is_the_analytic_one():
     (["model.num_experts=0"], r"model.mlp_types names moe layers but model.num_experts is 0"),
     (["model.msa.local_blocks=5"], r"model.msa.local_blocks \(5\) must be in \[1, model.msa.topk=4\]"),
     (["model.msa.index_precision=fp16"], r"model.msa.index_precision must be input or fp8, got 'fp16'"),
+    (["model.msa.kl_teacher=later"], r"model.msa.kl_teacher must be forward or backward, got 'later'"),
 ])
 def test_bad_values_name_the_field(overrides, message):
     cfg = _compose("model=m3_tiny", "model.glu_alpha=1.6", *overrides)

@@ -114,3 +114,30 @@ def test_only_the_kl_needs_a_gradient():
     assert abs(got["backward"][2] - got["forward"][2]) < 1e-4
     for g, w in zip(got["backward"][:2], got["forward"][:2]):
         assert rel(g, w) < (1e-2 if CUDA else 1e-5)
+
+
+def test_the_backward_writes_every_teacher_row_the_loss_reads():
+    """The attention's backward writes the rows of every selected slot and the KL reads no other:
+    rows left NaN elsewhere (as an uninitialised buffer may hold) do not reach the loss."""
+    from msa_model.ops import select_blocks
+    from msa_model.ops.indexer_kl import triton as kl_triton
+    from msa_model.ops.inverse_index import clean_block_idx
+    from msa_model.ops.sparse_attention import triton as sa_triton
+
+    B, T, Hq, G, D, Di, bs, topk = 2, 75, 4, 2, 16, 16, 16, 4
+    q, k, v, iq, ik = (x.detach() for x in inputs(B, T, Hq, G, D, Di, seed=9))
+    block_idx = select_blocks(iq, ik, bs, topk, backend="reference")
+    idx = clean_block_idx(block_idx, bs)
+    assert (idx < 0).any()  # early queries have fewer blocks than slots
+    o, lse, index = sa_triton.sparse_forward(q, k, v, idx, bs, D ** -0.5)
+    pbar = torch.full((B * T * G * topk, bs), float("nan"), dtype=kl_triton._teacher_dtype(q), device=DEV)
+    sa_triton.sparse_backward(torch.randn_like(o), q, k, v, o, lse, idx, bs, D ** -0.5, index=index, teacher=pbar)
+    written = ~pbar.isnan().any(-1)
+    assert torch.equal(written, (idx >= 0).flatten())
+    kl_index = kl_triton.inverse_index(idx, bs)
+    lse_z = kl_triton.student_lse(iq, ik, kl_index, topk, bs, Di ** -0.5)
+    kl_BTG, dik, diq = kl_triton.teacher_backward(iq, ik, pbar, idx, lse_z, kl_index, topk, bs, Di ** -0.5)
+    want = indexer_kl_loss(q.double(), k.double(), iq.double(), ik.double(), block_idx, lse.double(), bs,
+                           backend="reference")
+    assert torch.isfinite(kl_BTG).all() and torch.isfinite(dik).all() and torch.isfinite(diq).all()
+    assert abs(kl_BTG.double().mean().item() - want.item()) < TOL * max(1.0, want.item())

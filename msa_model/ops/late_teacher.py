@@ -12,9 +12,9 @@ gives the loss's value.
 The price: the KL's value is known only once the backward has run. The returned scalar holds
 NaN until then and is filled in place by the backward; `on_kl(value)` is called there too
 (msa_model.attention records the metric that way). The gradients are the forward path's,
-up to rounding: the teacher rows are the same fp16 averages of the same P.
+up to rounding: the rows average the same P (rounded to bf16 first here, to fp16 there).
 Memory: the teacher rows (B*T*G*K*block_size fp16, 2 GiB at 128K with the default geometry)
-live during the backward only.
+live during the backward only; only the rows of selected slots are written and read.
 """
 
 from __future__ import annotations
@@ -59,10 +59,11 @@ class LateTeacherMSA(torch.autograd.Function):
         ctx.state = ctx.index = None
         state.idx, state.doc_start = idx, doc_start
         B, T, G, K = idx.shape
-        pbar = torch.zeros(B * T * G * K, block_size, dtype=kl_triton._teacher_dtype(q), device=q.device)
+        # only the rows of selected slots are written, and only they are read
+        pbar = torch.empty(B * T * G * K, block_size, dtype=kl_triton._teacher_dtype(q), device=q.device)
         dq, dk, dv = sa_triton.attention_backward(do, q, k, v, o, lse, state, block_size, scale, q_offset, sa_tuning,
                                                   teacher=pbar)
-        kl_BTG, dik, diq = kl_triton.teacher_backward(iq, ik, pbar, lse_z, index, K, block_size, index_scale,
+        kl_BTG, dik, diq = kl_triton.teacher_backward(iq, ik, pbar, idx, lse_z, index, K, block_size, index_scale,
                                                       kl_tuning, q_offset, state.docs)
         del pbar
         value = (kl_BTG.sum(dtype=torch.float64) / (B * T * G)).float()

@@ -228,17 +228,18 @@ def student_lse(iq, ik, index, K, block_size, index_scale, cfg=DEFAULT_TUNING, q
     return _lse_over_slots(*part.view(2, B, T, G, K).unbind(0))
 
 
-def teacher_backward(iq, ik, pbar, lse_z, index, K, block_size, index_scale, cfg=DEFAULT_TUNING, q_offset=0,
+def teacher_backward(iq, ik, pbar, idx, lse_z, index, K, block_size, index_scale, cfg=DEFAULT_TUNING, q_offset=0,
                      docs=None):
     """The loss and its unscaled gradients from teacher rows written after the forward (by the
     attention's backward): (kl fp32 [B, T, G], d ik fp32 [B, TK, Di], d iq fp32 [B, T, G, Di]).
-    pbar [B*T*G*K, J] (rows of empty slots zero)."""
+    pbar [B*T*G*K, J]: the rows of the entries of `index`, i.e. of the slots of the cleaned ids
+    idx int32 [B, T, G, K] that are not -1 (the others are not read)."""
     B, T, G, Di = iq.shape
     TK = ik.shape[1]
-    rows, L = B * T * G, K * pbar.shape[1]
+    rows, J = B * T * G, pbar.shape[1]
     sums = torch.empty(2, rows, dtype=torch.float32, device=iq.device)
-    kl_teacher_sums_kernel[(triton.cdiv(rows, 16),)](pbar, sums, rows, L=L, RB=16, LB=min(256, triton.next_power_of_2(L)),
-                                                     num_warps=4)
+    kl_teacher_sums_kernel[(triton.cdiv(rows, 16),)](pbar, idx, sums, rows, K=K, J=J, RB=16,
+                                                     LB=min(256, triton.next_power_of_2(K * J)), num_warps=4)
     s_sum, a = sums.view(2, B, T, G).unbind(0)
     s_safe = s_sum.clamp_min(torch.finfo(torch.float32).tiny)
     inv_s = 1.0 / s_safe

@@ -513,17 +513,20 @@ def kl_stored_bwd_kernel(iq_ptr, ik_ptr, pbar_ptr, lsez_ptr, invs_ptr, ent_ptr, 
 
 
 @triton.jit
-def kl_teacher_sums_kernel(pbar_ptr, sums_ptr, ROWS, L: tl.constexpr, RB: tl.constexpr, LB: tl.constexpr):
-    """Per (b, t, g), its L = K*J teacher values pbar [ROWS, L] (contiguous): sums [2, ROWS] =
-    (sum p, sum p log p), the loss's terms that need the teacher alone."""
+def kl_teacher_sums_kernel(pbar_ptr, idx_ptr, sums_ptr, ROWS, K: tl.constexpr, J: tl.constexpr, RB: tl.constexpr,
+                           LB: tl.constexpr):
+    """Per (b, t, g), its K*J teacher values pbar [ROWS, K*J] (contiguous): sums [2, ROWS] =
+    (sum p, sum p log p), the loss's terms that need the teacher alone. Rows of empty slots
+    (idx [ROWS, K] < 0, the cleaned ids) were never written and are not read."""
     r = tl.program_id(0).to(tl.int64) * RB + tl.arange(0, RB)
     ok = r < ROWS
     s = tl.zeros((RB,), tl.float32)
     a = tl.zeros((RB,), tl.float32)
-    for c0 in range(0, L, LB):
+    for c0 in range(0, K * J, LB):
         c = c0 + tl.arange(0, LB)
-        p = tl.load(pbar_ptr + r[:, None] * L + c[None, :], mask=ok[:, None] & (c < L)[None, :], other=0.0)
-        p = p.to(tl.float32)
+        cin = c < K * J
+        live = tl.load(idx_ptr + r[:, None] * K + c[None, :] // J, mask=ok[:, None] & cin[None, :], other=-1) >= 0
+        p = tl.load(pbar_ptr + r[:, None] * (K * J) + c[None, :], mask=live, other=0.0).to(tl.float32)
         s += tl.sum(p, 1)
         a += tl.sum(p * tl.log(tl.maximum(p, FP32_TINY)), 1)
     tl.store(sums_ptr + r, s, mask=ok)

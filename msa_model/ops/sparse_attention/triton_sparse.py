@@ -175,10 +175,11 @@ def _bwd_tile(Q, DO, LSE, DELTA, DQP, ENTRY, PBAR, kt, vt, dk, dv, j, b, g, star
     TEACHER: P here is the final softmax (recomputed with the whole support's lse), so the
     indexer KL's teacher row of each entry, the mean of P over the group's heads, costs one small
     product with a constant [R, QTC] averaging matrix (QTC >= QT columns, one per entry: a
-    product's least width). It is stored to PBAR [entries, BS] at the entry's id over all
-    queries. Taken right after P, before dV: +4.6 ms on 105 at 128K, the same as at the tile's
-    end; taken after dV from P's bf16 copy, or with its sums added by atomics here, it cost
-    +9 to +34 ms (registers: the kernel runs at 255; bench/RESULTS.md round 7)."""
+    product's least width), from the 16-bit copy of P that dV multiplies anyway, before dV. It
+    is stored to PBAR [entries, BS] at the entry's id over all queries. Where it goes matters
+    (the kernel runs at 255 registers): this way costs about 4 ms on 105 at 128K; its own fp16
+    copy 1 ms more; after dV, or with its sums added here by atomics, 9 to 34 ms more
+    (bench/RESULTS.md, round 7)."""
     hh, row_ok, trip, t = _tile_rows(ENTRY, start, i0, count, b, T, C, t0, HKV, SLOTS, H, HP, QT)
     d = tl.arange(0, D)
     row = (b * T + t) * HQ + g * H + hh
@@ -189,9 +190,10 @@ def _bwd_tile(Q, DO, LSE, DELTA, DQP, ENTRY, PBAR, kt, vt, dk, dv, j, b, g, star
     st = mm(kt, tl.trans(q)) * qk_scale
     vis = (j[:, None] <= QOFF + t[None, :]) & row_ok[None, :]
     pt = tl.where(vis, tl.exp2(st - lse2[None, :]), 0.0)
+    pt16 = pt.to(do.dtype)
     if TEACHER:
-        _teacher_rows(PBAR, ENTRY, pt.to(PBAR.dtype.element_ty), start, i0, count, H, HP, QT, BS, QTC)
-    dv += mm(pt.to(do.dtype), do)
+        _teacher_rows(PBAR, ENTRY, pt16, start, i0, count, H, HP, QT, BS, QTC)
+    dv += mm(pt16, do)
     dst = pt * (mm(vt, tl.trans(do)) - delta[None, :])
     dk += mm(dst.to(q.dtype), q)
     dq = mm(tl.trans(dst.to(kt.dtype)), kt) * sm_scale
