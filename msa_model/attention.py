@@ -345,6 +345,8 @@ class MSASelfAttention(CausalSelfAttention):
                 keep_teacher=True if self.options.recompute_core else None,
                 local_blocks=msa.local_blocks, index_precision=msa.index_precision,
                 kl_teacher="backward" if self._late_kl else "forward", on_kl=record,
+                # without a graph the layer drops the KL (evaluation, full recompute's first pass)
+                with_kl=torch.is_grad_enabled(),
             )
             if self.diagnostics_capture is not None:
                 # the first forward after arming only (a recomputation finds the capture sealed)

@@ -141,3 +141,13 @@ def test_the_backward_writes_every_teacher_row_the_loss_reads():
                            backend="reference")
     assert torch.isfinite(kl_BTG).all() and torch.isfinite(dik).all() and torch.isfinite(diq).all()
     assert abs(kl_BTG.double().mean().item() - want.item()) < TOL * max(1.0, want.item())
+
+
+def test_without_the_kl():
+    """with_kl=False (passes that drop the KL) gives the same output and no KL."""
+    leaves = inputs(1, 40, 4, 2, 16, 16, seed=5)
+    seen = []
+    with torch.no_grad():
+        o, kl = msa_attention(*leaves, block_size=16, topk=2, backend="triton", with_kl=False, on_kl=seen.append)
+        o_kl, _ = msa_attention(*leaves, block_size=16, topk=2, backend="triton")
+    assert kl is None and not seen and torch.equal(o, o_kl)

@@ -21,7 +21,8 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iq: torch.T
                   backend: str = "auto", return_block_idx: bool = False, q_offset: int = 0,
                   doc_start: torch.Tensor | None = None, check_ids: bool = True, tuning: dict | None = None,
                   keep_teacher: bool | None = None, local_blocks: int = 1, index_precision: str = "input",
-                  kl_teacher: str = "forward", on_kl: Callable[[torch.Tensor], None] | None = None):
+                  kl_teacher: str = "forward", on_kl: Callable[[torch.Tensor], None] | None = None,
+                  with_kl: bool = True):
     """MSA attention: o [B, T, Hq, D] and the indexer KL (fp32 scalar, no coefficient applied).
 
     q [B, T, Hq, D], k/v [B, T, Hkv, D], iq [B, T, Hkv, Di], ik [B, T, Di].
@@ -51,6 +52,8 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iq: torch.T
     `teacher_bytes`); elsewhere "forward" is used.
     `on_kl(value)`: called with the KL's detached value as soon as it is known: in the backward
     when the teacher comes from there (`late_teacher_applies`), else in this call.
+    `with_kl=False`: no KL at all (kl is None), for passes that would drop it: evaluation, and
+    the first forward of a layer that full recompute reruns in backward.
     """
     if kl_teacher not in KL_TEACHERS:
         raise ValueError(f"kl_teacher must be one of {KL_TEACHERS}, got {kl_teacher!r}")
@@ -67,7 +70,7 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iq: torch.T
                                   precision=index_precision)
     # select_blocks' ids are in range and doc_start is checked above: no id checks (check_ids), so
     # the layer issues its work with no host synchronisation
-    if kl_teacher == "backward" and late_teacher_applies(q, k, v, iq, ik, block_size, topk, dense, backend, tuning):
+    if with_kl and kl_teacher == "backward" and late_teacher_applies(q, k, v, iq, ik, block_size, topk, dense, backend, tuning):
         from .late_teacher import msa_late_teacher
 
         D, Di = q.shape[-1], iq.shape[-1]
@@ -81,11 +84,14 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iq: torch.T
         o, lse = sparse_attention(q, k, v, block_idx, block_size=block_size, scale=scale, backend=backend,
                                   q_offset=q_offset, check_ids=False, doc_start=doc_start,
                                   tuning=tuning.get("sparse_attention"))
-    kl = indexer_kl_loss(q.detach(), k.detach(), iq, ik, block_idx, lse.detach(), block_size=block_size,
-                         scale=scale, index_scale=index_scale, backend=backend, q_offset=q_offset, check_ids=False,
-                         doc_start=doc_start, tuning=tuning.get("indexer_kl"), keep_teacher=keep_teacher)
-    if on_kl is not None:
-        on_kl(kl.detach())
+    kl = None
+    if with_kl:
+        kl = indexer_kl_loss(q.detach(), k.detach(), iq, ik, block_idx, lse.detach(), block_size=block_size,
+                             scale=scale, index_scale=index_scale, backend=backend, q_offset=q_offset,
+                             check_ids=False, doc_start=doc_start, tuning=tuning.get("indexer_kl"),
+                             keep_teacher=keep_teacher)
+        if on_kl is not None:
+            on_kl(kl.detach())
     if return_block_idx:
         return o, kl, block_idx
     return o, kl
