@@ -234,8 +234,7 @@ def teacher_backward(iq, ik, pbar, idx, lse_z, index, K, block_size, index_scale
     attention's backward): (kl fp32 [B, T, G], d ik fp32 [B, TK, Di], d iq fp32 [B, T, G, Di]).
     pbar [B*T*G*K, J]: the rows of the entries of `index`, i.e. of the slots of the cleaned ids
     idx int32 [B, T, G, K] that are not -1 (the others are not read)."""
-    B, T, G, Di = iq.shape
-    TK = ik.shape[1]
+    B, T, G, _ = iq.shape
     rows, J = B * T * G, pbar.shape[1]
     sums = torch.empty(2, rows, dtype=torch.float32, device=iq.device)
     kl_teacher_sums_kernel[(triton.cdiv(rows, 16),)](pbar, idx, sums, rows, K=K, J=J, RB=16,
@@ -243,16 +242,9 @@ def teacher_backward(iq, ik, pbar, idx, lse_z, index, K, block_size, index_scale
     s_sum, a = sums.view(2, B, T, G).unbind(0)
     s_safe = s_sum.clamp_min(torch.finfo(torch.float32).tiny)
     inv_s = 1.0 / s_safe
-    dik = torch.zeros(B, TK, Di, dtype=torch.float32, device=iq.device)
-    diq = torch.zeros(B, T, G, Di, dtype=torch.float32, device=iq.device)
     bz = torch.zeros(B, T, G, dtype=torch.float32, device=iq.device)
-    tb, ts, tc = _programs(index, cfg.bwd_per_program)
-    bstart, bend, docs_on = _tables(docs, index.entry)
-    kl_stored_bwd_kernel[(tb.numel(),)](
-        iq, ik, pbar, lse_z, inv_s, index.entry, tb, ts, tc, dik, diq, bz, bstart, bend, T, TK, q_offset,
-        index.n_blocks, iq.stride(0), iq.stride(1), iq.stride(2), ik.stride(0), ik.stride(1), index_scale,
-        BLOCK=block_size, G=G, K=K, M=cfg.late_M, J=triton.next_power_of_2(block_size), DI=Di,
-        PREC=_precision(iq, iq), DOCS=docs_on, VALUE=True, num_warps=cfg.late_warps, num_stages=cfg.stored_stages)
+    dik, diq = _stored_backward(iq, ik, pbar, lse_z, inv_s, index, K, block_size, index_scale, cfg, q_offset, docs,
+                                bz)
     kl = torch.where(s_sum > 0, (a - bz) * inv_s - torch.log(s_safe) + lse_z, torch.zeros_like(lse_z))
     return kl, dik, diq
 
@@ -271,19 +263,23 @@ def _store_teacher(q, G, K, block_size, cfg, needs_grad: bool, keep: bool | None
     return needs_grad and keep is not False and fits
 
 
-def _stored_backward(iq, ik, pbar, lse_z, inv_s, index, K, block_size, index_scale, cfg, q_offset, docs=None):
-    """Unscaled d ik fp32 [B, TK, Di] and d iq fp32 [B, T, G, Di] from the stored teacher rows."""
+def _stored_backward(iq, ik, pbar, lse_z, inv_s, index, K, block_size, index_scale, cfg, q_offset, docs=None,
+                     bz=None):
+    """Unscaled d ik fp32 [B, TK, Di] and d iq fp32 [B, T, G, Di] from the stored teacher rows;
+    with `bz` (fp32 [B, T, G], zeroed) also the loss's sum p z per (t, g), on the late tiles."""
     B, T, G, Di = iq.shape
     TK = ik.shape[1]
     dik = torch.zeros(B, TK, Di, dtype=torch.float32, device=iq.device)
     diq = torch.zeros(B, T, G, Di, dtype=torch.float32, device=iq.device)
     tb, ts, tc = _programs(index, cfg.bwd_per_program)
     bstart, bend, docs_on = _tables(docs, index.entry)
+    value = bz is not None
     kl_stored_bwd_kernel[(tb.numel(),)](
-        iq, ik, pbar, lse_z, inv_s, index.entry, tb, ts, tc, dik, diq, dik, bstart, bend, T, TK, q_offset,
-        index.n_blocks, iq.stride(0), iq.stride(1), iq.stride(2), ik.stride(0), ik.stride(1), index_scale,
-        BLOCK=block_size, G=G, K=K, M=cfg.stored_M, J=triton.next_power_of_2(block_size), DI=Di,
-        PREC=_precision(iq, iq), DOCS=docs_on, VALUE=False, num_warps=cfg.stored_warps, num_stages=cfg.stored_stages)
+        iq, ik, pbar, lse_z, inv_s, index.entry, tb, ts, tc, dik, diq, bz if value else dik, bstart, bend, T, TK,
+        q_offset, index.n_blocks, iq.stride(0), iq.stride(1), iq.stride(2), ik.stride(0), ik.stride(1), index_scale,
+        BLOCK=block_size, G=G, K=K, M=cfg.late_M if value else cfg.stored_M, J=triton.next_power_of_2(block_size),
+        DI=Di, PREC=_precision(iq, iq), DOCS=docs_on, VALUE=value,
+        num_warps=cfg.late_warps if value else cfg.stored_warps, num_stages=cfg.stored_stages)
     return dik, diq
 
 
