@@ -63,13 +63,14 @@ def main(overrides: list[str]) -> None:
             model.train()
             return model
 
-        def grads(model, lm_weight: float, kl_scale: float, sparse: bool):
+        def grads(model, lm_weight: float, kl_scale: float, sparse: bool, rows=slice(None), cols=slice(None)):
             model.zero_grad(set_to_none=True)
             set_msa_phase(model, sparse)
             tracker = get_moe_metrics_tracker()
             tracker.clear()
             MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(kl_scale))
-            (model(tokens, pos, None, labels=labels).mean() * lm_weight).backward()
+            logits = model(tokens[rows, cols], pos[rows, cols], None, labels=labels[rows, cols])
+            (logits.mean() * lm_weight).backward()
             kl = tracker.metrics[KL_METRIC].values.clone()
             tracker.clear()
             return {n: p.grad for n, p in model.named_parameters()}, kl
@@ -98,23 +99,29 @@ def main(overrides: list[str]) -> None:
             torch.testing.assert_close(kl_q, kl_1, rtol=1e-6, atol=0)
 
         # the KL's teacher from the attention's backward (the Triton kernels; the interpreter on CPU):
-        # the same logged KL and the same gradients as with the teacher from the KL's forward
+        # the same logged KL and the same gradients as with the teacher from the KL's forward, also
+        # when the layer's core (selective) or the whole layer (full) is recomputed in backward
         got = {}
-        for teacher in ("forward", "backward"):
+        for teacher, recompute in (("forward", "none"), ("backward", "none"), ("backward", "selective"),
+                                   ("backward", "full")):
             torch.manual_seed(1)
             model_parallel_cuda_manual_seed(1)
             c = cfg.model.copy()
-            c.msa.backend, c.msa.kl_teacher = "triton", teacher
+            c.msa.backend, c.msa.kl_teacher, c.recompute = "triton", teacher, recompute
             m = build_model(c, cfg.parallel, 257, on_cpu=True)
             m.train()
-            got[teacher] = grads(m, 1.0, 1.0, True)
+            # one row of 96 tokens: the interpreter runs every kernel
+            got[teacher, recompute] = grads(m, 1.0, 1.0, True, slice(0, 1), slice(0, 96))
             late = [a._late_kl for a in m.modules() if isinstance(a, MSASelfAttention)]
             assert late == [teacher == "backward"] * cfg.model.num_layers, (teacher, late)
-        (g_f, kl_f), (g_b, kl_b) = got["forward"], got["backward"]
-        assert torch.isfinite(kl_b).all() and (kl_b > 0).all(), kl_b
-        torch.testing.assert_close(kl_b, kl_f, rtol=1e-5, atol=1e-7)
-        for n in g_f:
-            torch.testing.assert_close(g_b[n], g_f[n], rtol=1e-4, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
+        g_f, kl_f = got["forward", "none"]
+        for key in (("backward", "none"), ("backward", "selective"), ("backward", "full")):
+            g_b, kl_b = got[key]
+            assert torch.isfinite(kl_b).all() and (kl_b > 0).all(), (key, kl_b)
+            torch.testing.assert_close(kl_b, kl_f, rtol=1e-5, atol=1e-7, msg=lambda m, key=key: f"{key}: {m}")
+            for n in g_f:
+                torch.testing.assert_close(g_b[n], g_f[n], rtol=1e-4, atol=1e-7,
+                                           msg=lambda m, n=n, key=key: f"{key} {n}: {m}")
 
         # the optimizer's norms, jointly and separately clipped
         for index_clip in (None, 1e-3):
