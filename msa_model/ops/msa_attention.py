@@ -70,7 +70,8 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iq: torch.T
                                   precision=index_precision)
     # select_blocks' ids are in range and doc_start is checked above: no id checks (check_ids), so
     # the layer issues its work with no host synchronisation
-    if with_kl and kl_teacher == "backward" and late_teacher_applies(q, k, v, iq, ik, block_size, topk, dense, backend, tuning):
+    late = with_kl and kl_teacher == "backward"
+    if late and late_teacher_applies(q, k, v, iq, ik, block_size, topk, dense, backend, tuning):
         from .late_teacher import msa_late_teacher
 
         D, Di = q.shape[-1], iq.shape[-1]
