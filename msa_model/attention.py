@@ -351,7 +351,7 @@ class MSASelfAttention(CausalSelfAttention):
             if self.diagnostics_capture is not None:
                 # the first forward after arming only (a recomputation finds the capture sealed)
                 self.diagnostics_capture.add(q=q[:, a:b], k=k, iq=iq[:, a:b], ik=ik, block_idx=block_idx,
-                                             q_offset=off, scale=self.config.softmax_scale)
+                                             q_offset=off, scale=self.config.softmax_scale, doc_start=doc)
             keys = (selected_keys_per_query(block_idx, msa.block_size, off, doc) if block_idx is not None
                     else dense_keys_per_query(b - a, off, doc, q.device))
             return o, kl, keys

@@ -165,6 +165,20 @@ def test_training_logs_diagnostics_in_range_and_a_heatmap(diag_run):
     assert "msa diagnostics step 4: recall@k" in (diag_run / "train.log").read_text()
 
 
+def test_diagnostics_of_packed_documents_match_the_trained_kl(tmp_path, data_cache):
+    """data.document_mask=true (synthetic retrieval documents of 128-1024 tokens make boundaries in
+    most 256-token rows): the layers hand their document starts to the diagnostics, whose KL is
+    the training's document-masked KL."""
+    run_dir = tmp_path / "run"
+    run_train(run_dir, "trainer.max_steps=2", "parallel.global_batch_size=2", "trainer.indexer_warmup_tokens=0",
+              "logging.msa_diagnostics_interval=2", "checkpoint.interval=0", "data.document_mask=true",
+              "data.retrieval_share=0.5", data_cache=data_cache)
+    r = metrics(run_dir)[2]
+    assert r["phase"] == "sparse"
+    assert r["msa/kl"] == pytest.approx(r["kl_loss"], rel=1e-4)
+    assert 0.0 <= r["msa/recall"] <= 1.0 and r["msa/oracle_mass"] >= r["msa/captured_mass"] - 1e-9
+
+
 def test_eval_runs_on_the_checkpoint_and_writes_results(diag_run, tmp_path):
     out = tmp_path / "eval"
     cmd = [sys.executable, "-m", "msa_model.eval", str(diag_run), "--out", str(out), "--lengths", "256,384",
@@ -187,3 +201,38 @@ def test_eval_runs_on_the_checkpoint_and_writes_results(diag_run, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "msa_model.eval", str(tmp_path), "--out", str(tmp_path / "x")],
                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "is not a checkpoint" in bad.stderr
+
+
+@pytest.mark.parametrize("warmup", [False, True], ids=["sparse", "warmup"])
+def test_a_packed_row_measures_what_its_documents_measure_alone(warmup):
+    """With packed documents the statistics (sums and counts) of a row are those of its documents
+    run one by one as rows of their own: blocks are numbered per document, as selection does."""
+    from msa_model.ops.select_blocks.reference import select_blocks_reference
+    from msa_model.training.diagnostics import chunk_statistics
+
+    torch.manual_seed(1)
+    cuts = [0, 19, 52, 70]  # three documents in one row of 70 tokens
+    Tr = cuts[-1]
+    q, k = torch.randn(1, Tr, HQ, D), torch.randn(1, Tr, G, D)
+    iq, ik = torch.randn(1, Tr, G, DI), torch.randn(1, Tr, DI)
+    doc = torch.zeros(1, Tr, dtype=torch.int32)
+    for a, b in zip(cuts[:-1], cuts[1:]):
+        doc[:, a:b] = a
+    n_blocks = -(-Tr // BK)
+
+    def stats(sl, ds):
+        iq_, ik_ = iq[:, sl], ik[:, sl]
+        sel = None if warmup else select_blocks_reference(iq_, ik_, BK, TOPK, doc_start_BT=ds)
+        chunk = {"q": q[:, sl], "k": k[:, sl], "iq": iq_, "ik": ik_, "block_idx": sel, "q_offset": 0,
+                 "scale": None, "doc_start": ds}
+        return chunk_statistics(chunk, BK, TOPK, n_blocks, force_sink=False)
+
+    packed = stats(slice(None), doc)
+    alone = [stats(slice(a, b), None) for a, b in zip(cuts[:-1], cuts[1:])]
+    for key in ("scalars", "popularity", "heatmap", "rows"):
+        torch.testing.assert_close(packed[key], sum(x[key] for x in alone), atol=1e-6, rtol=1e-6,
+                                   msg=lambda m, key=key: f"{key}: {m}")
+    assert packed["scalars"][0, 1] > 0  # some queries see more than top-k blocks
+    with pytest.raises(ValueError, match="whole rows"):
+        chunk_statistics({"q": q, "k": k, "iq": iq, "ik": ik, "block_idx": None, "q_offset": 8, "scale": None,
+                          "doc_start": doc}, BK, TOPK, n_blocks, force_sink=False)

@@ -29,7 +29,9 @@ top-k blocks (for the others selection is trivially everything):
 Also `<run_dir>/diagnostics/step_NNNNNNNN.png` (per layer: how often each query block selects each
 key block, indexer next to oracle; sent to wandb as an image) and `step_NNNNNNNN.json` (per-layer
 values, block popularity and heatmaps). Values are sums and counts reduced over every rank, so
-they are the same at any TP/CP/PP/DP layout up to which micro-batches are seen.
+they are the same at any TP/CP/PP/DP layout up to which micro-batches are seen. With packed
+documents (`data.document_mask=true`, no CP) blocks are numbered per document, as the selection
+numbers them, so a packed row measures what its documents measure one by one.
 
 B = batch, T = queries of a chunk, Hq = query heads, G = groups, N = key blocks, K = top-k.
 """
@@ -59,7 +61,7 @@ SCALARS = ("recall", "captured_mass", "oracle_mass", "kl", "selection_entropy", 
 class LayerCapture:
     """What one layer saw in its first forward after arming: a list of query chunks, each a dict
     of q [B,T,Hq,D], k [B,>=q_offset+T,G,D], iq [B,T,G,Di], ik [B,>=q_offset+T,Di], block_idx
-    [B,T,G,K] int32 or None (warmup), q_offset, scale. Later forwards (further micro-batches,
+    [B,T,G,K] int32 or None (warmup), q_offset, scale, doc_start int [B,T] or None. Later forwards (further micro-batches,
     recomputation) are ignored."""
 
     def __init__(self):
@@ -76,32 +78,43 @@ class LayerCapture:
 
 @torch.no_grad()
 def block_mass(q: torch.Tensor, k: torch.Tensor, block_idx, block_size: int, scale: float, n_blocks: int,
-               q_offset: int = 0):
+               q_offset: int = 0, doc_start=None):
     """Attention mass per key block: fp32 [B, T, Hq, N] (rows sum to 1 over the support), and the
     lse [B, T, Hq]. q [B,T,Hq,D], k [B,q_offset+T,Hkv,D]. The reference sparse attention with
-    values v[j] = one-hot(block of j) returns exactly sum_j p[j] v[j]; D block columns per pass."""
+    values v[j] = one-hot(block of j) returns exactly sum_j p[j] v[j]; D block columns per pass.
+    With packed documents (doc_start int [B, T], q_offset 0) the blocks are each document's own
+    (key j is in block (j - start of its document) // block_size), as the selection's ids are."""
     B, T, Hq, D = q.shape
     Tk, Hkv = k.shape[1], k.shape[2]
-    block_J = torch.arange(Tk, device=q.device) // block_size
+    pos_J = torch.arange(Tk, device=q.device)
+    block_BJ = (pos_J[None, :] if doc_start is None else pos_J[None, :] - doc_start.long()) // block_size
+    block_BJ = block_BJ.expand(B, Tk)
     parts, lse = [], None
     for n0 in range(0, n_blocks, D):
-        v_JD = (block_J[:, None] == n0 + torch.arange(D, device=q.device)[None, :]).to(q.dtype)
-        v = v_JD[None, :, None, :].expand(B, Tk, Hkv, D).contiguous()
-        o, lse = sparse_attention_forward(q, k, v, block_idx, block_size, scale, True, q_offset)
+        v_BJD = (block_BJ[:, :, None] == n0 + torch.arange(D, device=q.device)[None, None, :]).to(q.dtype)
+        v = v_BJD[:, :, None, :].expand(B, Tk, Hkv, D).contiguous()
+        o, lse = sparse_attention_forward(q, k, v, block_idx, block_size, scale, True, q_offset, doc_start)
         parts.append(o[..., :min(D, n_blocks - n0)].float())
     return torch.cat(parts, dim=-1), lse
 
 
-def _normalised_entropy(p_BTGN, vis_TN):
+def _normalised_entropy(p_BTGN, vis_BTN):
     ent = -torch.special.xlogy(p_BTGN, p_BTGN).sum(-1)
-    return ent / torch.log(vis_TN.sum(-1).clamp_min(2).double())[None, :, None]
+    return ent / torch.log(vis_BTN.sum(-1).clamp_min(2).double())[:, :, None]
 
 
 @torch.no_grad()
-def chunk_statistics(c: dict, block_size: int, topk: int, n_blocks: int, force_sink: bool) -> dict:
+def chunk_statistics(c: dict, block_size: int, topk: int, n_blocks: int, force_sink: bool,
+                     local_blocks: int = 1) -> dict:
     """Sums and counts (float64) of one captured chunk: {"scalars": [S, 2], "popularity": [2, N],
-    "heatmap": [2, N, N] (indexer, oracle), "rows": [N]}."""
+    "heatmap": [2, N, N] (indexer, oracle), "rows": [N]}. With packed documents (the chunk's
+    "doc_start" int [B, T]) blocks are numbered per document, as the selection numbers them, so
+    a packed row gives the sums of its documents measured one by one (whole rows only: q_offset 0)."""
     off = c["q_offset"]
+    ds = c.get("doc_start")
+    if ds is not None and off:
+        raise ValueError("msa diagnostics take packed documents of whole rows only (q_offset 0, no context "
+                         "parallelism)")
     q = c["q"].float()
     B, T, Hq, D = q.shape
     end = off + T
@@ -110,32 +123,35 @@ def chunk_statistics(c: dict, block_size: int, topk: int, n_blocks: int, force_s
     scale, index_scale = default_scale(D, c["scale"]), default_scale(Di, None)
     dev = q.device
 
-    mass_BTHN, lse_dense = block_mass(q, k, None, block_size, scale, n_blocks, off)
+    mass_BTHN, lse_dense = block_mass(q, k, None, block_size, scale, n_blocks, off, ds)
     mass = mass_BTHN.view(B, T, G, Hq // G, n_blocks).mean(3).double()
-    student = block_mass(iq, ik[:, :, None, :], None, block_size, index_scale, n_blocks, off)[0].double()
+    student = block_mass(iq, ik[:, :, None, :], None, block_size, index_scale, n_blocks, off, ds)[0].double()
     sel = c["block_idx"]
     if sel is None:
-        sel = select_blocks_reference(iq, ik, block_size, topk, force_sink=force_sink, q_offset=off)
+        sel = select_blocks_reference(iq, ik, block_size, topk, force_sink=force_sink, q_offset=off,
+                                      doc_start_BT=ds, local_blocks=local_blocks)
         lse = lse_dense
     else:
-        lse = sparse_attention_forward(q, k, k, sel, block_size, scale, True, off)[1]
-    kl = indexer_kl_forward(q, k, iq, ik, c["block_idx"], lse, block_size, scale, index_scale, off)
+        lse = sparse_attention_forward(q, k, k, sel, block_size, scale, True, off, ds)[1]
+    kl = indexer_kl_forward(q, k, iq, ik, c["block_idx"], lse, block_size, scale, index_scale, off, ds)
 
-    qblk_T = (off + torch.arange(T, device=dev)) // block_size
+    # each query's own block (in its document's numbering) and the blocks it sees
+    pos_BT = (off + torch.arange(T, device=dev))[None, :].expand(B, T)
+    qblk_BT = (pos_BT if ds is None else pos_BT - ds.long()) // block_size
     blocks_N = torch.arange(n_blocks, device=dev)
-    vis_TN = blocks_N[None, :] <= qblk_T[:, None]
-    cont_T = vis_TN.sum(-1) > topk
-    cont = cont_T[None, :, None].expand(B, T, G).double()
+    vis_BTN = blocks_N[None, None, :] <= qblk_BT[:, :, None]
+    cont_BT = vis_BTN.sum(-1) > topk
+    cont = cont_BT[:, :, None].expand(B, T, G).double()
     sel_l = sel.long()
     sel_BTGN = torch.zeros(B, T, G, n_blocks + 1, dtype=torch.bool, device=dev)
     sel_BTGN.scatter_(-1, torch.where(sel_l < 0, n_blocks, sel_l), True)
     sel_BTGN = sel_BTGN[..., :n_blocks]
-    top_BTGK = mass.masked_fill(~vis_TN[None, :, None, :], -1.0).topk(min(topk, n_blocks), dim=-1).indices
+    top_BTGK = mass.masked_fill(~vis_BTN[:, :, None, :], -1.0).topk(min(topk, n_blocks), dim=-1).indices
     oracle = torch.zeros(B, T, G, n_blocks, dtype=torch.bool, device=dev).scatter_(-1, top_BTGK, True)
-    oracle = torch.where(cont_T[None, :, None, None], oracle, vis_TN[None, :, None, :])
+    oracle = torch.where(cont_BT[:, :, None, None], oracle, vis_BTN[:, :, None, :])
 
     filled = (sel_l >= 0).double()
-    qb = qblk_T[None, :, None, None]
+    qb = qblk_BT[:, :, None, None]
     n_cont = cont.sum()
     slots = (filled.sum(-1) * cont).sum()
 
@@ -147,20 +163,21 @@ def chunk_statistics(c: dict, block_size: int, topk: int, n_blocks: int, force_s
         over_cont((mass * sel_BTGN).sum(-1)),
         over_cont((mass * oracle).sum(-1)),
         torch.stack([kl.double() * B * T * G, torch.tensor(float(B * T * G), dtype=torch.float64, device=dev)]),
-        over_cont(_normalised_entropy(student, vis_TN)),
-        over_cont(_normalised_entropy(mass, vis_TN)),
+        over_cont(_normalised_entropy(student, vis_BTN)),
+        over_cont(_normalised_entropy(mass, vis_BTN)),
         torch.stack([(((sel_l == qb) & (sel_l >= 0)).double().sum(-1) * cont).sum(), slots]),
         torch.stack([(((sel_l == 0) & (qb > 0)).double().sum(-1) * cont).sum(), slots]),
         torch.stack([(((sel_l < qb) & (sel_l >= qb - (topk - 1)) & (sel_l >= 0)).double().sum(-1) * cont).sum(), slots]),
     ])
-    option_TN = (vis_TN & (blocks_N[None, :] != qblk_T[:, None])).double() * cont_T[:, None].double()
-    popularity = torch.stack([(sel_BTGN.double() * option_TN[None, :, None, :]).sum((0, 2)).sum(0),
-                              option_TN.sum(0) * B * G])
+    option_BTN = (vis_BTN & (blocks_N[None, None, :] != qblk_BT[:, :, None])).double() * cont_BT[:, :, None].double()
+    popularity = torch.stack([(sel_BTGN.double() * option_BTN[:, :, None, :]).sum((0, 1, 2)),
+                              option_BTN.sum((0, 1)) * G])
+    qblk = qblk_BT.reshape(-1)
     heat = torch.zeros(2, n_blocks, n_blocks, dtype=torch.float64, device=dev)
-    heat[0].index_add_(0, qblk_T, sel_BTGN.double().sum((0, 2)))
-    heat[1].index_add_(0, qblk_T, oracle.double().sum((0, 2)))
+    heat[0].index_add_(0, qblk, sel_BTGN.double().sum(2).reshape(B * T, n_blocks))
+    heat[1].index_add_(0, qblk, oracle.double().sum(2).reshape(B * T, n_blocks))
     rows = torch.zeros(n_blocks, dtype=torch.float64, device=dev).index_add_(
-        0, qblk_T, torch.full((T,), float(B * G), dtype=torch.float64, device=dev))
+        0, qblk, torch.full((B * T,), float(G), dtype=torch.float64, device=dev))
     return {"scalars": scalars, "popularity": popularity, "heatmap": heat, "rows": rows}
 
 
@@ -227,7 +244,7 @@ class MSADiagnostics(Callback):
         rows = torch.zeros(L, N, dtype=torch.float64, device=device)
         for layer_number, cap in captures.items():
             for chunk in cap.chunks:
-                st = chunk_statistics(chunk, c.block_size, c.topk, N, c.force_sink)
+                st = chunk_statistics(chunk, c.block_size, c.topk, N, c.force_sink, c.local_blocks)
                 i = layer_number - 1
                 scalars[i] += st["scalars"].to(device)
                 pop[i] += st["popularity"].to(device)
