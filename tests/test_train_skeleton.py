@@ -75,3 +75,12 @@ def test_dense_baseline_then_cpt_from_its_checkpoint(tmp_path, data_cache):
     cpt = metrics(cpt_dir)
     # the backbone starts where the dense run ended, far below a fresh model's loss (~5.9)
     assert cpt[1]["lm_loss"] < m[1]["lm_loss"] - 0.5 and "kl_loss" in cpt[1]
+
+
+def test_an_msa_model_of_full_attention_layers_only_logs_the_dense_phase(tmp_path, data_cache):
+    """model.attention=msa with every layer full: no index branch, no warmup schedule to follow."""
+    run_dir = tmp_path / "full"
+    run_train(run_dir, "trainer.max_steps=2", "model.attention_types=[full,full]",
+              "trainer.indexer_warmup_tokens=1024", data_cache=data_cache)
+    for r in metrics(run_dir).values():
+        assert r["phase"] == "dense" and "kl_loss" not in r, r

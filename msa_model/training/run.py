@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from data.cache_check import DataCacheError  # noqa: E402
 from msa_model.compat import warn_untested_versions  # noqa: E402
-from msa_model.config import ConfigError, validate  # noqa: E402
+from msa_model.config import ConfigError, msa_layers_of, validate  # noqa: E402
 from msa_model.training.checkpoint_checks import CheckpointError  # noqa: E402
 from msa_model.training.distributed import launch_env, parallel_layout  # noqa: E402
 from msa_model.training.run_dir import RunDirBusy, lock_run_dir, setup_logging, write_run_files  # noqa: E402
@@ -213,7 +213,8 @@ def run(cfg: DictConfig) -> None:
 
             callbacks.append(ModuleTimer(env.device))
         warmup = None
-        if cfg.model.attention == "msa":
+        # phases exist where some layer is MSA (a model of full-attention layers only is dense)
+        if any(msa_layers_of(cfg.model)):
             warmup = IndexerWarmup(cfg.trainer.indexer_warmup_tokens, cfg.model.msa)
             callbacks.append(warmup)
             if cfg.logging.msa_diagnostics_interval > 0:
