@@ -322,6 +322,11 @@ class MSASelfAttention(CausalSelfAttention):
         # the teacher from the attention's backward (the KL's value known there) when the ops can
         self._late_kl = (self.training and msa.kl_teacher == "backward" and self.sparse
                          and late_teacher_applies(q, k, v, iq, ik, msa.block_size, msa.topk, backend=msa.backend))
+        # the diagnostics number each document's blocks from every key's document start
+        key_doc = doc_start
+        if self.diagnostics_capture is not None and doc_start is not None and cp.size() > 1:
+            with torch.no_grad():
+                key_doc = gather_sequence(doc_start.transpose(0, 1).contiguous(), cp).transpose(0, 1)
         record = None
         if self._late_kl:
             tracker, avg_group = get_moe_metrics_tracker(), metrics_group(self.pg_collection)
@@ -351,7 +356,8 @@ class MSASelfAttention(CausalSelfAttention):
             if self.diagnostics_capture is not None:
                 # the first forward after arming only (a recomputation finds the capture sealed)
                 self.diagnostics_capture.add(q=q[:, a:b], k=k, iq=iq[:, a:b], ik=ik, block_idx=block_idx,
-                                             q_offset=off, scale=self.config.softmax_scale, doc_start=doc)
+                                             q_offset=off, scale=self.config.softmax_scale, doc_start=doc,
+                                             key_doc_start=key_doc)
             keys = (selected_keys_per_query(block_idx, msa.block_size, off, doc) if block_idx is not None
                     else dense_keys_per_query(b - a, off, doc, q.device))
             return o, kl, keys

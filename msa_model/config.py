@@ -522,11 +522,6 @@ def validate(cfg, world_size: Optional[int] = None, gpu: Optional[bool] = None) 
     _check(errors, diag >= 0 and (diag == 0 or diag % cfg.logging.log_interval == 0),
            f"logging.msa_diagnostics_interval ({diag}) must be 0 (off) or a multiple of "
            f"logging.log_interval ({cfg.logging.log_interval})")
-    # with packed documents the diagnostics number blocks per document, which needs the document
-    # starts of every key: whole rows, so no context parallelism
-    _check(errors, diag == 0 or not cfg.data.document_mask or p.cp == 1,
-           "logging.msa_diagnostics_interval with data.document_mask=true needs parallel.cp=1 (the "
-           "diagnostics number each document's blocks from whole rows)")
     _check(errors, cfg.logging.wandb_mode in ("offline", "online", "disabled"),
            f"logging.wandb_mode must be offline, online or disabled, got {cfg.logging.wandb_mode!r}")
     _check_launch(errors, cfg.launch)

@@ -233,6 +233,17 @@ def test_a_packed_row_measures_what_its_documents_measure_alone(warmup):
         torch.testing.assert_close(packed[key], sum(x[key] for x in alone), atol=1e-6, rtol=1e-6,
                                    msg=lambda m, key=key: f"{key}: {m}")
     assert packed["scalars"][0, 1] > 0  # some queries see more than top-k blocks
-    with pytest.raises(ValueError, match="whole rows"):
-        chunk_statistics({"q": q, "k": k, "iq": iq, "ik": ik, "block_idx": None, "q_offset": 8, "scale": None,
-                          "doc_start": doc}, BK, TOPK, n_blocks, force_sink=False)
+
+    # and split into query chunks as context parallelism splits it (keys: the whole prefix, with
+    # every key's document start): the chunks' sums are the row's
+    def chunk(a, b):
+        sel = None if warmup else select_blocks_reference(iq[:, a:b], ik[:, :b], BK, TOPK, q_offset=a,
+                                                          doc_start_BT=doc[:, a:b])
+        c = {"q": q[:, a:b], "k": k[:, :b], "iq": iq[:, a:b], "ik": ik[:, :b], "block_idx": sel, "q_offset": a,
+             "scale": None, "doc_start": doc[:, a:b], "key_doc_start": doc}
+        return chunk_statistics(c, BK, TOPK, n_blocks, force_sink=False)
+
+    split = [chunk(0, 30), chunk(30, Tr)]
+    for key in ("scalars", "popularity", "heatmap", "rows"):
+        torch.testing.assert_close(packed[key], split[0][key] + split[1][key], atol=1e-6, rtol=1e-6,
+                                   msg=lambda m, key=key: f"split {key}: {m}")

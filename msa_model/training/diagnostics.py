@@ -30,8 +30,9 @@ Also `<run_dir>/diagnostics/step_NNNNNNNN.png` (per layer: how often each query 
 key block, indexer next to oracle; sent to wandb as an image) and `step_NNNNNNNN.json` (per-layer
 values, block popularity and heatmaps). Values are sums and counts reduced over every rank, so
 they are the same at any TP/CP/PP/DP layout up to which micro-batches are seen. With packed
-documents (`data.document_mask=true`, no CP) blocks are numbered per document, as the selection
-numbers them, so a packed row measures what its documents measure one by one.
+documents (`data.document_mask=true`) blocks are numbered per document, as the selection numbers
+them, so a packed row measures what its documents measure one by one (under CP the layers gather
+every key's document start for this).
 
 B = batch, T = queries of a chunk, Hq = query heads, G = groups, N = key blocks, K = top-k.
 """
@@ -61,7 +62,8 @@ SCALARS = ("recall", "captured_mass", "oracle_mass", "kl", "selection_entropy", 
 class LayerCapture:
     """What one layer saw in its first forward after arming: a list of query chunks, each a dict
     of q [B,T,Hq,D], k [B,>=q_offset+T,G,D], iq [B,T,G,Di], ik [B,>=q_offset+T,Di], block_idx
-    [B,T,G,K] int32 or None (warmup), q_offset, scale, doc_start int [B,T] or None. Later forwards (further micro-batches,
+    [B,T,G,K] int32 or None (warmup), q_offset, scale, doc_start int [B,T] or None and
+    key_doc_start int [B,>=q_offset+T] (every key's, for packed documents). Later forwards (further micro-batches,
     recomputation) are ignored."""
 
     def __init__(self):
@@ -78,16 +80,22 @@ class LayerCapture:
 
 @torch.no_grad()
 def block_mass(q: torch.Tensor, k: torch.Tensor, block_idx, block_size: int, scale: float, n_blocks: int,
-               q_offset: int = 0, doc_start=None):
+               q_offset: int = 0, doc_start=None, key_doc_start=None):
     """Attention mass per key block: fp32 [B, T, Hq, N] (rows sum to 1 over the support), and the
     lse [B, T, Hq]. q [B,T,Hq,D], k [B,q_offset+T,Hkv,D]. The reference sparse attention with
     values v[j] = one-hot(block of j) returns exactly sum_j p[j] v[j]; D block columns per pass.
-    With packed documents (doc_start int [B, T], q_offset 0) the blocks are each document's own
-    (key j is in block (j - start of its document) // block_size), as the selection's ids are."""
+    With packed documents (doc_start int [B, T] of the queries, key_doc_start int [B, >= Tk] of
+    every key; the same tensor when q_offset is 0) the blocks are each document's own (key j is in
+    block (j - start of its document) // block_size), as the selection's ids are."""
     B, T, Hq, D = q.shape
     Tk, Hkv = k.shape[1], k.shape[2]
     pos_J = torch.arange(Tk, device=q.device)
-    block_BJ = (pos_J[None, :] if doc_start is None else pos_J[None, :] - doc_start.long()) // block_size
+    if doc_start is not None and key_doc_start is None:
+        if q_offset:
+            raise ValueError("block_mass with documents and q_offset > 0 needs every key's document start")
+        key_doc_start = doc_start
+    block_BJ = pos_J[None, :] if doc_start is None else pos_J[None, :] - key_doc_start[:, :Tk].long()
+    block_BJ = block_BJ // block_size
     block_BJ = block_BJ.expand(B, Tk)
     parts, lse = [], None
     for n0 in range(0, n_blocks, D):
@@ -108,13 +116,11 @@ def chunk_statistics(c: dict, block_size: int, topk: int, n_blocks: int, force_s
                      local_blocks: int = 1) -> dict:
     """Sums and counts (float64) of one captured chunk: {"scalars": [S, 2], "popularity": [2, N],
     "heatmap": [2, N, N] (indexer, oracle), "rows": [N]}. With packed documents (the chunk's
-    "doc_start" int [B, T]) blocks are numbered per document, as the selection numbers them, so
-    a packed row gives the sums of its documents measured one by one (whole rows only: q_offset 0)."""
+    "doc_start" int [B, T] and, for q_offset > 0, "key_doc_start" [B, >= q_offset + T]) blocks
+    are numbered per document, as the selection numbers them, so a packed row gives the sums of
+    its documents measured one by one."""
     off = c["q_offset"]
-    ds = c.get("doc_start")
-    if ds is not None and off:
-        raise ValueError("msa diagnostics take packed documents of whole rows only (q_offset 0, no context "
-                         "parallelism)")
+    ds, key_ds = c.get("doc_start"), c.get("key_doc_start")
     q = c["q"].float()
     B, T, Hq, D = q.shape
     end = off + T
@@ -123,9 +129,10 @@ def chunk_statistics(c: dict, block_size: int, topk: int, n_blocks: int, force_s
     scale, index_scale = default_scale(D, c["scale"]), default_scale(Di, None)
     dev = q.device
 
-    mass_BTHN, lse_dense = block_mass(q, k, None, block_size, scale, n_blocks, off, ds)
+    mass_BTHN, lse_dense = block_mass(q, k, None, block_size, scale, n_blocks, off, ds, key_ds)
     mass = mass_BTHN.view(B, T, G, Hq // G, n_blocks).mean(3).double()
-    student = block_mass(iq, ik[:, :, None, :], None, block_size, index_scale, n_blocks, off, ds)[0].double()
+    student = block_mass(iq, ik[:, :, None, :], None, block_size, index_scale, n_blocks, off, ds,
+                         key_ds)[0].double()
     sel = c["block_idx"]
     if sel is None:
         sel = select_blocks_reference(iq, ik, block_size, topk, force_sink=force_sink, q_offset=off,
