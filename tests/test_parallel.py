@@ -140,3 +140,11 @@ def test_context_parallel_with_packed_documents(tmp_path, layout):
     print(f"{layout} with documents: max relative difference " + " ".join(f"{k}={v:.1e}" for k, v in worst.items()))
     for key, value in worst.items():
         assert value <= RTOL, (key, value)
+    if layout in SAME_MICRO_BATCHES:
+        # the diagnostics number each document's blocks from every key's start, on every layout
+        diag = [k for k in ref[0]["metrics"] if k.startswith("msa/")]
+        assert len(diag) > 20
+        for i, want in enumerate(ref):
+            for key in diag:
+                a, b = want["metrics"][key], ranks[0][i]["metrics"][key]
+                assert abs(a - b) <= 1e-4 * max(abs(a), 1e-2), (layout, i, key, a, b)
