@@ -73,6 +73,16 @@ def reference(tmp_path_factory, data_cache):
     return root, steps
 
 
+def assert_same_diagnostics(ref_steps: list[dict], ranks: list[list[dict]], layout: str) -> None:
+    """Every step's `msa/*` diagnostics of rank 0 equal the single process's."""
+    diag = [k for k in ref_steps[0]["metrics"] if k.startswith("msa/")]
+    assert len(diag) > 20
+    for i, ref in enumerate(ref_steps):
+        for key in diag:
+            a, b = ref["metrics"][key], ranks[0][i]["metrics"][key]
+            assert abs(a - b) <= 1e-4 * max(abs(a), 1e-2), (layout, i, key, a, b)
+
+
 def max_differences(ref_steps: list[dict], ranks: list[list[dict]]) -> dict[str, float]:
     """Largest relative difference of each logged metric and of any gradient, over steps and ranks."""
     worst = {"lm_loss": 0.0, "kl_loss": 0.0, "moe_aux_loss": 0.0, "grad_norm": 0.0, "grad_norm_msa_index": 0.0,
@@ -109,12 +119,7 @@ def test_layout_matches_one_process(reference, data_cache, layout):
 
     if layout in SAME_MICRO_BATCHES:
         # the diagnostics see the same micro-batch split over ranks: sums and counts reduce to the same values
-        diag = [k for k in ref_steps[0]["metrics"] if k.startswith("msa/")]
-        assert len(diag) > 20
-        for i, ref in enumerate(ref_steps):
-            for key in diag:
-                a, b = ref["metrics"][key], ranks[0][i]["metrics"][key]
-                assert abs(a - b) <= 1e-4 * max(abs(a), 1e-2), (layout, i, key, a, b)
+        assert_same_diagnostics(ref_steps, ranks, layout)
 
 
 @pytest.mark.slow
@@ -142,9 +147,4 @@ def test_context_parallel_with_packed_documents(tmp_path, layout):
         assert value <= RTOL, (key, value)
     if layout in SAME_MICRO_BATCHES:
         # the diagnostics number each document's blocks from every key's start, on every layout
-        diag = [k for k in ref[0]["metrics"] if k.startswith("msa/")]
-        assert len(diag) > 20
-        for i, want in enumerate(ref):
-            for key in diag:
-                a, b = want["metrics"][key], ranks[0][i]["metrics"][key]
-                assert abs(a - b) <= 1e-4 * max(abs(a), 1e-2), (layout, i, key, a, b)
+        assert_same_diagnostics(ref, ranks, layout)
