@@ -186,6 +186,14 @@ def test_inverse_index_lists_every_entry_once_in_its_bucket(chunk):
             g_bucket = c * B * G * N + bl
             lo, n_e = int(index.start[g_bucket]), int(index.count[g_bucket])
             assert [s for s, _ in runs] == list(range(lo, lo + n_e, per)) and sum(n for _, n in runs) == n_e
+    # the unchunked view (the KL's) of the same sort: each block's entries of every chunk, in order
+    whole = index.whole()
+    single = inverse_index.build_inverse_index(idx, N, 0)
+    assert whole.n_chunks == 1 and whole.chunk_entries == B * T * G * K
+    for bl in range(B * G * N):
+        lo, n_e = int(whole.start[bl]), int(whole.count[bl])
+        lo1, n_e1 = int(single.start[bl]), int(single.count[bl])
+        assert torch.equal(index.entry[lo:lo + n_e], single.entry[lo1:lo1 + n_e1])
 
 
 def test_unchecked_ids_out_of_range_read_nothing():
@@ -318,3 +326,4 @@ def test_tile_path_never_waits_on_the_device(tile_backward):
         o, _ = sparse_attention(q, k, v, idx, bs, backend="triton", check_ids=False, tuning=tuning)
         o.float().sum().backward()
     assert_no_host_sync(step)
+

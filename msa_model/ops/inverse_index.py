@@ -2,7 +2,7 @@
 key blocks of packed documents.
 
 sparse_attention and indexer_kl both read each selected key block once and gather the queries
-that selected it. Each `(query, group, slot)` naming a block is an *entry*; entries are sorted by
+that selected it. Each `(query, group, slot)` naming a block is an *entry*; entries are grouped by
 *bucket* `(query chunk, b, g, n)`, and a *work item* (one program) is a run of at most
 `per_program` entries of one bucket. Plain torch, no host synchronisation: tile lists are sized
 by an upper bound, and spare programs exit.
@@ -51,8 +51,10 @@ class InverseIndex:
     """Entries grouped by bucket (query chunk, b, g, n), bucket id ((chunk*B + b)*G + g)*N + n;
     chunk = t // chunk_size (one chunk: chunk_size = T).
 
-    entry: int32 [E] triple ids ((b*T + t)*G + g)*K + slot, sorted by bucket, then by query.
+    entry: int32 [E] triple ids ((b*T + t)*G + g)*K + slot, sorted by block (b, g, n), then by
+    query; so a block's entries of one chunk are a run, and its runs of all chunks are one run.
     start, count: int64 [n_chunks*B*G*N] each bucket's range in `entry`.
+    block_start, block_count: int64 [B*G*N] each block's range over all chunks (`whole`).
     """
 
     entry: torch.Tensor
@@ -62,6 +64,17 @@ class InverseIndex:
     n_chunks: int = 1
     chunk_size: int = 0  # queries per chunk (the last may have fewer)
     chunk_entries: int = 0  # entries of a whole chunk, B*chunk_size*G*K (an upper bound per chunk)
+    block_start: torch.Tensor | None = None
+    block_count: torch.Tensor | None = None
+
+    def whole(self) -> InverseIndex:
+        """The same entries as one chunk of every query (what the KL's kernels walk: they need no
+        chunks), without another sort."""
+        if self.n_chunks == 1:
+            return self
+        E = self.entry.numel()
+        return InverseIndex(self.entry, self.block_start, self.block_count, self.n_blocks, 1, 0, E,
+                            self.block_start, self.block_count)
 
 
 @dataclass
@@ -122,28 +135,33 @@ def query_ends(doc_start_BT: torch.Tensor, TK: int, tile: int) -> torch.Tensor:
 def build_inverse_index(idx_BTGK: torch.Tensor, n_blocks: int, chunk_size: int = 0,
                         base_BT: torch.Tensor | None = None) -> InverseIndex:
     """Inverse (block -> queries) index of a cleaned block_idx (see `clean_block_idx`), bucketed
-    per chunk of `chunk_size` queries (0: one chunk). One sort serves every chunk, so a chunk
-    costs its launches alone. With packed documents `base_BT` (`DocumentBlocks.base`) turns
+    per chunk of `chunk_size` queries (0: one chunk). One sort serves every chunk (a chunk costs
+    its launches alone) and the unchunked view (`InverseIndex.whole`). With packed documents `base_BT` (`DocumentBlocks.base`) turns
     document-relative ids into table ids, and n_blocks is the table's size."""
     B, T, G, K = idx_BTGK.shape
     chunk_size = T if chunk_size <= 0 else min(chunk_size, T)
-    n_chunks = triton.cdiv(T, chunk_size)
-    nb = n_chunks * B * G * n_blocks
+    S = triton.cdiv(T, chunk_size)
+    nb = B * G * n_blocks
     dev = idx_BTGK.device
-    chunk_T = torch.arange(T, device=dev) // chunk_size
-    bucket = ((chunk_T[None, :, None] * B + torch.arange(B, device=dev)[:, None, None]) * G
-              + torch.arange(G, device=dev)[None, None, :])[..., None] * n_blocks
+    block = ((torch.arange(B, device=dev)[:, None, None] * G + torch.arange(G, device=dev)[None, None, :])
+             * n_blocks)[..., None].expand(B, T, G, 1)
     if base_BT is not None:
-        bucket = bucket + base_BT[:, :, None, None]
-    key = torch.where(idx_BTGK >= 0, bucket + idx_BTGK, nb).flatten()
-    # stable: the flat order is query-major, so each bucket lists its queries in order
+        block = block + base_BT[:, :, None, None]
+    key = torch.where(idx_BTGK >= 0, block + idx_BTGK, nb).flatten()
+    # stable: the flat order is query-major, so each block lists its queries in order, and
+    # hence its chunks' runs in order
     key_sorted, entry = torch.sort(key, stable=True)
-    # bucket ranges by binary search in the sorted keys (a histogram would serialise on the
-    # atomics of popular blocks)
-    bounds = torch.searchsorted(key_sorted, torch.arange(nb + 1, device=key.device, dtype=key.dtype))
-    start = bounds[:-1]
-    count = bounds[1:] - start
-    return InverseIndex(entry.to(torch.int32), start, count, n_blocks, n_chunks, chunk_size, B * chunk_size * G * K)
+    # ranges by binary search (a histogram would serialise on the atomics of popular blocks):
+    # of each (block, chunk) in the sorted (block, chunk of the entry's query)
+    chunk = (entry // (G * K)) % T // chunk_size
+    ranges = torch.arange(nb * S + 1, device=dev, dtype=key.dtype)
+    bounds = torch.searchsorted(key_sorted * S + chunk, ranges)
+    start = bounds[:-1].view(nb, S).t().flatten()
+    count = (bounds[1:] - bounds[:-1]).view(nb, S).t().flatten()
+    block_start = bounds[:-1:S]
+    block_count = bounds[S::S] - block_start
+    return InverseIndex(entry.to(torch.int32), start, count, n_blocks, S, chunk_size, B * chunk_size * G * K,
+                        block_start, block_count)
 
 
 def schedule(index: InverseIndex, per_program: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

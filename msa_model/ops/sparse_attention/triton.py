@@ -126,17 +126,18 @@ def _blocks(docs: DocumentBlocks | None, TK: int, block_size: int, dummy: torch.
 
 
 def sparse_forward(q, k, v, idx, block_size, scale, q_offset=0, index=None, tuning: Tuning = DEFAULT_TUNING,
-                   docs: DocumentBlocks | None = None):
+                   docs: DocumentBlocks | None = None, out=None):
     """o [B, T, Hq, D] (q dtype), lse fp32 [B, T, Hq] and the inverse index (for the backward);
-    idx cleaned int32 [B, T, G, K]; k, v [B, TK, G, D]; docs: packed documents' block table."""
+    idx cleaned int32 [B, T, G, K]; k, v [B, TK, G, D]; docs: packed documents' block table;
+    out: contiguous (o, lse) to write into."""
     B, T, Hq, G, H, HP, D = _geometry(q, k, block_size)
     TK = k.shape[1]
     K = idx.shape[-1]
     N, bstart, bend, DOCS = _blocks(docs, TK, block_size, idx)
     if index is None:
         index = sparse_index(idx, H, D, q.element_size(), N, tuning, docs)
-    o = torch.empty_like(q)
-    lse = torch.empty(B, T, Hq, dtype=torch.float32, device=q.device)
+    o, lse = out if out is not None else (torch.empty_like(q),
+                                          torch.empty(B, T, Hq, dtype=torch.float32, device=q.device))
     QT = max(tuning.fwd_rows, HP) // HP
     tb, ts, tc = schedule(index, QT * tuning.fwd_tiles)
     # one partial buffer, reused by every chunk (the stream orders a chunk's combine before the
@@ -171,12 +172,15 @@ def _delta(do, o):
 
 
 def sparse_backward(do, q, k, v, o, lse, idx, block_size, scale, q_offset=0, index=None,
-                    tuning: Tuning = DEFAULT_TUNING, docs: DocumentBlocks | None = None, teacher=None):
+                    tuning: Tuning = DEFAULT_TUNING, docs: DocumentBlocks | None = None, teacher=None, out=None):
     """(dq, dk, dv) of `sparse_forward` (given its inverse index, or building it), in the input dtype.
 
-    teacher: optional pbar [B*T*G*K, block_size] (zeroed): the indexer KL's teacher rows, the mean
-    of P over each group's heads, written by the kernel for every entry (an entry's id over all
-    queries is its row)."""
+    teacher: optional pbar [B*T*G*K, block_size]: the indexer KL's teacher rows, the mean of P
+    over each group's heads, written by the kernel for every entry (an entry's id over all
+    queries is its row).
+    out: contiguous (dq, dk, dv) to use instead: dq written (q's dtype), dk and dv fp32
+    accumulators [B, TK, G, D] added to (a caller summing several calls' key gradients); they are
+    returned as they are."""
     B, T, Hq, G, H, HP, D = _geometry(q, k, block_size)
     TK = k.shape[1]
     K = idx.shape[-1]
@@ -184,9 +188,12 @@ def sparse_backward(do, q, k, v, o, lse, idx, block_size, scale, q_offset=0, ind
     if index is None:
         index = sparse_index(idx, H, D, q.element_size(), N, tuning, docs)
     delta = _delta(do, o)
-    dq = torch.empty_like(q)
-    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    if out is not None:
+        dq, dk, dv = out
+    else:
+        dq = torch.empty_like(q)
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
     QT = max(tuning.bwd_rows, HP) // HP
     # entries per work item: enough tiles to amortise the dK/dV partial, few enough to spread
     # a popular block (the sink, the local block) over many programs
@@ -213,6 +220,8 @@ def sparse_backward(do, q, k, v, o, lse, idx, block_size, scale, q_offset=0, ind
             HKV=G, BS=block_size, RB=rb, D=D, DOCS=DOCS, num_warps=4)
         sparse_dq_combine_kernel[(B * (t1 - t0) * G,)](
             dqp, idx, dq, T, t1 - t0, t0, HQ=Hq, HKV=G, SLOTS=K, H=H, HP=HP, D=D, num_warps=4)
+    if out is not None:
+        return dq, dk, dv
     return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -290,7 +299,7 @@ def tile_forward(q, k, v, union: TileUnion, block_size, scale, q_offset=0, tunin
 
 
 def hybrid_forward(q, k, v, idx, union: TileUnion, block_size, scale, q_offset=0, tuning: Tuning = DEFAULT_TUNING,
-                   docs: DocumentBlocks | None = None):
+                   docs: DocumentBlocks | None = None, out=None):
     """The forward with each tile on the path that suits its union: tiles whose union holds at
     most `tuning.tile_union_max` x K blocks on the tile path, the others' queries on the gather
     path. Decided per tile on the device (no synchronisation): the gather path runs first on the
@@ -301,7 +310,7 @@ def hybrid_forward(q, k, v, idx, union: TileUnion, block_size, scale, q_offset=0
     QT, T = union.queries, idx.shape[1]
     over_BTG = (union.count > limit).permute(0, 2, 1).repeat_interleave(QT, dim=1)[:, :T]
     o, lse, _ = sparse_forward(q, k, v, torch.where(over_BTG[..., None], idx, -1), block_size, scale, q_offset,
-                               tuning=tuning, docs=docs)
+                               tuning=tuning, docs=docs, out=out)
     return tile_forward(q, k, v, union, block_size, scale, q_offset, tuning, docs, limit, (o, lse))
 
 
@@ -395,14 +404,17 @@ class ForwardState:
     union: TileUnion | None = None
 
 
-def attention_forward(q, k, v, block_idx, block_size, scale, q_offset, tuning: Tuning, doc_start):
+def attention_forward(q, k, v, block_idx, block_size, scale, q_offset, tuning: Tuning, doc_start, out=None):
     """(o, lse, ForwardState) of contiguous q, k, v: the dense kernels for block_idx None, else the
-    gather, hybrid or tile path as `tuning` says."""
+    gather, hybrid or tile path as `tuning` says; out: contiguous (o, lse) the sparse paths
+    write into."""
     if doc_start is not None:
         doc_start = doc_start.to(torch.int32).contiguous()
     idx = None if block_idx is None else clean_block_idx(block_idx, block_size, q_offset, doc_start)
     state = ForwardState(idx, doc_start)
     if idx is None:
+        if out is not None:
+            raise ValueError("given outputs are the sparse paths' only")
         o, lse = dense_forward(q, k, v, scale, q_offset, doc_start)
         return o, lse, state
     if doc_start is not None:
@@ -412,29 +424,40 @@ def attention_forward(q, k, v, block_idx, block_size, scale, q_offset, tuning: T
     tiles = tuning.tile_rows and H >= tuning.tile_min_heads and q.shape[1] >= tuning.tile_min_queries
     if tiles and tuning.tile_backward:
         state.union = tile_union(idx, queries, state.docs)
-        o, lse = tile_forward(q, k, v, state.union, block_size, scale, q_offset, tuning, state.docs)
+        o, lse = tile_forward(q, k, v, state.union, block_size, scale, q_offset, tuning, state.docs, out=out)
     elif tiles:
         # the backward builds the gather path's index of every entry
         o, lse = hybrid_forward(q, k, v, idx, tile_union(idx, queries, state.docs), block_size, scale, q_offset,
-                                tuning, state.docs)
+                                tuning, state.docs, out)
     else:
         o, lse, state.index = sparse_forward(q, k, v, idx, block_size, scale, q_offset, tuning=tuning,
-                                             docs=state.docs)
+                                             docs=state.docs, out=out)
     return o, lse, state
 
 
+def gather_index(q, k, state: ForwardState, block_size: int, tuning: Tuning) -> InverseIndex:
+    """The gather path's inverse index of every entry of a sparse forward, which its backward
+    walks: the forward's own, or built now (after the hybrid forward, whose gather pass took
+    only some tiles' entries) and kept in `state` for the backward."""
+    if state.index is None:
+        N = _blocks(state.docs, k.shape[1], block_size, state.idx)[0]
+        state.index = sparse_index(state.idx, q.shape[2] // k.shape[2], q.shape[-1], q.element_size(), N, tuning,
+                                   state.docs)
+    return state.index
+
+
 def attention_backward(do, q, k, v, o, lse, state: ForwardState, block_size, scale, q_offset, tuning: Tuning,
-                       teacher=None):
-    """(dq, dk, dv) of `attention_forward`; `teacher` as `sparse_backward`'s (gather path only)."""
+                       teacher=None, out=None):
+    """(dq, dk, dv) of `attention_forward`; `teacher` and `out` as `sparse_backward`'s (gather path only)."""
     do = do.contiguous()
-    if teacher is not None and (state.idx is None or state.union is not None):
-        raise ValueError("the KL teacher rows come from the sparse gather backward only")
+    if (teacher is not None or out is not None) and (state.idx is None or state.union is not None):
+        raise ValueError("the KL teacher rows and given outputs are the sparse gather backward's only")
     if state.idx is None:
         return dense_backward(do, q, k, v, o, lse, scale, q_offset, tuning, state.doc_start)
     if state.union is not None:
         return tile_backward(do, q, k, v, o, lse, state.union, block_size, scale, q_offset, tuning, state.docs)
     return sparse_backward(do, q, k, v, o, lse, state.idx, block_size, scale, q_offset, state.index, tuning,
-                           state.docs, teacher)
+                           state.docs, teacher, out)
 
 
 class SparseAttentionTriton(torch.autograd.Function):
