@@ -266,6 +266,14 @@ def forward_rows(T: int, reps: int, res: dict, with_sdpa: bool) -> None:
                 q, k, v, iq, ik, BK, TOPK, index_precision=prec, **layer_args()), reps))
         if with_sdpa:
             measure(r, "sdpa_fwd_ms", lambda: timed(lambda: sdpa(q, k, v), reps))
+    if KL_TEACHER[0] == "backward":
+        # the forward a training step runs (inputs that need gradients): with the teacher from the
+        # backward it computes no teacher; the graph is dropped after each run
+        for x in (q, k, v, iq, ik):
+            x.requires_grad_()
+        for prec in ["input"] + EXTRA_PRECISIONS:
+            measure(r, f"layer_train_fwd_{prec}_ms", lambda: timed(lambda: msa_attention(
+                q, k, v, iq, ik, BK, TOPK, index_precision=prec, **layer_args()), reps))
 
 
 def check(res: dict) -> None:
@@ -418,6 +426,10 @@ def table(res: dict) -> str:
         add(f"{t} MSA layer fwd (ms), peak GiB", f"{r['layer_fwd_ms']:.1f}, {r['layer_fwd_peak_gib']:.1f}")
         if "sdpa_fwd_ms" in r:
             add(f"{t} SDPA dense fwd (ms); speed-up", f"{r['sdpa_fwd_ms']:.0f}; {r['sdpa_fwd_ms'] / r['layer_fwd_ms']:.1f}x")
+        for prec in ["input"] + EXTRA_PRECISIONS:
+            if f"layer_train_fwd_{prec}_ms" in r:
+                add(f"{t} MSA layer training forward (teacher from the backward), index_precision={prec} (ms)",
+                    f"{r[f'layer_train_fwd_{prec}_ms']:.1f}")
     r256, r1m = res.get("fwd_262144", {}), res.get("fwd_1048576")
     if r1m and "sdpa_fwd_ms" in r256:
         est = r256["sdpa_fwd_ms"] * 16
@@ -426,6 +438,10 @@ def table(res: dict) -> str:
         for prec in EXTRA_PRECISIONS:
             add(f"1M MSA layer fwd with index_precision={prec} (ms); speed-up",
                 f"{r1m[f'layer_fwd_{prec}_ms']:.1f}; {est / r1m[f'layer_fwd_{prec}_ms']:.1f}x")
+        for prec in ["input"] + EXTRA_PRECISIONS:
+            if f"layer_train_fwd_{prec}_ms" in r1m:
+                add(f"1M MSA layer training forward, index_precision={prec}: speed-up",
+                    f"{est / r1m[f'layer_train_fwd_{prec}_ms']:.1f}x")
     return "\n".join(lines)
 
 

@@ -134,13 +134,20 @@ def test_the_backward_writes_every_teacher_row_the_loss_reads():
     sa_triton.sparse_backward(torch.randn_like(o), q, k, v, o, lse, idx, bs, D ** -0.5, index=index, teacher=pbar)
     written = ~pbar.isnan().any(-1)
     assert torch.equal(written, (idx >= 0).flatten())
-    kl_index = kl_triton.inverse_index(idx, bs)
+    kl_index = index.whole()  # the attention's index serves the KL
     lse_z = kl_triton.student_lse(iq, ik, kl_index, topk, bs, Di ** -0.5)
-    kl_BTG, dik, diq = kl_triton.teacher_backward(iq, ik, pbar, idx, lse_z, kl_index, topk, bs, Di ** -0.5)
     want = indexer_kl_loss(q.double(), k.double(), iq.double(), ik.double(), block_idx, lse.double(), bs,
                            backend="reference")
-    assert torch.isfinite(kl_BTG).all() and torch.isfinite(dik).all() and torch.isfinite(diq).all()
-    assert abs(kl_BTG.double().mean().item() - want.item()) < TOL * max(1.0, want.item())
+    got = []
+    # d iq and the loss's bz per entry, reduced over the slots (default), or added by atomics
+    for partials in (True, False):
+        cfg = kl_triton.Tuning(late_partials=partials)
+        kl_BTG, dik, diq = kl_triton.teacher_backward(iq, ik, pbar, idx, lse_z, kl_index, topk, bs, Di ** -0.5, cfg)
+        assert torch.isfinite(kl_BTG).all() and torch.isfinite(dik).all() and torch.isfinite(diq).all()
+        assert abs(kl_BTG.double().mean().item() - want.item()) < TOL * max(1.0, want.item())
+        got.append((kl_BTG, dik, diq))
+    for a, b in zip(*got):
+        assert rel(a, b) < (1e-2 if CUDA else 1e-6)
 
 
 def test_without_the_kl():
@@ -151,3 +158,49 @@ def test_without_the_kl():
         o, kl = msa_attention(*leaves, block_size=16, topk=2, backend="triton", with_kl=False, on_kl=seen.append)
         o_kl, _ = msa_attention(*leaves, block_size=16, topk=2, backend="triton")
     assert kl is None and not seen and torch.equal(o, o_kl)
+
+
+# batch 2: the chunks' slices are copies; batch 1: views, which the kernels write into
+@pytest.mark.parametrize("B,cut", [(2, None), (1, 37)])
+def test_calls_over_the_row_budget_run_as_query_chunks(B, cut, monkeypatch):
+    """Teacher rows over the KL's teacher_bytes: the call runs as query chunks whose rows fit
+    (here three, of 24, 24 and 22 queries), with the same output, KL and gradients as one call;
+    the KL is NaN until the backward has run and is then reported once."""
+    from msa_model.ops.indexer_kl.triton import Tuning as KLTuning
+    from msa_model.ops import late_teacher
+    from msa_model.ops.late_teacher import query_chunk, teacher_bytes
+
+    calls = []  # the queries of each attention forward the late path runs
+    forward = late_teacher.sa_triton.attention_forward
+    monkeypatch.setattr(late_teacher.sa_triton, "attention_forward",
+                        lambda q, *a: calls.append(q.shape[1]) or forward(q, *a))
+
+    T, Hq, G, D, Di, bs, topk, off = 70, 4, 2, 16, 16, 16, 3, 10
+    leaves = inputs(B, T, Hq, G, D, Di, off, seed=11)
+    one = teacher_bytes(leaves[0], G, topk, bs, queries=1)
+    tight = {"indexer_kl": KLTuning(teacher_bytes=25 * one)}
+    assert query_chunk(leaves[0], G, topk, bs, 25 * one) == 24
+    assert late_teacher_applies(*leaves, bs, topk, backend="triton", tuning=tight)
+    kw = dict(block_size=bs, topk=topk, q_offset=off, doc_start=None if cut is None else starts(B, T, off, cut))
+    do = torch.randn(leaves[0].shape, generator=torch.Generator().manual_seed(2)).to(DEV, DTYPE)
+    o1, kl1, before1, seen1, idx1, grads1 = step(leaves, do, "backward", **kw)
+    assert calls == [T]
+    o3, kl3, before3, seen3, idx3, grads3 = step(leaves, do, "backward", tuning=tight, **kw)
+    assert calls == [T, 24, 24, 22]
+    assert math.isnan(before3.item()) and len(seen3) == 1 and seen3[0].item() == kl3.item()
+    assert torch.equal(idx1, idx3)
+    assert rel(o3, o1) < 1e-6 and abs(kl3.item() - kl1.item()) < 1e-5 * max(1.0, abs(kl1.item()))
+    for name, g, w in zip(("dq", "dk", "dv", "d iq", "d ik"), grads3, grads1):
+        assert rel(g, w) < (1e-2 if CUDA else 1e-5), (name, rel(g, w))
+    # the attention's index in query chunks (small partial buffers): the KL walks its unchunked view
+    from msa_model.ops.sparse_attention.triton import Tuning as SATuning
+
+    per_query = B * G * topk * (Hq // G) * (D * 4 + 4)
+    small = {"sparse_attention": SATuning(partial_bytes=16 * per_query, partial_min_bytes=0)}
+    o5, kl5, _, seen5, _, grads5 = step(leaves, do, "backward", tuning=small, **kw)
+    assert len(seen5) == 1 and rel(o5, o1) < 1e-6 and abs(kl5.item() - kl1.item()) < 1e-5 * max(1.0, abs(kl1.item()))
+    for name, g, w in zip(("dq", "dk", "dv", "d iq", "d ik"), grads5, grads1):
+        assert rel(g, w) < (1e-2 if CUDA else 1e-5), (name, rel(g, w))
+    # no query's rows fit: the teacher stays in the forward
+    assert not late_teacher_applies(*leaves, bs, topk, backend="triton",
+                                    tuning={"indexer_kl": KLTuning(teacher_bytes=one - 1)})

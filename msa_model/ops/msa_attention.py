@@ -48,8 +48,8 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iq: torch.T
     holds its value on return. "backward": from the attention's backward, which recomputes the
     probabilities anyway (ops/late_teacher.py); the forward is then cheaper by the teacher's
     q.k over all heads, and kl holds NaN until the backward has run and filled it in. Taken on
-    the Triton sparse path with gradients enabled (and the teacher rows within the KL tuning's
-    `teacher_bytes`); elsewhere "forward" is used.
+    the Triton sparse path with gradients enabled; elsewhere "forward" is used. Calls whose
+    teacher rows would pass the KL tuning's `teacher_bytes` run as query chunks that fit.
     `on_kl(value)`: called with the KL's detached value as soon as it is known: in the backward
     when the teacher comes from there (`late_teacher_applies`), else in this call.
     `with_kl=False`: no KL at all (kl is None), for passes that would drop it: evaluation, and
@@ -102,7 +102,8 @@ def late_teacher_applies(q, k, v, iq, ik, block_size: int, topk: int, dense: boo
                          tuning: dict | None = None) -> bool:
     """Whether msa_attention honours kl_teacher="backward" for these arguments: the sparse Triton
     path of both ops (fp16/bf16 on a GPU, or the interpreter), the gather backward, a graph to
-    run the backward on, and teacher rows within the KL's `teacher_bytes`."""
+    run the backward on, and one query's teacher rows within the KL's `teacher_bytes` (a call
+    whose rows pass it runs as query chunks whose rows fit)."""
     tuning = tuning or {}
     if dense or not torch.is_grad_enabled() or resolve_backend(backend, q, k, v, iq, ik) != "triton":
         return False
@@ -114,8 +115,9 @@ def late_teacher_applies(q, k, v, iq, ik, block_size: int, topk: int, dense: boo
 
     if (tuning.get("sparse_attention") or SA_DEFAULT).tile_backward:
         return False
+    # longer calls run as query chunks whose rows fit (late_teacher.py)
     budget = (tuning.get("indexer_kl") or KL_DEFAULT).teacher_bytes
-    return teacher_bytes(q, k.shape[2], topk, block_size) <= budget
+    return teacher_bytes(q, k.shape[2], topk, block_size, queries=1) <= budget
 
 
 def _use_flash(q, k, v, backend: str) -> bool:
