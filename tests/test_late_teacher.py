@@ -139,7 +139,7 @@ def test_the_backward_writes_every_teacher_row_the_loss_reads():
     want = indexer_kl_loss(q.double(), k.double(), iq.double(), ik.double(), block_idx, lse.double(), bs,
                            backend="reference")
     got = []
-    # d iq and the loss's bz per entry, reduced over the slots (default), or added by atomics
+    # d iq and the loss's bz per entry, reduced over the slots (late_partials), or added by atomics (default)
     for partials in (True, False):
         cfg = kl_triton.Tuning(late_partials=partials)
         kl_BTG, dik, diq = kl_triton.teacher_backward(iq, ik, pbar, idx, lse_z, kl_index, topk, bs, Di ** -0.5, cfg)

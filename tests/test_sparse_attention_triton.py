@@ -189,7 +189,7 @@ def test_inverse_index_lists_every_entry_once_in_its_bucket(chunk):
     # the unchunked view (the KL's) of the same sort: each block's entries of every chunk, in order
     whole = index.whole()
     single = inverse_index.build_inverse_index(idx, N, 0)
-    assert whole.n_chunks == 1 and whole.chunk_entries == B * T * G * K
+    assert whole.n_chunks == 1 and whole.chunk_size == T and whole.chunk_entries == B * T * G * K
     for bl in range(B * G * N):
         lo, n_e = int(whole.start[bl]), int(whole.count[bl])
         lo1, n_e1 = int(single.start[bl]), int(single.count[bl])

@@ -73,7 +73,8 @@ class InverseIndex:
         if self.n_chunks == 1:
             return self
         E = self.entry.numel()
-        return InverseIndex(self.entry, self.block_start, self.block_count, self.n_blocks, 1, 0, E,
+        T = E * self.chunk_size // self.chunk_entries  # entries per query: B*G*K = chunk_entries / chunk_size
+        return InverseIndex(self.entry, self.block_start, self.block_count, self.n_blocks, 1, T, E,
                             self.block_start, self.block_count)
 
 
@@ -153,9 +154,12 @@ def build_inverse_index(idx_BTGK: torch.Tensor, n_blocks: int, chunk_size: int =
     key_sorted, entry = torch.sort(key, stable=True)
     # ranges by binary search (a histogram would serialise on the atomics of popular blocks):
     # of each (block, chunk) in the sorted (block, chunk of the entry's query)
-    chunk = (entry // (G * K)) % T // chunk_size
     ranges = torch.arange(nb * S + 1, device=dev, dtype=key.dtype)
-    bounds = torch.searchsorted(key_sorted * S + chunk, ranges)
+    if S == 1:
+        bounds = torch.searchsorted(key_sorted, ranges)
+    else:
+        chunk = (entry // (G * K)) % T // chunk_size
+        bounds = torch.searchsorted(key_sorted * S + chunk, ranges)
     start = bounds[:-1].view(nb, S).t().flatten()
     count = (bounds[1:] - bounds[:-1]).view(nb, S).t().flatten()
     block_start = bounds[:-1:S]

@@ -114,26 +114,32 @@ class LateTeacherMSA(torch.autograd.Function):
             dk, dv, dik = torch.zeros(k.shape, **f32), torch.zeros(v.shape, **f32), torch.zeros(ik.shape, **f32)
             diq = torch.empty(iq.shape, **f32)
         total = torch.zeros((), dtype=torch.float64, device=q.device)
-        for t0, t1, state, index in chunks:
+        while chunks:
+            # a chunk's index and ids go once its backward has run
+            t0, t1, state, index = chunks.pop(0)
             keys, off = q_offset + t1, q_offset + t0
             state.idx, state.doc_start = _rows(idx, t0, t1), _rows(doc_start, t0, t1)
-            k_c, ik_c = k[:, :keys].contiguous(), ik[:, :keys].contiguous()
+            q_c, k_c, ik_c = _rows(q, t0, t1), k[:, :keys].contiguous(), ik[:, :keys].contiguous()
             # only the rows of selected slots are written, and only they are read
             pbar = torch.empty(B * (t1 - t0) * G * K, block_size, dtype=kl_triton._teacher_dtype(q), device=q.device)
-            # with batch 1 the chunk's dq and its keys' dk, dv accumulate in place
-            out = None if whole else _views(dq[:, t0:t1], dk[:, :keys], dv[:, :keys])
-            grads = sa_triton.attention_backward(_rows(do, t0, t1), _rows(q, t0, t1), k_c, v[:, :keys].contiguous(),
+            # with batch 1 the chunk's dq and its keys' dk, dv accumulate in place; else in
+            # buffers of the chunk's own (dk, dv in fp32, so no chunk's share is rounded twice)
+            views = None if whole else _views(dq[:, t0:t1], dk[:, :keys], dv[:, :keys])
+            out = views
+            if not whole and views is None:
+                out = (torch.empty_like(q_c), torch.zeros(k_c.shape, **f32), torch.zeros(k_c.shape, **f32))
+            grads = sa_triton.attention_backward(_rows(do, t0, t1), q_c, k_c, v[:, :keys].contiguous(),
                                                  _rows(o, t0, t1), _rows(lse, t0, t1), state, block_size, scale, off,
                                                  sa_tuning, teacher=pbar, out=out)
             kl_BTG, dik_c, diq_c = kl_triton.teacher_backward(_rows(iq, t0, t1), ik_c, pbar, state.idx,
                                                               _rows(lse_z, t0, t1), index, K, block_size,
                                                               index_scale, kl_tuning, off, state.docs)
-            del pbar
+            del pbar, state, index
             total += kl_BTG.sum(dtype=torch.float64)
             if whole:
                 (dq, dk, dv), dik, diq = grads, dik_c, diq_c
             else:
-                if out is None:
+                if views is None:
                     dq[:, t0:t1] = grads[0]
                     dk[:, :keys] += grads[1]
                     dv[:, :keys] += grads[2]

@@ -114,7 +114,8 @@ class Tuning:
     the rows come from the attention's backward and the loss is summed there too: 9.4 against
     13.2 ms for 64 / 4 at 128K); `late_partials` writes d iq and the loss's bz there per entry
     and reduces them over the slots instead of adding them by atomics: deterministic, 0.3%
-    slower a 128K layer step (bench/RESULTS.md, round 8). Defaults chosen by bench/bench_msa_layer.py tune
+    slower a 128K layer step (bench/RESULTS.md, round 8), and its per-entry d iq (E x Di in
+    iq's dtype, beside the rows) is not counted in `teacher_bytes`. Defaults chosen by bench/bench_msa_layer.py tune
     (bench/RESULTS.md)."""
     M: int = 16
     rows: int = 128
