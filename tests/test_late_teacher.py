@@ -138,16 +138,9 @@ def test_the_backward_writes_every_teacher_row_the_loss_reads():
     lse_z = kl_triton.student_lse(iq, ik, kl_index, topk, bs, Di ** -0.5)
     want = indexer_kl_loss(q.double(), k.double(), iq.double(), ik.double(), block_idx, lse.double(), bs,
                            backend="reference")
-    got = []
-    # d iq and the loss's bz per entry, reduced over the slots (late_partials), or added by atomics (default)
-    for partials in (True, False):
-        cfg = kl_triton.Tuning(late_partials=partials)
-        kl_BTG, dik, diq = kl_triton.teacher_backward(iq, ik, pbar, idx, lse_z, kl_index, topk, bs, Di ** -0.5, cfg)
-        assert torch.isfinite(kl_BTG).all() and torch.isfinite(dik).all() and torch.isfinite(diq).all()
-        assert abs(kl_BTG.double().mean().item() - want.item()) < TOL * max(1.0, want.item())
-        got.append((kl_BTG, dik, diq))
-    for a, b in zip(*got):
-        assert rel(a, b) < (1e-2 if CUDA else 1e-6)
+    kl_BTG, dik, diq = kl_triton.teacher_backward(iq, ik, pbar, idx, lse_z, kl_index, topk, bs, Di ** -0.5)
+    assert torch.isfinite(kl_BTG).all() and torch.isfinite(dik).all() and torch.isfinite(diq).all()
+    assert abs(kl_BTG.double().mean().item() - want.item()) < TOL * max(1.0, want.item())
 
 
 def test_without_the_kl():

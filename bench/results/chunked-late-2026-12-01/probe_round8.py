@@ -1,6 +1,6 @@
 """Round 8 probe: one inverse index for attention and KL, d iq per entry (late_partials), late
 teacher in query chunks beyond teacher_bytes. Writes $OUT/probe-round8.json.
-Ran (call 1) with `late_partials` on by default (since off; PART below sets it as it ran) and the chunked late path as one
+Ran (call 1) with a `late_partials` switch on by default (since removed; PART below set it) and the chunked late path as one
 autograd node per chunk (since one node for all chunks); the 128K rows do not chunk.
 Run from the repository root: PYTHONPATH=. OUT=<dir> python bench/results/chunked-late-2026-12-01/probe_round8.py
 """

@@ -42,7 +42,6 @@ import triton
 from ..inverse_index import (DocumentBlocks, InverseIndex, build_inverse_index, clean_block_idx, document_blocks,
                              query_ends, schedule)
 from ..triton_utils import LOG2E
-from ..sparse_attention.triton_sparse import sparse_dq_combine_kernel
 from .triton_kernels import (kl_bwd_kernel, kl_dense_keys_kernel, kl_sparse_fwd_kernel, kl_stored_bwd_kernel,
                              kl_student_lse_kernel, kl_teacher_sums_kernel)
 
@@ -112,10 +111,7 @@ class Tuning:
     the forward just before the backward lifts this second bound); the backward then
     recomputes only the student, with tiles of `stored_M` entries (`late_M` / `late_warps` when
     the rows come from the attention's backward and the loss is summed there too: 9.4 against
-    13.2 ms for 64 / 4 at 128K); `late_partials` writes d iq and the loss's bz there per entry
-    and reduces them over the slots instead of adding them by atomics: deterministic, 0.3%
-    slower a 128K layer step (bench/RESULTS.md, round 8), and its per-entry d iq (E x Di in
-    iq's dtype, beside the rows) is not counted in `teacher_bytes`. Defaults chosen by bench/bench_msa_layer.py tune
+    13.2 ms for 64 / 4 at 128K). Defaults chosen by bench/bench_msa_layer.py tune
     (bench/RESULTS.md)."""
     M: int = 16
     rows: int = 128
@@ -139,7 +135,6 @@ class Tuning:
     stored_stages: int = 2
     late_M: int = 32
     late_warps: int = 4
-    late_partials: bool = False
 
 
 DEFAULT_TUNING = Tuning()
@@ -248,7 +243,7 @@ def teacher_backward(iq, ik, pbar, idx, lse_z, index, K, block_size, index_scale
     s_safe = s_sum.clamp_min(torch.finfo(torch.float32).tiny)
     inv_s = 1.0 / s_safe
     dik, diq, bz = _stored_backward(iq, ik, pbar, lse_z, inv_s, index, K, block_size, index_scale, cfg, q_offset,
-                                    docs, idx)
+                                    docs, value=True)
     kl = torch.where(s_sum > 0, (a - bz) * inv_s - torch.log(s_safe) + lse_z, torch.zeros_like(lse_z))
     return kl, dik, diq
 
@@ -268,38 +263,24 @@ def _store_teacher(q, G, K, block_size, cfg, needs_grad: bool, keep: bool | None
 
 
 def _stored_backward(iq, ik, pbar, lse_z, inv_s, index, K, block_size, index_scale, cfg, q_offset, docs=None,
-                     idx=None):
-    """Unscaled d ik fp32 [B, TK, Di] and d iq fp32 [B, T, G, Di] from the stored teacher rows.
-    With the cleaned ids `idx` (the late path: rows from the attention's backward) also the
-    loss's bz = sum p z fp32 [B, T, G], on the late tiles; d iq and bz are then per entry and
-    reduced over the slots (`Tuning.late_partials`), else added by atomics."""
+                     value=False):
+    """Unscaled d ik fp32 [B, TK, Di] and d iq fp32 [B, T, G, Di] from the stored teacher rows;
+    with `value` (the late path: rows from the attention's backward) also the loss's bz = sum p z
+    fp32 [B, T, G], on the late tiles (else None)."""
     B, T, G, Di = iq.shape
     TK = ik.shape[1]
-    value = idx is not None
-    partial = value and cfg.late_partials
     dik = torch.zeros(B, TK, Di, dtype=torch.float32, device=iq.device)
-    if partial:
-        # every entry of the index is written; the reductions read no other
-        diq = torch.empty(B * T * G * K, Di, dtype=iq.dtype, device=iq.device)
-        bz = torch.empty(B, T, G, K, dtype=torch.float32, device=iq.device)
-    else:
-        diq = torch.zeros(B, T, G, Di, dtype=torch.float32, device=iq.device)
-        bz = torch.zeros(B, T, G, dtype=torch.float32, device=iq.device) if value else dik
+    diq = torch.zeros(B, T, G, Di, dtype=torch.float32, device=iq.device)
+    bz = torch.zeros(B, T, G, dtype=torch.float32, device=iq.device) if value else None
     tb, ts, tc = _programs(index, cfg.bwd_per_program)
     bstart, bend, docs_on = _tables(docs, index.entry)
     kl_stored_bwd_kernel[(tb.numel(),)](
-        iq, ik, pbar, lse_z, inv_s, index.entry, tb, ts, tc, dik, diq, bz, bstart, bend, T, TK,
+        iq, ik, pbar, lse_z, inv_s, index.entry, tb, ts, tc, dik, diq, bz if value else dik, bstart, bend, T, TK,
         q_offset, index.n_blocks, iq.stride(0), iq.stride(1), iq.stride(2), ik.stride(0), ik.stride(1), index_scale,
         BLOCK=block_size, G=G, K=K, M=cfg.late_M if value else cfg.stored_M, J=triton.next_power_of_2(block_size),
-        DI=Di, PREC=_precision(iq, iq), DOCS=docs_on, VALUE=value, PARTIAL=partial,
+        DI=Di, PREC=_precision(iq, iq), DOCS=docs_on, VALUE=value,
         num_warps=cfg.late_warps if value else cfg.stored_warps, num_stages=cfg.stored_stages)
-    if partial:
-        part = diq
-        diq = torch.empty(B, T, G, Di, dtype=torch.float32, device=iq.device)
-        sparse_dq_combine_kernel[(B * T * G,)](part, idx, diq, T, T, 0, HQ=G, HKV=G, SLOTS=K, H=1, HP=1, D=Di,
-                                               num_warps=4)
-        bz = torch.where(idx >= 0, bz, 0.0).sum(-1)
-    return dik, diq, (bz if value else None)
+    return dik, diq, bz
 
 
 def _backward(q, k, lse, iq, ik, lse_z, inv_s, index, K, block_size, scale, index_scale, cfg, q_offset,

@@ -449,13 +449,10 @@ def kl_bwd_kernel(q_ptr, k_ptr, lse_ptr, iq_ptr, ik_ptr, lsez_ptr, invs_ptr, ent
 @triton.jit
 def _stored_bwd_step(start, hi, dik_JI, iq_ptr, pbar_ptr, lsez_ptr, invs_ptr, ent_ptr, diq_ptr, bz_ptr, b, g, T,
                      ikT_IJ, ik_JI, kpos_J, si_b, si_t, si_h, index_scale, G: tl.constexpr, K: tl.constexpr,
-                     M: tl.constexpr, J: tl.constexpr, DI: tl.constexpr, PREC: tl.constexpr, VALUE: tl.constexpr,
-                     PARTIAL: tl.constexpr):
+                     M: tl.constexpr, J: tl.constexpr, DI: tl.constexpr, PREC: tl.constexpr, VALUE: tl.constexpr):
     """M entries of one key block's list, teacher read from pbar [E, J]: only the student is
-    recomputed. With VALUE also the loss's sum bz = sum p z (when the forward did not compute
-    the teacher). d iq and bz are added per (b, t, g) by atomics into diq [B*T*G, Di] and bz
-    [B*T*G], or with PARTIAL stored per entry (diq [E, Di] in its dtype, bz [E]) for a
-    reduction over the slots."""
+    recomputed. With VALUE also the loss's sum bz = sum p z, added per (b, t, g) to bz [B*T*G]
+    (when the forward did not compute the teacher)."""
     dt = iq_ptr.dtype.element_ty
     offs_i = tl.arange(0, DI)
     idx_M = start + tl.arange(0, M)
@@ -476,19 +473,10 @@ def _stored_bwd_step(start, hi, dik_JI, iq_ptr, pbar_ptr, lsez_ptr, invs_ptr, en
     dz_MJ = tl.where(valid_MJ, tl.exp(z_MJ - lse_z[:, None]) - p_MJ * inv_s[:, None], 0.0).to(dt)
     dik_JI += dot(tl.trans(dz_MJ), iq_MI, PREC)
     dq_MI = dot(dz_MJ, ik_JI, PREC)
-    if PARTIAL:
-        e64 = e_M.to(tl.int64)
-        tl.store(diq_ptr + e64[:, None] * DI + offs_i[None, :], dq_MI.to(diq_ptr.dtype.element_ty),
-                 mask=row_M[:, None])
-    else:
-        tl.atomic_add(diq_ptr + o_M[:, None] * DI + offs_i[None, :], dq_MI, mask=row_M[:, None], sem="relaxed")
+    tl.atomic_add(diq_ptr + o_M[:, None] * DI + offs_i[None, :], dq_MI, mask=row_M[:, None], sem="relaxed")
     if VALUE:
         # p is zero off the support, where z is finite
-        bz_M = tl.sum(p_MJ * z_MJ, axis=1)
-        if PARTIAL:
-            tl.store(bz_ptr + e_M, bz_M, mask=row_M)
-        else:
-            tl.atomic_add(bz_ptr + o_M, bz_M, mask=row_M, sem="relaxed")
+        tl.atomic_add(bz_ptr + o_M, tl.sum(p_MJ * z_MJ, axis=1), mask=row_M, sem="relaxed")
     return dik_JI
 
 
@@ -497,11 +485,10 @@ def kl_stored_bwd_kernel(iq_ptr, ik_ptr, pbar_ptr, lsez_ptr, invs_ptr, ent_ptr, 
                          diq_ptr, bz_ptr, bstart_ptr, bend_ptr, T, TK, QOFF, N, si_b, si_t, si_h, sik_b, sik_t,
                          index_scale, BLOCK: tl.constexpr, G: tl.constexpr, K: tl.constexpr, M: tl.constexpr,
                          J: tl.constexpr, DI: tl.constexpr, PREC: tl.constexpr, DOCS: tl.constexpr,
-                         VALUE: tl.constexpr, PARTIAL: tl.constexpr):
+                         VALUE: tl.constexpr):
     """Sparse backward with the teacher stored (by the KL's forward or the attention's backward):
-    program p takes a run of a bucket's entries (as `kl_bwd_kernel`); d ik [B, TK, Di] by fp32
-    atomics, d iq [B, T, G, Di] likewise or per entry (PARTIAL); with VALUE the loss's bz
-    (`_stored_bwd_step`)."""
+    program p takes a run of a bucket's entries (as `kl_bwd_kernel`); d ik [B, TK, Di] and
+    d iq [B, T, G, Di] by fp32 atomics; with VALUE the loss's bz (`_stored_bwd_step`)."""
     live, b, g, n, lo, hi, j0, j_end = _work_item(tb_ptr, ts_ptr, tc_ptr, TK, N, bstart_ptr, bend_ptr, G, BLOCK, DOCS)
     if live:
         offs_i = tl.arange(0, DI)
@@ -514,13 +501,13 @@ def kl_stored_bwd_kernel(iq_ptr, ik_ptr, pbar_ptr, lsez_ptr, invs_ptr, ent_ptr, 
             while start < hi:
                 dik_JI = _stored_bwd_step(start, hi, dik_JI, iq_ptr, pbar_ptr, lsez_ptr, invs_ptr, ent_ptr, diq_ptr,
                                           bz_ptr, b, g, T, ikT_IJ, ik_JI, kpos_J, si_b, si_t, si_h, index_scale,
-                                          G, K, M, J, DI, PREC, VALUE, PARTIAL)
+                                          G, K, M, J, DI, PREC, VALUE)
                 start += M
         else:
             for start in range(lo, hi, M):
                 dik_JI = _stored_bwd_step(start, hi, dik_JI, iq_ptr, pbar_ptr, lsez_ptr, invs_ptr, ent_ptr, diq_ptr,
                                           bz_ptr, b, g, T, ikT_IJ, ik_JI, kpos_J, si_b, si_t, si_h, index_scale,
-                                          G, K, M, J, DI, PREC, VALUE, PARTIAL)
+                                          G, K, M, J, DI, PREC, VALUE)
         o_J = b * TK + kpos64
         tl.atomic_add(dik_ptr + o_J[:, None] * DI + offs_i[None, :], dik_JI, mask=kin_J[:, None], sem="relaxed")
 
