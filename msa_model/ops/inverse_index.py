@@ -73,7 +73,8 @@ class InverseIndex:
         if self.n_chunks == 1:
             return self
         E = self.entry.numel()
-        T = E * self.chunk_size // self.chunk_entries  # entries per query: B*G*K = chunk_entries / chunk_size
+        # entries per query, B*G*K, are chunk_entries / chunk_size
+        T = E * self.chunk_size // self.chunk_entries
         return InverseIndex(self.entry, self.block_start, self.block_count, self.n_blocks, 1, T, E,
                             self.block_start, self.block_count)
 
@@ -137,8 +138,9 @@ def build_inverse_index(idx_BTGK: torch.Tensor, n_blocks: int, chunk_size: int =
                         base_BT: torch.Tensor | None = None) -> InverseIndex:
     """Inverse (block -> queries) index of a cleaned block_idx (see `clean_block_idx`), bucketed
     per chunk of `chunk_size` queries (0: one chunk). One sort serves every chunk (a chunk costs
-    its launches alone) and the unchunked view (`InverseIndex.whole`). With packed documents `base_BT` (`DocumentBlocks.base`) turns
-    document-relative ids into table ids, and n_blocks is the table's size."""
+    its launches alone) and the unchunked view (`InverseIndex.whole`). With packed documents
+    `base_BT` (`DocumentBlocks.base`) turns document-relative ids into table ids, and n_blocks is
+    the table's size."""
     B, T, G, K = idx_BTGK.shape
     chunk_size = T if chunk_size <= 0 else min(chunk_size, T)
     S = triton.cdiv(T, chunk_size)

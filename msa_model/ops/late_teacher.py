@@ -40,9 +40,8 @@ def teacher_bytes(q: torch.Tensor, n_groups: int, topk: int, block_size: int, qu
 def query_chunk(q: torch.Tensor, n_groups: int, topk: int, block_size: int, budget: int) -> int:
     """Queries per late-teacher call whose rows fit `budget` bytes, the chunks of about equal
     size (0: not even one query's rows fit)."""
-    T = q.shape[1]
-    most = min(T, budget // max(1, teacher_bytes(q, n_groups, topk, block_size, 1)))
-    return 0 if most == 0 else -(-T // -(-T // most))
+    one = teacher_bytes(q, n_groups, topk, block_size, 1)
+    return 0 if one > budget else sa_triton._chunk(q.shape[1], one, budget)
 
 
 def _rows(x, t0, t1):
