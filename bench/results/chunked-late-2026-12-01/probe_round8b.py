@@ -1,7 +1,9 @@
 """Round 8 probe b: the late teacher in query chunks (one autograd node) at 512K and 1M against
-the forward teacher; SDPA at 256K for the 1M extrapolation. Writes $OUT/probe-round8b.json.
+the forward teacher; SDPA at 256K for the 1M extrapolation. Writes $OUT/probe-round8b.json;
+with ONLY_512K=1 only the 512K part, to $OUT/probe-round8c.json (call 3 ran it so, after the
+chunks wrote in place).
 Ran (call 2) with the chunked late path copying each chunk's outputs (since written in place,
-probe_round8c.py re-measured 512K after that change).
+ONLY_512K=1 re-measured 512K after that change, call 3).
 Run from the repository root: PYTHONPATH=. OUT=<dir> python bench/results/chunked-late-2026-12-01/probe_round8b.py
 """
 import json, os, sys, time
@@ -13,8 +15,10 @@ T0 = time.time(); OUT = {}
 def say(*a): print(f"[{time.time()-T0:5.0f}s]", *a, flush=True)
 def clear(xs):
     for x in xs: x.grad = None
+ONLY_512K = os.environ.get("ONLY_512K") == "1"
 def dump():
-    json.dump(OUT, open(os.path.join(os.environ.get("OUT", "."), "probe-round8b.json"), "w"), indent=1)
+    name = "probe-round8c.json" if ONLY_512K else "probe-round8b.json"
+    json.dump(OUT, open(os.path.join(os.environ.get("OUT", "."), name), "w"), indent=1)
 T = 524288
 q, k, v, iq, ik = make_inputs(T); leaves = [q, k, v, iq, ik]; do = torch.randn_like(q)
 def fb(teacher, prec="input"):
@@ -31,6 +35,8 @@ r["late_fwdbwd_fp8"] = timed(lambda: fb("backward", "fp8"), 2)
 r["late_fwd"] = timed(lambda: fwd("backward"), 2)
 r["forward_fwd"] = timed(lambda: fwd("forward"), 2)
 OUT["t524288"] = r; say(r); dump()
+if ONLY_512K:
+    sys.exit(0)
 del q, k, v, iq, ik, leaves, do; torch.cuda.empty_cache()
 q, k, v, iq, ik = make_inputs(262144, grad=False)
 with torch.no_grad():
