@@ -204,14 +204,26 @@ def test_triton_tile_path_with_documents(poisoned):
     # the hybrid forward: the tiles of few blocks on the tile path, the others gathered
     tuning = dataclasses.replace(tuning, tile_backward=False, tile_union_max=1.25)
     _check_attention_with_documents(6, 2, 23, torch.bfloat16 if CUDA else torch.float32, False, tuning)
+    # sets shared within a document: the tile kernel reads a document's earlier blocks unmasked
+    _check_attention_with_documents(6, 2, 23, torch.bfloat16 if CUDA else torch.float32, False, tuning, shared=True)
 
 
-def _check_attention_with_documents(Hq, G, q0, dtype, dense, tuning=None):
+def shared_doc_block_idx(ds, G, bs, q_offset=0):
+    """Each query's local block and its document's blocks 0 and 1 (those after its own read
+    nothing): the queries of a tile inside a document share them."""
+    B, T = ds.shape
+    local = ((q_offset + torch.arange(T))[None, :] - ds.long()) // bs
+    idx = torch.stack([local, torch.zeros_like(local), torch.ones_like(local), torch.full_like(local, -1)], -1)
+    return idx[:, :, None].expand(B, T, G, 4).to(torch.int32).contiguous()
+
+
+def _check_attention_with_documents(Hq, G, q0, dtype, dense, tuning=None, shared=False):
     bs = 16
     gen = torch.Generator().manual_seed(5)
     q, k, v, _, _ = inputs(seed=5, dtype=torch.float32, Hq=Hq, G=G, device=DEV)
     ds = doc_starts(DOCS)[:, q0:]
-    idx = None if dense else random_doc_block_idx(ds, G, 4, bs, gen, q0).to(DEV)
+    idx = (None if dense else shared_doc_block_idx(ds, G, bs, q0).to(DEV) if shared
+           else random_doc_block_idx(ds, G, 4, bs, gen, q0).to(DEV))
     ds = ds.to(DEV)
     w = torch.randn(q[:, q0:].shape, generator=gen).to(DEV)
     args = (q[:, q0:], k, v, idx, ds, bs)
@@ -222,7 +234,7 @@ def _check_attention_with_documents(Hq, G, q0, dtype, dense, tuning=None):
         assert not torch.isnan(x).any(), name
     # rows whose slots name no causal block have an empty support: lse = -inf in both
     empty = torch.isinf(truth[1])
-    assert (dense or empty.any()) and torch.equal(torch.isinf(out[1]), empty)
+    assert (dense or shared or empty.any()) and torch.equal(torch.isinf(out[1]), empty)
     out, truth = list(out), list(truth)
     out[1], truth[1] = out[1][~empty], truth[1][~empty]
     if dtype == torch.float32:

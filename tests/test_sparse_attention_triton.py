@@ -61,13 +61,14 @@ def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-def run_case(B, T, Hq, G, D, block_size, K, dtype, dense=False, seed=0, tuning=None):
+def run_case(B, T, Hq, G, D, block_size, K, dtype, dense=False, seed=0, tuning=None, block_idx=None):
+    """block_idx: the sets to use (default: random_block_idx's)."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(B, T, Hq, D, generator=gen).to(dtype)
     k = torch.randn(B, T, G, D, generator=gen).to(dtype)
     v = torch.randn(B, T, G, D, generator=gen).to(dtype)
     do = torch.randn(B, T, Hq, D, generator=gen).to(dtype)
-    idx = None if dense else random_block_idx(B, T, G, K, block_size, gen)
+    idx = None if dense else random_block_idx(B, T, G, K, block_size, gen) if block_idx is None else block_idx
     q, k, v, do = (x.to(DEVICE) for x in (q, k, v, do))
     idx = None if idx is None else idx.to(DEVICE)
 
@@ -246,7 +247,7 @@ def test_large_gpu(H, D, block_size, K, dtype):
 def _tiles(rows, per_item=2, **kw):
     """The tile path both ways (every tile); few tiles per dK/dV work item, so popular blocks span
     several; 16 keys per step, so a 32-key block takes two."""
-    kw = {"tile_backward": True, "tile_keys": 16, "tile_min_heads": 1, "tile_min_queries": 0, **kw}
+    kw = {"tile_backward": True, "tile_keys": 16, "tile_dq_keys": 16, "tile_min_heads": 1, "tile_min_queries": 0, **kw}
     return dataclasses.replace(sa_triton.DEFAULT_TUNING, tile_rows=rows, tile_dkdv_tiles=per_item, **kw)
 
 
@@ -284,6 +285,46 @@ def test_hybrid_forward_splits_tiles_by_their_union():
              tuning=_tiles(2 * QT, tile_backward=False, tile_union_max=limit))
 
 
+def shared_block_idx(B, T, G, K, block_size):
+    """Sets that neighbouring queries mostly share, as a trained indexer's: the local block, block
+    0, K - 3 fixed stripes per group and one block that changes from query to query (future
+    ones dropped by the op), so most tiles hold blocks that every query selected and that end
+    before the tile, and some that only part of the tile selected."""
+    n = (T + block_size - 1) // block_size
+    local = (torch.arange(T) // block_size)[None, :, None, None].expand(B, T, G, 1)
+    stripes = (torch.arange(1, K - 2)[None, :] * 2 + torch.arange(G)[:, None]) % n
+    moving = (torch.arange(T) % 3 + 1)[None, :, None, None].expand(B, T, G, 1)
+    return torch.cat([local, torch.zeros_like(local), stripes[None, None].expand(B, T, G, K - 3), moving],
+                     -1).to(torch.int32)
+
+
+@pytest.mark.parametrize("rows", [4, 8])
+def test_tile_path_reads_whole_blocks_unmasked(rows):
+    """Tiles whose queries share earlier blocks read those in the kernel's unmasked loop (blocks
+    every query selected, ending before the tile's first query) and the rest masked: both loops
+    run here, and the result is the reference's."""
+    B, T, Hq, G, D, bs, K = 2, 150, 4, 2, 16, 32, 5  # 16 keys a step: two per block
+    idx = shared_block_idx(B, T, G, K, bs)
+    union = sa_triton.tile_union(inverse_index.clean_block_idx(idx, bs), rows // 2)
+    assert (union.full > 0).float().mean() > 0.5 and (union.full < union.count).any()
+    run_case(B, T, Hq, G, D, bs, K, torch.float32 if DEVICE == "cpu" else torch.bfloat16,
+             tuning=_tiles(rows, tile_backward=False, tile_union_max=float(rows)), block_idx=idx)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the default launch shapes need a GPU")
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_tile_path_default_launch_shapes(D):
+    """The tile kernels at their default launch shapes (128-key steps, both forward loops
+    pipelined), which only a GPU compiles: they fit in shared memory at every head dim and agree
+    with the reference (with `tile_backward` at D = 256 the gather backward runs: the tile
+    backward's dK/dV kernel would not fit)."""
+    B, T, Hq, G, bs, K = 1, 1536, 32, 2, 128, 8
+    idx = shared_block_idx(B, T, G, K, bs)
+    for tile_backward in (False, True):
+        tuning = dataclasses.replace(sa_triton.DEFAULT_TUNING, tile_min_queries=0, tile_backward=tile_backward)
+        run_case(B, T, Hq, G, D, bs, K, torch.bfloat16, tuning=tuning, block_idx=idx)
+
+
 def test_tile_path_chunks_the_dkdv_partials():
     """A partial budget of a few work items: the unions' inverse index runs in several chunks."""
     B, T, Hq, G, D, bs, K = 1, 50, 4, 2, 16, 16, 4
@@ -293,6 +334,7 @@ def test_tile_path_chunks_the_dkdv_partials():
 
 
 def test_tile_union_lists_each_tiles_distinct_blocks():
+    """Distinct ids, those every query of the tile selected first, each part ascending."""
     B, T, G, K, N, QT = 2, 37, 3, 4, 6, 4
     gen = torch.Generator().manual_seed(3)
     idx = torch.randint(-1, N, (B, T, G, K), generator=gen, dtype=torch.int32)
@@ -302,9 +344,13 @@ def test_tile_union_lists_each_tiles_distinct_blocks():
     for b in range(B):
         for g in range(G):
             for tile in range(-(-T // QT)):
-                want = sorted({x for x in idx[b, tile * QT:(tile + 1) * QT, g].flatten().tolist() if x >= 0})
+                rows = [set(x for x in r.tolist() if x >= 0) for r in idx[b, tile * QT:(tile + 1) * QT, g]]
+                rows += [set()] * (QT - len(rows))  # the last tile's missing queries select nothing
+                every = sorted(set.intersection(*rows))
+                want = every + sorted(set.union(*rows) - set(every))
                 n = int(union.count[b, g, tile])
                 assert union.blocks[b, g, tile, :n].tolist() == want
+                assert int(union.full[b, g, tile]) == len(every)
                 assert (union.blocks[b, g, tile, n:] == -1).all()
 
 

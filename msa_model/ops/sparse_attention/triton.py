@@ -55,17 +55,22 @@ class Tuning:
     # whose groups have at least `tile_min_heads` heads (below, the gather path was as fast or
     # faster: bench/RESULTS.md, "Round 5"), and there, in the forward, by each tile whose union
     # holds at most `tile_union_max` x K blocks (the others' queries are gathered). tile_keys:
-    # keys per step; tile_warps, tile_stages: its query-outer kernels' launch. The backward is the
-    # gather path's unless `tile_backward` (then every tile takes the tile path both ways, with
-    # `tile_dkdv_tiles` tiles per dK/dV work item and `tile_dq_stages` in the dQ kernel).
+    # the forward's keys per step; tile_warps: the query-outer kernels' warps; tile_stages,
+    # tile_masked_stages: the forward's pipeline stages over the blocks every row reads whole and
+    # over the others (bench/RESULTS.md, round 9). The backward is the gather path's unless
+    # `tile_backward` (then, for heads up to 128 wide, every tile takes the tile path both ways,
+    # with `tile_dkdv_tiles` tiles per dK/dV work item, and `tile_dq_keys` keys a step in
+    # `tile_dq_stages` in the dQ kernel).
     tile_rows: int = 128
     tile_min_heads: int = 8
     tile_min_queries: int = 32768
     tile_union_max: float = 1.5
-    tile_keys: int = 64
+    tile_keys: int = 128
     tile_warps: int = 8
     tile_stages: int = 3
+    tile_masked_stages: int = 2
     tile_backward: bool = False
+    tile_dq_keys: int = 64
     tile_dq_stages: int = 2
     tile_dkdv_warps: int = 8
     tile_dkdv_tiles: int = 64
@@ -126,10 +131,11 @@ def _blocks(docs: DocumentBlocks | None, TK: int, block_size: int, dummy: torch.
 
 
 def sparse_forward(q, k, v, idx, block_size, scale, q_offset=0, index=None, tuning: Tuning = DEFAULT_TUNING,
-                   docs: DocumentBlocks | None = None, out=None):
+                   docs: DocumentBlocks | None = None, out=None, rows=None):
     """o [B, T, Hq, D] (q dtype), lse fp32 [B, T, Hq] and the inverse index (for the backward);
     idx cleaned int32 [B, T, G, K]; k, v [B, TK, G, D]; docs: packed documents' block table;
-    out: contiguous (o, lse) to write into."""
+    out: contiguous (o, lse) to write into; rows: bool [B, T, G], contiguous: only these (b, t, g)
+    are written (None: all)."""
     B, T, Hq, G, H, HP, D = _geometry(q, k, block_size)
     TK = k.shape[1]
     K = idx.shape[-1]
@@ -150,8 +156,8 @@ def sparse_forward(q, k, v, idx, block_size, scale, q_offset=0, index=None, tuni
             scale * LOG2E.value, HQ=Hq, HKV=G, SLOTS=K, H=H, HP=HP, QT=QT, BS=block_size, D=D, DOCS=DOCS,
             num_warps=tuning.fwd_warps, num_stages=tuning.fwd_stages)
         sparse_fwd_combine_kernel[(B * (t1 - t0) * G,)](
-            po, plse, idx, o, lse, T, t1 - t0, t0,
-            HQ=Hq, HKV=G, SLOTS=K, KP=triton.next_power_of_2(K), H=H, HP=HP, D=D, num_warps=4)
+            po, plse, idx, o, lse, idx if rows is None else rows, T, t1 - t0, t0,
+            HQ=Hq, HKV=G, SLOTS=K, KP=triton.next_power_of_2(K), H=H, HP=HP, D=D, ROWS=rows is not None, num_warps=4)
     return o, lse, index
 
 
@@ -230,19 +236,22 @@ class TileUnion:
     """Each query tile's union of selected blocks (the tile path, triton_tiles.py).
 
     ids: int32 [B, T, G, K] the cleaned block ids, table ids with packed documents (-1 unused).
-    blocks: int32 [B, G, NT, U] each tile's distinct ids ascending, then -1 (U = QT*K).
-    count: int32 [B, G, NT] how many; queries: QT, queries per tile.
+    blocks: int32 [B, G, NT, U] each tile's distinct ids: first those every query of the tile
+    selected (ascending), then the others (ascending), then -1 (U = QT*K).
+    count: int32 [B, G, NT] how many; full: int32 [B, G, NT] how many of them every query
+    selected; queries: QT, queries per tile.
     """
 
     ids: torch.Tensor
     blocks: torch.Tensor
     count: torch.Tensor
+    full: torch.Tensor
     queries: int
 
 
 def tile_union(idx: torch.Tensor, queries: int, docs: DocumentBlocks | None = None) -> TileUnion:
-    """The union of each tile of `queries` consecutive queries' blocks, per (b, g): two segmented
-    sorts of [B, G, NT, QT*K], no host synchronisation."""
+    """The union of each tile of `queries` consecutive queries' blocks, per (b, g), the blocks
+    every query selected first: two segmented sorts of [B, G, NT, QT*K], no host synchronisation."""
     B, T, G, K = idx.shape
     ids = idx if docs is None else torch.where(idx >= 0, idx + docs.base[:, :, None, None], -1)
     ids = ids.to(torch.int32).contiguous()
@@ -252,10 +261,17 @@ def tile_union(idx: torch.Tensor, queries: int, docs: DocumentBlocks | None = No
     u = u.sort(-1).values
     dup = torch.zeros_like(u, dtype=torch.bool)
     dup[..., 1:] = u[..., 1:] == u[..., :-1]
+    # a query names a block at most once, so a block every query selected appears `queries`
+    # times in a row of the sorted ids: its first copy equals the one queries - 1 places on
+    every = torch.zeros_like(dup)
+    every[..., :u.shape[-1] - queries + 1] = u[..., :u.shape[-1] - queries + 1] == u[..., queries - 1:]
     none = torch.iinfo(torch.int32).max
-    u = torch.where(dup | (u < 0), none, u).sort(-1).values
+    later = 1 << 30  # the others sort after them (ids stay below: a table of 2^30 blocks is 2^37 keys)
+    u = torch.where(dup | (u < 0), none, torch.where(every, u, u + later)).sort(-1).values
     count = (u != none).sum(-1, dtype=torch.int32)
-    return TileUnion(ids, torch.where(u == none, -1, u).contiguous(), count.contiguous(), queries)
+    full = (u < later).sum(-1, dtype=torch.int32)
+    blocks = torch.where(u == none, -1, torch.where(u >= later, u - later, u))
+    return TileUnion(ids, blocks.contiguous(), count.contiguous(), full.contiguous(), queries)
 
 
 def _tile_queries(tuning: Tuning, H: int) -> int:
@@ -270,6 +286,13 @@ def _stages(stages: int, D: int) -> int:
     memory, so heads wider than 128 take one (two of D = 256 would not fit in an H200's 227 KiB
     with the tile's other buffers)."""
     return stages if D <= 128 else 1
+
+
+def _tile_keys(keys: int, block_size: int, D: int) -> int:
+    """Keys a step of a tile kernel: at most a block, and for heads wider than 128 at most 32 (the
+    forward's two loops each keep a key and a value step in shared memory beside the tile's
+    [rows, D] queries)."""
+    return min(keys, block_size, 32 if D > 128 else keys)
 
 
 def _tile_args(q, k, union: TileUnion, block_size, docs):
@@ -292,9 +315,11 @@ def tile_forward(q, k, v, union: TileUnion, block_size, scale, q_offset=0, tunin
     o, lse = out if out is not None else (torch.empty_like(q),
                                           torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device))
     COMPILED["tile_fwd"] = tile_fwd_kernel[(NT, B * G)](
-        q, k, v, o, lse, union.ids, union.blocks, union.count, bstart, bend, T, TK, q_offset, N, NT,
-        meta["U"] if limit is None else limit, scale * LOG2E.value, **meta, KB=min(tuning.tile_keys, block_size),
-        num_warps=tuning.tile_warps, num_stages=_stages(tuning.tile_stages, meta["D"]))
+        q, k, v, o, lse, union.ids, union.blocks, union.count, union.full, bstart, bend, T, TK, q_offset, N, NT,
+        meta["U"] if limit is None else limit, scale * LOG2E.value, **meta,
+        KB=_tile_keys(tuning.tile_keys, block_size, meta["D"]), UP=triton.next_power_of_2(meta["U"]),
+        STAGES=_stages(tuning.tile_stages, meta["D"]),
+        MASKED_STAGES=_stages(tuning.tile_masked_stages, meta["D"]), num_warps=tuning.tile_warps)
     return o, lse
 
 
@@ -303,14 +328,14 @@ def hybrid_forward(q, k, v, idx, union: TileUnion, block_size, scale, q_offset=0
     """The forward with each tile on the path that suits its union: tiles whose union holds at
     most `tuning.tile_union_max` x K blocks on the tile path, the others' queries on the gather
     path. Decided per tile on the device (no synchronisation): the gather path runs first on the
-    other tiles' entries alone (the rest emptied, so its combine writes o = 0 there), then the
-    tile kernel writes its tiles over them."""
+    other tiles' entries alone (the rest emptied) and writes their rows only, then the tile
+    kernel writes its tiles."""
     K = idx.shape[-1]
     limit = int(tuning.tile_union_max * K)
     QT, T = union.queries, idx.shape[1]
-    over_BTG = (union.count > limit).permute(0, 2, 1).repeat_interleave(QT, dim=1)[:, :T]
+    over_BTG = (union.count > limit).permute(0, 2, 1).repeat_interleave(QT, dim=1)[:, :T].contiguous()
     o, lse, _ = sparse_forward(q, k, v, torch.where(over_BTG[..., None], idx, -1), block_size, scale, q_offset,
-                               tuning=tuning, docs=docs, out=out)
+                               tuning=tuning, docs=docs, out=out, rows=over_BTG)
     return tile_forward(q, k, v, union, block_size, scale, q_offset, tuning, docs, limit, (o, lse))
 
 
@@ -324,8 +349,8 @@ def tile_backward(do, q, k, v, o, lse, union: TileUnion, block_size, scale, q_of
     dq = torch.empty_like(q)
     COMPILED["tile_dq"] = tile_dq_kernel[(NT, B * G)](
         q, k, v, do, lse, delta, dq, union.ids, union.blocks, union.count, bstart, bend, T, TK, q_offset, N, NT,
-        scale * LOG2E.value, scale, **meta, KB=min(tuning.tile_keys, block_size), num_warps=tuning.tile_warps,
-        num_stages=_stages(tuning.tile_dq_stages, meta["D"]))
+        scale * LOG2E.value, scale, **meta, KB=_tile_keys(tuning.tile_dq_keys, block_size, meta["D"]),
+        num_warps=tuning.tile_warps, num_stages=_stages(tuning.tile_dq_stages, meta["D"]))
     dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
     dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
     per_item = tuning.tile_dkdv_tiles
@@ -422,7 +447,10 @@ def attention_forward(q, k, v, block_idx, block_size, scale, q_offset, tuning: T
     H = q.shape[2] // k.shape[2]
     queries = _tile_queries(tuning, H)
     tiles = tuning.tile_rows and H >= tuning.tile_min_heads and q.shape[1] >= tuning.tile_min_queries
-    if tiles and tuning.tile_backward:
+    # the tile backward's dK/dV kernel keeps a block's keys, values and fp32 accumulators beside a
+    # tile's queries and output gradients: at heads wider than 128 they pass shared memory (262 of
+    # 227 KiB on an H200 at D = 256), so there the gather backward runs (the same result)
+    if tiles and tuning.tile_backward and q.shape[-1] <= 128:
         state.union = tile_union(idx, queries, state.docs)
         o, lse = tile_forward(q, k, v, state.union, block_size, scale, q_offset, tuning, state.docs, out=out)
     elif tiles:

@@ -85,8 +85,13 @@ def _fwd_tile(Q, PO, PLSE, ENTRY, kt, vt, j, b, g, start, i0, count, T, C, t0, Q
     row = (b * T + t) * HQ + g * H + hh
     q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
     s = mm(q, tl.trans(kt)) * qk_scale
-    # query t sits at position QOFF + t; j <= QOFF + t also keeps j < TK; rows past `count` see nothing
-    s = tl.where((j[None, :] <= QOFF + t[:, None]) & row_ok[:, None], s, float("-inf"))
+    # query t sits at position QOFF + t; j <= QOFF + t also keeps j < TK; rows past `count` see
+    # nothing. A bucket lists its queries in order, so a full tile whose first query follows the
+    # block's last key reads the whole block (every tile of every block but the local one): it
+    # skips the mask (1.8% of the kernel at 128K, bench/RESULTS.md round 9)
+    t_first = tl.min(tl.where(row_ok, t, 2147483647), 0)
+    if (i0 + QT > count) | (tl.max(j, 0) > QOFF + t_first):
+        s = tl.where((j[None, :] <= QOFF + t[:, None]) & row_ok[:, None], s, float("-inf"))
     m = tl.max(s, 1)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     p = tl.exp2(s - m_safe[:, None])
@@ -127,14 +132,19 @@ def sparse_fwd_kernel(Q, K, V, PO, PLSE, ENTRY, ITEM_BUCKET, ITEM_START, ITEM_CO
 
 
 @triton.jit
-def sparse_fwd_combine_kernel(PO, PLSE, IDX, O, LSE, T, C, t0,
+def sparse_fwd_combine_kernel(PO, PLSE, IDX, O, LSE, ROWSEL, T, C, t0,
                               HQ: tl.constexpr, HKV: tl.constexpr, SLOTS: tl.constexpr, KP: tl.constexpr,
-                              H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr):
-    """Merge the K partials of one (b, c, g): o [H, D] and lse [H]; empty support gives o = 0, lse = -inf."""
+                              H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr):
+    """Merge the K partials of one (b, c, g): o [H, D] and lse [H]; empty support gives o = 0, lse = -inf.
+    ROWS: only the (b, t, g) that ROWSEL [B, T, G] (bool) marks are written (the hybrid forward's
+    gathered tiles; the tile kernel writes the others)."""
     pid = tl.program_id(0).to(tl.int64)  # (b*C + c)*G + g
     g = pid % HKV
     c = (pid // HKV) % C
     b = pid // (HKV * C)
+    if ROWS:
+        if tl.load(ROWSEL + (b * T + t0 + c) * HKV + g).to(tl.int32) == 0:
+            return
     h = tl.arange(0, HP)
     hmask = h < H
     d = tl.arange(0, D)

@@ -18,7 +18,8 @@ per group (HP: next power of two), K = slots (KP: next power of two), NT = tiles
 per tile (QT*K, the largest union), BS = block size, D = head dim, R = QT*HP rows.
 Block ids are the cleaned block_idx's, or with packed documents the table ids of
 ops/inverse_index.py (`base + n`), in IDS [B, T, G, K]; UNION [B, G, NT, U] lists each tile's
-distinct ids ascending then -1, UCOUNT [B, G, NT] their number.
+distinct ids, those every query of the tile selected first (UFULL [B, G, NT] of them), each part
+ascending, then -1; UCOUNT [B, G, NT] their number.
 """
 
 from __future__ import annotations
@@ -75,14 +76,16 @@ def _selected(ids, n):
 
 @triton.jit
 def _fwd_block(q, hit, t, m, l, acc, K, V, b, g, n, TK, QOFF, NBLK, BSTART, BEND, qk_scale,
-               HKV: tl.constexpr, BS: tl.constexpr, KB: tl.constexpr, D: tl.constexpr, DOCS: tl.constexpr):
+               HKV: tl.constexpr, BS: tl.constexpr, KB: tl.constexpr, D: tl.constexpr, DOCS: tl.constexpr,
+               MASK: tl.constexpr):
     """One union block of the online softmax (exp2 domain), KB keys at a time. A row reads key j
     iff its query selected the block and j is not in its future; keys past a block's end are
-    later than every query that selected the block."""
+    later than every query that selected the block. MASK=False: every row reads the whole block."""
     for part in tl.static_range(BS // KB):
         j, kt, vt = _kv_rows(K, V, b, g, n, part, TK, NBLK, BSTART, BEND, HKV, BS, KB, D, DOCS)
-        vis = hit[:, None] & (j[None, :] <= QOFF + t[:, None])
-        s = tl.where(vis, mm(q, tl.trans(kt)) * qk_scale, float("-inf"))
+        s = mm(q, tl.trans(kt)) * qk_scale
+        if MASK:
+            s = tl.where(hit[:, None] & (j[None, :] <= QOFF + t[:, None]), s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m - m_safe)
@@ -94,13 +97,30 @@ def _fwd_block(q, hit, t, m, l, acc, K, V, b, g, n, TK, QOFF, NBLK, BSTART, BEND
 
 
 @triton.jit
-def tile_fwd_kernel(Q, K, V, O, LSE, IDS, UNION, UCOUNT, BSTART, BEND, T, TK, QOFF, NBLK, NT, LIMIT, qk_scale,
-                    HQ: tl.constexpr, HKV: tl.constexpr, SLOTS: tl.constexpr, KP: tl.constexpr, H: tl.constexpr,
-                    HP: tl.constexpr, QT: tl.constexpr, U: tl.constexpr, BS: tl.constexpr, KB: tl.constexpr,
-                    D: tl.constexpr, DOCS: tl.constexpr):
+def _whole_blocks(UNION, ub, nfull, QOFF, first, NBLK, BEND, b, BS: tl.constexpr, UP: tl.constexpr,
+                  DOCS: tl.constexpr):
+    """How many of the union's first nfull blocks (those every query of the tile selected,
+    ascending) end before the tile's first query, at position QOFF + first: these every row
+    reads whole. Ascending, they are a prefix of the nfull."""
+    u = tl.arange(0, UP)
+    n = tl.load(UNION + ub + u, mask=u < nfull, other=0)
+    if DOCS:
+        last = tl.load(BEND + b * NBLK + n, mask=u < nfull, other=0) - 1
+    else:
+        last = n * BS + BS - 1
+    return tl.sum(((u < nfull) & (last <= QOFF + first)).to(tl.int32), 0)
+
+
+@triton.jit
+def tile_fwd_kernel(Q, K, V, O, LSE, IDS, UNION, UCOUNT, UFULL, BSTART, BEND, T, TK, QOFF, NBLK, NT, LIMIT,
+                    qk_scale, HQ: tl.constexpr, HKV: tl.constexpr, SLOTS: tl.constexpr, KP: tl.constexpr,
+                    H: tl.constexpr, HP: tl.constexpr, QT: tl.constexpr, U: tl.constexpr, BS: tl.constexpr,
+                    KB: tl.constexpr, D: tl.constexpr, DOCS: tl.constexpr, UP: tl.constexpr, STAGES: tl.constexpr,
+                    MASKED_STAGES: tl.constexpr):
     """One tile (program (tile, b*G + g)) whose union has at most LIMIT blocks (others exit: the
     gather path covers them): o [R, D] and lse [R] (natural log; -inf and o = 0 on an empty
-    support), written directly."""
+    support), written directly. The blocks every row reads whole come first and skip the mask
+    (as FlexAttention's full blocks), in a loop of their own."""
     tile = tl.program_id(0)
     bg = tl.program_id(1)
     count = tl.load(UCOUNT + bg.to(tl.int64) * NT + tile)
@@ -110,20 +130,30 @@ def tile_fwd_kernel(Q, K, V, O, LSE, IDS, UNION, UCOUNT, BSTART, BEND, T, TK, QO
     g = bg % HKV
     t, row_ok, row, q, ids = _tile_rows(Q, IDS, b, g, tile, T, HQ, HKV, SLOTS, KP, H, HP, QT, D)
     ub = (bg.to(tl.int64) * NT + tile) * U
+    whole = _whole_blocks(UNION, ub, tl.load(UFULL + bg.to(tl.int64) * NT + tile), QOFF, tile * QT, NBLK, BEND, b,
+                          BS, UP, DOCS)
     m = tl.full([QT * HP], float("-inf"), tl.float32)
     l = tl.zeros([QT * HP], tl.float32)
     acc = tl.zeros([QT * HP, D], tl.float32)
-    if not INTERPRET:  # pipelined; the interpreter takes the while loop (triton_utils)
-        for u in range(0, count):
+    if not INTERPRET:  # pipelined; the interpreter takes the while loops (triton_utils)
+        for u in tl.range(0, whole, num_stages=STAGES):
+            n = tl.load(UNION + ub + u)
+            m, l, acc = _fwd_block(q, row_ok, t, m, l, acc, K, V, b, g, n, TK, QOFF, NBLK, BSTART, BEND,
+                                   qk_scale, HKV, BS, KB, D, DOCS, False)
+        for u in tl.range(whole, count, num_stages=MASKED_STAGES):
             n = tl.load(UNION + ub + u)
             m, l, acc = _fwd_block(q, _selected(ids, n), t, m, l, acc, K, V, b, g, n, TK, QOFF, NBLK, BSTART, BEND,
-                                   qk_scale, HKV, BS, KB, D, DOCS)
+                                   qk_scale, HKV, BS, KB, D, DOCS, True)
     else:
         u = count * 0
         while u < count:
             n = tl.load(UNION + ub + u)
-            m, l, acc = _fwd_block(q, _selected(ids, n), t, m, l, acc, K, V, b, g, n, TK, QOFF, NBLK, BSTART, BEND,
-                                   qk_scale, HKV, BS, KB, D, DOCS)
+            if u < whole:
+                m, l, acc = _fwd_block(q, row_ok, t, m, l, acc, K, V, b, g, n, TK, QOFF, NBLK, BSTART, BEND,
+                                       qk_scale, HKV, BS, KB, D, DOCS, False)
+            else:
+                m, l, acc = _fwd_block(q, _selected(ids, n), t, m, l, acc, K, V, b, g, n, TK, QOFF, NBLK, BSTART,
+                                       BEND, qk_scale, HKV, BS, KB, D, DOCS, True)
             u += 1
     empty = l == 0.0
     l_safe = tl.where(empty, 1.0, l)
