@@ -204,8 +204,12 @@ def test_triton_tile_path_with_documents(poisoned):
     # the hybrid forward: the tiles of few blocks on the tile path, the others gathered
     tuning = dataclasses.replace(tuning, tile_backward=False, tile_union_max=1.25)
     _check_attention_with_documents(6, 2, 23, torch.bfloat16 if CUDA else torch.float32, False, tuning)
-    # sets shared within a document: the tile kernel reads a document's earlier blocks unmasked
-    _check_attention_with_documents(6, 2, 23, torch.bfloat16 if CUDA else torch.float32, False, tuning, shared=True)
+    # sets shared within a document: the tile kernel reads a document's earlier blocks unmasked;
+    # with one query a tile (4 rows of 3 heads) also a document's cut last block would qualify by
+    # its end, but the kernel loads a whole block's keys from its start
+    for rows in (8, 4):
+        _check_attention_with_documents(6, 2, 23, torch.bfloat16 if CUDA else torch.float32, False,
+                                        dataclasses.replace(tuning, tile_rows=rows), shared=True)
 
 
 def shared_doc_block_idx(ds, G, bs, q_offset=0):

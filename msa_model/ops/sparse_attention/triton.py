@@ -266,7 +266,7 @@ def tile_union(idx: torch.Tensor, queries: int, docs: DocumentBlocks | None = No
     every = torch.zeros_like(dup)
     every[..., :u.shape[-1] - queries + 1] = u[..., :u.shape[-1] - queries + 1] == u[..., queries - 1:]
     none = torch.iinfo(torch.int32).max
-    later = 1 << 30  # the others sort after them (ids stay below: a table of 2^30 blocks is 2^37 keys)
+    later = 1 << 30  # the others sort after them (ids, a row's blocks, are fewer than its keys: < 2^30)
     u = torch.where(dup | (u < 0), none, torch.where(every, u, u + later)).sort(-1).values
     count = (u != none).sum(-1, dtype=torch.int32)
     full = (u < later).sum(-1, dtype=torch.int32)

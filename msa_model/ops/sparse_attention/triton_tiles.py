@@ -97,15 +97,17 @@ def _fwd_block(q, hit, t, m, l, acc, K, V, b, g, n, TK, QOFF, NBLK, BSTART, BEND
 
 
 @triton.jit
-def _whole_blocks(UNION, ub, nfull, QOFF, first, NBLK, BEND, b, BS: tl.constexpr, UP: tl.constexpr,
+def _whole_blocks(UNION, ub, nfull, QOFF, first, NBLK, BSTART, b, BS: tl.constexpr, UP: tl.constexpr,
                   DOCS: tl.constexpr):
     """How many of the union's first nfull blocks (those every query of the tile selected,
     ascending) end before the tile's first query, at position QOFF + first: these every row
-    reads whole. Ascending, they are a prefix of the nfull."""
+    reads whole. A block's end here is the last of the BS keys the kernel loads from its start
+    (a document's cut last block loads zeros past its end: it never counts, so the mask keeps
+    them out). Ascending, they are a prefix of the nfull."""
     u = tl.arange(0, UP)
     n = tl.load(UNION + ub + u, mask=u < nfull, other=0)
     if DOCS:
-        last = tl.load(BEND + b * NBLK + n, mask=u < nfull, other=0) - 1
+        last = tl.load(BSTART + b * NBLK + n, mask=u < nfull, other=0) + BS - 1
     else:
         last = n * BS + BS - 1
     return tl.sum(((u < nfull) & (last <= QOFF + first)).to(tl.int32), 0)
@@ -130,8 +132,8 @@ def tile_fwd_kernel(Q, K, V, O, LSE, IDS, UNION, UCOUNT, UFULL, BSTART, BEND, T,
     g = bg % HKV
     t, row_ok, row, q, ids = _tile_rows(Q, IDS, b, g, tile, T, HQ, HKV, SLOTS, KP, H, HP, QT, D)
     ub = (bg.to(tl.int64) * NT + tile) * U
-    whole = _whole_blocks(UNION, ub, tl.load(UFULL + bg.to(tl.int64) * NT + tile), QOFF, tile * QT, NBLK, BEND, b,
-                          BS, UP, DOCS)
+    whole = _whole_blocks(UNION, ub, tl.load(UFULL + bg.to(tl.int64) * NT + tile), QOFF, tile * QT, NBLK, BSTART,
+                          b, BS, UP, DOCS)
     m = tl.full([QT * HP], float("-inf"), tl.float32)
     l = tl.zeros([QT * HP], tl.float32)
     acc = tl.zeros([QT * HP, D], tl.float32)
