@@ -251,27 +251,32 @@ class TileUnion:
 
 def tile_union(idx: torch.Tensor, queries: int, docs: DocumentBlocks | None = None) -> TileUnion:
     """The union of each tile of `queries` consecutive queries' blocks, per (b, g), the blocks
-    every query selected first: two segmented sorts of [B, G, NT, QT*K], no host synchronisation."""
+    every query selected first: one segmented sort of [B, G, NT, QT*K] and a compaction by prefix
+    sums, no host synchronisation."""
     B, T, G, K = idx.shape
     ids = idx if docs is None else torch.where(idx >= 0, idx + docs.base[:, :, None, None], -1)
     ids = ids.to(torch.int32).contiguous()
     NT = triton.cdiv(T, queries)
+    L = queries * K
     padded = torch.nn.functional.pad(ids, (0, 0, 0, 0, 0, NT * queries - T), value=-1)
-    u = padded.view(B, NT, queries, G, K).permute(0, 3, 1, 2, 4).reshape(B, G, NT, queries * K)
+    u = padded.view(B, NT, queries, G, K).permute(0, 3, 1, 2, 4).reshape(B, G, NT, L)
     u = u.sort(-1).values
-    dup = torch.zeros_like(u, dtype=torch.bool)
-    dup[..., 1:] = u[..., 1:] == u[..., :-1]
+    first = u >= 0
+    first[..., 1:] &= u[..., 1:] != u[..., :-1]
     # a query names a block at most once, so a block every query selected appears `queries`
     # times in a row of the sorted ids: its first copy equals the one queries - 1 places on
-    every = torch.zeros_like(dup)
-    every[..., :u.shape[-1] - queries + 1] = u[..., :u.shape[-1] - queries + 1] == u[..., queries - 1:]
-    none = torch.iinfo(torch.int32).max
-    later = 1 << 30  # the others sort after them (ids, a row's blocks, are fewer than its keys: < 2^30)
-    u = torch.where(dup | (u < 0), none, torch.where(every, u, u + later)).sort(-1).values
-    count = (u != none).sum(-1, dtype=torch.int32)
-    full = (u < later).sum(-1, dtype=torch.int32)
-    blocks = torch.where(u == none, -1, torch.where(u >= later, u - later, u))
-    return TileUnion(ids, blocks.contiguous(), count.contiguous(), full.contiguous(), queries)
+    every = torch.zeros_like(first)
+    every[..., :L - queries + 1] = first[..., :L - queries + 1] & (u[..., :L - queries + 1] == u[..., queries - 1:])
+    rest = first & ~every
+    full = every.sum(-1, keepdim=True, dtype=torch.int32)
+    # each distinct id's place: the every-query ones from 0, the others after them, both in
+    # ascending order; repeats and -1 go to a spare last column
+    place = torch.where(every, every.cumsum(-1) - 1, full + rest.cumsum(-1) - 1)
+    place = torch.where(first, place, L)
+    blocks = torch.full((B, G, NT, L + 1), -1, dtype=torch.int32, device=idx.device)
+    blocks.scatter_(-1, place, u)
+    count = first.sum(-1, dtype=torch.int32)
+    return TileUnion(ids, blocks[..., :L].contiguous(), count, full[..., 0].contiguous(), queries)
 
 
 def _tile_queries(tuning: Tuning, H: int) -> int:
