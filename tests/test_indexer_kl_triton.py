@@ -167,10 +167,12 @@ def test_no_gradient_to_q_k_and_every_row_written(dense, monkeypatch, teacher):
     B, T, Hq, G, D, Di, bs = 1, 45, 4, 2, 16, 16, 16
     q, k, iq, ik, block_idx, lse = make_case(B, T, Hq, G, D, Di, bs, 2, dense, torch.float32, seed=5)
     ref = loss_and_grads(q, k, iq, ik, block_idx, lse, bs, "reference")
-    # uninitialised buffers become NaN: a row a kernel forgets to write fails the comparison
+    # uninitialised buffers become NaN (integer ones -7): a row a kernel forgets to write fails
+    # the comparison
     empty, empty_like = torch.empty, torch.empty_like
-    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(math.nan))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: empty_like(*a, **kw).fill_(math.nan))
+    poison = lambda x: x.fill_(math.nan if x.is_floating_point() else -7)  # noqa: E731
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: poison(empty(*a, **kw)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: poison(empty_like(*a, **kw)))
     q, k = q.clone().requires_grad_(), k.clone().requires_grad_()
     iq, ik = iq.clone().requires_grad_(), ik.clone().requires_grad_()
     loss = indexer_kl_loss(q, k, iq, ik, block_idx, lse, block_size=bs, backend="triton", tuning=kl_tuning(teacher))

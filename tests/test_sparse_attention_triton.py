@@ -270,9 +270,11 @@ def test_tile_path_low_precision(dtype, tile_backward):
     run_case(2, 63, 4, 2, 32, 32, 4, dtype, tuning=_tiles(4, tile_backward=tile_backward, tile_union_max=1.25))
 
 
-def test_hybrid_forward_splits_tiles_by_their_union():
+@pytest.mark.parametrize("chunked", [False, True])
+def test_hybrid_forward_splits_tiles_by_their_union(chunked):
     """Tiles whose union is at most the limit take the tile kernel, the others the gather path, in
-    one call: both kinds occur here, and the result is the reference's."""
+    one call: both kinds occur here, and the result is the reference's. Chunked: the gather pass
+    runs in several query chunks (not whole tiles), its combine 4 queries a program."""
     B, T, Hq, G, D, bs, K, QT = 1, 90, 4, 2, 16, 16, 4, 4  # 2 heads per group: 8 rows
     gen = torch.Generator().manual_seed(0)  # run_case's first draws: q, k, v, do, then the sets
     for shape in ((B, T, Hq, D), (B, T, G, D), (B, T, G, D), (B, T, Hq, D)):
@@ -281,8 +283,21 @@ def test_hybrid_forward_splits_tiles_by_their_union():
     count = sa_triton.tile_union(idx, QT).count
     limit = 1.0
     assert (count <= limit * K).any() and (count > limit * K).any()
+    # a chunk's forward partials: 20 queries of G*K entries of H heads (D values and an fp32 lse each)
+    chunks = dict(partial_bytes=20 * G * K * 2 * (D * 4 + 4), partial_min_bytes=0, combine_queries_rows=4) \
+        if chunked else {}
     run_case(B, T, Hq, G, D, bs, K, torch.float32 if DEVICE == "cpu" else torch.bfloat16,
-             tuning=_tiles(2 * QT, tile_backward=False, tile_union_max=limit))
+             tuning=_tiles(2 * QT, tile_backward=False, tile_union_max=limit, **chunks))
+
+
+@pytest.mark.parametrize("queries", [2, 8])
+def test_forward_combine_merges_several_queries_a_program(queries):
+    """The gather path's combine with several queries a program, over query chunks that are not
+    multiples of them (and rows with an empty support: random sets have -1 slots)."""
+    B, T, Hq, G, D, bs, K = 2, 61, 6, 2, 16, 16, 4  # 3 heads a group: padded rows
+    tuning = dataclasses.replace(sa_triton.DEFAULT_TUNING, combine_queries=queries, tile_rows=0,
+                                 partial_bytes=13 * B * G * K * 3 * (D * 4 + 4), partial_min_bytes=0)
+    run_case(B, T, Hq, G, D, bs, K, torch.float32 if DEVICE == "cpu" else torch.bfloat16, tuning=tuning)
 
 
 def shared_block_idx(B, T, G, K, block_size):
@@ -333,13 +348,15 @@ def test_tile_path_chunks_the_dkdv_partials():
     run_case(B, T, Hq, G, D, bs, K, torch.float32 if DEVICE == "cpu" else torch.bfloat16, tuning=tuning)
 
 
-def test_tile_union_lists_each_tiles_distinct_blocks():
-    """Distinct ids, those every query of the tile selected first, each part ascending."""
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_tile_union_lists_each_tiles_distinct_blocks(impl):
+    """Distinct ids, those every query of the tile selected first, each part ascending: the
+    reference and the kernel against sets built here."""
     B, T, G, K, N, QT = 2, 37, 3, 4, 6, 4
     gen = torch.Generator().manual_seed(3)
     idx = torch.randint(-1, N, (B, T, G, K), generator=gen, dtype=torch.int32)
-    idx = inverse_index.clean_block_idx(idx, 1, q_offset=N)
-    union = sa_triton.tile_union(idx, QT)
+    idx = inverse_index.clean_block_idx(idx, 1, q_offset=N).to(DEVICE)
+    union = getattr(sa_triton, f"tile_union_{impl}")(idx, QT)
     assert union.blocks.shape == (B, G, -(-T // QT), QT * K)
     for b in range(B):
         for g in range(G):
@@ -352,6 +369,61 @@ def test_tile_union_lists_each_tiles_distinct_blocks():
                 assert union.blocks[b, g, tile, :n].tolist() == want
                 assert int(union.full[b, g, tile]) == len(every)
                 assert (union.blocks[b, g, tile, n:] == -1).all()
+
+
+def _shared_rows(idx, every=2):
+    """idx with each query's sets copied from the query `every` places before, part of the time
+    (so tiles hold blocks that all or some of their queries selected)."""
+    idx = idx.clone()
+    idx[:, 1::every] = idx[:, ::every][:, :idx[:, 1::every].shape[1]]
+    return idx
+
+
+@pytest.mark.parametrize("B, T, G, K, QT", [(1, 21, 2, 3, 4), (2, 9, 1, 16, 8), (1, 5, 1, 5, 1)])
+def test_tile_union_kernel_equals_reference(B, T, G, K, QT):
+    """The kernel's blocks, counts and every-query counts equal the reference's exactly, with a
+    partial last tile, unions short of a power of two, and packed documents' table ids (few tiles:
+    the kernel's sort is slow in the interpreter; the GPU runs a large case too)."""
+    gen = torch.Generator().manual_seed(T)
+    bs = 4
+    cases = [(B, T, G, K, QT)] + ([(2, 3000, 4, 16, 8), (1, 1000, 2, 12, 16)] if DEVICE == "cuda" else [])
+    some_full = some_partial = False
+    for B, T, G, K, QT in cases:
+        idx = _shared_rows(random_block_idx(B, T, G, K, bs, gen))
+        doc_start = torch.where(torch.arange(T) >= T // 2, T // 2, 0).to(torch.int32).expand(B, T).contiguous()
+        for ds in (None, doc_start):
+            ds = None if ds is None else ds.to(DEVICE)
+            clean = inverse_index.clean_block_idx(idx.to(DEVICE), bs, 0, ds)
+            docs = None if ds is None else inverse_index.document_blocks(ds, bs)
+            got = sa_triton.tile_union_triton(clean, QT, docs)
+            want = sa_triton.tile_union_reference(clean, QT, docs)
+            for name in ("ids", "blocks", "count", "full"):
+                assert torch.equal(getattr(got, name), getattr(want, name)), name
+            some_full |= bool((want.full > 0).any())
+            some_partial |= bool((want.full < want.count).any()) or QT == 1  # one query: all full
+    assert some_full and some_partial
+
+
+@pytest.mark.parametrize("K", [1, 4, 7, 16])
+def test_clean_block_idx_kernel_equals_reference(K):
+    """The cleaning kernel equals its torch definition exactly: -1, repeats, future blocks, 64-bit
+    ids, a query offset and packed documents (whose blocks count from each document's start)."""
+    gen = torch.Generator().manual_seed(K)
+    B, T, G, bs = 2, 45, 2, 8
+    for q_offset in (0, 37):
+        n = (q_offset + T) // bs + 3
+        idx = torch.randint(-2, n, (B, T, G, K), generator=gen)
+        if K > 1:
+            idx[..., 1::2] = idx[..., 0::2][..., :K // 2]  # repeats
+        cuts = torch.tensor([[0, 20, 21, 30], [0, 5, 33, 44]]) + q_offset
+        pos = torch.arange(q_offset, q_offset + T)
+        doc_start = torch.stack([c[(pos[:, None] >= c[None, :]).sum(1) - 1] for c in cuts]).to(torch.int32)
+        for ds in (None, doc_start):
+            got = inverse_index.clean_block_idx_triton(idx.to(DEVICE), bs, q_offset,
+                                                       None if ds is None else ds.to(DEVICE))
+            want = inverse_index.clean_block_idx_reference(idx, bs, q_offset, ds)
+            assert got.dtype == torch.int32 and torch.equal(got.cpu(), want)
+            assert (want >= 0).any() and (want < 0).any()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

@@ -27,11 +27,13 @@ import triton
 import triton.language as tl
 
 
-def clean_block_idx(block_idx_BTGK: torch.Tensor, block_size: int, q_offset: int = 0,
-                    doc_start_BT: torch.Tensor | None = None) -> torch.Tensor:
+def clean_block_idx_reference(block_idx_BTGK: torch.Tensor, block_size: int, q_offset: int = 0,
+                              doc_start_BT: torch.Tensor | None = None) -> torch.Tensor:
     """int32 [B, T, G, K] with set semantics made explicit: slots that repeat a block, name a block
-    after the query's own (no causal key) or hold -1 become -1; the rest are sorted ascending.
-    Query t sits at position q_offset + t; with doc_start its blocks count from its document's start."""
+    after the query's own (no causal key) or hold -1 become -1; the rest are sorted ascending
+    (a row is sorted, then each repeat of the previous slot becomes -1).
+    Query t sits at position q_offset + t; with doc_start its blocks count from its document's start.
+    The definition; `clean_block_idx` computes the same with one Triton kernel."""
     B, T = block_idx_BTGK.shape[:2]
     idx = block_idx_BTGK.to(torch.int32)
     pos_T = torch.arange(q_offset, q_offset + T, device=idx.device, dtype=torch.int32)
@@ -44,6 +46,51 @@ def clean_block_idx(block_idx_BTGK: torch.Tensor, block_size: int, q_offset: int
     dup = torch.zeros_like(idx, dtype=torch.bool)
     dup[..., 1:] = idx[..., 1:] == idx[..., :-1]
     return torch.where(dup, -1, idx).contiguous()
+
+
+@triton.jit
+def clean_kernel(IDX, OUT, DOC, rows, T, QOFF, HKV: tl.constexpr, SLOTS: tl.constexpr, KP: tl.constexpr,
+                 BS: tl.constexpr, RB: tl.constexpr, DOCS: tl.constexpr):
+    """RB rows (b, t, g) of `clean_block_idx_reference`: each row's ids, those without a causal
+    key made -1, sorted (slots past K sort last and are not stored); an id equal to the one
+    before it becomes -1."""
+    r = tl.program_id(0).to(tl.int64) * RB + tl.arange(0, RB)  # ((b*T + t)*G + g)
+    row_ok = r < rows
+    slot = tl.arange(0, KP)
+    ok = row_ok[:, None] & (slot < SLOTS)[None, :]
+    x = tl.load(IDX + r[:, None] * SLOTS + slot[None, :], mask=ok, other=2147483647).to(tl.int32)
+    pos = QOFF + ((r // HKV) % T).to(tl.int32)
+    if DOCS:
+        pos -= tl.load(DOC + r // HKV, mask=row_ok, other=0).to(tl.int32)
+    v = tl.where(((x < 0) | (x > (pos // BS)[:, None])) & (slot < SLOTS)[None, :], -1, x)
+    s = tl.sort(v, 1)
+    prev = tl.gather(s, tl.broadcast_to(tl.maximum(slot - 1, 0)[None, :], (RB, KP)), 1)
+    tl.store(OUT + r[:, None] * SLOTS + slot[None, :], tl.where((slot[None, :] > 0) & (s == prev), -1, s), mask=ok)
+
+
+def clean_block_idx_triton(block_idx_BTGK: torch.Tensor, block_size: int, q_offset: int = 0,
+                           doc_start_BT: torch.Tensor | None = None) -> torch.Tensor:
+    """`clean_block_idx_reference` in one Triton kernel."""
+    B, T, G, K = block_idx_BTGK.shape
+    idx = block_idx_BTGK.contiguous()
+    out = torch.empty(B, T, G, K, dtype=torch.int32, device=idx.device)
+    rows = B * T * G
+    RB = 32  # rows a program (bench/RESULTS.md, round 10)
+    if rows:
+        doc = idx if doc_start_BT is None else doc_start_BT.contiguous()
+        clean_kernel[(triton.cdiv(rows, RB),)](idx, out, doc, rows, T, q_offset, HKV=G, SLOTS=K,
+                                               KP=triton.next_power_of_2(K), BS=block_size, RB=RB,
+                                               DOCS=doc_start_BT is not None, num_warps=4)
+    return out
+
+
+def clean_block_idx(block_idx_BTGK: torch.Tensor, block_size: int, q_offset: int = 0,
+                    doc_start_BT: torch.Tensor | None = None) -> torch.Tensor:
+    """The cleaned block ids (`clean_block_idx_reference`): the kernel on GPU tensors, the
+    reference elsewhere (the kernel's sort is slow in Triton's interpreter: CPU tests run it on
+    small shapes only)."""
+    return (clean_block_idx_triton if block_idx_BTGK.is_cuda else clean_block_idx_reference)(
+        block_idx_BTGK, block_size, q_offset, doc_start_BT)
 
 
 @dataclass
@@ -146,22 +193,25 @@ def build_inverse_index(idx_BTGK: torch.Tensor, n_blocks: int, chunk_size: int =
     S = triton.cdiv(T, chunk_size)
     nb = B * G * n_blocks
     dev = idx_BTGK.device
-    block = ((torch.arange(B, device=dev)[:, None, None] * G + torch.arange(G, device=dev)[None, None, :])
-             * n_blocks)[..., None].expand(B, T, G, 1)
+    # the narrowest keys that hold every block id (and the (block, chunk) ids below): the radix
+    # sort's passes go with the key's bits (bench/RESULTS.md, round 10)
+    wide = torch.int32 if (nb + 1) * S < 2**31 else torch.int64
+    narrow = torch.int16 if nb < 2**15 else wide
+    block = ((torch.arange(B, device=dev, dtype=wide)[:, None, None] * G
+              + torch.arange(G, device=dev, dtype=wide)[None, None, :]) * n_blocks)[..., None].expand(B, T, G, 1)
     if base_BT is not None:
-        block = block + base_BT[:, :, None, None]
-    key = torch.where(idx_BTGK >= 0, block + idx_BTGK, nb).flatten()
+        block = block + base_BT[:, :, None, None].to(wide)
+    key = torch.where(idx_BTGK >= 0, block + idx_BTGK.to(wide), nb).flatten().to(narrow)
     # stable: the flat order is query-major, so each block lists its queries in order, and
     # hence its chunks' runs in order
     key_sorted, entry = torch.sort(key, stable=True)
     # ranges by binary search (a histogram would serialise on the atomics of popular blocks):
     # of each (block, chunk) in the sorted (block, chunk of the entry's query)
-    ranges = torch.arange(nb * S + 1, device=dev, dtype=key.dtype)
     if S == 1:
-        bounds = torch.searchsorted(key_sorted, ranges)
+        bounds = torch.searchsorted(key_sorted, torch.arange(nb + 1, device=dev, dtype=narrow))
     else:
-        chunk = (entry // (G * K)) % T // chunk_size
-        bounds = torch.searchsorted(key_sorted * S + chunk, ranges)
+        chunk = ((entry // (G * K)) % T // chunk_size).to(wide)
+        bounds = torch.searchsorted(key_sorted.to(wide) * S + chunk, torch.arange(nb * S + 1, device=dev, dtype=wide))
     start = bounds[:-1].view(nb, S).t().flatten()
     count = (bounds[1:] - bounds[:-1]).view(nb, S).t().flatten()
     block_start = bounds[:-1:S]

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..inverse_index import (DocumentBlocks, InverseIndex, build_inverse_index, clean_block_idx, document_blocks,
                              query_ends, schedule)
@@ -24,7 +25,7 @@ from ..triton_utils import LOG2E, interpreting
 from .triton_dense import dense_bwd_dkdv_kernel, dense_bwd_dq_kernel, dense_fwd_kernel
 from .triton_sparse import (delta_kernel, sparse_bwd_kernel, sparse_bwd_reduce_kernel, sparse_dq_combine_kernel,
                             sparse_fwd_combine_kernel, sparse_fwd_kernel)
-from .triton_tiles import tile_dkdv_kernel, tile_dq_kernel, tile_fwd_kernel
+from .triton_tiles import tile_dkdv_kernel, tile_dq_kernel, tile_fwd_kernel, tile_union_kernel
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,11 @@ class Tuning:
     bwd_stages: int = 1
     bwd_tiles: int = 128
     dense_dkdv: tuple = (128, 64, 8, 2)
+    # queries a forward combine program merges (a power of two): of the gather path alone, and of
+    # the hybrid's gathered tiles, where a program none of whose queries is gathered exits
+    # (bench/RESULTS.md, round 10)
+    combine_queries: int = 2
+    combine_queries_rows: int = 4
     partial_bytes: int = 4 << 30
     partial_q_ratio: float = 2.0
     partial_min_bytes: int = 512 << 20
@@ -155,9 +161,11 @@ def sparse_forward(q, k, v, idx, block_size, scale, q_offset=0, index=None, tuni
             q, k, v, po, plse, index.entry, tb[c], ts[c], tc[c], bstart, bend, T, TK, t1 - t0, t0, q_offset, N,
             scale * LOG2E.value, HQ=Hq, HKV=G, SLOTS=K, H=H, HP=HP, QT=QT, BS=block_size, D=D, DOCS=DOCS,
             num_warps=tuning.fwd_warps, num_stages=tuning.fwd_stages)
-        sparse_fwd_combine_kernel[(B * (t1 - t0) * G,)](
+        rc = tuning.combine_queries if rows is None else tuning.combine_queries_rows
+        sparse_fwd_combine_kernel[(B * triton.cdiv(t1 - t0, rc) * G,)](
             po, plse, idx, o, lse, idx if rows is None else rows, T, t1 - t0, t0,
-            HQ=Hq, HKV=G, SLOTS=K, KP=triton.next_power_of_2(K), H=H, HP=HP, D=D, ROWS=rows is not None, num_warps=4)
+            HQ=Hq, HKV=G, SLOTS=K, KP=triton.next_power_of_2(K), H=H, HP=HP, D=D, RC=rc, ROWS=rows is not None,
+            num_warps=4)
     return o, lse, index
 
 
@@ -249,13 +257,18 @@ class TileUnion:
     queries: int
 
 
-def tile_union(idx: torch.Tensor, queries: int, docs: DocumentBlocks | None = None) -> TileUnion:
-    """The union of each tile of `queries` consecutive queries' blocks, per (b, g), the blocks
-    every query selected first: one segmented sort of [B, G, NT, QT*K] and a compaction by prefix
-    sums, no host synchronisation."""
-    B, T, G, K = idx.shape
+def _table_ids(idx: torch.Tensor, docs: DocumentBlocks | None) -> torch.Tensor:
+    """int32 [B, T, G, K] contiguous: the cleaned ids, with packed documents as table ids."""
     ids = idx if docs is None else torch.where(idx >= 0, idx + docs.base[:, :, None, None], -1)
-    ids = ids.to(torch.int32).contiguous()
+    return ids.to(torch.int32).contiguous()
+
+
+def tile_union_reference(idx: torch.Tensor, queries: int, docs: DocumentBlocks | None = None) -> TileUnion:
+    """The union of each tile of `queries` consecutive queries' blocks, per (b, g), the blocks
+    every query selected first (the definition, in torch: one segmented sort of [B, G, NT, QT*K]
+    and a compaction by prefix sums; `tile_union_triton` is its kernel)."""
+    B, T, G, K = idx.shape
+    ids = _table_ids(idx, docs)
     NT = triton.cdiv(T, queries)
     L = queries * K
     padded = torch.nn.functional.pad(ids, (0, 0, 0, 0, 0, NT * queries - T), value=-1)
@@ -277,6 +290,28 @@ def tile_union(idx: torch.Tensor, queries: int, docs: DocumentBlocks | None = No
     blocks.scatter_(-1, place, u)
     count = first.sum(-1, dtype=torch.int32)
     return TileUnion(ids, blocks[..., :L].contiguous(), count, full[..., 0].contiguous(), queries)
+
+
+def tile_union_triton(idx: torch.Tensor, queries: int, docs: DocumentBlocks | None = None) -> TileUnion:
+    """`tile_union_reference` in one kernel (triton_tiles.py), a program per tile."""
+    B, T, G, K = idx.shape
+    ids = _table_ids(idx, docs)
+    NT = triton.cdiv(T, queries)
+    U = queries * K
+    blocks = torch.empty(B, G, NT, U, dtype=torch.int32, device=idx.device)
+    count = torch.empty(B, G, NT, dtype=torch.int32, device=idx.device)
+    full = torch.empty_like(count)
+    if B * G * NT:
+        tile_union_kernel[(NT, B * G)](ids, blocks, count, full, T, NT, HKV=G, SLOTS=K, QT=queries, U=U,
+                                       LP=triton.next_power_of_2(U), num_warps=4)
+    return TileUnion(ids, blocks, count, full, queries)
+
+
+def tile_union(idx: torch.Tensor, queries: int, docs: DocumentBlocks | None = None) -> TileUnion:
+    """Each tile's union (`tile_union_reference`), with no host synchronisation: the kernel on GPU
+    tensors, the reference elsewhere (the kernel's sort takes the interpreter about 0.1 s a tile,
+    so CPU tests run the kernel on a few tiles only)."""
+    return (tile_union_triton if idx.is_cuda else tile_union_reference)(idx, queries, docs)
 
 
 def _tile_queries(tuning: Tuning, H: int) -> int:
@@ -311,6 +346,15 @@ def _tile_args(q, k, union: TileUnion, block_size, docs):
                  BS=block_size, D=D, DOCS=DOCS))
 
 
+def _rows_descriptor(x: torch.Tensor, rows: int) -> TensorDescriptor:
+    """A TMA descriptor of contiguous x [B, TK, G, D] viewed as [B*TK, G*D], loading [rows, D]
+    (a TMA copy needs a 16-byte aligned start: an unaligned view is copied first)."""
+    B, TK, G, D = x.shape
+    if x.data_ptr() % 16:
+        x = x.clone()
+    return TensorDescriptor.from_tensor(x.view(B * TK, G * D), [rows, D])
+
+
 def tile_forward(q, k, v, union: TileUnion, block_size, scale, q_offset=0, tuning: Tuning = DEFAULT_TUNING,
                  docs: DocumentBlocks | None = None, limit: int | None = None, out=None):
     """o [B, T, Hq, D] and lse fp32 [B, T, Hq] of the tile path, one program per (tile, b, g). Only
@@ -319,10 +363,11 @@ def tile_forward(q, k, v, union: TileUnion, block_size, scale, q_offset=0, tunin
     B, T, TK, G, N, NT, bstart, bend, meta = _tile_args(q, k, union, block_size, docs)
     o, lse = out if out is not None else (torch.empty_like(q),
                                           torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device))
+    KB = _tile_keys(tuning.tile_keys, block_size, meta["D"])
     COMPILED["tile_fwd"] = tile_fwd_kernel[(NT, B * G)](
-        q, k, v, o, lse, union.ids, union.blocks, union.count, union.full, bstart, bend, T, TK, q_offset, N, NT,
-        meta["U"] if limit is None else limit, scale * LOG2E.value, **meta,
-        KB=_tile_keys(tuning.tile_keys, block_size, meta["D"]), UP=triton.next_power_of_2(meta["U"]),
+        q, _rows_descriptor(k, KB), _rows_descriptor(v, KB), o, lse, union.ids, union.blocks, union.count,
+        union.full, bstart, T, TK, q_offset, N, NT, meta["U"] if limit is None else limit, scale * LOG2E.value,
+        **meta, KB=KB, UP=triton.next_power_of_2(meta["U"]),
         STAGES=_stages(tuning.tile_stages, meta["D"]),
         MASKED_STAGES=_stages(tuning.tile_masked_stages, meta["D"]), num_warps=tuning.tile_warps)
     return o, lse

@@ -134,41 +134,45 @@ def sparse_fwd_kernel(Q, K, V, PO, PLSE, ENTRY, ITEM_BUCKET, ITEM_START, ITEM_CO
 @triton.jit
 def sparse_fwd_combine_kernel(PO, PLSE, IDX, O, LSE, ROWSEL, T, C, t0,
                               HQ: tl.constexpr, HKV: tl.constexpr, SLOTS: tl.constexpr, KP: tl.constexpr,
-                              H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr):
-    """Merge the K partials of one (b, c, g): o [H, D] and lse [H]; empty support gives o = 0, lse = -inf.
-    ROWS: only the (b, t, g) that ROWSEL [B, T, G] (bool) marks are written (the hybrid forward's
-    gathered tiles; the tile kernel writes the others)."""
-    pid = tl.program_id(0).to(tl.int64)  # (b*C + c)*G + g
+                              H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, RC: tl.constexpr,
+                              ROWS: tl.constexpr):
+    """Merge the K partials of RC queries c of one (b, g), as R = RC*HP rows: o [R, D] and lse [R];
+    empty support gives o = 0, lse = -inf. ROWS: only the (b, t, g) that ROWSEL [B, T, G] (bool)
+    marks are written (the hybrid forward's gathered tiles; the tile kernel writes the others), and
+    a program with none exits."""
+    pid = tl.program_id(0).to(tl.int64)  # (b*cdiv(C, RC) + chunk of RC queries)*G + g
     g = pid % HKV
-    c = (pid // HKV) % C
-    b = pid // (HKV * C)
+    CB = tl.cdiv(C, RC)
+    b = pid // (HKV * CB)
+    r = tl.arange(0, RC * HP)
+    c = (pid // HKV) % CB * RC + r // HP
+    h = r % HP
+    ok = (c < C) & (h < H)
+    qrow = (b * T + t0 + c) * HKV + g  # IDX is the whole [B, T, G, K]
     if ROWS:
-        if tl.load(ROWSEL + (b * T + t0 + c) * HKV + g).to(tl.int32) == 0:
+        ok &= tl.load(ROWSEL + qrow, mask=ok, other=0).to(tl.int32) != 0
+        if tl.max(ok.to(tl.int32), 0) == 0:
             return
-    h = tl.arange(0, HP)
-    hmask = h < H
     d = tl.arange(0, D)
     slot = tl.arange(0, KP)
-    irow = ((b * T + t0 + c) * HKV + g) * SLOTS  # IDX is the whole [B, T, G, K]
-    idx = tl.load(IDX + irow + slot, mask=slot < SLOTS, other=-1)
-    trip0 = pid * SLOTS
-    plse = tl.load(PLSE + (trip0 + slot)[:, None] * H + h[None, :],
-                   mask=(idx >= 0)[:, None] & hmask[None, :], other=float("-inf"))
-    mx = tl.max(plse, 0)
+    idx = tl.load(IDX + qrow[:, None] * SLOTS + slot[None, :], mask=ok[:, None] & (slot < SLOTS)[None, :], other=-1)
+    trip0 = ((b * C + c) * HKV + g) * SLOTS
+    plse = tl.load(PLSE + (trip0[:, None] + slot[None, :]) * H + h[:, None], mask=idx >= 0, other=float("-inf"))
+    mx = tl.max(plse, 1)
     mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
-    wsum = tl.sum(tl.exp(plse - mx_safe[None, :]), 0)
+    wsum = tl.sum(tl.exp(plse - mx_safe[:, None]), 1)
     lse = tl.where(wsum == 0.0, float("-inf"), mx_safe + tl.log(tl.where(wsum == 0.0, 1.0, wsum)))
     lse_safe = tl.where(wsum == 0.0, 0.0, lse)
-    acc = tl.zeros([HP, D], tl.float32)
+    acc = tl.zeros([RC * HP, D], tl.float32)
     for s in range(SLOTS):
-        if tl.load(IDX + irow + s) >= 0:
-            part = (trip0 + s) * H + h
-            w = tl.exp(tl.load(PLSE + part, mask=hmask, other=float("-inf")) - lse_safe)
-            po = tl.load(PO + part[:, None] * D + d[None, :], mask=hmask[:, None], other=0.0)
-            acc += w[:, None] * po.to(tl.float32)
+        hit = tl.load(IDX + qrow * SLOTS + s, mask=ok, other=-1) >= 0
+        part = (trip0 + s) * H + h
+        w = tl.exp(tl.load(PLSE + part, mask=hit, other=float("-inf")) - lse_safe)
+        po = tl.load(PO + part[:, None] * D + d[None, :], mask=hit[:, None], other=0.0)
+        acc += w[:, None] * po.to(tl.float32)
     row = (b * T + t0 + c) * HQ + g * H + h
-    tl.store(O + row[:, None] * D + d[None, :], acc.to(O.dtype.element_ty), mask=hmask[:, None])
-    tl.store(LSE + row, lse, mask=hmask)
+    tl.store(O + row[:, None] * D + d[None, :], acc.to(O.dtype.element_ty), mask=ok[:, None])
+    tl.store(LSE + row, lse, mask=ok)
 
 
 @triton.jit

@@ -33,6 +33,36 @@ from .triton_sparse import _kv_block
 
 
 @triton.jit
+def tile_union_kernel(IDS, UNION, UCOUNT, UFULL, T, NT, HKV: tl.constexpr, SLOTS: tl.constexpr, QT: tl.constexpr,
+                      U: tl.constexpr, LP: tl.constexpr):
+    """One tile's union (program (tile, b*G + g)) of its U = QT*K ids (LP: next power of two):
+    sorted, a distinct id is the first of its run, and one every query selected has QT copies in
+    a row (a query names a block at most once). Each distinct id goes to its place by prefix
+    sums: the every-query ones from 0, then the others, both ascending; -1 fills the rest."""
+    tile = tl.program_id(0)
+    bg = tl.program_id(1)
+    b = (bg // HKV).to(tl.int64)
+    g = bg % HKV
+    e = tl.arange(0, LP)
+    t = tile * QT + e // SLOTS
+    ids = tl.load(IDS + ((b * T + t) * HKV + g) * SLOTS + e % SLOTS, mask=(e < U) & (t < T), other=-1)
+    NONE: tl.constexpr = 2147483647  # -1 sorted last
+    s = tl.sort(tl.where(ids >= 0, ids, NONE))
+    prev = tl.gather(s, tl.maximum(e - 1, 0), 0)
+    first = (s != NONE) & ((e == 0) | (s != prev))
+    every = first & (e + QT - 1 < LP) & (tl.gather(s, tl.minimum(e + QT - 1, LP - 1), 0) == s)
+    rest = first & ~every
+    full = tl.sum(every.to(tl.int32), 0)
+    place = tl.where(every, tl.cumsum(every.to(tl.int32), 0) - 1, full + tl.cumsum(rest.to(tl.int32), 0) - 1)
+    count = tl.sum(first.to(tl.int32), 0)
+    out = bg.to(tl.int64) * NT + tile
+    tl.store(UNION + out * U + place, s, mask=first)
+    tl.store(UNION + out * U + e, tl.full([LP], -1, tl.int32), mask=(e >= count) & (e < U))
+    tl.store(UCOUNT + out, count)
+    tl.store(UFULL + out, full)
+
+
+@triton.jit
 def _tile_rows(Q, IDS, b, g, tile, T, HQ: tl.constexpr, HKV: tl.constexpr, SLOTS: tl.constexpr,
                KP: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, QT: tl.constexpr, D: tl.constexpr):
     """A tile's rows: query t [R], row validity, the rows' offsets in q-shaped tensors (row*D), q
@@ -75,14 +105,29 @@ def _selected(ids, n):
 
 
 @triton.jit
-def _fwd_block(q, hit, t, m, l, acc, K, V, b, g, n, TK, QOFF, NBLK, BSTART, BEND, qk_scale,
-               HKV: tl.constexpr, BS: tl.constexpr, KB: tl.constexpr, D: tl.constexpr, DOCS: tl.constexpr,
-               MASK: tl.constexpr):
+def _kv_step(KD, VD, b, g, n, part, TK, NBLK, BSTART, BS: tl.constexpr, KB: tl.constexpr, D: tl.constexpr,
+             DOCS: tl.constexpr):
+    """Key positions j [KB] and the key and value rows [KB, D] of step `part` (KB keys) of block n,
+    through TMA tensor descriptors of k and v viewed as [B*TK, G*D]. Rows past the block's end
+    are whatever follows (the next document's keys, the next batch row's, zeros past the tensor):
+    later than every query that selected the block, so the causal mask keeps them out."""
+    if DOCS:
+        start = tl.load(BSTART + b * NBLK + n)
+    else:
+        start = n * BS
+    start += part * KB
+    row = (b * TK + start).to(tl.int32)
+    return start + tl.arange(0, KB), KD.load([row, g * D]), VD.load([row, g * D])
+
+
+@triton.jit
+def _fwd_block(q, hit, t, m, l, acc, KD, VD, b, g, n, TK, QOFF, NBLK, BSTART, qk_scale,
+               BS: tl.constexpr, KB: tl.constexpr, D: tl.constexpr, DOCS: tl.constexpr, MASK: tl.constexpr):
     """One union block of the online softmax (exp2 domain), KB keys at a time. A row reads key j
     iff its query selected the block and j is not in its future; keys past a block's end are
     later than every query that selected the block. MASK=False: every row reads the whole block."""
     for part in tl.static_range(BS // KB):
-        j, kt, vt = _kv_rows(K, V, b, g, n, part, TK, NBLK, BSTART, BEND, HKV, BS, KB, D, DOCS)
+        j, kt, vt = _kv_step(KD, VD, b, g, n, part, TK, NBLK, BSTART, BS, KB, D, DOCS)
         s = mm(q, tl.trans(kt)) * qk_scale
         if MASK:
             s = tl.where(hit[:, None] & (j[None, :] <= QOFF + t[:, None]), s, float("-inf"))
@@ -102,8 +147,8 @@ def _whole_blocks(UNION, ub, nfull, QOFF, first, NBLK, BSTART, b, BS: tl.constex
     """How many of the union's first nfull blocks (those every query of the tile selected,
     ascending) end before the tile's first query, at position QOFF + first: these every row
     reads whole. A block's end here is the last of the BS keys the kernel loads from its start
-    (a document's cut last block loads zeros past its end: it never counts, so the mask keeps
-    them out). Ascending, they are a prefix of the nfull."""
+    (a document's cut last block loads the keys after its end: it never counts, so the mask
+    keeps them out). Ascending, they are a prefix of the nfull."""
     u = tl.arange(0, UP)
     n = tl.load(UNION + ub + u, mask=u < nfull, other=0)
     if DOCS:
@@ -114,7 +159,7 @@ def _whole_blocks(UNION, ub, nfull, QOFF, first, NBLK, BSTART, b, BS: tl.constex
 
 
 @triton.jit
-def tile_fwd_kernel(Q, K, V, O, LSE, IDS, UNION, UCOUNT, UFULL, BSTART, BEND, T, TK, QOFF, NBLK, NT, LIMIT,
+def tile_fwd_kernel(Q, KD, VD, O, LSE, IDS, UNION, UCOUNT, UFULL, BSTART, T, TK, QOFF, NBLK, NT, LIMIT,
                     qk_scale, HQ: tl.constexpr, HKV: tl.constexpr, SLOTS: tl.constexpr, KP: tl.constexpr,
                     H: tl.constexpr, HP: tl.constexpr, QT: tl.constexpr, U: tl.constexpr, BS: tl.constexpr,
                     KB: tl.constexpr, D: tl.constexpr, DOCS: tl.constexpr, UP: tl.constexpr, STAGES: tl.constexpr,
@@ -122,7 +167,8 @@ def tile_fwd_kernel(Q, K, V, O, LSE, IDS, UNION, UCOUNT, UFULL, BSTART, BEND, T,
     """One tile (program (tile, b*G + g)) whose union has at most LIMIT blocks (others exit: the
     gather path covers them): o [R, D] and lse [R] (natural log; -inf and o = 0 on an empty
     support), written directly. The blocks every row reads whole come first and skip the mask
-    (as FlexAttention's full blocks), in a loop of their own."""
+    (as FlexAttention's full blocks), in a loop of their own. Keys and values come through the
+    TMA descriptors KD, VD (`_kv_step`)."""
     tile = tl.program_id(0)
     bg = tl.program_id(1)
     count = tl.load(UCOUNT + bg.to(tl.int64) * NT + tile)
@@ -140,22 +186,22 @@ def tile_fwd_kernel(Q, K, V, O, LSE, IDS, UNION, UCOUNT, UFULL, BSTART, BEND, T,
     if not INTERPRET:  # pipelined; the interpreter takes the while loops (triton_utils)
         for u in tl.range(0, whole, num_stages=STAGES):
             n = tl.load(UNION + ub + u)
-            m, l, acc = _fwd_block(q, row_ok, t, m, l, acc, K, V, b, g, n, TK, QOFF, NBLK, BSTART, BEND,
-                                   qk_scale, HKV, BS, KB, D, DOCS, False)
+            m, l, acc = _fwd_block(q, row_ok, t, m, l, acc, KD, VD, b, g, n, TK, QOFF, NBLK, BSTART, qk_scale,
+                                   BS, KB, D, DOCS, False)
         for u in tl.range(whole, count, num_stages=MASKED_STAGES):
             n = tl.load(UNION + ub + u)
-            m, l, acc = _fwd_block(q, _selected(ids, n), t, m, l, acc, K, V, b, g, n, TK, QOFF, NBLK, BSTART, BEND,
-                                   qk_scale, HKV, BS, KB, D, DOCS, True)
+            m, l, acc = _fwd_block(q, _selected(ids, n), t, m, l, acc, KD, VD, b, g, n, TK, QOFF, NBLK, BSTART,
+                                   qk_scale, BS, KB, D, DOCS, True)
     else:
         u = count * 0
         while u < count:
             n = tl.load(UNION + ub + u)
             if u < whole:
-                m, l, acc = _fwd_block(q, row_ok, t, m, l, acc, K, V, b, g, n, TK, QOFF, NBLK, BSTART, BEND,
-                                       qk_scale, HKV, BS, KB, D, DOCS, False)
+                m, l, acc = _fwd_block(q, row_ok, t, m, l, acc, KD, VD, b, g, n, TK, QOFF, NBLK, BSTART, qk_scale,
+                                       BS, KB, D, DOCS, False)
             else:
-                m, l, acc = _fwd_block(q, _selected(ids, n), t, m, l, acc, K, V, b, g, n, TK, QOFF, NBLK, BSTART,
-                                       BEND, qk_scale, HKV, BS, KB, D, DOCS, True)
+                m, l, acc = _fwd_block(q, _selected(ids, n), t, m, l, acc, KD, VD, b, g, n, TK, QOFF, NBLK, BSTART,
+                                       qk_scale, BS, KB, D, DOCS, True)
             u += 1
     empty = l == 0.0
     l_safe = tl.where(empty, 1.0, l)
