@@ -88,6 +88,31 @@ def test_late_teacher_matches_the_reference(case):
         assert rel(g, w) < (1e-2 if CUDA else 1e-5), (name, rel(g, w))
 
 
+def test_tile_backward_setting_keeps_the_late_teacher_where_the_gather_backward_runs():
+    """`Tuning.tile_backward` refuses the late teacher only for calls that take the tile backward
+    (which writes no teacher rows); a shorter call, or heads of 256, runs the gather backward, so
+    the teacher still comes from it, with the default tuning's result."""
+    from msa_model.ops.sparse_attention.triton import DEFAULT_TUNING
+    import dataclasses
+
+    leaves = inputs(1, 40, 4, 2, 16, 16, seed=5)
+    bs, topk = 16, 2
+    wanting = dataclasses.replace(DEFAULT_TUNING, tile_backward=True)  # 32768 queries at least
+    taking = dataclasses.replace(wanting, tile_min_queries=0, tile_min_heads=1)
+    assert late_teacher_applies(*leaves, bs, topk, backend="triton", tuning={"sparse_attention": wanting})
+    assert not late_teacher_applies(*leaves, bs, topk, backend="triton", tuning={"sparse_attention": taking})
+    wide = [x.detach()[..., :1].expand(*x.shape[:-1], 256) for x in leaves[:3]] + list(leaves[3:])
+    assert late_teacher_applies(*wide, bs, topk, backend="triton", tuning={"sparse_attention": taking})
+    do = torch.randn(leaves[0].shape, generator=torch.Generator().manual_seed(1)).to(DEV, DTYPE)
+    o, kl, before, seen, _, grads = step(leaves, do, "backward", block_size=bs, topk=topk,
+                                         tuning={"sparse_attention": wanting})
+    assert math.isnan(before.item()) and len(seen) == 1
+    o1, kl1, _, _, _, grads1 = step(leaves, do, "backward", block_size=bs, topk=topk)
+    assert torch.equal(o, o1) and kl.item() == kl1.item()
+    for g, w in zip(grads, grads1):
+        assert torch.equal(g, w)
+
+
 def test_without_a_graph_the_teacher_comes_from_the_forward():
     """No backward will run (no_grad, or the reference backend): kl holds its value on return and
     on_kl is called right away."""

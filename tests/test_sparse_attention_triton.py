@@ -197,6 +197,24 @@ def test_inverse_index_lists_every_entry_once_in_its_bucket(chunk):
         assert torch.equal(index.entry[lo:lo + n_e], single.entry[lo1:lo1 + n_e1])
 
 
+@pytest.mark.parametrize("chunk", [0, 5])
+def test_inverse_index_of_many_blocks_sorts_wider_keys(chunk):
+    """Past 32767 (b, g, block) ids the sort keys are 32-bit, not 16-bit: the same entries give the
+    same buckets (block n of (b, g) here is block n there; the extra blocks are empty)."""
+    B, T, G, K, N, wide = 2, 23, 2, 4, 4, 9000  # 2 * 2 * 9000 = 36000 ids
+    gen = torch.Generator().manual_seed(2)
+    idx = inverse_index.clean_block_idx(torch.randint(-1, N, (B, T, G, K), generator=gen, dtype=torch.int32), 1,
+                                        q_offset=N)
+    narrow, big = (inverse_index.build_inverse_index(idx, n, chunk) for n in (N, wide))
+    assert torch.equal(narrow.entry, big.entry) and big.n_chunks == narrow.n_chunks
+    S = narrow.n_chunks
+    for name in ("start", "count"):
+        a, b = getattr(narrow, name).view(S, B * G, N), getattr(big, name).view(S, B * G, wide)
+        assert torch.equal(a, b[..., :N]), name
+    assert (big.count.view(S, B * G, wide)[..., N:] == 0).all()
+    assert torch.equal(narrow.block_count.view(B * G, N), big.block_count.view(B * G, wide)[:, :N])
+
+
 def test_unchecked_ids_out_of_range_read_nothing():
     """check_ids=False skips the (synchronising) range check; ids below -1 or past the last block
     then read nothing, like -1 and future blocks, and the default still refuses them."""
@@ -274,7 +292,7 @@ def test_tile_path_low_precision(dtype, tile_backward):
 def test_hybrid_forward_splits_tiles_by_their_union(chunked):
     """Tiles whose union is at most the limit take the tile kernel, the others the gather path, in
     one call: both kinds occur here, and the result is the reference's. Chunked: the gather pass
-    runs in several query chunks (not whole tiles), its combine 4 queries a program."""
+    runs in several query chunks (not whole tiles), its combine 2 queries a program."""
     B, T, Hq, G, D, bs, K, QT = 1, 90, 4, 2, 16, 16, 4, 4  # 2 heads per group: 8 rows
     gen = torch.Generator().manual_seed(0)  # run_case's first draws: q, k, v, do, then the sets
     for shape in ((B, T, Hq, D), (B, T, G, D), (B, T, G, D), (B, T, Hq, D)):
@@ -284,7 +302,7 @@ def test_hybrid_forward_splits_tiles_by_their_union(chunked):
     limit = 1.0
     assert (count <= limit * K).any() and (count > limit * K).any()
     # a chunk's forward partials: 20 queries of G*K entries of H heads (D values and an fp32 lse each)
-    chunks = dict(partial_bytes=20 * G * K * 2 * (D * 4 + 4), partial_min_bytes=0, combine_queries_rows=4) \
+    chunks = dict(partial_bytes=20 * G * K * 2 * (D * 4 + 4), partial_min_bytes=0, combine_queries_rows=2) \
         if chunked else {}
     run_case(B, T, Hq, G, D, bs, K, torch.float32 if DEVICE == "cpu" else torch.bfloat16,
              tuning=_tiles(2 * QT, tile_backward=False, tile_union_max=limit, **chunks))
@@ -293,11 +311,14 @@ def test_hybrid_forward_splits_tiles_by_their_union(chunked):
 @pytest.mark.parametrize("queries", [2, 8])
 def test_forward_combine_merges_several_queries_a_program(queries):
     """The gather path's combine with several queries a program, over query chunks that are not
-    multiples of them (and rows with an empty support: random sets have -1 slots)."""
+    multiples of them, and rows with an empty support (every 7th query selects nothing)."""
     B, T, Hq, G, D, bs, K = 2, 61, 6, 2, 16, 16, 4  # 3 heads a group: padded rows
     tuning = dataclasses.replace(sa_triton.DEFAULT_TUNING, combine_queries=queries, tile_rows=0,
                                  partial_bytes=13 * B * G * K * 3 * (D * 4 + 4), partial_min_bytes=0)
-    run_case(B, T, Hq, G, D, bs, K, torch.float32 if DEVICE == "cpu" else torch.bfloat16, tuning=tuning)
+    idx = random_block_idx(B, T, G, K, bs, torch.Generator().manual_seed(9))
+    idx[:, ::7] = -1
+    run_case(B, T, Hq, G, D, bs, K, torch.float32 if DEVICE == "cpu" else torch.bfloat16, tuning=tuning,
+             block_idx=idx)
 
 
 def shared_block_idx(B, T, G, K, block_size):

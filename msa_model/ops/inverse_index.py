@@ -62,7 +62,8 @@ def clean_kernel(IDX, OUT, DOC, rows, T, QOFF, HKV: tl.constexpr, SLOTS: tl.cons
     pos = QOFF + ((r // HKV) % T).to(tl.int32)
     if DOCS:
         pos -= tl.load(DOC + r // HKV, mask=row_ok, other=0).to(tl.int32)
-    v = tl.where(((x < 0) | (x > (pos // BS)[:, None])) & (slot < SLOTS)[None, :], -1, x)
+    local = tl.where(pos >= 0, pos // BS, -1)  # floor division, as the reference's (a query before its start: none)
+    v = tl.where(((x < 0) | (x > local[:, None])) & (slot < SLOTS)[None, :], -1, x)
     s = tl.sort(v, 1)
     prev = tl.gather(s, tl.broadcast_to(tl.maximum(slot - 1, 0)[None, :], (RB, KP)), 1)
     tl.store(OUT + r[:, None] * SLOTS + slot[None, :], tl.where((slot[None, :] > 0) & (s == prev), -1, s), mask=ok)

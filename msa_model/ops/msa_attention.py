@@ -111,9 +111,12 @@ def late_teacher_applies(q, k, v, iq, ik, block_size: int, topk: int, dense: boo
         return False
     from .indexer_kl.triton import DEFAULT_TUNING as KL_DEFAULT
     from .late_teacher import teacher_bytes
-    from .sparse_attention.triton import DEFAULT_TUNING as SA_DEFAULT
+    from .sparse_attention.triton import DEFAULT_TUNING as SA_DEFAULT, takes_tile_backward
 
-    if (tuning.get("sparse_attention") or SA_DEFAULT).tile_backward:
+    # the tile backward writes no teacher rows: calls that take it keep the teacher in the forward
+    # (chunks of a late call are shorter than the call, so none of them takes it if the call does not)
+    if takes_tile_backward(tuning.get("sparse_attention") or SA_DEFAULT, q.shape[1], q.shape[2] // k.shape[2],
+                           q.shape[-1]):
         return False
     # longer calls run as query chunks whose rows fit (late_teacher.py)
     budget = (tuning.get("indexer_kl") or KL_DEFAULT).teacher_bytes

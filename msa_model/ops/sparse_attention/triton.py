@@ -161,7 +161,8 @@ def sparse_forward(q, k, v, idx, block_size, scale, q_offset=0, index=None, tuni
             q, k, v, po, plse, index.entry, tb[c], ts[c], tc[c], bstart, bend, T, TK, t1 - t0, t0, q_offset, N,
             scale * LOG2E.value, HQ=Hq, HKV=G, SLOTS=K, H=H, HP=HP, QT=QT, BS=block_size, D=D, DOCS=DOCS,
             num_warps=tuning.fwd_warps, num_stages=tuning.fwd_stages)
-        rc = tuning.combine_queries if rows is None else tuning.combine_queries_rows
+        # at most 64 rows a program (its fp32 accumulator in registers)
+        rc = max(1, min(tuning.combine_queries if rows is None else tuning.combine_queries_rows, 64 // HP))
         sparse_fwd_combine_kernel[(B * triton.cdiv(t1 - t0, rc) * G,)](
             po, plse, idx, o, lse, idx if rows is None else rows, T, t1 - t0, t0,
             HQ=Hq, HKV=G, SLOTS=K, KP=triton.next_power_of_2(K), H=H, HP=HP, D=D, RC=rc, ROWS=rows is not None,
@@ -479,6 +480,19 @@ class ForwardState:
     union: TileUnion | None = None
 
 
+def takes_tiles(tuning: Tuning, T: int, H: int) -> bool:
+    """Whether a sparse call of T queries with H heads a group takes the tile (or hybrid) forward."""
+    return bool(tuning.tile_rows) and H >= tuning.tile_min_heads and T >= tuning.tile_min_queries
+
+
+def takes_tile_backward(tuning: Tuning, T: int, H: int, D: int) -> bool:
+    """Whether such a call takes the tile backward too (`Tuning.tile_backward`): not for heads
+    wider than 128, where its dK/dV kernel, which keeps a block's keys, values and fp32
+    accumulators beside a tile's queries and output gradients, passes shared memory (262 of 227
+    KiB on an H200 at D = 256), so the gather backward runs (the same result)."""
+    return tuning.tile_backward and D <= 128 and takes_tiles(tuning, T, H)
+
+
 def attention_forward(q, k, v, block_idx, block_size, scale, q_offset, tuning: Tuning, doc_start, out=None):
     """(o, lse, ForwardState) of contiguous q, k, v: the dense kernels for block_idx None, else the
     gather, hybrid or tile path as `tuning` says; out: contiguous (o, lse) the sparse paths
@@ -494,16 +508,12 @@ def attention_forward(q, k, v, block_idx, block_size, scale, q_offset, tuning: T
         return o, lse, state
     if doc_start is not None:
         state.docs = document_blocks(doc_start, block_size, q_offset)
-    H = q.shape[2] // k.shape[2]
+    T, H, D = q.shape[1], q.shape[2] // k.shape[2], q.shape[-1]
     queries = _tile_queries(tuning, H)
-    tiles = tuning.tile_rows and H >= tuning.tile_min_heads and q.shape[1] >= tuning.tile_min_queries
-    # the tile backward's dK/dV kernel keeps a block's keys, values and fp32 accumulators beside a
-    # tile's queries and output gradients: at heads wider than 128 they pass shared memory (262 of
-    # 227 KiB on an H200 at D = 256), so there the gather backward runs (the same result)
-    if tiles and tuning.tile_backward and q.shape[-1] <= 128:
+    if takes_tile_backward(tuning, T, H, D):
         state.union = tile_union(idx, queries, state.docs)
         o, lse = tile_forward(q, k, v, state.union, block_size, scale, q_offset, tuning, state.docs, out=out)
-    elif tiles:
+    elif takes_tiles(tuning, T, H):
         # the backward builds the gather path's index of every entry
         o, lse = hybrid_forward(q, k, v, idx, tile_union(idx, queries, state.docs), block_size, scale, q_offset,
                                 tuning, state.docs, out)

@@ -110,7 +110,11 @@ def _kv_step(KD, VD, b, g, n, part, TK, NBLK, BSTART, BS: tl.constexpr, KB: tl.c
     """Key positions j [KB] and the key and value rows [KB, D] of step `part` (KB keys) of block n,
     through TMA tensor descriptors of k and v viewed as [B*TK, G*D]. Rows past the block's end
     are whatever follows (the next document's keys, the next batch row's, zeros past the tensor):
-    later than every query that selected the block, so the causal mask keeps them out."""
+    later than every query that selected the block, so the causal mask keeps them out of the
+    scores. Their values enter as p = 0 times the value, as do a block's values for the rows of
+    the tile that did not select it: the tile path takes finite keys and values (an infinite
+    value makes those rows NaN; zeroing the rows past a block's end in the masked loop was 3-7%
+    slower, bench/RESULTS.md round 10)."""
     if DOCS:
         start = tl.load(BSTART + b * NBLK + n)
     else:
