@@ -33,7 +33,7 @@ def clean_block_idx_reference(block_idx_BTGK: torch.Tensor, block_size: int, q_o
     after the query's own (no causal key) or hold -1 become -1; the rest are sorted ascending
     (a row is sorted, then each repeat of the previous slot becomes -1).
     Query t sits at position q_offset + t; with doc_start its blocks count from its document's start.
-    The definition; `clean_block_idx` computes the same with one Triton kernel."""
+    The definition; `clean_block_idx_triton` computes the same with one Triton kernel."""
     B, T = block_idx_BTGK.shape[:2]
     idx = block_idx_BTGK.to(torch.int32)
     pos_T = torch.arange(q_offset, q_offset + T, device=idx.device, dtype=torch.int32)
