@@ -51,6 +51,7 @@ from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 from msa_model.config import MSAConfig
 from msa_model.context_parallel import gather_sequence, local_query_chunks
 from msa_model.ops import late_teacher_applies, msa_attention, sparse_attention
+from msa_model.ops.rope import rope
 from msa_model.parallel_grads import attach_kl, average_over_tp, metrics_group, scale_for_tp_mean
 
 KL_METRIC = "msa_kl_loss"
@@ -125,6 +126,10 @@ class CausalSelfAttention(SelfAttention):
     def _rope(self, x, freqs):
         if freqs is None:
             return x
+        if x.is_cuda and not (self.config.rotary_interleaved or self.config.multi_latent_attention):
+            # one fused kernel each way (megatron's unfused RoPE makes about six passes over x;
+            # its fused one needs Transformer Engine)
+            return rope(x, freqs)
         return apply_rotary_pos_emb(x, freqs, config=self.config, cp_group=self.pg_collection.cp)
 
     def _attention_inputs(self, hidden_states, rotary_pos_emb):
