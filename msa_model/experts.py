@@ -16,7 +16,10 @@ layer, which stalls the host's issue queue once per layer (and it re-sorts the t
 permutation that is the identity on one rank).
 The autograd function saves the input and fc1's output only: the activation (GLU, expert
 probabilities applied) is recomputed in backward, and the stacked weights are rebuilt from
-the experts' own parameters rather than kept.
+the experts' own parameters rather than kept. On CUDA a silu or quick-GELU GLU without clamps
+runs as one fused kernel each way (`msa_model.ops.glu`; the backward's also gives the
+activation again for fc2's weight gradient), instead of about six elementwise passes over
+[N, 2F] tensors, one of them in fp32.
 
 Legend: N = tokens routed to this rank's experts (sorted by expert), E = local experts,
 H = hidden size, F = expert width (fc1 has 2F outputs: gate and up, stacked).
@@ -24,11 +27,16 @@ H = hidden size, F = expert width (fc1 has 2F outputs: gate and up, stacked).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
+from megatron.core.fusions.fused_bias_geglu import quick_gelu
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer, get_default_pg_collection
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+from msa_model.ops.glu import glu_backward_triton, glu_forward_triton
 
 _grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
 
@@ -48,6 +56,23 @@ def glu_activation(config):
     return glu
 
 
+def fused_glu(config) -> tuple[float, float] | None:
+    """(alpha, offset) of the fused kernel's act(x) = x sigmoid(alpha x) when the GLU is one it
+    computes (silu, or quick-GELU as msa_model.model builds it, without clamps), else None."""
+    act = config.activation_func
+    if config.activation_func_clamp_value is not None:
+        return None
+    if act is F.silu:
+        alpha = 1.0
+    elif act is quick_gelu:
+        alpha = 1.702
+    elif isinstance(act, functools.partial) and getattr(act.func, "__name__", "") == "_quick_gelu":
+        alpha = float(act.keywords["alpha"])
+    else:
+        return None
+    return alpha, float(config.glu_linear_offset)
+
+
 def _scaled_activation(glu, h_N2F, probs_N):
     """GLU of fc1's output times each token's routing probability, in the input dtype (as
     megatron's MLP applies `per_token_scale`)."""
@@ -59,15 +84,19 @@ class _GroupedSwiGLU(torch.autograd.Function):
     """y [N, H] = sum over experts e of rows offs[e-1]:offs[e]: act(x W1_e^T) * p  W2_e^T."""
 
     @staticmethod
-    def forward(ctx, x_NH, probs_N, offs_E, glu, n_experts, *weights):
+    def forward(ctx, x_NH, probs_N, offs_E, glu, fused, n_experts, *weights):
+        """fused: the GLU's (alpha, offset) for the fused kernels, or None (`glu` in torch)."""
         w1, w2 = weights[:n_experts], weights[n_experts:]
         W1_EFH = torch.stack(w1)  # [E, 2F, H]
         h_N2F = _grouped_mm(x_NH, W1_EFH.transpose(1, 2), offs=offs_E)
         del W1_EFH
-        a_NF = _scaled_activation(glu, h_N2F, probs_N)
+        if fused is not None:
+            a_NF = glu_forward_triton(h_N2F, probs_N, *fused)
+        else:
+            a_NF = _scaled_activation(glu, h_N2F, probs_N)
         y_NH = _grouped_mm(a_NF, torch.stack(w2).transpose(1, 2), offs=offs_E)
         ctx.save_for_backward(x_NH, probs_N, offs_E, h_N2F, *weights)
-        ctx.glu, ctx.n_experts = glu, n_experts
+        ctx.glu, ctx.fused, ctx.n_experts = glu, fused, n_experts
         return y_NH
 
     @staticmethod
@@ -76,21 +105,28 @@ class _GroupedSwiGLU(torch.autograd.Function):
         n = ctx.n_experts
         w1, w2 = weights[:n], weights[n:]
         dy_NH = dy_NH.contiguous()
-        with torch.enable_grad():
-            h = h_N2F.detach().requires_grad_()
-            p = probs_N.detach().requires_grad_(ctx.needs_input_grad[1])
-            a_NF = _scaled_activation(ctx.glu, h, p)
         # fc2: d a = dy W2_e ; d W2_e = dy_e^T a_e
         da_NF = _grouped_mm(dy_NH, torch.stack(w2), offs=offs_E)
-        dW2_EHF = _grouped_mm(dy_NH.t(), a_NF.detach(), offs=offs_E)
-        inputs = (h, p) if ctx.needs_input_grad[1] else (h,)
-        grads = torch.autograd.grad(a_NF, inputs, da_NF)
-        dh_N2F = grads[0]
-        dprobs = grads[1] if ctx.needs_input_grad[1] else None
+        if ctx.fused is not None:
+            dh_N2F, a_NF, dprobs = glu_backward_triton(h_N2F, probs_N, da_NF, *ctx.fused)
+        else:
+            with torch.enable_grad():
+                h = h_N2F.detach().requires_grad_()
+                p = probs_N.detach().requires_grad_(ctx.needs_input_grad[1])
+                a_NF = _scaled_activation(ctx.glu, h, p)
+            inputs = (h, p) if ctx.needs_input_grad[1] else (h,)
+            grads = torch.autograd.grad(a_NF, inputs, da_NF)
+            dh_N2F, dprobs = grads[0], grads[1] if ctx.needs_input_grad[1] else None
+            a_NF = a_NF.detach()
+        dW2_EHF = _grouped_mm(dy_NH.t(), a_NF, offs=offs_E)
+        if not ctx.needs_input_grad[1]:
+            dprobs = None
+        elif dprobs is not None:
+            dprobs = dprobs.to(probs_N.dtype)
         # fc1: d x = dh W1_e ; d W1_e = dh_e^T x_e
         dx_NH = _grouped_mm(dh_N2F, torch.stack(w1), offs=offs_E) if ctx.needs_input_grad[0] else None
         dW1_EFH = _grouped_mm(dh_N2F.t(), x_NH, offs=offs_E)
-        return (dx_NH, dprobs, None, None, None, *dW1_EFH.unbind(0), *dW2_EHF.unbind(0))
+        return (dx_NH, dprobs, None, None, None, None, *dW1_EFH.unbind(0), *dW2_EHF.unbind(0))
 
 
 class GroupedExperts(SequentialMLP):
@@ -108,6 +144,7 @@ class GroupedExperts(SequentialMLP):
         if config.moe_apply_probs_on_input:
             raise ValueError("GroupedExperts applies the routing probabilities after the activation")
         self._glu = glu_activation(self.config)
+        self._fused = fused_glu(self.config)
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
                 permuted_probs: torch.Tensor):
@@ -120,8 +157,66 @@ class GroupedExperts(SequentialMLP):
         offs = torch.cumsum(tokens_per_expert.to(device=x.device, non_blocking=True), 0).to(torch.int32)
         w1 = [e.linear_fc1.weight for e in self.local_experts]
         w2 = [e.linear_fc2.weight for e in self.local_experts]
-        y = _GroupedSwiGLU.apply(x, permuted_probs, offs, self._glu, len(w1), *w1, *w2)
+        y = _GroupedSwiGLU.apply(x, permuted_probs, offs, self._glu, self._fused if x.is_cuda else None, len(w1),
+                                 *w1, *w2)
         return y, None
+
+
+def _token_sums(rows_RH: torch.Tensor, order_R: torch.Tensor, k: int) -> torch.Tensor:
+    """[T, H]: each token's k rows summed (fp32 accumulation), rows_RH [T*k, H] in any order and
+    order_R the rows sorted by token (stable)."""
+    return rows_RH.index_select(0, order_R).view(order_R.shape[0] // k, k, -1).sum(1)
+
+
+class _TokenRows(torch.autograd.Function):
+    """Top-k dispatch as gathers both ways: rows [T*k, H] = x[token of row], and its backward,
+    d x = the sum of each token's k row gradients. megatron's permute gathers in the forward but
+    scatters with atomic adds in the backward (`index_add_`, each token's k rows contending),
+    several times slower than the gather and sum."""
+
+    @staticmethod
+    def forward(ctx, x_TH, token_R, order_R, k):
+        ctx.save_for_backward(order_R)
+        ctx.k = k
+        return x_TH.index_select(0, token_R)
+
+    @staticmethod
+    def backward(ctx, d_RH):
+        (order_R,) = ctx.saved_tensors
+        return _token_sums(d_RH, order_R, ctx.k), None, None, None
+
+
+class _TokenSums(torch.autograd.Function):
+    """Top-k combine: y [T, H] = the sum of each token's k expert rows; backward d rows = dy[token
+    of row] (megatron's unpermute scatter-adds in bf16, and its backward gathers by an index
+    expanded to [T*k, H])."""
+
+    @staticmethod
+    def forward(ctx, rows_RH, token_R, order_R, k):
+        ctx.save_for_backward(token_R)
+        return _token_sums(rows_RH, order_R, k)
+
+    @staticmethod
+    def backward(ctx, dy_TH):
+        (token_R,) = ctx.saved_tensors
+        return dy_TH.index_select(0, token_R), None, None, None
+
+
+def permute_topk(x_TH: torch.Tensor, routing_map_TE: torch.Tensor, probs_TE: torch.Tensor, k: int):
+    """(rows [T*k, H], their probabilities [T*k], token of each row int64 [T*k], the rows sorted by
+    token [T*k]) of top-k routing (exactly k experts a token): the rows in megatron's order, those
+    of expert 0 (tokens ascending), then expert 1, ... (`moe_utils.permute`'s, without drops)."""
+    T = x_TH.shape[0]
+    flat = routing_map_TE.T.contiguous().view(-1).argsort(descending=True, stable=True)[:T * k]
+    token_R = flat % T
+    order_R = token_R.argsort(stable=True)
+    rows_RH = _TokenRows.apply(x_TH, token_R, order_R, k)
+    return rows_RH, probs_TE.T.contiguous().view(-1)[flat], token_R, order_R
+
+
+def unpermute_topk(rows_RH: torch.Tensor, token_R: torch.Tensor, order_R: torch.Tensor, k: int) -> torch.Tensor:
+    """[T, H]: each token's k rows of `permute_topk`'s order summed (`moe_utils.unpermute`'s result)."""
+    return _TokenSums.apply(rows_RH, token_R, order_R, k)
 
 
 class LocalTokenDispatcher(MoEAlltoAllTokenDispatcher):
@@ -130,7 +225,28 @@ class LocalTokenDispatcher(MoEAlltoAllTokenDispatcher):
     Tokens are permuted by expert (argsort, a static output size: dropless top-k routing sends
     every token to exactly k experts) and the counts per expert stay a device tensor, which
     `GroupedExperts` turns into offsets. The exchanges between ranks and the re-sort by source
-    rank are identities here and are skipped."""
+    rank are identities here and are skipped. The permutation and its inverse run as gathers
+    both ways (`_TokenRows`, `_TokenSums`): the rows are in megatron's order (by expert, then
+    token), each token's k rows found by a stable sort of the rows' tokens."""
+
+    def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
+        """hidden [.., H], routing_map bool [T, E] (k per row), probs [T, E] -> (rows [T*k, H] by expert,
+        their probabilities [T*k])."""
+        self.hidden_shape = hidden_states.shape
+        self.probs, self.routing_map = probs, routing_map
+        x_TH = hidden_states.view(-1, self.hidden_shape[-1])
+        self.tokens_per_expert = self.preprocess(routing_map)
+        if self.shared_experts is not None:
+            self.shared_experts.pre_forward_comm(x_TH.view(self.hidden_shape))
+        rows_RH, probs_R, *self._rows = permute_topk(x_TH, routing_map, probs, self.config.moe_router_topk)
+        return rows_RH, probs_R
+
+    def combine_postprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        out = unpermute_topk(hidden_states, *self._rows, self.config.moe_router_topk).view(self.hidden_shape)
+        self._rows = None
+        if self.shared_experts is not None:
+            out = out + self.shared_experts.get_output()
+        return out
 
     def preprocess(self, routing_map: torch.Tensor) -> torch.Tensor:
         self.num_out_tokens = routing_map.size(0) * self.config.moe_router_topk
