@@ -38,7 +38,11 @@ class TorchRMSNorm(torch.nn.RMSNorm):
     """PyTorch RMSNorm with megatron's norm constructor, usable under sequence parallelism
     (megatron's local wrapper refuses it): with SP its weight is marked `sequence_parallel`, so
     finalize_model_grads sums its gradient over the tensor-parallel ranks that each saw a slice
-    of the sequence. Same numerics as the wrapper (both are torch.nn.RMSNorm)."""
+    of the sequence. The weight (an fp32 parameter, as in the wrapper) is applied in the input's
+    dtype, so that bf16 inputs take torch's fused kernel (fp32 inside, one rounding); with an
+    fp32 weight torch falls back to its composite of about seven passes, some in fp32, which on
+    a 128K-token row of 64 query heads costs more than the layer's sparse attention forward.
+    Zero-centred weights stay in fp32 (1 + w would round w away in bf16)."""
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_):
         super().__init__(normalized_shape=hidden_size, eps=eps)
@@ -51,7 +55,7 @@ class TorchRMSNorm(torch.nn.RMSNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.zero_centered:
-            return super().forward(x)
+            return F.rms_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.eps)
         # 1 + w in fp32, as Gemma-style checkpoints define it (in bf16 1 + w would round w away)
         out = F.rms_norm(x.float(), self.normalized_shape, None, self.eps) * (1.0 + self.weight.float())
         return out.to(x.dtype)
