@@ -40,8 +40,8 @@ class TorchRMSNorm(torch.nn.RMSNorm):
     finalize_model_grads sums its gradient over the tensor-parallel ranks that each saw a slice
     of the sequence. The weight (an fp32 parameter, as in the wrapper) is applied in the input's
     dtype, so that bf16 inputs take torch's fused kernel (fp32 inside, one rounding); with an
-    fp32 weight torch falls back to its composite of about seven passes, some in fp32, which on
-    a 128K-token row of 64 query heads costs more than the layer's sparse attention forward.
+    fp32 weight torch falls back to its composite of about seven passes, some in fp32 (the q norm
+    over 64 heads was several percent of a 128K step: bench/RESULTS.md, round 11).
     Zero-centred weights stay in fp32 (1 + w would round w away in bf16)."""
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_):
