@@ -164,8 +164,10 @@ class GroupedExperts(SequentialMLP):
 
 def _token_sums(rows_RH: torch.Tensor, order_R: torch.Tensor, k: int) -> torch.Tensor:
     """[T, H]: each token's k rows summed (fp32 accumulation), rows_RH [T*k, H] in any order and
-    order_R the rows sorted by token (stable)."""
-    return rows_RH.index_select(0, order_R).view(order_R.shape[0] // k, k, -1).sum(1)
+    order_R the rows sorted by token (stable). Every token must own exactly k rows (dropless
+    top-k routing: `local_dispatch_supported` excludes capacities and padding); the sort puts
+    token t's rows at t*k .. t*k + k - 1."""
+    return rows_RH.index_select(0, order_R).view(-1, k, rows_RH.shape[-1]).sum(1)
 
 
 class _TokenRows(torch.autograd.Function):
@@ -271,10 +273,13 @@ class LocalTokenDispatcher(MoEAlltoAllTokenDispatcher):
 
 def local_dispatch_supported(config, pg_collection) -> bool:
     """Whether `LocalTokenDispatcher` applies: one expert rank and one expert tensor-parallel rank,
-    dropless routing, no shared-expert overlap (which hooks into the exchanges)."""
+    dropless routing (exactly k rows a token), no shared-expert overlap (which hooks into the
+    exchanges), no CUDA graphs (megatron's capture lists the base dispatcher's state, not the
+    permutation this one keeps)."""
     return (pg_collection.ep.size() == 1 and pg_collection.expt_tp.size() == 1
             and config.moe_expert_capacity_factor is None and not config.moe_pad_expert_input_to_capacity
-            and not config.moe_router_padding_for_quantization and not config.moe_shared_expert_overlap)
+            and not config.moe_router_padding_for_quantization and not config.moe_shared_expert_overlap
+            and getattr(config, "cuda_graph_impl", "none") == "none")
 
 
 class LocalDispatchMoELayer(MoELayer):

@@ -42,7 +42,9 @@ class TorchRMSNorm(torch.nn.RMSNorm):
     dtype, so that bf16 inputs take torch's fused kernel (fp32 inside, one rounding); with an
     fp32 weight torch falls back to its composite of about seven passes, some in fp32 (the q norm
     over 64 heads was several percent of a 128K step: bench/RESULTS.md, round 11).
-    Zero-centred weights stay in fp32 (1 + w would round w away in bf16)."""
+    The weight's gradient is then rounded to bf16 once per call before it reaches the fp32
+    parameter (as with any bf16 parameter). Zero-centred weights stay in fp32 (1 + w would round
+    w away in bf16)."""
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_):
         super().__init__(normalized_shape=hidden_size, eps=eps)

@@ -17,23 +17,25 @@ def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-def angles(S, B, R, seed=0):
-    """megatron's RotaryEmbedding layout: [S, B or 1, 1, R], both halves the same angles."""
+def angles(S, B, R, seed=0, distinct=False):
+    """megatron's RotaryEmbedding layout: [S, B or 1, 1, R], both halves the same angles (or, with
+    distinct, random angles in each channel, so that a kernel mixing up the halves fails)."""
     g = torch.Generator().manual_seed(seed)
+    if distinct:
+        return torch.rand(S, B, 1, R, generator=g) * 20 - 10
     inv = 1.0 / (10000 ** (torch.arange(0, R, 2).float() / R))
     pos = torch.arange(S).float() + torch.randint(0, 1000, (B, 1), generator=g).float()  # [B, S]
     f = pos[..., None] * inv  # [B, S, R/2]
     return torch.cat((f, f), -1).permute(1, 0, 2)[:, :, None, :].contiguous()
 
 
-@pytest.mark.parametrize("S,B,H,D,R,fb", [(37, 2, 3, 16, 16, 1), (5, 1, 8, 64, 64, 1), (9, 3, 5, 32, 16, 3),
-                                          (130, 1, 2, 128, 128, 1)])
-def test_rope_matches_reference_and_megatron(S, B, H, D, R, fb):
+@pytest.mark.parametrize("S,B,H,D,R,fb,distinct", [(37, 2, 3, 16, 16, 1, False), (5, 1, 8, 64, 64, 1, False),
+                                                   (9, 3, 5, 32, 16, 3, True), (130, 1, 2, 128, 128, 1, False),
+                                                   (11, 2, 3, 40, 24, 1, True)])
+def test_rope_matches_reference_and_megatron(S, B, H, D, R, fb, distinct):
     g = torch.Generator().manual_seed(S * H)
     t = torch.randn(S, B, H, D, generator=g)
-    freqs = angles(S, fb, R)[:, :fb].expand(S, fb, 1, R).contiguous()
-    if fb == 1:
-        freqs = freqs[:, :1]
+    freqs = angles(S, fb, R, distinct=distinct)
     dy = torch.randn(S, B, H, D, generator=g)
     # the reference is megatron's unfused RoPE in fp32
     mega = _apply_rotary_pos_emb_bshd(t, freqs)
@@ -43,7 +45,6 @@ def test_rope_matches_reference_and_megatron(S, B, H, D, R, fb):
     y_exact = rope_reference(exact, freqs.double())
     y_exact.backward(dy.double())
     tt = t.to(DEVICE, DTYPE).requires_grad_()
-    y = torch.full_like(tt, float("nan"))
     y = rope(tt, freqs.to(DEVICE), backend="triton")
     y.backward(dy.to(DEVICE, DTYPE))
     assert y.dtype == DTYPE and y.is_contiguous() and not y.isnan().any()
@@ -59,11 +60,15 @@ def test_rope_matches_reference_and_megatron(S, B, H, D, R, fb):
         assert ours[0] <= 2 * torch_err[0] + 1e-4 and ours[1] <= 2 * torch_err[1] + 1e-4, (ours, torch_err)
 
 
-def test_rope_takes_strided_inputs_and_refuses_bad_angles():
+@pytest.mark.parametrize("R", [32, 16])
+def test_rope_takes_strided_inputs_and_refuses_bad_angles(R):
     t = torch.randn(6, 2, 4, 3 * 16)[..., :32]  # a view: strided heads and rows
-    freqs = angles(6, 1, 32)
+    freqs = angles(6, 1, R, distinct=True)
     y = rope(t.to(DEVICE, DTYPE), freqs.to(DEVICE), backend="triton")
+    assert y.is_contiguous()
     assert rel(y.cpu(), rope_reference(t, freqs)) < (1e-5 if DTYPE == torch.float32 else 1e-2)
+    # channels past R pass through unchanged
+    assert torch.equal(y[..., R:].cpu(), t[..., R:].to(DTYPE))
     with pytest.raises(ValueError, match="do not fit"):
         rope(t, angles(6, 1, 34)[..., :33])
     with pytest.raises(ValueError, match="do not fit"):

@@ -16,7 +16,7 @@ import triton.language as tl
 def rope_kernel(t_ptr, f_ptr, y_ptr, B, H, st_s, st_b, st_h, sf_s, sf_b,
                 D: tl.constexpr, R: tl.constexpr, HB: tl.constexpr, RH: tl.constexpr, DP: tl.constexpr,
                 BACKWARD: tl.constexpr):
-    # 64-bit offsets: S*B*H*D passes 2^31 from 512K tokens of 64 heads of 128
+    # 64-bit offsets: S*B*H*D passes 2^31 past 256K tokens of 64 heads of 128
     row = tl.program_id(0).to(tl.int64)
     s, b = row // B, row % B
     h = tl.program_id(1) * HB + tl.arange(0, HB)
