@@ -109,6 +109,7 @@ class _GroupedSwiGLU(torch.autograd.Function):
         da_NF = _grouped_mm(dy_NH, torch.stack(w2), offs=offs_E)
         if ctx.fused is not None:
             dh_N2F, a_NF, dprobs = glu_backward_triton(h_N2F, probs_N, da_NF, *ctx.fused)
+            dprobs = dprobs.to(probs_N.dtype) if ctx.needs_input_grad[1] else None
         else:
             with torch.enable_grad():
                 h = h_N2F.detach().requires_grad_()
@@ -119,10 +120,6 @@ class _GroupedSwiGLU(torch.autograd.Function):
             dh_N2F, dprobs = grads[0], grads[1] if ctx.needs_input_grad[1] else None
             a_NF = a_NF.detach()
         dW2_EHF = _grouped_mm(dy_NH.t(), a_NF, offs=offs_E)
-        if not ctx.needs_input_grad[1]:
-            dprobs = None
-        elif dprobs is not None:
-            dprobs = dprobs.to(probs_N.dtype)
         # fc1: d x = dh W1_e ; d W1_e = dh_e^T x_e
         dx_NH = _grouped_mm(dh_N2F, torch.stack(w1), offs=offs_E) if ctx.needs_input_grad[0] else None
         dW1_EFH = _grouped_mm(dh_N2F.t(), x_NH, offs=offs_E)
@@ -238,16 +235,14 @@ class LocalTokenDispatcher(MoEAlltoAllTokenDispatcher):
         self.probs, self.routing_map = probs, routing_map
         x_TH = hidden_states.view(-1, self.hidden_shape[-1])
         self.tokens_per_expert = self.preprocess(routing_map)
-        if self.shared_experts is not None:
-            self.shared_experts.pre_forward_comm(x_TH.view(self.hidden_shape))
+        # no shared-expert overlap here (`local_dispatch_supported`): the MoE layer adds the
+        # shared experts' output itself
         rows_RH, probs_R, *self._rows = permute_topk(x_TH, routing_map, probs, self.config.moe_router_topk)
         return rows_RH, probs_R
 
     def combine_postprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
         out = unpermute_topk(hidden_states, *self._rows, self.config.moe_router_topk).view(self.hidden_shape)
         self._rows = None
-        if self.shared_experts is not None:
-            out = out + self.shared_experts.get_output()
         return out
 
     def preprocess(self, routing_map: torch.Tensor) -> torch.Tensor:
