@@ -14,10 +14,48 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections import defaultdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+
+def idle_gaps(events, top: int, min_us: float = 10.0) -> None:
+    """Print where the device waited for the host in a profiled step: the kernels after the
+    longest total waits, and the longest single waits with the host ops open at their middle."""
+    from torch.autograd import DeviceType
+
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in events if e.device_type == DeviceType.CUDA)
+    if not kernels:
+        print("no device activity recorded", flush=True)
+        return
+    host = sorted((e.time_range.start, e.time_range.end, e.name) for e in events if e.device_type == DeviceType.CPU)
+    gaps, (start, end, prev) = [], kernels[0]
+    busy = end - start
+    for s, e, name in kernels[1:]:
+        if s - end >= min_us:
+            gaps.append((s - end, end, s, prev, name))
+        if e > end:
+            busy += e - max(s, end)
+            end, prev = e, name
+    span = end - kernels[0][0]
+    idle = sum(g[0] for g in gaps)
+    print(f"device span {span / 1e3:.1f} ms: busy {busy / 1e3:.1f} ms, idle in {len(gaps)} waits of at least "
+          f"{min_us:.0f} us {idle / 1e3:.1f} ms", flush=True)
+    waited = defaultdict(lambda: [0.0, 0])
+    for g in gaps:
+        waited[g[4]][0] += g[0]
+        waited[g[4]][1] += 1
+    print("kernels the device waited for most (total ms, waits):")
+    for name, (us, n) in sorted(waited.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"  {us / 1e3:8.2f} ms {n:5d}  {name[:100]}")
+    print("longest waits (ms, kernel before -> after; host ops open at the middle, outermost first):")
+    for us, s, e, before, after in sorted(gaps, reverse=True)[:top]:
+        mid = (s + e) / 2
+        open_ops = [n for hs, he, n in host if hs <= mid <= he]
+        print(f"  {us / 1e3:7.2f}  {before[:45]} -> {after[:45]}\n           {' > '.join(open_ops[-6:])[:200]}")
+    sys.stdout.flush()
 
 
 def main() -> None:
@@ -26,6 +64,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=30)
     ap.add_argument("--trace", default=None)
     ap.add_argument("--shapes", type=int, default=0, help="also print this many ops grouped by input shapes")
+    ap.add_argument("--gaps", type=int, default=0, help="also print where the device waited for the host")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
 
@@ -54,6 +93,8 @@ def main() -> None:
             print(prof.key_averages(group_by_input_shape=True).table(
                 sort_by="self_device_time_total", row_limit=a.shapes, max_name_column_width=40,
                 max_shapes_column_width=90), flush=True)
+        if a.gaps:
+            idle_gaps(prof.events(), a.gaps)
         if a.trace:
             prof.export_chrome_trace(a.trace)
         return out
