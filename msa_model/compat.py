@@ -7,6 +7,7 @@ Each entry is something a public API does not offer; each was checked with the v
 |---|---|---|
 | `torch.ops.aten._scaled_dot_product_cudnn_attention` and `_scaled_dot_product_flash_attention` (their output tuples: o, then the logsumexp) | the dense warmup's causal attention with the lse the KL needs (public SDPA returns no lse) | `causal_attention_with_lse` below |
 | megatron optimizer `_set_main_param_and_optimizer_states` | loading a torch-Adam optimizer state: megatron 0.19's reshardable loader asks for a `step` it never passes along | `load_optimizer_state` below |
+| megatron's Apex-free fallbacks `local_multi_tensor_l2_norm` / `local_multi_tensor_scale`, as the module globals of `megatron.core.optimizer.clip_grads` and `.optimizer` | the optimizer's gradient norm, clipping and parameter copies as torch foreach ops, without a device synchronisation per parameter | `use_foreach_multi_tensor_ops` below |
 | `torch.cuda.*` stand-ins, `megatron.core.tensor_parallel.random._get_cuda_rng_state` / `_set_cuda_rng_state`, `megatron.core.transformer.moe.token_dispatcher.maybe_move_tensor_to_cpu` | megatron-core on CPU (gloo) | `msa_model/cpu_shim.py` (its table says why each one) |
 """
 
@@ -84,3 +85,44 @@ def load_optimizer_state(optimizer, state: dict) -> None:
     finally:
         for opt in patched:
             del opt._set_main_param_and_optimizer_states
+
+
+def _foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """megatron's multi_tensor_l2norm (the norm of all tensors of tensor_lists[0] as one vector,
+    fp32 [1] on their device) in torch's foreach kernels, without leaving the device."""
+    if per_tensor:
+        raise NotImplementedError("per-tensor norms are not used by megatron's optimizer here")
+    norms = torch._foreach_norm([t.float() for t in tensor_lists[0]])
+    return torch.linalg.vector_norm(torch.stack(norms)).reshape(1), None
+
+
+def _foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
+    """megatron's multi_tensor_scale: dst = src * scale for the pairs of tensor_lists [src, dst]."""
+    src, dst = tensor_lists
+    if scale == 1.0:
+        torch._foreach_copy_(dst, src)
+    elif all(a is b for a, b in zip(src, dst)):
+        torch._foreach_mul_(dst, scale)
+    else:
+        torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
+
+
+def use_foreach_multi_tensor_ops() -> bool:
+    """Without Transformer Engine or Apex megatron's optimizer falls back to multi-tensor ops of its
+    own that run a kernel or two per parameter, and whose norm copies each parameter's norm to the
+    host (`torch.tensor` of a list of device scalars: one synchronisation per parameter, hundreds
+    a step). Replace those fallbacks, where they are in use, by torch's foreach kernels (the same
+    results up to the order of fp32 sums). Returns whether anything was replaced."""
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    replaced = False
+    for module, name, local, ours in ((clip_grads, "l2_norm_impl", utils.local_multi_tensor_l2_norm, _foreach_l2_norm),
+                                      (clip_grads, "multi_tensor_scale_impl", utils.local_multi_tensor_scale,
+                                       _foreach_scale),
+                                      (optimizer, "multi_tensor_scale_impl", utils.local_multi_tensor_scale,
+                                       _foreach_scale)):
+        if getattr(module, name, None) is local:
+            setattr(module, name, ours)
+            replaced = True
+    return replaced

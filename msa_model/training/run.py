@@ -43,6 +43,9 @@ def _build_optimizer(cfg, model_chunks):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+    from msa_model.compat import use_foreach_multi_tensor_ops
+
+    use_foreach_multi_tensor_ops()
     o = cfg.optim
     bf16 = cfg.model.params_dtype == "bf16"
     msa = cfg.model.attention == "msa"
