@@ -28,6 +28,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from msa_model.attention import (CoreAttentionPlaceholder, DenseSelfAttention, MSAOptions, MSASelfAttention,
                                  MSASelfAttentionSubmodules)
 from msa_model.experts import GroupedExperts, LocalDispatchMoELayer
+from msa_model.mlp import with_fused_glu
 from msa_model.config import MSAConfig, moe_layers, msa_layers_of
 from msa_model.parallel_grads import DuplicatedLinear
 
@@ -228,8 +229,8 @@ def _with_attention(layer_spec: ModuleSpec, msa: bool, options: MSAOptions,
 
 def decoder_block_spec(config: TransformerConfig, model_cfg, vp_stage=None, pp_rank=None, grouped_gemm: bool = False):
     """megatron's local decoder block spec (dense first layers, MoE after) with our attention
-    layers (MSA or full, per msa_layers_of), and with `grouped_gemm` the routed experts as
-    GroupedExperts."""
+    layers (MSA or full, per msa_layers_of), the dense MLPs and shared experts with the fused GLU
+    (msa_model.mlp), and with `grouped_gemm` the routed experts as GroupedExperts."""
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
                                        vp_stage=vp_stage, pp_rank=pp_rank)
     options = msa_options(model_cfg)
@@ -239,6 +240,7 @@ def decoder_block_spec(config: TransformerConfig, model_cfg, vp_stage=None, pp_r
     block.layer_specs = [_with_attention(spec, msa[offset + i], options, cp) for i, spec in enumerate(block.layer_specs)]
     if grouped_gemm:
         block.layer_specs = [_with_grouped_experts(spec) for spec in block.layer_specs]
+    block.layer_specs = [with_fused_glu(spec) for spec in block.layer_specs]
     block.layer_norm = _sp_norm(block.layer_norm)
     return block
 

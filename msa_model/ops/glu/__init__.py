@@ -1,6 +1,6 @@
 """The GLU activation with routing probabilities: `glu(h, probs, alpha, offset)` (reference.py
 defines it; triton.py fuses the forward and the backward, which the grouped experts call
-directly: msa_model/experts.py)."""
+directly: msa_model/experts.py; `glu` is the autograd op the dense MLPs take: msa_model/mlp.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ class _GluTriton(torch.autograd.Function):
     @staticmethod
     def backward(ctx, da):
         h, probs = ctx.saved_tensors
-        dh, _, dp = glu_backward_triton(h, probs, da, *ctx.args)
+        dh, _, dp = glu_backward_triton(h, probs, da, *ctx.args, activation=False)
         return dh, dp, None, None
 
 

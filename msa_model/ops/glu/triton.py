@@ -1,8 +1,8 @@
 """Fused GLU activation with routing probabilities (reference.py has the definition).
 
 Forward: one read of fc1's output h [N, 2F], one write of a [N, F]. Backward: one read of h and
-da, writing d h, the activation a again (the fc2 weight gradient needs it; the forward's is not
-kept) and d p; a program takes RB rows and walks their F columns in steps of CB, summing d p in
+da, writing d h, the activation a again where asked (the grouped experts' fc2 weight gradient
+needs it; their forward's is not kept) and d p; a program takes RB rows and walks their F columns in steps of CB, summing d p in
 fp32.
 """
 
@@ -37,7 +37,7 @@ def glu_fwd_kernel(h_ptr, p_ptr, a_ptr, N, OFFSET, F: tl.constexpr, ALPHA: tl.co
 
 @triton.jit
 def glu_bwd_kernel(h_ptr, p_ptr, da_ptr, dh_ptr, a_ptr, dp_ptr, N, OFFSET, F: tl.constexpr, ALPHA: tl.constexpr,
-                   PROBS: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr):
+                   PROBS: tl.constexpr, WRITE_A: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr):
     r = tl.program_id(0).to(tl.int64) * RB + tl.arange(0, RB)
     rm = r < N
     if PROBS:
@@ -58,7 +58,8 @@ def glu_bwd_kernel(h_ptr, p_ptr, da_ptr, dh_ptr, a_ptr, dp_ptr, N, OFFSET, F: tl
         dst = dh_ptr + r[:, None] * (2 * F) + c[None, :]
         tl.store(dst, (da * p[:, None] * v * dact).to(dh_ptr.dtype.element_ty), mask=m)
         tl.store(dst + F, (da * p[:, None] * act).to(dh_ptr.dtype.element_ty), mask=m)
-        tl.store(a_ptr + r[:, None] * F + c[None, :], (act * v * p[:, None]).to(a_ptr.dtype.element_ty), mask=m)
+        if WRITE_A:
+            tl.store(a_ptr + r[:, None] * F + c[None, :], (act * v * p[:, None]).to(a_ptr.dtype.element_ty), mask=m)
     if PROBS:
         tl.store(dp_ptr + r, dp, mask=rm)
 
@@ -83,17 +84,18 @@ def glu_forward_triton(h_N2F: torch.Tensor, probs_N: torch.Tensor | None, alpha:
 
 
 def glu_backward_triton(h_N2F: torch.Tensor, probs_N: torch.Tensor | None, da_NF: torch.Tensor,
-                        alpha: float = 1.0, offset: float = 0.0):
-    """(d h [N, 2F] in h's dtype, a [N, F] in h's dtype, d p fp32 [N] or None)."""
+                        alpha: float = 1.0, offset: float = 0.0, activation: bool = True):
+    """(d h [N, 2F] in h's dtype, a [N, F] in h's dtype, d p fp32 [N] or None); with
+    activation=False, a is None (not written)."""
     h, N, F = _rows(h_N2F)
     da = da_NF.contiguous()
     dh = torch.empty_like(h)
-    a = torch.empty(N, F, dtype=h.dtype, device=h.device)
+    a = torch.empty(N, F, dtype=h.dtype, device=h.device) if activation else None
     dp = None if probs_N is None else torch.empty(N, dtype=torch.float32, device=h.device)
     if N and F:
         RB, CB = 4, 512
         p = h if probs_N is None else probs_N.contiguous()
         glu_bwd_kernel[(triton.cdiv(N, RB),)](
-            h, p, da, dh, a, h if dp is None else dp, N, float(offset), F=F, ALPHA=float(alpha),
-            PROBS=probs_N is not None, RB=RB, CB=CB, num_warps=4)
+            h, p, da, dh, h if a is None else a, h if dp is None else dp, N, float(offset), F=F, ALPHA=float(alpha),
+            PROBS=probs_N is not None, WRITE_A=activation, RB=RB, CB=CB, num_warps=4)
     return dh, a, dp
