@@ -14,6 +14,7 @@ import torch
 
 from msa_model.ops.sparse_attention import sparse_attention
 from msa_model.ops import inverse_index
+from msa_model.ops.triton_utils import interpreting
 from msa_model.ops.sparse_attention import triton as sa_triton
 from msa_model.ops.sparse_attention.reference import sparse_attention_reference
 
@@ -176,6 +177,9 @@ def test_inverse_index_lists_every_entry_once_in_its_bucket(chunk):
     per = 3
     tb, ts, tc = inverse_index.schedule(index, per)
     assert tb.shape[0] == S
+    # the kernel (what CUDA tensors take; these are CPU tensors) gives the definition's programs
+    for got, want in zip(inverse_index.schedule_triton(index, per) if interpreting() else (), (tb, ts, tc)):
+        assert got.dtype == torch.int32 and torch.equal(got, want)
     for c in range(S):
         seen = {}
         for bucket, start, count in zip(tb[c].tolist(), ts[c].tolist(), tc[c].tolist()):
@@ -195,6 +199,26 @@ def test_inverse_index_lists_every_entry_once_in_its_bucket(chunk):
         lo, n_e = int(whole.start[bl]), int(whole.count[bl])
         lo1, n_e1 = int(single.start[bl]), int(single.count[bl])
         assert torch.equal(index.entry[lo:lo + n_e], single.entry[lo1:lo1 + n_e1])
+
+
+@pytest.mark.parametrize("per", [1, 2, 16])
+@pytest.mark.parametrize("chunk", [0, 7])
+def test_schedule_kernel_equals_the_definition(chunk, per):
+    """The schedule kernel against schedule_reference on fresh random selections with empty
+    slots, popular blocks (runs split over several programs) and empty buckets."""
+    B, T, G, K, N = 2, 37, 2, 5, 9
+    gen = torch.Generator().manual_seed(10 * chunk + per)
+    idx = torch.randint(-1, N, (B, T, G, K), generator=gen, dtype=torch.int32)
+    idx[:, :, 0, 0] = 2  # a block every query of group 0 selected
+    idx = inverse_index.clean_block_idx(idx.to(DEVICE), 1, q_offset=N)
+    chunked = inverse_index.build_inverse_index(idx, N, chunk)
+    # and the unchunked view of a chunked index (the KL's), whose bounds are strided views
+    for index in (chunked, chunked.whole()):
+        want = inverse_index.schedule_reference(index, per)
+        got = inverse_index.schedule_triton(index, per)
+        for g, w in zip(got, want):
+            assert g.shape == w.shape and g.dtype == w.dtype == torch.int32
+            assert torch.equal(g, w)
 
 
 @pytest.mark.parametrize("chunk", [0, 5])

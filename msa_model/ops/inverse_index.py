@@ -222,11 +222,22 @@ def build_inverse_index(idx_BTGK: torch.Tensor, n_blocks: int, chunk_size: int =
 
 
 def schedule(index: InverseIndex, per_program: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split every bucket into runs of at most `per_program` entries, one per program: int32
+    (bucket, start, count), each [n_chunks, P] (`schedule_reference` defines them). CUDA tensors
+    take one kernel for what the definition issues as about twenty small torch ops (host time:
+    short calls are bound by it, bench/RESULTS.md round 12), CPU tensors the definition."""
+    if index.count.is_cuda:
+        return schedule_triton(index, per_program)
+    return schedule_reference(index, per_program)
+
+
+def schedule_reference(index: InverseIndex, per_program: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split every bucket into runs of at most `per_program` entries, one per program.
 
     Returns int32 (bucket, start, count), each [n_chunks, P]: row c holds chunk c's programs, P an
     upper bound (no host synchronisation), bucket the chunk's own bucket id (b*G + g)*N + n, or -1
-    for spare programs. Runs of one bucket are consecutive.
+    for spare programs. Runs of one bucket are consecutive. The definition (about twenty torch
+    ops); `schedule_triton` computes the same in one kernel.
     """
     S = index.n_chunks
     nb = index.count.numel()
@@ -244,6 +255,59 @@ def schedule(index: InverseIndex, per_program: int) -> tuple[torch.Tensor, torch
     count = (index.count[bucket] - within * per_program).clamp(0, per_program)
     local = bucket - torch.arange(S, device=runs.device)[:, None] * per_chunk
     return (torch.where(ok, local, -1).to(torch.int32), start.to(torch.int32), count.to(torch.int32))
+
+
+
+
+@triton.jit
+def schedule_kernel(ENDS, RUNS, START, COUNT, OB, OS, OC, NB, PER_CHUNK, P, PER_PROGRAM, STEPS: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    """Programs p of chunk s (grid: P / BLOCK, S): run r = (the chunk's first run) + p, its bucket
+    by binary search of r in the runs' inclusive ends (searchsorted right), as the definition."""
+    s = tl.program_id(1)
+    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    pm = p < P
+    c0 = s * PER_CHUNK
+    first = tl.load(ENDS + c0 - 1, mask=c0 > 0, other=0)
+    last = tl.load(ENDS + c0 + PER_CHUNK - 1)
+    run = first + p
+    lo = tl.zeros([BLOCK], tl.int32)
+    hi = tl.zeros([BLOCK], tl.int32) + NB
+    for _ in tl.static_range(STEPS):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        e = tl.load(ENDS + mid, mask=active, other=0)
+        right = active & (e <= run)
+        lo = tl.where(right, mid + 1, lo)
+        hi = tl.where(active & (e > run), mid, hi)
+    bucket = tl.minimum(lo, NB - 1)
+    runs = tl.load(RUNS + bucket)
+    within = run - (tl.load(ENDS + bucket) - runs)
+    start = tl.load(START + bucket) + within * PER_PROGRAM
+    count = tl.minimum(tl.maximum(tl.load(COUNT + bucket) - within * PER_PROGRAM, 0), PER_PROGRAM)
+    local = tl.where(run < last, bucket - c0, -1)
+    out = s.to(tl.int64) * P + p
+    tl.store(OB + out, local.to(tl.int32), mask=pm)
+    tl.store(OS + out, start.to(tl.int32), mask=pm)
+    tl.store(OC + out, count.to(tl.int32), mask=pm)
+
+
+def schedule_triton(index: InverseIndex, per_program: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`schedule_reference` with the runs' placement in one kernel (the runs and their cumulative
+    sum stay torch's)."""
+    S = index.n_chunks
+    nb = index.count.numel()
+    runs = (index.count + per_program - 1) // per_program
+    ends = torch.cumsum(runs, 0)
+    P = triton.cdiv(max(index.chunk_entries, 1), per_program) + nb // S
+    out = torch.empty(3, S, P, dtype=torch.int32, device=runs.device)
+    BLOCK = 256
+    # contiguous: `InverseIndex.whole()` views every S-th bound of a chunked index
+    start, count = index.start.contiguous(), index.count.contiguous()
+    schedule_kernel[(triton.cdiv(P, BLOCK), S)](ends, runs, start, count, out[0], out[1], out[2], nb,
+                                                 nb // S, P, per_program, STEPS=max(1, nb.bit_length()) + 1,
+                                                 BLOCK=BLOCK)
+    return out[0], out[1], out[2]
 
 
 @triton.jit
