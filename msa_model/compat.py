@@ -92,6 +92,8 @@ def _foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
     fp32 [1] on their device) in torch's foreach kernels, without leaving the device."""
     if per_tensor:
         raise NotImplementedError("per-tensor norms are not used by megatron's optimizer here")
+    if not tensor_lists[0]:
+        return torch.zeros(1, dtype=torch.float32, device=noop_flag.device if noop_flag is not None else "cpu"), None
     norms = torch._foreach_norm([t.float() for t in tensor_lists[0]])
     return torch.linalg.vector_norm(torch.stack(norms)).reshape(1), None
 
@@ -99,6 +101,8 @@ def _foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
 def _foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
     """megatron's multi_tensor_scale: dst = src * scale for the pairs of tensor_lists [src, dst]."""
     src, dst = tensor_lists
+    if not dst:
+        return
     if scale == 1.0:
         torch._foreach_copy_(dst, src)
     elif all(a is b for a, b in zip(src, dst)):

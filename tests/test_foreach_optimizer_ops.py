@@ -50,3 +50,12 @@ def test_only_megatrons_fallbacks_are_replaced(monkeypatch):
     assert clip_grads.multi_tensor_scale_impl is compat._foreach_scale
     assert optimizer.multi_tensor_scale_impl is other
     assert not compat.use_foreach_multi_tensor_ops()
+
+
+def test_empty_lists_do_nothing():
+    """A rank whose shard holds no parameter of a group passes empty lists (megatron's loops ran
+    zero times)."""
+    compat._foreach_scale(0, None, [[], []], 0.5)
+    compat._foreach_scale(0, None, [[], []], 1.0)
+    norm, _ = compat._foreach_l2_norm(0, torch.zeros(1, dtype=torch.int), [[]], False)
+    assert norm.shape == (1,) and norm.item() == 0.0
