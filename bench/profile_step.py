@@ -1,7 +1,7 @@
 """Profile one training step of a real `train.py` run: the kernels that take the device time, and
 how long the host took to issue them.
 
-    PYTHONPATH=. python bench/profile_step.py [--step 3] [--rows 30] [--shapes 40] [--trace FILE] -- key=value ...
+    PYTHONPATH=. python bench/profile_step.py [--step 3] [--rows 30] [--shapes 40] [--gaps 30] [--trace FILE] -- key=value ...
 
 Runs train.py with the given overrides in this process; step --step (after compilation and
 warm-up) runs under torch.profiler. Prints the step's wall time, the device time summed over
@@ -21,12 +21,18 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
+def _annotation(event) -> bool:
+    """A user annotation's device-side span (the optimizer step's, say), not a kernel."""
+    return bool(getattr(event, "is_user_annotation", False))
+
+
 def idle_gaps(events, top: int, min_us: float = 10.0) -> None:
     """Print where the device waited for the host in a profiled step: the kernels after the
     longest total waits, and the longest single waits with the host ops open at their middle."""
     from torch.autograd import DeviceType
 
-    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in events if e.device_type == DeviceType.CUDA)
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                     if e.device_type == DeviceType.CUDA and not _annotation(e))
     if not kernels:
         print("no device activity recorded", flush=True)
         return
@@ -85,7 +91,8 @@ def main() -> None:
             torch.cuda.synchronize()
             wall = (time.perf_counter() - start) * 1e3
         events = prof.key_averages()
-        device_ms = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA") / 1e3
+        device_ms = sum(e.self_device_time_total for e in events
+                        if e.device_type.name == "CUDA" and not _annotation(e)) / 1e3
         print(f"profiled step {a.step}: wall {wall:.1f} ms, kernels {device_ms:.1f} ms "
               f"({device_ms / wall:.0%} of the wall time busy)", flush=True)
         print(events.table(sort_by="self_device_time_total", row_limit=a.rows, max_name_column_width=70), flush=True)

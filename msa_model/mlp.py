@@ -5,7 +5,7 @@ it) runs the GLU act(gate) * (up + offset) as separate PyTorch passes over [toke
 autograd keeps and walks back one by one. `FusedGLUMLP` is that MLP (same parameters, names,
 sharded state dict and tensor parallel layout: each rank's fc1 output is its own [gate, up]
 halves) whose forward on CUDA tensors takes `msa_model.ops.glu` instead: one kernel forward,
-one backward, fc1's output the only activation saved. Where the kernel does not apply (CPU
+one backward, fc1's output the GLU's only saved activation. Where the kernel does not apply (CPU
 tensors, clamps, biases, other activations, Transformer Engine activations, a per-token
 scale) it is megatron's forward unchanged. `FusedGLUSharedExpertMLP` is megatron's shared
 expert (its gate and overlap untouched) over the same forward.
@@ -35,7 +35,7 @@ class FusedGLUMLP(MLP):
         if fused is None:
             return super().forward(hidden_states, per_token_scale, **kwargs)
         h, _ = self.linear_fc1(hidden_states)
-        a = glu(h.reshape(-1, h.shape[-1]), None, *fused).view(*h.shape[:-1], h.shape[-1] // 2)
+        a = glu(h.reshape(-1, h.shape[-1]), None, *fused, backend="triton").view(*h.shape[:-1], h.shape[-1] // 2)
         return self.linear_fc2(a)
 
     def _fused_glu(self, x: torch.Tensor, per_token_scale) -> tuple[float, float] | None:

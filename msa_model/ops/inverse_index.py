@@ -257,8 +257,6 @@ def schedule_reference(index: InverseIndex, per_program: int) -> tuple[torch.Ten
     return (torch.where(ok, local, -1).to(torch.int32), start.to(torch.int32), count.to(torch.int32))
 
 
-
-
 @triton.jit
 def schedule_kernel(ENDS, RUNS, START, COUNT, OB, OS, OC, NB, PER_CHUNK, P, PER_PROGRAM, STEPS: tl.constexpr,
                     BLOCK: tl.constexpr):
