@@ -2,7 +2,8 @@
 CPU profile of five forward calls. Geometry: small preset (Hq=16, Hkv=4, D=Di=64, Bk=128, k=16),
 bf16. Round 12 (bench/RESULTS.md): call 2 ran an earlier version (a cProfile of whole steps in
 place of the CPU profile: its sleep filled the launch queue, so its listing is not used), call 4
-this one; both without the schedule kernel (the op they time is otherwise unchanged by round 12).
+this one, both without the schedule kernel (the op they time is otherwise unchanged by round 12);
+run 5 this one with the schedule kernel's first version (its first two lines printed only).
 
     PYTHONPATH=. python bench/results/host-work-2026-12-02/host_probe.py     (T=... to change the length)
 """
