@@ -40,8 +40,8 @@ class FusedGLUMLP(MLP):
 
     def _fused_glu(self, x: torch.Tensor, per_token_scale) -> tuple[float, float] | None:
         config = self.config
-        if (not (x.is_cuda or self.fused_on_cpu) or per_token_scale is not None or not config.gated_linear_unit or config.add_bias_linear
-                or config.use_te_activation_func or config.bias_activation_fusion):
+        if (not (x.is_cuda or self.fused_on_cpu) or per_token_scale is not None or not config.gated_linear_unit
+                or config.add_bias_linear or config.use_te_activation_func or config.bias_activation_fusion):
             return None
         return fused_glu(config)
 

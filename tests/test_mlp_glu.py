@@ -11,7 +11,8 @@ import torch
 from msa_model.ops.triton_utils import interpreting
 
 CUDA = torch.cuda.is_available()
-pytestmark = pytest.mark.skipif(not CUDA and not interpreting(), reason="the fused GLU on CPU needs Triton's interpreter")
+pytestmark = pytest.mark.skipif(not CUDA and not interpreting(),
+                                reason="the fused GLU on CPU needs Triton's interpreter")
 
 
 @pytest.fixture(scope="module")

@@ -224,7 +224,7 @@ def build_inverse_index(idx_BTGK: torch.Tensor, n_blocks: int, chunk_size: int =
 def schedule(index: InverseIndex, per_program: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split every bucket into runs of at most `per_program` entries, one per program: int32
     (bucket, start, count), each [n_chunks, P] (`schedule_reference` defines them). CUDA tensors
-    take one kernel for what the definition issues as about twenty small torch ops (host time:
+    take one kernel for what the definition issues as 29 small torch kernels (host time:
     short calls are bound by it, bench/RESULTS.md round 12), CPU tensors the definition."""
     if index.count.is_cuda:
         return schedule_triton(index, per_program)
@@ -236,8 +236,8 @@ def schedule_reference(index: InverseIndex, per_program: int) -> tuple[torch.Ten
 
     Returns int32 (bucket, start, count), each [n_chunks, P]: row c holds chunk c's programs, P an
     upper bound (no host synchronisation), bucket the chunk's own bucket id (b*G + g)*N + n, or -1
-    for spare programs. Runs of one bucket are consecutive. The definition (about twenty torch
-    ops); `schedule_triton` computes the same in one kernel.
+    for spare programs. Runs of one bucket are consecutive. The definition (29 torch kernels);
+    `schedule_triton` computes the same in one kernel.
     """
     S = index.n_chunks
     nb = index.count.numel()
