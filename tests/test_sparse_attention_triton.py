@@ -151,6 +151,23 @@ def test_query_chunks():
     run_case(B, T, Hq, G, 16, bs, K, torch.float32 if DEVICE == "cpu" else torch.bfloat16, tuning=tuning)
 
 
+@pytest.mark.parametrize("T, heads, groups, chunks", [
+    (8192, 64, 4, 1),     # production layer at 8K: 2.0 GiB of partials in one chunk
+    (8192, 32, 2, 1),     # its TP=2 share
+    (32768, 64, 4, 3),    # 8.1 GiB: the minimum budget of 3 GiB
+    (131072, 64, 4, 9),   # 32.5 GiB: 2x the bytes of q, capped at 4 GiB
+])
+def test_default_partial_budget(T, heads, groups, chunks):
+    """The forward's partial buffers (bf16 o and an fp32 lse per entry and head, K = 16) under the
+    default budget: one chunk at short context, where the buffers are transient next to the
+    step's saved activations; bounded by q's bytes and 4 GiB at long context."""
+    tuning, D, K = sa_triton.DEFAULT_TUNING, 128, 16
+    per_query = groups * K * (heads // groups) * (D * 2 + 4)
+    budget = sa_triton.partial_budget(tuning, T * heads * D * 2)
+    assert budget == max(3 << 30, min(4 << 30, 4 * T * heads * D))
+    assert -(-T // sa_triton._chunk(T, per_query, budget)) == chunks
+
+
 @pytest.mark.parametrize("chunk", [0, 5, 23])
 def test_inverse_index_lists_every_entry_once_in_its_bucket(chunk):
     """Each valid (b, t, g, slot) entry sits in the bucket of its (chunk of t, b, g, block),

@@ -55,7 +55,7 @@ class Tuning:
     combine_queries_rows: int = 4
     partial_bytes: int = 4 << 30
     partial_q_ratio: float = 2.0
-    partial_min_bytes: int = 512 << 20
+    partial_min_bytes: int = 3 << 30
     # The tile-union path (triton_tiles.py). tile_rows: matrix rows per tile, queries x the group's
     # heads (0: the gather path only). It is taken by calls of at least `tile_min_queries` queries
     # whose groups have at least `tile_min_heads` heads (below, the gather path was as fast or
@@ -106,19 +106,25 @@ def _chunk(T: int, per_query_bytes: int, budget: int) -> int:
     return triton.cdiv(T, triton.cdiv(T, most))
 
 
+def partial_budget(tuning: Tuning, q_bytes: int) -> int:
+    """Bytes one call's partial buffers may take: `partial_q_ratio` x the bytes of q, at least
+    `partial_min_bytes`, at most `partial_bytes` (why: `sparse_index`)."""
+    return int(min(tuning.partial_bytes, max(tuning.partial_min_bytes, tuning.partial_q_ratio * q_bytes)))
+
+
 def sparse_index(idx, H, D, itemsize, n_blocks, tuning: Tuning, docs: DocumentBlocks | None = None) -> InverseIndex:
     """The inverse index both passes walk, chunked so that the forward's partials (o in the input
     dtype and an fp32 lse per entry and head) fit the budget; the backward's dq partials are smaller.
 
     The budget is `tuning.partial_q_ratio` times the bytes of q, at most `tuning.partial_bytes`:
-    the layer's peak memory then stays under dense attention's at every length, for some layer
-    time at short lengths (bench/RESULTS.md, round 4). Below `tuning.partial_min_bytes` the budget
-    is not cut: small layers (few heads, short sequences) would otherwise pay each chunk's launches
-    for a few MiB."""
+    at long context the layer's peak memory then stays under dense attention's (bench/RESULTS.md,
+    round 4). Below `tuning.partial_min_bytes` the budget is not cut: the partials live only
+    within the call, so at short context, where a training step's peak is the layers' saved
+    activations, a few GiB of them leave the step's peak where it was, while every further chunk
+    costs launches and splits the kernels' grids (the 8K production layer's partials, 2.0 GiB, in
+    one chunk instead of five: fwd+bwd 1.13x faster, bench/RESULTS.md round 13)."""
     B, T, G, K = idx.shape
-    budget = int(min(tuning.partial_bytes,
-                     max(tuning.partial_min_bytes, tuning.partial_q_ratio * B * T * G * H * D * itemsize)))
-    chunk = _chunk(T, B * G * K * H * (D * itemsize + 4), budget)
+    chunk = _chunk(T, B * G * K * H * (D * itemsize + 4), partial_budget(tuning, B * T * G * H * D * itemsize))
     return build_inverse_index(idx, n_blocks, chunk, None if docs is None else docs.base)
 
 
@@ -407,8 +413,7 @@ def tile_backward(do, q, k, v, o, lse, union: TileUnion, block_size, scale, q_of
     per_item = tuning.tile_dkdv_tiles
     U, D = meta["U"], meta["D"]
     item_bytes = 2 * block_size * D * 4
-    budget = int(min(tuning.partial_bytes, max(tuning.partial_min_bytes, tuning.partial_q_ratio * q.numel()
-                                                * q.element_size())))
+    budget = partial_budget(tuning, q.numel() * q.element_size())
     chunk = _chunk(NT, triton.cdiv(B * G * U, per_item) * item_bytes, budget)
     index = build_inverse_index(union.blocks.permute(0, 2, 1, 3).contiguous(), N, chunk)
     ib, istart, icount = schedule(index, per_item)

@@ -1,0 +1,86 @@
+"""Probe: the MSA layer core at short context (8K-16K) against SDPA, per launch-shape variant.
+
+fwd+bwd of `msa_attention` (teacher from the backward, random inputs) with the attention's
+Tuning replaced per variant, ms per call over back-to-back calls; then a kernel table of one
+geometry's default and last variant.
+
+    PYTHONPATH=. python bench/results/short-context-2026-12-02/short_context_probe.py
+
+Environment: GEOMS (JSON [[name, Hq, Hkv, D, Di], ...]), LENGTHS ("8192,16384"), VARIANTS (JSON
+list of Tuning overrides), PROFILE ("name:T" whose kernels are listed, "none"). Call 4 ran the
+defaults; call 5 GEOMS of prod and prod-tp2, LENGTHS=8192, PROFILE=none and the variants listed
+at the end of probe-variants-call5.txt.
+"""
+import dataclasses
+import json
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+from msa_model.ops.msa_attention import msa_attention
+from msa_model.ops.sparse_attention import triton as sa_triton
+
+dev, dt = "cuda", torch.bfloat16
+GEOMS = json.loads(os.environ.get("GEOMS", '[["prod", 64, 4, 128, 128], ["prod-tp2", 32, 2, 128, 128], '
+                                           '["small", 16, 4, 64, 64]]'))
+LENGTHS = [int(x) for x in os.environ.get("LENGTHS", "8192,16384").split(",")]
+G = 1 << 30
+VARIANTS = json.loads(os.environ.get("VARIANTS", json.dumps([
+    {}, {"partial_min_bytes": G}, {"partial_min_bytes": 2 * G}, {"partial_min_bytes": 4 * G},
+    {"partial_min_bytes": 4 * G, "bwd_tiles": 32}, {"partial_min_bytes": 4 * G, "fwd_tiles": 8}])))
+PROFILE = os.environ.get("PROFILE", "prod:8192")
+
+
+def timed(fn, n=15):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n * 1e3
+
+
+for name, Hq, Hkv, D, Di in GEOMS:
+    for T in LENGTHS:
+        g = torch.Generator(device=dev).manual_seed(0)
+
+        def r(*s):
+            return torch.randn(*s, device=dev, dtype=dt, generator=g).requires_grad_()
+
+        q, k, v = r(1, T, Hq, D), r(1, T, Hkv, D), r(1, T, Hkv, D)
+        iq, ik = r(1, T, Hkv, Di), r(1, T, Di)
+        do = torch.randn(1, T, Hq, D, device=dev, dtype=dt)
+        ins = (q, k, v, iq, ik)
+        qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
+
+        def sdpa():
+            o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
+            return torch.autograd.grad(o, (qt, kt, vt), do.transpose(1, 2))
+
+        row = {"geom": name, "T": T, "sdpa": round(timed(sdpa), 3)}
+        for i, var in enumerate(VARIANTS):
+            tun = {"sparse_attention": dataclasses.replace(sa_triton.DEFAULT_TUNING, **var)}
+
+            def step():
+                o, kl = msa_attention(*ins, block_size=128, topk=16, kl_teacher="backward", tuning=tun)
+                return torch.autograd.grad((o, kl), ins, (do, torch.ones_like(kl)))
+
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            row[f"v{i}"] = round(timed(step), 3)
+            row[f"v{i} peak MiB"] = round((torch.cuda.max_memory_allocated() - base) / 2**20)
+            if PROFILE == f"{name}:{T}" and i in (0, len(VARIANTS) - 1):
+                from torch.profiler import ProfilerActivity, profile
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(5):
+                        step()
+                    torch.cuda.synchronize()
+                print(f"kernels of {name} T={T} variant {var} (5 calls)")
+                print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=22,
+                                                max_name_column_width=60), flush=True)
+        print(json.dumps(row), flush=True)
+print("variants:", json.dumps(VARIANTS))
