@@ -58,11 +58,41 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}T{}Hq{}G{}D{}Di{}bs{}k{}off{}doc{}".format(*c))
 def test_late_teacher_matches_the_reference(case):
+    check_against_the_reference(case)
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[4]], ids=["plain", "offset-documents"])
+def test_late_teacher_after_the_hybrid_forward(case):
+    """The attention's forward on the hybrid path (tiles whose union is small on the tile kernel,
+    the others' queries gathered; calls of 8K queries and more at the production geometry), the
+    backward and its teacher rows on the gather path."""
+    import dataclasses
+
+    from msa_model.ops.inverse_index import clean_block_idx, document_blocks
+    from msa_model.ops.sparse_attention import triton as sa_triton
+
+    # tiles of 4 queries of 2 heads; a tile whose union passes topk blocks is gathered
+    hybrid = dataclasses.replace(sa_triton.DEFAULT_TUNING, tile_rows=8, tile_keys=16, tile_min_heads=1,
+                                 tile_min_queries=0, tile_union_max=1.0)
+    block_idx = check_against_the_reference(case, {"sparse_attention": hybrid})
+    # both paths ran: some tiles' unions are within the limit, some beyond it (in the interpreter,
+    # whose tiles hold 4 queries; a GPU's hold at least 16 rows, 8 queries, mostly beyond it)
+    if CUDA:
+        return
+    B, T, Hq, G, D, Di, bs, topk, off, cut = case
+    doc = None if cut is None else starts(B, T, off, cut).to(torch.int32)
+    union = sa_triton.tile_union(clean_block_idx(block_idx, bs, off, doc), sa_triton._tile_queries(hybrid, Hq // G),
+                                 None if doc is None else document_blocks(doc, bs, off))
+    over = int((union.count > topk).sum())
+    assert 0 < over < union.count.numel()
+
+
+def check_against_the_reference(case, tuning=None):
     B, T, Hq, G, D, Di, bs, topk, off, cut = case
     leaves = inputs(B, T, Hq, G, D, Di, off, seed=T + Hq)
     doc = None if cut is None else starts(B, T, off, cut)
-    kw = dict(block_size=bs, topk=topk, q_offset=off, doc_start=doc)
-    assert late_teacher_applies(*leaves, bs, topk, backend="triton")
+    kw = dict(block_size=bs, topk=topk, q_offset=off, doc_start=doc, tuning=tuning)
+    assert late_teacher_applies(*leaves, bs, topk, backend="triton", tuning=tuning)
     do = torch.randn(leaves[0].shape, generator=torch.Generator().manual_seed(1)).to(DEV, DTYPE)
     o, kl, before, seen, block_idx, grads = step(leaves, do, "backward", **kw)
     # the value comes with the backward: NaN before, filled in place and reported once after
@@ -86,6 +116,7 @@ def test_late_teacher_matches_the_reference(case):
     assert abs(kl_f.item() - kl.item()) < 1e-3 * max(1.0, abs(kl.item()))
     for name, g, w in zip(("dq", "dk", "dv", "d iq", "d ik"), grads, grads_f):
         assert rel(g, w) < (1e-2 if CUDA else 1e-5), (name, rel(g, w))
+    return block_idx
 
 
 def test_tile_backward_setting_keeps_the_late_teacher_where_the_gather_backward_runs():

@@ -58,9 +58,10 @@ class Tuning:
     partial_min_bytes: int = 3 << 30
     # The tile-union path (triton_tiles.py). tile_rows: matrix rows per tile, queries x the group's
     # heads (0: the gather path only). It is taken by calls of at least `tile_min_queries` queries
-    # whose groups have at least `tile_min_heads` heads (below, the gather path was as fast or
-    # faster: bench/RESULTS.md, "Round 5"), and there, in the forward, by each tile whose union
-    # holds at most `tile_union_max` x K blocks (the others' queries are gathered). tile_keys:
+    # whose groups have at least `tile_min_heads` heads (fewer heads: the gather path was as fast
+    # or faster, bench/RESULTS.md round 5; from 8K queries the hybrid is level with it on random
+    # selections and faster on shared ones, round 13), and there, in the forward, by each tile
+    # whose union holds at most `tile_union_max` x K blocks (the others' queries are gathered). tile_keys:
     # the forward's keys per step; tile_warps: the query-outer kernels' warps; tile_stages,
     # tile_masked_stages: the forward's pipeline stages over the blocks every row reads whole and
     # over the others (bench/RESULTS.md, round 9). The backward is the gather path's unless
@@ -69,7 +70,7 @@ class Tuning:
     # `tile_dq_stages` in the dQ kernel).
     tile_rows: int = 128
     tile_min_heads: int = 8
-    tile_min_queries: int = 32768
+    tile_min_queries: int = 8192
     tile_union_max: float = 1.5
     tile_keys: int = 128
     tile_warps: int = 8
