@@ -6,15 +6,12 @@ call over back-to-back calls, then the graphed results against the eager ones.
 
     PYTHONPATH=. python bench/results/short-context-2026-12-02/graph_probe.py
 """
-import os
-import time
-
 import torch
-import torch.nn.functional as F
 
 from msa_model.ops.msa_attention import msa_attention
+from probe_common import inputs, sdpa_step, timed
 
-dev, dt = "cuda", torch.bfloat16
+N = 20  # timed calls
 CASES = [  # (name, T, Hq, Hkv, D, Di)
     ("small", 8192, 16, 4, 64, 64),
     ("prod-tp2", 8192, 32, 2, 128, 128),
@@ -23,27 +20,8 @@ CASES = [  # (name, T, Hq, Hkv, D, Di)
 ]
 
 
-def timed(fn, n=20):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / n * 1e3
-
-
 for name, T, Hq, Hkv, D, Di in CASES:
-    g = torch.Generator(device=dev).manual_seed(0)
-
-    def r(*s):
-        return torch.randn(*s, device=dev, dtype=dt, generator=g).requires_grad_()
-
-    q, k, v = r(1, T, Hq, D), r(1, T, Hkv, D), r(1, T, Hkv, D)
-    iq, ik = r(1, T, Hkv, Di), r(1, T, Di)
-    do = torch.randn(1, T, Hq, D, device=dev, dtype=dt)
-    ins = (q, k, v, iq, ik)
+    ins, do = inputs(T, Hq, Hkv, D, Di)
 
     def core(q, k, v, iq, ik):
         return msa_attention(q, k, v, iq, ik, block_size=128, topk=16, kl_teacher="backward")
@@ -52,7 +30,7 @@ for name, T, Hq, Hkv, D, Di in CASES:
         o, kl = core(*ins)
         return torch.autograd.grad((o, kl), ins, (do, torch.ones_like(kl)))
 
-    t_eager = timed(eager)
+    t_eager = timed(eager, N)
     torch.cuda.reset_peak_memory_stats()
     m0 = torch.cuda.memory_allocated()
     graphed = torch.cuda.make_graphed_callables(core, tuple(x.detach().clone().requires_grad_() for x in ins))
@@ -62,16 +40,8 @@ for name, T, Hq, Hkv, D, Di in CASES:
         o, kl = graphed(*ins)
         return torch.autograd.grad((o, kl), ins, (do, torch.ones_like(kl))) + (kl,)
 
-    t_graph = timed(run_graphed)
-    qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
-    dot = do.transpose(1, 2)
-
-    def sdpa():
-        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
-        return torch.autograd.grad(o, (qt, kt, vt), dot)
-
-    t_sdpa = timed(sdpa)
-    ref = eager()
+    t_graph = timed(run_graphed, N)
+    t_sdpa = timed(sdpa_step(*ins[:3], do), N)
     o_e, kl_e = core(*ins)
     gr = torch.autograd.grad((o_e, kl_e), ins, (do, torch.ones_like(kl_e)))
     out = run_graphed()

@@ -14,15 +14,14 @@ at the end of probe-variants-call5.txt.
 import dataclasses
 import json
 import os
-import time
 
 import torch
-import torch.nn.functional as F
 
 from msa_model.ops.msa_attention import msa_attention
 from msa_model.ops.sparse_attention import triton as sa_triton
+from probe_common import inputs, sdpa_step, timed
 
-dev, dt = "cuda", torch.bfloat16
+N = 15  # timed calls
 GEOMS = json.loads(os.environ.get("GEOMS", '[["prod", 64, 4, 128, 128], ["prod-tp2", 32, 2, 128, 128], '
                                            '["small", 16, 4, 64, 64]]'))
 LENGTHS = [int(x) for x in os.environ.get("LENGTHS", "8192,16384").split(",")]
@@ -33,35 +32,10 @@ VARIANTS = json.loads(os.environ.get("VARIANTS", json.dumps([
 PROFILE = os.environ.get("PROFILE", "prod:8192")
 
 
-def timed(fn, n=15):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / n * 1e3
-
-
 for name, Hq, Hkv, D, Di in GEOMS:
     for T in LENGTHS:
-        g = torch.Generator(device=dev).manual_seed(0)
-
-        def r(*s):
-            return torch.randn(*s, device=dev, dtype=dt, generator=g).requires_grad_()
-
-        q, k, v = r(1, T, Hq, D), r(1, T, Hkv, D), r(1, T, Hkv, D)
-        iq, ik = r(1, T, Hkv, Di), r(1, T, Di)
-        do = torch.randn(1, T, Hq, D, device=dev, dtype=dt)
-        ins = (q, k, v, iq, ik)
-        qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
-
-        def sdpa():
-            o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
-            return torch.autograd.grad(o, (qt, kt, vt), do.transpose(1, 2))
-
-        row = {"geom": name, "T": T, "sdpa": round(timed(sdpa), 3)}
+        ins, do = inputs(T, Hq, Hkv, D, Di)
+        row = {"geom": name, "T": T, "sdpa": round(timed(sdpa_step(*ins[:3], do), N), 3)}
         for i, var in enumerate(VARIANTS):
             tun = {"sparse_attention": dataclasses.replace(sa_triton.DEFAULT_TUNING, **var)}
 
@@ -71,7 +45,7 @@ for name, Hq, Hkv, D, Di in GEOMS:
 
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
-            row[f"v{i}"] = round(timed(step), 3)
+            row[f"v{i}"] = round(timed(step, N), 3)
             row[f"v{i} peak MiB"] = round((torch.cuda.max_memory_allocated() - base) / 2**20)
             if PROFILE == f"{name}:{T}" and i in (0, len(VARIANTS) - 1):
                 from torch.profiler import ProfilerActivity, profile
