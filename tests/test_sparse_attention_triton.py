@@ -240,8 +240,9 @@ def test_schedule_kernel_equals_the_definition(chunk, per):
 
 @pytest.mark.parametrize("chunk", [0, 5])
 def test_inverse_index_of_many_blocks_sorts_wider_keys(chunk):
-    """Past 32767 (b, g, block) ids the sort keys are 32-bit, not 16-bit: the same entries give the
-    same buckets (block n of (b, g) here is block n there; the extra blocks are empty)."""
+    """Bucket keys past 32767 (16-bit keys from -32768, one chunk here) and past 65536 (32-bit
+    keys, five chunks): the same entries give the same buckets (block n of (b, g) here is block n
+    there; the extra blocks are empty)."""
     B, T, G, K, N, wide = 2, 23, 2, 4, 4, 9000  # 2 * 2 * 9000 = 36000 ids
     gen = torch.Generator().manual_seed(2)
     idx = inverse_index.clean_block_idx(torch.randint(-1, N, (B, T, G, K), generator=gen, dtype=torch.int32), 1,

@@ -194,25 +194,26 @@ def build_inverse_index(idx_BTGK: torch.Tensor, n_blocks: int, chunk_size: int =
     S = triton.cdiv(T, chunk_size)
     nb = B * G * n_blocks
     dev = idx_BTGK.device
-    # the narrowest keys that hold every block id (and the (block, chunk) ids below): the radix
-    # sort's passes go with the key's bits (bench/RESULTS.md, round 10)
-    wide = torch.int32 if (nb + 1) * S < 2**31 else torch.int64
-    narrow = torch.int16 if nb < 2**15 else wide
-    block = ((torch.arange(B, device=dev, dtype=wide)[:, None, None] * G
-              + torch.arange(G, device=dev, dtype=wide)[None, None, :]) * n_blocks)[..., None].expand(B, T, G, 1)
+    # an entry's key is its bucket in block-major order, ((b*G + g)*N + n)*S + chunk, so that one
+    # stable sort orders entries by block, then chunk, then query (a block's runs of all chunks
+    # are one run), and the bounds are one binary search (no key derived after the sort); empty
+    # slots take the key after every bucket. The narrowest keys that hold them: the radix sort's
+    # passes go with the key's bits (bench/RESULTS.md, round 10); 16-bit keys count from -32768.
+    n_keys = nb * S + 1
+    wide = torch.int32 if n_keys < 2**31 else torch.int64
+    narrow, low = (torch.int16, -(2**15)) if n_keys <= 2**16 else (wide, 0)
+    # the key of block 0 of (b, t's chunk, g), [B, 1 or T, G, 1]; few launches: short calls are
+    # bound by issuing them (bench/RESULTS.md, round 12)
+    first = torch.arange(B * G, device=dev, dtype=wide).view(B, 1, G, 1) * (n_blocks * S) + low
     if base_BT is not None:
-        block = block + base_BT[:, :, None, None].to(wide)
-    key = torch.where(idx_BTGK >= 0, block + idx_BTGK.to(wide), nb).flatten().to(narrow)
-    # stable: the flat order is query-major, so each block lists its queries in order, and
-    # hence its chunks' runs in order
-    key_sorted, entry = torch.sort(key, stable=True)
-    # ranges by binary search (a histogram would serialise on the atomics of popular blocks):
-    # of each (block, chunk) in the sorted (block, chunk of the entry's query)
-    if S == 1:
-        bounds = torch.searchsorted(key_sorted, torch.arange(nb + 1, device=dev, dtype=narrow))
-    else:
-        chunk = ((entry // (G * K)) % T // chunk_size).to(wide)
-        bounds = torch.searchsorted(key_sorted.to(wide) * S + chunk, torch.arange(nb * S + 1, device=dev, dtype=wide))
+        first = first + base_BT[:, :, None, None].to(wide) * S
+    if S > 1:
+        first = first + (torch.arange(T, device=dev, dtype=wide) // chunk_size)[None, :, None, None]
+    key = torch.where(idx_BTGK >= 0, first + (idx_BTGK.to(wide) * S if S > 1 else idx_BTGK), nb * S + low)
+    # stable: the flat order is query-major, so each bucket lists its queries in order
+    key_sorted, entry = torch.sort(key.flatten().to(narrow), stable=True)
+    # ranges by binary search (a histogram would serialise on the atomics of popular blocks)
+    bounds = torch.searchsorted(key_sorted, torch.arange(low, low + n_keys, device=dev, dtype=narrow))
     start = bounds[:-1].view(nb, S).t().flatten()
     count = (bounds[1:] - bounds[:-1]).view(nb, S).t().flatten()
     block_start = bounds[:-1:S]
