@@ -350,6 +350,42 @@ def test_hybrid_forward_splits_tiles_by_their_union(chunked):
              tuning=_tiles(2 * QT, tile_backward=False, tile_union_max=limit, **chunks))
 
 
+@pytest.mark.parametrize("with_index", [True, False])
+def test_hybrid_forward_keeps_the_index_of_every_entry(with_index):
+    """The hybrid forward builds the gather path's index of every entry (its gather pass walks one
+    of the gathered tiles' entries only) for the backward and the KL: the index `sparse_index`
+    gives, or none when the caller needs no backward."""
+    B, T, Hq, G, D, bs, K, QT = 1, 40, 4, 2, 16, 16, 4, 4
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(B, T, h, D, generator=gen).to(DEVICE) for h in (Hq, G, G))
+    idx = random_block_idx(B, T, G, K, bs, gen).to(DEVICE)
+    tuning = _tiles(2 * QT, tile_backward=False, tile_union_max=1.0)
+    state = sa_triton.attention_forward(q, k, v, idx, bs, D ** -0.5, 0, tuning, None, with_index=with_index)[2]
+    if not with_index:
+        assert state.index is None
+        return
+    fresh = sa_triton.sparse_index(state.idx, Hq // G, D, q.element_size(), 3, tuning)
+    for name in ("entry", "start", "count", "block_start", "block_count"):
+        assert torch.equal(getattr(state.index, name), getattr(fresh, name)), name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="two streams need a GPU")
+def test_hybrid_forward_on_two_streams():
+    """On a GPU the hybrid's gather pass runs on a second stream beside the tile kernel, each
+    writing its own rows: with much work on both (the first half's queries share their blocks,
+    the second half's are random), repeated calls (the allocator handing the freed buffers out
+    again) agree with the reference."""
+    B, T, Hq, G, D, bs, K = 1, 4096, 32, 2, 128, 64, 8
+    gen = torch.Generator().manual_seed(2)
+    idx = torch.cat([shared_block_idx(B, T // 2, G, K, bs), random_block_idx(B, T, G, K, bs, gen)[:, T // 2:]], 1)
+    tuning = dataclasses.replace(sa_triton.DEFAULT_TUNING, tile_min_queries=0)
+    union = sa_triton.tile_union(inverse_index.clean_block_idx(idx.cuda(), bs), sa_triton._tile_queries(tuning, 16))
+    over = union.count > tuning.tile_union_max * K
+    assert 0.3 < over.float().mean() < 0.7
+    for seed in range(3):
+        run_case(B, T, Hq, G, D, bs, K, torch.bfloat16, seed=seed, tuning=tuning, block_idx=idx)
+
+
 @pytest.mark.parametrize("queries", [2, 8])
 def test_forward_combine_merges_several_queries_a_program(queries):
     """The gather path's combine with several queries a program, over query chunks that are not

@@ -13,6 +13,7 @@ buffers are allocated once and reused).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -35,9 +36,9 @@ class Tuning:
     block is loaded once per item and a popular block (the sink, the local block) spreads over
     programs. `dense_dkdv` is (query tile, key tile, warps, stages) of the dense dK/dV kernel. The
     partial buffers' budget is `partial_q_ratio` x the bytes of q, at least `partial_min_bytes`, at
-    most `partial_bytes` (see `sparse_index`). Chosen by bench/bench_sparse_attention.py --parts tune (bench/RESULTS.md):
-    single-stage loops beat 2-3 stages in both kernels, 64-row tiles of 4 warps beat 128 rows of
-    8 in the forward."""
+    most `partial_bytes` (see `sparse_index`). Chosen by bench/bench_sparse_attention.py --parts
+    tune (bench/RESULTS.md): single-stage loops beat 2-3 stages in both kernels, 64-row tiles of 4
+    warps beat 128 rows of 8 in the forward."""
 
     fwd_rows: int = 64
     fwd_warps: int = 4
@@ -124,9 +125,22 @@ def sparse_index(idx, H, D, itemsize, n_blocks, tuning: Tuning, docs: DocumentBl
     activations, a few GiB of them leave the step's peak where it was, while every further chunk
     costs launches and splits the kernels' grids (the 8K production layer's partials, 2.0 GiB, in
     one chunk instead of five: fwd+bwd 1.13x faster, bench/RESULTS.md round 13)."""
-    B, T, G, K = idx.shape
-    chunk = _chunk(T, B * G * K * H * (D * itemsize + 4), partial_budget(tuning, B * T * G * H * D * itemsize))
-    return build_inverse_index(idx, n_blocks, chunk, None if docs is None else docs.base)
+    return build_inverse_index(idx, n_blocks, _index_chunk(idx.shape, H, D, itemsize, tuning),
+                               None if docs is None else docs.base)
+
+
+def _index_chunk(shape, H, D, itemsize, tuning: Tuning) -> int:
+    """Queries per chunk of `sparse_index` for block ids of `shape` [B, T, G, K]."""
+    B, T, G, K = shape
+    return _chunk(T, B * G * K * H * (D * itemsize + 4), partial_budget(tuning, B * T * G * H * D * itemsize))
+
+
+def _forward_partials(shape, H, D, dtype, device, tuning: Tuning) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward's partial buffers (o in q's dtype, fp32 lse) of one chunk of `sparse_index`."""
+    B, T, G, K = shape
+    entries = B * _index_chunk(shape, H, D, torch.finfo(dtype).bits // 8, tuning) * G * K
+    return (torch.empty(entries * H, D, dtype=dtype, device=device),
+            torch.empty(entries * H, dtype=torch.float32, device=device))
 
 
 def _chunks(index: InverseIndex, T: int):
@@ -144,11 +158,11 @@ def _blocks(docs: DocumentBlocks | None, TK: int, block_size: int, dummy: torch.
 
 
 def sparse_forward(q, k, v, idx, block_size, scale, q_offset=0, index=None, tuning: Tuning = DEFAULT_TUNING,
-                   docs: DocumentBlocks | None = None, out=None, rows=None):
+                   docs: DocumentBlocks | None = None, out=None, rows=None, partials=None):
     """o [B, T, Hq, D] (q dtype), lse fp32 [B, T, Hq] and the inverse index (for the backward);
     idx cleaned int32 [B, T, G, K]; k, v [B, TK, G, D]; docs: packed documents' block table;
     out: contiguous (o, lse) to write into; rows: bool [B, T, G], contiguous: only these (b, t, g)
-    are written (None: all)."""
+    are written (None: all); partials: `_forward_partials`' buffers to use."""
     B, T, Hq, G, H, HP, D = _geometry(q, k, block_size)
     TK = k.shape[1]
     K = idx.shape[-1]
@@ -161,8 +175,7 @@ def sparse_forward(q, k, v, idx, block_size, scale, q_offset=0, index=None, tuni
     tb, ts, tc = schedule(index, QT * tuning.fwd_tiles)
     # one partial buffer, reused by every chunk (the stream orders a chunk's combine before the
     # next chunk's writes)
-    po = torch.empty(index.chunk_entries * H, D, dtype=q.dtype, device=q.device)
-    plse = torch.empty(index.chunk_entries * H, dtype=torch.float32, device=q.device)
+    po, plse = partials if partials is not None else _forward_partials(idx.shape, H, D, q.dtype, q.device, tuning)
     for c, t0, t1 in _chunks(index, T):
         COMPILED["fwd"] = sparse_fwd_kernel[(tb.shape[1],)](
             q, k, v, po, plse, index.entry, tb[c], ts[c], tc[c], bstart, bend, T, TK, t1 - t0, t0, q_offset, N,
@@ -381,20 +394,57 @@ def tile_forward(q, k, v, union: TileUnion, block_size, scale, q_offset=0, tunin
     return o, lse
 
 
+_SIDE: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The device's second stream, of a higher priority than the default one, for the hybrid's
+    gather pass beside the tile kernel: its short dependent launches take the SMs as the tile
+    kernel's programs leave them."""
+    key = torch.cuda.current_device() if device.index is None else device.index
+    if key not in _SIDE:
+        _SIDE[key] = torch.cuda.Stream(device=key, priority=-1)
+    return _SIDE[key]
+
+
 def hybrid_forward(q, k, v, idx, union: TileUnion, block_size, scale, q_offset=0, tuning: Tuning = DEFAULT_TUNING,
-                   docs: DocumentBlocks | None = None, out=None):
+                   docs: DocumentBlocks | None = None, out=None, with_index=False):
     """The forward with each tile on the path that suits its union: tiles whose union holds at
     most `tuning.tile_union_max` x K blocks on the tile path, the others' queries on the gather
-    path. Decided per tile on the device (no synchronisation): the gather path runs first on the
-    other tiles' entries alone (the rest emptied) and writes their rows only, then the tile
-    kernel writes its tiles."""
-    K = idx.shape[-1]
+    path. Decided per tile on the device (no synchronisation): the gather path runs on the other
+    tiles' entries alone (the rest emptied) and writes their rows only, the tile kernel writes
+    its tiles. Returns (o, lse, index): with `with_index` the gather path's index of every entry,
+    which the backward walks (else None).
+
+    On a GPU the two write disjoint rows, so the gather pass (its inverse index, its launches,
+    which find little to do where the tiles take most queries) runs on a second stream beside the
+    tile kernel, and the index of every entry is built on the first after it. The buffers are
+    allocated on the caller's stream before the two part, so the second stream's memory pool
+    keeps only the index's sort temporaries."""
+    B, T, G, K = idx.shape
+    H, D = q.shape[2] // G, q.shape[-1]
     limit = int(tuning.tile_union_max * K)
-    QT, T = union.queries, idx.shape[1]
-    over_BTG = (union.count > limit).permute(0, 2, 1).repeat_interleave(QT, dim=1)[:, :T].contiguous()
-    o, lse, _ = sparse_forward(q, k, v, torch.where(over_BTG[..., None], idx, -1), block_size, scale, q_offset,
-                               tuning=tuning, docs=docs, out=out, rows=over_BTG)
-    return tile_forward(q, k, v, union, block_size, scale, q_offset, tuning, docs, limit, (o, lse))
+    o, lse = out if out is not None else (torch.empty_like(q),
+                                          torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device))
+    partials = _forward_partials(idx.shape, H, D, q.dtype, q.device, tuning)
+    side = _side_stream(q.device) if q.is_cuda else None
+    if side is not None:
+        main = torch.cuda.current_stream(q.device)
+        side.wait_stream(main)
+    tile_forward(q, k, v, union, block_size, scale, q_offset, tuning, docs, limit, (o, lse))
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        NT, QT = union.count.shape[2], union.queries
+        over = (union.count > limit).permute(0, 2, 1)[:, :, None].expand(B, NT, QT, G).reshape(B, NT * QT, G)
+        over = over[:, :T].contiguous()
+        sparse_forward(q, k, v, torch.where(over[..., None], idx, -1), block_size, scale, q_offset, tuning=tuning,
+                       docs=docs, out=(o, lse), rows=over, partials=partials)
+    index = None
+    if with_index:
+        N = _blocks(docs, k.shape[1], block_size, idx)[0]
+        index = sparse_index(idx, H, D, q.element_size(), N, tuning, docs)
+    if side is not None:
+        main.wait_stream(side)
+    return o, lse, index
 
 
 def tile_backward(do, q, k, v, o, lse, union: TileUnion, block_size, scale, q_offset=0,
@@ -499,10 +549,13 @@ def takes_tile_backward(tuning: Tuning, T: int, H: int, D: int) -> bool:
     return tuning.tile_backward and D <= 128 and takes_tiles(tuning, T, H)
 
 
-def attention_forward(q, k, v, block_idx, block_size, scale, q_offset, tuning: Tuning, doc_start, out=None):
+def attention_forward(q, k, v, block_idx, block_size, scale, q_offset, tuning: Tuning, doc_start, out=None,
+                      with_index=True):
     """(o, lse, ForwardState) of contiguous q, k, v: the dense kernels for block_idx None, else the
     gather, hybrid or tile path as `tuning` says; out: contiguous (o, lse) the sparse paths
-    write into."""
+    write into. with_index: the state holds the gather path's index of every entry (what its
+    backward and the KL walk) where a sparse forward takes the gather path in part (the hybrid
+    builds it beside its tile kernel; a forward whose result needs no backward can skip it)."""
     if doc_start is not None:
         doc_start = doc_start.to(torch.int32).contiguous()
     idx = None if block_idx is None else clean_block_idx(block_idx, block_size, q_offset, doc_start)
@@ -520,9 +573,8 @@ def attention_forward(q, k, v, block_idx, block_size, scale, q_offset, tuning: T
         state.union = tile_union(idx, queries, state.docs)
         o, lse = tile_forward(q, k, v, state.union, block_size, scale, q_offset, tuning, state.docs, out=out)
     elif takes_tiles(tuning, T, H):
-        # the backward builds the gather path's index of every entry
-        o, lse = hybrid_forward(q, k, v, idx, tile_union(idx, queries, state.docs), block_size, scale, q_offset,
-                                tuning, state.docs, out)
+        o, lse, state.index = hybrid_forward(q, k, v, idx, tile_union(idx, queries, state.docs), block_size, scale,
+                                             q_offset, tuning, state.docs, out, with_index)
     else:
         o, lse, state.index = sparse_forward(q, k, v, idx, block_size, scale, q_offset, tuning=tuning,
                                              docs=state.docs, out=out)
@@ -531,8 +583,8 @@ def attention_forward(q, k, v, block_idx, block_size, scale, q_offset, tuning: T
 
 def gather_index(q, k, state: ForwardState, block_size: int, tuning: Tuning) -> InverseIndex:
     """The gather path's inverse index of every entry of a sparse forward, which its backward
-    walks: the forward's own, or built now (after the hybrid forward, whose gather pass took
-    only some tiles' entries) and kept in `state` for the backward."""
+    walks: the forward's own (the hybrid's is built beside its tile kernel), or built now (after
+    a forward `with_index=False`) and kept in `state` for the backward."""
     if state.index is None:
         N = _blocks(state.docs, k.shape[1], block_size, state.idx)[0]
         state.index = sparse_index(state.idx, q.shape[2] // k.shape[2], q.shape[-1], q.element_size(), N, tuning,
@@ -556,9 +608,10 @@ def attention_backward(do, q, k, v, o, lse, state: ForwardState, block_size, sca
 
 class SparseAttentionTriton(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, block_idx, block_size, scale, q_offset, tuning, doc_start):
+    def forward(ctx, q, k, v, block_idx, block_size, scale, q_offset, tuning, doc_start, with_index):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        o, lse, ctx.state = attention_forward(q, k, v, block_idx, block_size, scale, q_offset, tuning, doc_start)
+        o, lse, ctx.state = attention_forward(q, k, v, block_idx, block_size, scale, q_offset, tuning, doc_start,
+                                              with_index=with_index)
         # tensors go through save_for_backward (so activation checkpointing manages them)
         ctx.save_for_backward(q, k, v, o, lse, ctx.state.idx, ctx.state.doc_start)
         ctx.state.idx = ctx.state.doc_start = None
@@ -571,7 +624,7 @@ class SparseAttentionTriton(torch.autograd.Function):
         q, k, v, o, lse, ctx.state.idx, ctx.state.doc_start = ctx.saved_tensors
         dq, dk, dv = attention_backward(do, q, k, v, o, lse, ctx.state, *ctx.args)
         ctx.state = None
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor | None,
@@ -596,5 +649,8 @@ def sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b
     if q.dtype == torch.float32 and not interpreting():
         raise TypeError("the Triton sparse_attention does not take fp32 on GPUs; cast q, k, v to bf16/fp16 "
                         "or use backend='reference'")
+    # the backward's index is built in the forward only where a backward may follow (inside the
+    # Function grad mode is off and needs_input_grad ignores it)
+    backward = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     return SparseAttentionTriton.apply(q, k, v, block_idx, block_size, scale, int(q_offset),
-                                       DEFAULT_TUNING if tuning is None else tuning, doc_start)
+                                       DEFAULT_TUNING if tuning is None else tuning, doc_start, backward)
