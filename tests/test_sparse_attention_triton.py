@@ -382,8 +382,10 @@ def test_hybrid_forward_on_two_streams():
     union = sa_triton.tile_union(inverse_index.clean_block_idx(idx.cuda(), bs), sa_triton._tile_queries(tuning, 16))
     over = union.count > tuning.tile_union_max * K
     assert 0.3 < over.float().mean() < 0.7
+    sa_triton._SIDE.clear()
     for seed in range(3):
         run_case(B, T, Hq, G, D, bs, K, torch.bfloat16, seed=seed, tuning=tuning, block_idx=idx)
+    assert sa_triton._SIDE, "the gather pass took no second stream"
 
 
 @pytest.mark.parametrize("queries", [2, 8])

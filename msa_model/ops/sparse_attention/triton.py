@@ -176,6 +176,9 @@ def sparse_forward(q, k, v, idx, block_size, scale, q_offset=0, index=None, tuni
     # one partial buffer, reused by every chunk (the stream orders a chunk's combine before the
     # next chunk's writes)
     po, plse = partials if partials is not None else _forward_partials(idx.shape, H, D, q.dtype, q.device, tuning)
+    if po.shape[0] < index.chunk_entries * H or plse.shape[0] < index.chunk_entries * H:
+        raise ValueError(f"the partial buffers hold {po.shape[0]} rows; a chunk of the index needs "
+                         f"{index.chunk_entries * H}")
     for c, t0, t1 in _chunks(index, T):
         COMPILED["fwd"] = sparse_fwd_kernel[(tb.shape[1],)](
             q, k, v, po, plse, index.entry, tb[c], ts[c], tc[c], bstart, bend, T, TK, t1 - t0, t0, q_offset, N,
@@ -418,9 +421,10 @@ def hybrid_forward(q, k, v, idx, union: TileUnion, block_size, scale, q_offset=0
 
     On a GPU the two write disjoint rows, so the gather pass (its inverse index, its launches,
     which find little to do where the tiles take most queries) runs on a second stream beside the
-    tile kernel, and the index of every entry is built on the first after it. The buffers are
-    allocated on the caller's stream before the two part, so the second stream's memory pool
-    keeps only the index's sort temporaries."""
+    tile kernel, and the index of every entry is built on the first after it. The outputs and
+    partials are allocated on the caller's stream before the two part; what the gather pass
+    allocates itself (the emptied ids, the index's keys, sort and entries, the schedule: some 30
+    bytes an entry) stays cached for the second stream, which alone reuses it."""
     B, T, G, K = idx.shape
     H, D = q.shape[2] // G, q.shape[-1]
     limit = int(tuning.tile_union_max * K)
@@ -554,8 +558,8 @@ def attention_forward(q, k, v, block_idx, block_size, scale, q_offset, tuning: T
     """(o, lse, ForwardState) of contiguous q, k, v: the dense kernels for block_idx None, else the
     gather, hybrid or tile path as `tuning` says; out: contiguous (o, lse) the sparse paths
     write into. with_index: the state holds the gather path's index of every entry (what its
-    backward and the KL walk) where a sparse forward takes the gather path in part (the hybrid
-    builds it beside its tile kernel; a forward whose result needs no backward can skip it)."""
+    backward and the KL walk) also after the hybrid forward, which builds it beside its gather
+    pass (else `gather_index` builds it when it is needed)."""
     if doc_start is not None:
         doc_start = doc_start.to(torch.int32).contiguous()
     idx = None if block_idx is None else clean_block_idx(block_idx, block_size, q_offset, doc_start)
@@ -608,10 +612,12 @@ def attention_backward(do, q, k, v, o, lse, state: ForwardState, block_size, sca
 
 class SparseAttentionTriton(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, block_idx, block_size, scale, q_offset, tuning, doc_start, with_index):
+    def forward(ctx, q, k, v, block_idx, block_size, scale, q_offset, tuning, doc_start):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        # the hybrid's index of every entry is built by the backward: a forward without one (no
+        # grad, or the first pass of a recomputed layer) builds none and none is held in between
         o, lse, ctx.state = attention_forward(q, k, v, block_idx, block_size, scale, q_offset, tuning, doc_start,
-                                              with_index=with_index)
+                                              with_index=False)
         # tensors go through save_for_backward (so activation checkpointing manages them)
         ctx.save_for_backward(q, k, v, o, lse, ctx.state.idx, ctx.state.doc_start)
         ctx.state.idx = ctx.state.doc_start = None
@@ -624,7 +630,7 @@ class SparseAttentionTriton(torch.autograd.Function):
         q, k, v, o, lse, ctx.state.idx, ctx.state.doc_start = ctx.saved_tensors
         dq, dk, dv = attention_backward(do, q, k, v, o, lse, ctx.state, *ctx.args)
         ctx.state = None
-        return dq, dk, dv, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor | None,
@@ -649,8 +655,5 @@ def sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b
     if q.dtype == torch.float32 and not interpreting():
         raise TypeError("the Triton sparse_attention does not take fp32 on GPUs; cast q, k, v to bf16/fp16 "
                         "or use backend='reference'")
-    # the backward's index is built in the forward only where a backward may follow (inside the
-    # Function grad mode is off and needs_input_grad ignores it)
-    backward = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     return SparseAttentionTriton.apply(q, k, v, block_idx, block_size, scale, int(q_offset),
-                                       DEFAULT_TUNING if tuning is None else tuning, doc_start, backward)
+                                       DEFAULT_TUNING if tuning is None else tuning, doc_start)
