@@ -442,10 +442,7 @@ def hybrid_forward(q, k, v, idx, union: TileUnion, block_size, scale, q_offset=0
         over = over[:, :T].contiguous()
         sparse_forward(q, k, v, torch.where(over[..., None], idx, -1), block_size, scale, q_offset, tuning=tuning,
                        docs=docs, out=(o, lse), rows=over, partials=partials)
-    index = None
-    if with_index:
-        N = _blocks(docs, k.shape[1], block_size, idx)[0]
-        index = sparse_index(idx, H, D, q.element_size(), N, tuning, docs)
+    index = _index_of_every_entry(q, k, idx, docs, block_size, tuning) if with_index else None
     if side is not None:
         main.wait_stream(side)
     return o, lse, index
@@ -590,10 +587,14 @@ def gather_index(q, k, state: ForwardState, block_size: int, tuning: Tuning) -> 
     walks: the forward's own (the hybrid's is built beside its tile kernel), or built now (after
     a forward `with_index=False`) and kept in `state` for the backward."""
     if state.index is None:
-        N = _blocks(state.docs, k.shape[1], block_size, state.idx)[0]
-        state.index = sparse_index(state.idx, q.shape[2] // k.shape[2], q.shape[-1], q.element_size(), N, tuning,
-                                   state.docs)
+        state.index = _index_of_every_entry(q, k, state.idx, state.docs, block_size, tuning)
     return state.index
+
+
+def _index_of_every_entry(q, k, idx, docs: DocumentBlocks | None, block_size: int, tuning: Tuning) -> InverseIndex:
+    """`sparse_index` of the cleaned ids idx, with q, k giving the geometry."""
+    N = _blocks(docs, k.shape[1], block_size, idx)[0]
+    return sparse_index(idx, q.shape[2] // k.shape[2], q.shape[-1], q.element_size(), N, tuning, docs)
 
 
 def attention_backward(do, q, k, v, o, lse, state: ForwardState, block_size, scale, q_offset, tuning: Tuning,
