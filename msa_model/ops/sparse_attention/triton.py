@@ -175,7 +175,9 @@ def sparse_forward(q, k, v, idx, block_size, scale, q_offset=0, index=None, tuni
     tb, ts, tc = schedule(index, QT * tuning.fwd_tiles)
     # one partial buffer, reused by every chunk (the stream orders a chunk's combine before the
     # next chunk's writes)
-    po, plse = partials if partials is not None else _forward_partials(idx.shape, H, D, q.dtype, q.device, tuning)
+    po, plse = partials if partials is not None else (
+        torch.empty(index.chunk_entries * H, D, dtype=q.dtype, device=q.device),
+        torch.empty(index.chunk_entries * H, dtype=torch.float32, device=q.device))
     if po.shape[0] < index.chunk_entries * H or plse.shape[0] < index.chunk_entries * H:
         raise ValueError(f"the partial buffers hold {po.shape[0]} rows; a chunk of the index needs "
                          f"{index.chunk_entries * H}")
