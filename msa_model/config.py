@@ -11,7 +11,7 @@ from __future__ import annotations
 import signal
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -136,13 +136,38 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    # "stdlib": the Python standard library sources shipped with the interpreter;
-    # otherwise a directory whose files matching `glob` form the corpus
+    """Where the tokens come from (docs/data.md): prepared datasets (`blend`, made by
+    `python -m data.prepare`) or, when no blend is given, a directory of text files tokenized into a
+    cache at the first use (the embedded default: the standard library's sources)."""
+
+    # "stdlib": the Python standard library sources shipped with the interpreter; otherwise a
+    # directory whose files matching `glob` form the corpus (used when `blend` is not set)
     source: str = "stdlib"
     glob: str = "**/*.py"
     max_bytes: int = 4_000_000  # corpus bound, files taken in sorted order
-    tokenizer: str = "byte"
-    # the tokenized corpus; MSA_DATA_CACHE_DIR moves the default (e.g. to a shared scratch disk)
+    # `byte`, or a local Hugging Face tokenizer directory. None: the tokenizer of the checkpoint the
+    # run starts from (resume, then init_from) when it has one, else the one the blend's datasets
+    # were prepared with when that directory still exists, else `byte`
+    tokenizer: Optional[str] = None
+    # the token that ends a document; None: the tokenizer's end-of-sequence token
+    eod_token: Optional[str] = None
+    # the file-directory corpus: put the tokenizer's beginning-of-sequence token before each
+    # document (prepared datasets record their own choice: `data.prepare --add-bos`)
+    add_bos: bool = False
+    # prepared datasets, megatron's blend: [[weight, prefix], ...] (or plain prefixes, weight 1);
+    # each prefix names PREFIX.bin / PREFIX.idx / PREFIX.json written by `python -m data.prepare`
+    blend: Optional[List[Any]] = None
+    # documents of every dataset split train,validation,test by these proportions (megatron's split)
+    split: str = "99,1,0"
+    # validation datasets of their own, in the blend's format; the split then serves training only
+    valid_blend: Optional[List[Any]] = None
+    # leave end-of-document tokens out of the loss; restart position ids after each of them
+    eod_mask_loss: bool = False
+    reset_position_ids: bool = False
+    # refuse | allow: a run whose tokenizer differs from its datasets' or its checkpoint's
+    tokenizer_mismatch: str = "refuse"
+    # the tokenized corpus and the sample indices; MSA_DATA_CACHE_DIR moves the default (e.g. to a
+    # shared scratch disk)
     cache_dir: str = "${oc.env:MSA_DATA_CACHE_DIR,.cache/data}"
     seed: int = 1234
     # packed documents are separate sequences: each token attends to (and the indexer selects
@@ -150,11 +175,12 @@ class DataConfig:
     # RoPE scores depend on relative positions only, so a document sees the same scores at any
     # offset (docs/msa.md, "Packed documents")
     document_mask: bool = False
-    # also hash every byte of the cached tokens and indices before use (sizes and sampled blocks
-    # are always checked)
+    # also hash every byte of the cached tokens, the prepared datasets and the sample indices
+    # before use (sizes and sampled blocks are always checked)
     verify_cache: bool = False
     # share of the training tokens in synthetic retrieval documents (data/retrieval.py: passkey,
-    # multi-key, variable tracking; up to model.seq_length tokens each); 0: none
+    # multi-key, variable tracking; up to model.seq_length tokens each); 0: none. File-directory
+    # corpus only
     retrieval_share: float = 0.0
 
 
@@ -228,6 +254,10 @@ class TrainerConfig:
     # SIGINT (Ctrl-C) aborts without saving
     stop_signals: List[str] = field(default_factory=lambda: ["SIGUSR1", "SIGTERM", "SIGINT"])
     device: str = "auto"  # auto | cpu | cuda
+    # held-out loss every N steps (a multiple of logging.log_interval) and at the last step, on
+    # eval_iters global batches of the validation split or data.valid_blend; 0: off
+    eval_interval: int = 0
+    eval_iters: int = 4
 
 
 @dataclass
