@@ -31,7 +31,6 @@ from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 from .cache_check import DataCacheError, problem, record, unrecorded
 from .corpus import list_corpus_files
 from .retrieval import Haystack, training_documents
-from .tokenizer import build_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -44,14 +43,13 @@ def _cache_key(tokenizer_name: str, root: Path, files: list[Path], extra: str = 
     return h.hexdigest()[:16]
 
 
-def prepare_tokens(data_cfg, build: bool = True, seq_length: int | None = None) -> str:
+def prepare_tokens(data_cfg, tokenizer, build: bool = True, seq_length: int | None = None) -> str:
     """Return the indexed-dataset path prefix of the corpus, building it if `build` and missing.
 
     With `data_cfg.retrieval_share` > 0 synthetic retrieval documents (data.retrieval) of up to
     `seq_length` tokens make that share of the tokens. Only one rank should build (the caller
     synchronises); others call with build=False after.
     """
-    tokenizer = build_tokenizer(data_cfg.tokenizer)
     root, files = list_corpus_files(data_cfg.source, data_cfg.glob, data_cfg.max_bytes)
     tag = "stdlib" if data_cfg.source == "stdlib" else Path(data_cfg.source).name
     share = getattr(data_cfg, "retrieval_share", 0.0)
@@ -59,7 +57,13 @@ def prepare_tokens(data_cfg, build: bool = True, seq_length: int | None = None) 
         raise ValueError("data.retrieval_share needs the sequence length of the documents")
     # the mixture is part of the key only when there is one, so plain corpora keep their caches
     extra = f"retrieval={share},{seq_length},{data_cfg.seed}" if share > 0 else ""
-    out_dir = Path(data_cfg.cache_dir) / f"{tag}-{_cache_key(tokenizer.name, root, files, extra)}"
+    # the tokenizer's identity (and the BOS choice) is part of the key: another tokenizer, another cache
+    bos = tokenizer.bos if data_cfg.add_bos else None
+    if data_cfg.add_bos and bos is None:
+        raise DataCacheError(f"data.add_bos: the tokenizer {tokenizer.identity['name']} has no beginning-of-sequence token")
+    name = tokenizer.name if tokenizer.name == "byte-v1" else tokenizer.identity["sha256"]
+    extra += f"bos={bos}" if bos is not None else ""
+    out_dir = Path(data_cfg.cache_dir) / f"{tag}-{_cache_key(name, root, files, extra)}"
     prefix = str(out_dir / "tokens")
     if out_dir.exists():
         found = problem(out_dir, full=data_cfg.verify_cache, required=("tokens.bin", "tokens.idx"))
@@ -79,8 +83,9 @@ def prepare_tokens(data_cfg, build: bool = True, seq_length: int | None = None) 
     tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared by every user of the checkout
     builder = IndexedDatasetBuilder(str(tmp / "tokens.bin"), dtype=np.int32)
     n_tokens = 0
+    head = [] if bos is None else [bos]
     for path in files:
-        ids = np.append(tokenizer.tokenize(path.read_bytes()), tokenizer.eod).astype(np.int32)
+        ids = np.concatenate([head, tokenizer.tokenize(path.read_bytes()), [tokenizer.eod]]).astype(np.int32)
         builder.add_document(ids, [ids.size])
         n_tokens += ids.size
     n_synthetic = 0
@@ -89,7 +94,7 @@ def prepare_tokens(data_cfg, build: bool = True, seq_length: int | None = None) 
         haystack = Haystack(files, pool_bytes=64 * seq_length + 4_000_000, seed=data_cfg.seed)
         target = int(n_tokens * share / (1.0 - share))
         for doc in training_documents(haystack, target, seq_length, seed=data_cfg.seed + 1):
-            ids = np.append(tokenizer.tokenize(doc), tokenizer.eod).astype(np.int32)
+            ids = np.concatenate([head, tokenizer.tokenize(doc), [tokenizer.eod]]).astype(np.int32)
             builder.add_document(ids, [ids.size])
             n_synthetic += ids.size
     builder.finalize(str(tmp / "tokens.idx"))
@@ -128,40 +133,66 @@ def _check_index_dir(index_dir: Path, full: bool) -> None:
         path.unlink()
 
 
-def build_train_dataset(data_cfg, seq_length: int, num_samples: int) -> GPTDataset:
-    """GPTDataset of `num_samples` samples of `seq_length` tokens (+1 for the shifted labels).
-
-    Every rank calls this; megatron builds the sample indices on rank 0 first, then the others
-    read them from the cache. Each item: tokens/labels int64 [seq_length], loss_mask float
-    [seq_length], position_ids int64 [seq_length].
-    """
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    prefix = prepare_tokens(data_cfg, build=rank == 0, seq_length=seq_length)
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-    config = GPTDatasetConfig(
-        random_seed=data_cfg.seed,
-        sequence_length=seq_length,
-        blend=([prefix], None),
-        split="100,0,0",
-        path_to_cache=str(Path(prefix).parent / "index"),
-        tokenizer=build_tokenizer(data_cfg.tokenizer),
-        reset_position_ids=False,
-        reset_attention_mask=False,
-        eod_mask_loss=False,
-        # attention is causal by construction in our layers; no mask tensor is needed
-        create_attention_mask=False,
-    )
-    train, _, _ = BlendedMegatronDatasetBuilder(
-        GPTDataset, [num_samples, None, None], lambda: True, config
-    ).build()
-    index_dir = Path(config.path_to_cache)
-    if rank == 0 and index_dir.is_dir():
-        # megatron has written any missing indices by now (rank 0 builds them first)
+def _record_new_indices(index_dir: Path) -> None:
+    """Rank 0, after megatron built its sample indices: record the new ones in the manifest."""
+    if index_dir.is_dir():
         new = [p.name for p in unrecorded(index_dir)]
         if new:
             record(index_dir, new)
-    return train
+
+
+def build_datasets(data_cfg, tokenizer, seq_length: int, train_samples: int, valid_samples: int = 0):
+    """(train, valid) GPTDatasets of samples of `seq_length` tokens (+1 for the shifted labels);
+    valid is None when `valid_samples` is 0.
+
+    The tokens come from the prepared datasets of data.blend (data.valid_blend for validation, or
+    each dataset's data.split share of documents), else from the file-directory corpus tokenized
+    into the cache (data.split cuts its documents likewise). Every rank calls this; megatron builds
+    the sample indices on rank 0 first, then the others read them from the cache. Each item:
+    tokens/labels int64 [seq_length], loss_mask float [seq_length], position_ids int64 [seq_length].
+    """
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    from .prepared import parse_blend
+
+    if data_cfg.blend:
+        # checked before the run started (data.prepared.check_blends); megatron reads them as they are
+        train_blend = tuple(parse_blend(data_cfg.blend, "data.blend")[:2])
+        index_dir = Path(data_cfg.cache_dir) / "indices"
+        if rank == 0:
+            index_dir.mkdir(parents=True, exist_ok=True)
+            _check_index_dir(index_dir, data_cfg.verify_cache)
+    else:
+        prefix = prepare_tokens(data_cfg, tokenizer, build=rank == 0, seq_length=seq_length)
+        train_blend = ([prefix], None)
+        index_dir = Path(prefix).parent / "index"
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    split = {"blend": train_blend, "split": ",".join(f"{float(x):g}" for x in data_cfg.split)}
+    if data_cfg.valid_blend:
+        split = {"blend_per_split": [train_blend, tuple(parse_blend(data_cfg.valid_blend, "data.valid_blend")[:2]),
+                                     None]}
+    config = GPTDatasetConfig(
+        random_seed=data_cfg.seed,
+        sequence_length=seq_length,
+        **split,
+        path_to_cache=str(index_dir),
+        tokenizer=tokenizer,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=data_cfg.eod_mask_loss,
+        # attention is causal by construction in our layers; no mask tensor is needed
+        create_attention_mask=False,
+    )
+    train, valid, _ = BlendedMegatronDatasetBuilder(
+        GPTDataset, [train_samples, valid_samples, 0], lambda: True, config
+    ).build()
+    if valid_samples and valid is None:
+        raise DataCacheError(f"no validation data: data.split {list(data_cfg.split)} leaves no document for "
+                             "validation; give it a larger second share, or data.valid_blend")
+    if rank == 0:
+        # megatron has written any missing indices by now (rank 0 builds them first)
+        _record_new_indices(index_dir)
+    return train, valid
 
 
 class MicroBatchSampler:

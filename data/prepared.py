@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from .cache_check import describe, files_problem
@@ -99,7 +100,7 @@ def parse_blend(entries, key: str) -> tuple[list[str], list[float], list[str]]:
     for i, entry in enumerate(entries or []):
         if isinstance(entry, str):
             weight, prefix = 1.0, entry
-        elif isinstance(entry, (list, tuple)) and len(entry) == 2:
+        elif isinstance(entry, Sequence) and len(entry) == 2:
             weight, prefix = entry
         else:
             problems.append(f"{key}[{i}]: {entry!r} is not [weight, prefix] or a prefix")

@@ -119,7 +119,8 @@ class HFTokenizer(MegatronTokenizerBase):
                                  "fast one (tokenizer.json, e.g. with transformers' save_pretrained)")
         self._fast = fast
         hf = self._hf.tokenizer
-        self.name = self.path.name
+        # a checkpoint's copy (msa_model/training/data_setup.py) keeps the name it was recorded with
+        self.name = _recorded_name(self.path) or self.path.name
         eod_token = eod_token or hf.eos_token
         if eod_token is None:
             raise TokenizerError(f"data.tokenizer: {path} has no end-of-sequence token; name the token that ends "
@@ -179,6 +180,13 @@ class HFTokenizer(MegatronTokenizerBase):
 
     def apply_chat_template(self, *args, **kwargs):
         return self._hf.apply_chat_template(*args, **kwargs)
+
+
+def _recorded_name(directory: Path) -> str | None:
+    try:
+        return json.loads((directory / "identity.json").read_text())["name"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def tokenizer_files(directory: str | Path) -> list[Path]:

@@ -21,6 +21,15 @@ class ConfigError(ValueError):
     """A configuration that cannot run; the message names the fields involved."""
 
 
+_PROBLEMS = "invalid configuration:\n  - "
+
+
+def config_problems(error: ConfigError) -> list[str]:
+    """The problem lines of a ConfigError raised by `validate`."""
+    text = str(error)
+    return text[len(_PROBLEMS):].split("\n  - ") if text.startswith(_PROBLEMS) else [text]
+
+
 # the production geometry of docs/msa.md ("Defaults"), which MiniMax's kernels hard-code: the ops'
 # defaults, and what checkpoint conversion uses when the source model has no MSA of its own
 # (Di is then the source's head dim, 128 in production)
@@ -157,8 +166,9 @@ class DataConfig:
     # prepared datasets, megatron's blend: [[weight, prefix], ...] (or plain prefixes, weight 1);
     # each prefix names PREFIX.bin / PREFIX.idx / PREFIX.json written by `python -m data.prepare`
     blend: Optional[List[Any]] = None
-    # documents of every dataset split train,validation,test by these proportions (megatron's split)
-    split: str = "99,1,0"
+    # documents of every dataset split [train, validation, test] by these proportions (megatron's
+    # split, as a list: data.split=[98,2,0])
+    split: List[float] = field(default_factory=lambda: [99.0, 1.0, 0.0])
     # validation datasets of their own, in the blend's format; the split then serves training only
     valid_blend: Optional[List[Any]] = None
     # leave end-of-document tokens out of the loss; restart position ids after each of them
@@ -408,6 +418,44 @@ def _check_m3_options(errors: list[str], m) -> None:
            "model.mlp_types names moe layers but model.num_experts is 0")
 
 
+def split_shares(split) -> list[float] | None:
+    """data.split [train, validation, test] as three shares summing to 1, or None."""
+    shares = [float(x) for x in split]
+    if len(shares) != 3 or min(shares) < 0 or shares[0] <= 0:
+        return None
+    return [x / sum(shares) for x in shares]
+
+
+def _check_data(errors: list[str], d, t, logging_cfg) -> None:
+    """The data keys and the validation schedule (the files themselves: data.prepared.check_blends)."""
+    from data.prepared import parse_blend
+
+    shares = split_shares(d.split)
+    _check(errors, shares is not None, f"data.split must be three non-negative numbers [train, validation, test] "
+           f"with a positive train share (e.g. [98,2,0]), got {list(d.split)}")
+    _check(errors, d.tokenizer_mismatch in ("refuse", "allow"),
+           f"data.tokenizer_mismatch must be refuse or allow, got {d.tokenizer_mismatch!r}")
+    for key in ("blend", "valid_blend"):
+        errors += parse_blend(getattr(d, key), f"data.{key}")[2]
+    _check(errors, not (d.blend and d.retrieval_share > 0),
+           "data.retrieval_share mixes synthetic documents into the file-directory corpus only; with data.blend, "
+           "prepare them as a dataset of their own and blend it")
+    # RoPE scores depend on relative positions only, so within a document restarted positions change
+    # nothing; across documents (no document mask) the rotary table would need per-token positions
+    _check(errors, not d.reset_position_ids or d.document_mask,
+           "data.reset_position_ids needs data.document_mask=true: with rotary embeddings a masked document "
+           "already scores as if its positions started at 0; positions restarted without the mask are not supported")
+    _check(errors, t.eval_interval >= 0, f"trainer.eval_interval must be >= 0, got {t.eval_interval}")
+    if t.eval_interval > 0:
+        _check(errors, t.eval_interval % logging_cfg.log_interval == 0,
+               f"trainer.eval_interval ({t.eval_interval}) must be a multiple of logging.log_interval "
+               f"({logging_cfg.log_interval})")
+        _check(errors, t.eval_iters > 0, f"trainer.eval_iters must be positive, got {t.eval_iters}")
+        _check(errors, bool(d.valid_blend) or shares is None or shares[1] > 0,
+               f"trainer.eval_interval={t.eval_interval} needs validation data: a data.split with a validation "
+               f"share (e.g. [98,2,0]; now {list(d.split)}) or data.valid_blend")
+
+
 def _check_launch(errors: list[str], launch) -> None:
     for name in ("nodes", "ranks_per_node", "time_min"):
         value = getattr(launch, name)
@@ -544,6 +592,7 @@ def validate(cfg, world_size: Optional[int] = None, gpu: Optional[bool] = None) 
         _check(errors, not bad, f"{field_name}: unknown signal name(s) {bad} (use names like SIGUSR1, SIGTERM)")
     _check(errors, 0.0 <= cfg.data.retrieval_share < 1.0,
            f"data.retrieval_share must be in [0, 1), got {cfg.data.retrieval_share}")
+    _check_data(errors, cfg.data, t, cfg.logging)
     _check(errors, o.index_clip_grad is None or o.index_clip_grad > 0,
            f"optim.index_clip_grad must be positive or null, got {o.index_clip_grad}")
     _check(errors, o.index_clip_grad is None or m.attention == "msa",

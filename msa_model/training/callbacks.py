@@ -18,13 +18,17 @@ class TrainState:
     step: int = 0
     consumed_samples: int = 0
     tokens: int = 0
+    # the validation stream's position: each evaluation reads the batches after the last one's
+    consumed_valid_samples: int = 0
     stop_requested: bool = False
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "consumed_samples": self.consumed_samples, "tokens": self.tokens}
+        return {"step": self.step, "consumed_samples": self.consumed_samples, "tokens": self.tokens,
+                "consumed_valid_samples": self.consumed_valid_samples}
 
     def load_state_dict(self, sd: dict) -> None:
         self.step, self.consumed_samples, self.tokens = sd["step"], sd["consumed_samples"], sd["tokens"]
+        self.consumed_valid_samples = sd.get("consumed_valid_samples", 0)
 
 
 class Callback:

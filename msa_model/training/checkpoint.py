@@ -186,9 +186,11 @@ def _latest_name(root: Path) -> str | None:
     return pointer.read_text().strip() if pointer.is_file() else None
 
 
-def save_checkpoint(trainer, root: str | Path, keep: int = 0, model_config: dict | None = None) -> Path:
+def save_checkpoint(trainer, root: str | Path, keep: int = 0, model_config: dict | None = None,
+                    tokenizer=None) -> Path:
     """Save atomically as <root>/step_<step>; update `latest`; keep the newest `keep` (0 = all).
-    `model_config` (the model section of the run's config) is stored for the architecture check."""
+    `model_config` (the model section of the run's config) is stored for the architecture check;
+    `tokenizer` (data/tokenizer.py) is recorded in the step's tokenizer/ folder (data_setup.py)."""
     root = Path(root)
     name = step_dir_name(trainer.state.step)
     tmp, final = root / f".tmp-{name}", root / name
@@ -218,6 +220,10 @@ def save_checkpoint(trainer, root: str | Path, keep: int = 0, model_config: dict
         raise CheckpointError(
             f"could not save checkpoint {final} ({cause}); {free / 2**30:.2f} GiB free on its file system"
             f"{' (full)' if free < 2**26 else ''}; `latest` still names {_latest_name(root)}") from e
+    if tokenizer is not None and dist.get_rank() == 0:
+        from msa_model.training.data_setup import write_checkpoint_tokenizer
+
+        write_checkpoint_tokenizer(tmp, tokenizer)
     dist.barrier()
     write_manifest(tmp)
     if dist.get_rank() == 0:
@@ -446,16 +452,17 @@ class Checkpointer(Callback):
 
     name = "checkpointer"
 
-    def __init__(self, root: str | Path, interval: int, keep: int, save_at_end: bool, model_config: dict | None = None):
+    def __init__(self, root: str | Path, interval: int, keep: int, save_at_end: bool, model_config: dict | None = None,
+                 tokenizer=None):
         self.root, self.interval, self.keep, self.save_at_end = Path(root), interval, keep, save_at_end
-        self.model_config = model_config
+        self.model_config, self.tokenizer = model_config, tokenizer
         self.last_saved_step: int | None = None
         self.last_saved: Path | None = None
 
     def _save(self, trainer) -> None:
         if self.last_saved_step == trainer.state.step:
             return
-        path = save_checkpoint(trainer, self.root, self.keep, self.model_config)
+        path = save_checkpoint(trainer, self.root, self.keep, self.model_config, self.tokenizer)
         self.last_saved_step, self.last_saved = trainer.state.step, path
         # a stop on a signal reports its checkpoint in its one closing line (run.py)
         if getattr(trainer, "stop_reason", None) is None:
