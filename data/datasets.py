@@ -183,6 +183,11 @@ def build_datasets(data_cfg, tokenizer, seq_length: int, train_samples: int, val
         # attention is causal by construction in our layers; no mask tensor is needed
         create_attention_mask=False,
     )
+    if "split" in split:
+        # only what the run reads is built: no test split, and a validation split only when evaluating
+        # (megatron would build every split its matrix names; a split without documents never ends)
+        config.split_matrix = [config.split_matrix[0], config.split_matrix[1] if valid_samples else None, None]
+        _check_split_documents(train_blend[0], config.split_matrix, data_cfg.split)
     train, valid, _ = BlendedMegatronDatasetBuilder(
         GPTDataset, [train_samples, valid_samples, 0], lambda: True, config
     ).build()
@@ -193,6 +198,19 @@ def build_datasets(data_cfg, tokenizer, seq_length: int, train_samples: int, val
         # megatron has written any missing indices by now (rank 0 builds them first)
         _record_new_indices(index_dir)
     return train, valid
+
+
+def _check_split_documents(prefixes: list[str], split_matrix, split) -> None:
+    """Every split the run reads holds documents of every dataset (megatron cuts each dataset's
+    documents by the split's fractions, rounded)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    for prefix in prefixes:
+        n = len(IndexedDataset(prefix, mmap=True).index.sequence_lengths)
+        for name, span in zip(("training", "validation"), split_matrix):
+            if span is not None and int(round(span[1] * n)) <= int(round(span[0] * n)):
+                raise DataCacheError(f"data.split {list(split)} leaves no {name} document of {prefix} ({n:,} documents); "
+                                     f"give {name} a larger share, or its own datasets (data.valid_blend)")
 
 
 class MicroBatchSampler:

@@ -155,6 +155,30 @@ def check_blends(data_cfg, tokenizer_identity: dict | None = None) -> list[str]:
     return problems
 
 
+def split_problems(data_cfg, evaluating: bool) -> list[str]:
+    """Datasets of data.blend whose share of data.split holds no document (megatron cuts each
+    dataset's documents by the split's fractions, rounded): training always, validation when the
+    run evaluates on the split."""
+    problems = []
+    total = sum(float(x) for x in data_cfg.split)
+    bounds = [0.0]
+    for x in data_cfg.split:
+        bounds.append(bounds[-1] + float(x) / total)
+    spans = [("training", bounds[0], bounds[1])]
+    if evaluating and not data_cfg.valid_blend:
+        spans.append(("validation", bounds[1], bounds[2]))
+    for prefix in parse_blend(data_cfg.blend, "data.blend")[0]:
+        try:
+            n = int(read_metadata(prefix)["documents"])
+        except (ValueError, KeyError, TypeError):
+            continue  # reported by check_blends
+        for name, a, b in spans:
+            if int(round(b * n)) <= int(round(a * n)):
+                problems.append(f"data.split {list(data_cfg.split)} leaves no {name} document of {prefix} ({n:,} "
+                                f"documents): give {name} a larger share, or its own datasets (data.valid_blend)")
+    return problems
+
+
 def recorded_tokenizer(data_cfg) -> dict | None:
     """The tokenizer identity the blend's first dataset records (with its `path` when the prepare
     step knew one), or None without a readable blend."""

@@ -79,6 +79,9 @@ def test_bad_blends_are_refused_before_anything_is_written(tmp_path, prepared):
     assert any("prepared with different tokenizers" in line for line in lines)
     lines = _refused(tmp_path, f"data.blend=[{a}]", "data.tokenizer=byte")
     assert any(f"is not the tokenizer {a} was prepared with" in line for line in lines)
+    # 3 documents: 1% of them for validation rounds to none
+    lines = _refused(tmp_path, f"data.blend=[{byte_set}]", "data.tokenizer=byte")
+    assert any(f"leaves no validation document of {byte_set} (3 documents)" in line for line in lines)
 
 
 def test_bad_tokenizers_are_refused_before_anything_is_written(tmp_path, prepared):

@@ -88,7 +88,7 @@ def checkpoint_run_tokenizer(cfg, step_dir: Path | None):
 def tokenizer_problems(cfg, resume_dir: Path | None, init_dir: Path | None):
     """(tokenizer or None, where it came from, problem lines): the run's tokenizer built, and what
     is wrong with it against the model, the checkpoints and the prepared datasets."""
-    from data.prepared import check_blends
+    from data.prepared import check_blends, split_problems
 
     spec, source = resolve_tokenizer(cfg.data, resume_dir, init_dir)
     try:
@@ -113,6 +113,8 @@ def tokenizer_problems(cfg, resume_dir: Path | None, init_dir: Path | None):
                                 "data.tokenizer_mismatch=allow")
     if cfg.data.blend or cfg.data.valid_blend:
         problems += check_blends(cfg.data, mine)
+    if cfg.data.blend and not problems:
+        problems += split_problems(cfg.data, evaluating=cfg.trainer.eval_interval > 0)
     return tokenizer, source, problems
 
 
