@@ -150,8 +150,9 @@ class DataConfig:
     cache at the first use (the embedded default: the standard library's sources)."""
 
     # "stdlib": the Python standard library sources shipped with the interpreter; otherwise a
-    # directory whose files matching `glob` form the corpus (used when `blend` is not set)
-    source: str = "stdlib"
+    # directory whose files matching `glob` form the corpus (used when `blend` is not set); None:
+    # no such corpus (the full-scale recipes: they train on data.blend)
+    source: Optional[str] = "stdlib"
     glob: str = "**/*.py"
     max_bytes: int = 4_000_000  # corpus bound, files taken in sorted order
     # `byte`, or a local Hugging Face tokenizer directory. None: the tokenizer of the checkpoint the
@@ -426,10 +427,14 @@ def split_shares(split) -> list[float] | None:
     return [x / sum(shares) for x in shares]
 
 
-def _check_data(errors: list[str], d, t, logging_cfg) -> None:
+def _check_data(errors: list[str], d, t, logging_cfg, dry_run: bool = False) -> None:
     """The data keys and the validation schedule (the files themselves: data.prepared.check_blends)."""
     from data.prepared import parse_blend
 
+    # a dry run shows a full-scale recipe as it stands; a run needs the user's datasets
+    _check(errors, dry_run or bool(d.blend) or d.source is not None,
+           "no training data: set data.blend=[[weight,prefix],...] (datasets made by `python -m data.prepare`, "
+           "docs/data.md), or data.source=DIR (a directory of text files)")
     shares = split_shares(d.split)
     _check(errors, shares is not None, f"data.split must be three non-negative numbers [train, validation, test] "
            f"with a positive train share (e.g. [98,2,0]), got {list(d.split)}")
@@ -592,7 +597,7 @@ def validate(cfg, world_size: Optional[int] = None, gpu: Optional[bool] = None) 
         _check(errors, not bad, f"{field_name}: unknown signal name(s) {bad} (use names like SIGUSR1, SIGTERM)")
     _check(errors, 0.0 <= cfg.data.retrieval_share < 1.0,
            f"data.retrieval_share must be in [0, 1), got {cfg.data.retrieval_share}")
-    _check_data(errors, cfg.data, t, cfg.logging)
+    _check_data(errors, cfg.data, t, cfg.logging, cfg.dry_run)
     _check(errors, o.index_clip_grad is None or o.index_clip_grad > 0,
            f"optim.index_clip_grad must be positive or null, got {o.index_clip_grad}")
     _check(errors, o.index_clip_grad is None or m.attention == "msa",

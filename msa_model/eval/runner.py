@@ -182,7 +182,8 @@ def _heldout_docs(cfg, corpus: str | None, need_bytes: int) -> tuple[list[bytes]
     source = corpus or cfg.data.source
     _, train_files = list_corpus_files(source, cfg.data.glob, cfg.data.max_bytes)
     _, all_files = list_corpus_files(source, cfg.data.glob, 1 << 62)
-    same = corpus is None or Path(corpus).resolve() == corpus_root(cfg.data.source).resolve()
+    same = corpus is None or (cfg.data.source is not None
+                              and Path(corpus).resolve() == corpus_root(cfg.data.source).resolve())
     if not same:
         files, kind = all_files, "given corpus"
     else:
@@ -235,6 +236,9 @@ def run_eval(args) -> dict:
         if msa:
             set_msa_phase(model, args.phase == "sparse")
         source = args.corpus or cfg.data.source
+        if source is None:
+            raise EvalError(f"{config_path}: the run trained on prepared datasets (data.blend); give --corpus DIR, "
+                            "a directory of text files for the haystacks and the held-out loss")
         _, files = list_corpus_files(source, cfg.data.glob, cfg.data.max_bytes)
         haystack = Haystack(files, pool_bytes=max(4_000_000, 4 * max(lengths)), seed=args.seed)
         t0 = time.perf_counter()
