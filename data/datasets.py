@@ -43,13 +43,17 @@ def _cache_key(tokenizer_name: str, root: Path, files: list[Path], extra: str = 
     return h.hexdigest()[:16]
 
 
-def prepare_tokens(data_cfg, tokenizer, build: bool = True, seq_length: int | None = None) -> str:
+def prepare_tokens(data_cfg, tokenizer=None, build: bool = True, seq_length: int | None = None) -> str:
     """Return the indexed-dataset path prefix of the corpus, building it if `build` and missing.
 
     With `data_cfg.retrieval_share` > 0 synthetic retrieval documents (data.retrieval) of up to
     `seq_length` tokens make that share of the tokens. Only one rank should build (the caller
-    synchronises); others call with build=False after.
+    synchronises); others call with build=False after. `tokenizer`: data.tokenizer's by default.
     """
+    if tokenizer is None:
+        from .tokenizer import BYTE, build_tokenizer
+
+        tokenizer = build_tokenizer(data_cfg.tokenizer or BYTE, data_cfg.eod_token)
     root, files = list_corpus_files(data_cfg.source, data_cfg.glob, data_cfg.max_bytes)
     tag = "stdlib" if data_cfg.source == "stdlib" else Path(data_cfg.source).name
     share = getattr(data_cfg, "retrieval_share", 0.0)

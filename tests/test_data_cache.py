@@ -13,7 +13,12 @@ import pytest
 from omegaconf import OmegaConf
 
 from data.cache_check import MANIFEST, DataCacheError, read_manifest
-from data.datasets import build_train_dataset, prepare_tokens
+from data.datasets import build_datasets, prepare_tokens
+from data.tokenizer import build_tokenizer
+
+
+def build_train_dataset(cfg, seq_length: int, samples: int):
+    return build_datasets(cfg, build_tokenizer("byte"), seq_length, samples)[0]
 from msa_model.config import DataConfig
 
 

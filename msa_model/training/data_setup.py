@@ -79,8 +79,9 @@ def resolve_tokenizer(data_cfg, resume_dir: Path | None, init_dir: Path | None) 
     return BYTE, "default"
 
 
-def checkpoint_run_tokenizer(cfg, step_dir: Path | None):
-    """The tokenizer a tool (eval, dry run) uses for the run config `cfg` of a checkpoint."""
+def checkpoint_run_tokenizer(cfg, step_dir: Path | None = None):
+    """The tokenizer a tool (eval, dry run, tests) uses for the run config `cfg` (of the checkpoint
+    `step_dir`, when given)."""
     spec, _ = resolve_tokenizer(cfg.data, step_dir, None)
     return build_tokenizer(spec, cfg.data.eod_token)
 
