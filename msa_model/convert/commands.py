@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from data.tokenizer import HFTokenizer, build_tokenizer
 from msa_model.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig, msa_layers_of, validate
 from msa_model.convert import megatron_io as mio
 from msa_model.convert import minimax_m3 as m3
@@ -228,7 +229,6 @@ def dense_to_msa(src: str, out: str, *, model_config: str | None = None, index_i
 
 def _checkpoint_tokenizer(src: str):
     """The tokenizer one of our checkpoints records, built, or None."""
-    from data.tokenizer import build_tokenizer
     from msa_model.training.data_setup import checkpoint_tokenizer
 
     _, spec = checkpoint_tokenizer(mio.checkpoint_step_dir(src))
@@ -265,7 +265,7 @@ def msa_to_hf(src: str, out: str, *, family: str | None = None, model_config: st
     hf_cfg["dtype"] = dtype
     (Path(out) / CONFIG_FILE).write_text(json.dumps(hf_cfg, indent=2, sort_keys=True) + "\n")
     tokenizer = _checkpoint_tokenizer(src)
-    if getattr(tokenizer, "path", None) is not None:
+    if isinstance(tokenizer, HFTokenizer):
         tokenizer.save(out)
         log.info("wrote the checkpoint's tokenizer (%s) beside the weights", tokenizer.identity["name"])
     else:

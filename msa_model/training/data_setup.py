@@ -16,7 +16,7 @@ import logging
 from functools import partial
 from pathlib import Path
 
-from data.tokenizer import (BYTE, TokenizerError, build_tokenizer, copy_tokenizer_files, describe_identity,
+from data.tokenizer import (BYTE, HFTokenizer, TokenizerError, build_tokenizer, describe_identity,
                             identities_match, tokenizer_files)
 
 log = logging.getLogger(__name__)
@@ -28,8 +28,8 @@ IDENTITY_FILE = "identity.json"
 def write_checkpoint_tokenizer(step_dir: str | Path, tokenizer) -> Path:
     """Record `tokenizer` in `step_dir`/tokenizer/: its identity and (Hugging Face) its files."""
     out = Path(step_dir) / TOKENIZER_DIR
-    if getattr(tokenizer, "path", None) is not None and tokenizer_files(tokenizer.path):
-        copy_tokenizer_files(tokenizer.path, out)
+    if isinstance(tokenizer, HFTokenizer):
+        tokenizer.save(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / IDENTITY_FILE).write_text(json.dumps(tokenizer.identity, indent=1) + "\n")
     return out
