@@ -453,9 +453,9 @@ def recorded_data_position(step_dir: str | Path) -> dict | None:
     return (common.get("conversion") or {}).get("data_position")
 
 
-def init_data_position(path: str | Path, seq_length: int) -> tuple[int, Path]:
-    """init_from_data_position: (the samples the init_from checkpoint's run consumed, its step
-    directory). Raises CheckpointError when it records no position or read samples of another
+def init_data_position(path: str | Path, seq_length: int) -> tuple[dict, Path]:
+    """init_from_data_position: (the init_from checkpoint's recorded_data_position, its step
+    directory). Raises CheckpointError when it records none or its run read samples of another
     length than `seq_length`."""
     path = Path(path)
     step_dir = latest_checkpoint(path) if (path / LATEST).is_file() else path
@@ -472,7 +472,7 @@ def init_data_position(path: str | Path, seq_length: int) -> tuple[int, Path]:
         raise CheckpointError(
             f"init_from_data_position: {step_dir}'s run read samples of {position['seq_length']} tokens, this run "
             f"reads {seq_length} (model.seq_length): a data position counts samples of one length")
-    return position["consumed_samples"], step_dir
+    return position, step_dir
 
 
 def cleanup_partial_saves(root: str | Path) -> None:
