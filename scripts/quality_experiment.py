@@ -207,7 +207,7 @@ class Study:
             if name not in self.arms:
                 raise InputError(f"--eval: {name!r} is not an arm of this study ({', '.join(self.arms)})")
             self.arms[name].eval = True
-        for arm in self.arms.values():
+        for arm in list(self.arms.values()):
             if arm.ref is not None and arm.ref not in self.arms:
                 if arm.ref in known and known[arm.ref].base == "dense":
                     self.arms[arm.ref] = known[arm.ref]  # a reference arm comes along
@@ -344,7 +344,7 @@ class Scheduler:
         with open(job.log, "a") as logf:
             job.proc = subprocess.Popen(job.cmd, cwd=REPO, stdout=logf, stderr=subprocess.STDOUT, env=self.env(job.gpu))
         self.jobs[job.name] = job
-        where = f" on GPU {job.gpu}" if job.gpu is not None else ""
+        where = f" on GPU {job.gpu}" if job.gpu else ""
         say(f"{job.name}: {job.kind} started{where} (log {job.log})")
 
     # --- what can start ------------------------------------------------------------------------
@@ -424,7 +424,9 @@ class Scheduler:
         source = self.branch_source(run)
         if source is not None:
             cmd = [sys.executable, "-m", "msa_model.convert", "dense-to-msa", str(source), str(run.init)]
-            return [Job(name, "convert", cmd, s.work / "branch" / f"{run.parent}.log", None, run=run)]
+            # on the CPU, beside the lanes: no GPU of theirs is touched
+            cpu = "" if self.gpus != [None] else None
+            return [Job(name, "convert", cmd, s.work / "branch" / f"{run.parent}.log", cpu, run=run)]
         parent = s.runs[run.parent]
         pname = f"parent-{run.parent}"
         # the dense run went past mid-way without its checkpoint there (imported from another machine)

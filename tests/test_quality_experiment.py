@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import statistics
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -125,3 +127,32 @@ def test_bad_arms_are_refused(args, message, capsys):
     qe = _module()
     assert qe.main([*TINY, "--work", "/nonexistent/q", "--dry-run", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_budget_end_saves_what_the_disk_holds(tmp_path, capsys):
+    """Stop saves go to the runs with the most unsaved steps while the free disk holds their
+    checkpoints; the others are killed (they restart from their last checkpoint)."""
+    qe = _module()
+    study = qe.Study(qe.parse([*TINY, "--seeds", "1", "--arms", "dense,pt", "--work", str(tmp_path)]))
+    sched = qe.Scheduler(study, qe.Budget(120))
+    sched.ckpt_bytes = 0.6 * (shutil.disk_usage(tmp_path).free - 2 * 2**30)  # room for one, not two
+    # a stand-in for train.py: saves (exits 0) on SIGTERM
+    script = ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(0)); "
+              "print('up', flush=True); time.sleep(120)")
+    jobs = []
+    for run in study.runs.values():
+        run.dir.mkdir(parents=True)
+        (run.dir / "metrics.jsonl").write_text(json.dumps({"step": 6 if run.arm.name == "pt" else 2}) + "\n")
+        job = qe.Job(run.name, "train", [sys.executable, "-c", script], tmp_path / f"{run.name}.log", None, run=run)
+        sched.call_steps[run.name] = (0, 0)
+        sched.start(job)
+        jobs.append(job)
+    deadline = time.monotonic() + 60
+    while not all(j.log.is_file() and "up" in j.log.read_text() for j in jobs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    sched.stop_all()
+    assert not sched.jobs and not sched.failed
+    codes = {j.name: j.proc.returncode for j in jobs}
+    assert codes == {"pt-s0": 0, "dense-s0": -9}, codes
+    out = capsys.readouterr().out
+    assert "pt-s0: SIGTERM at step 6" in out and "dense-s0: killed at step 2: no disk room" in out
