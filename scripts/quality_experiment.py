@@ -71,8 +71,9 @@ PRESETS = {
              "max_bytes": 4_000_000, "lengths": [256, 512], "samples": 1, "loss_sequences": 2,
              "final_window": 2, "ckpt_gib": 0.1, "stop_margin": 20, "start_cost": 10, "gpus": None},
 }
-# keys whose values are paths under --work: left out of a run's settings signature
-PATH_KEYS = ("run_dir", "data.cache_dir", "init_from")
+# left out of a run's settings signature: paths under --work, and checkpointing (which does not
+# change what a run trains, so a dense run made without a CPT arm serves one made with it)
+UNSIGNED = ("run_dir", "data.cache_dir", "init_from", "checkpoint.")
 LOG = None
 
 
@@ -246,7 +247,7 @@ class Study:
     # --- state on disk -------------------------------------------------------------------------
 
     def signature(self, overrides: list[str]) -> list[str]:
-        return sorted(o.replace(str(self.work), "<work>") for o in overrides if key_of(o) not in PATH_KEYS)
+        return sorted(o.replace(str(self.work), "<work>") for o in overrides if not key_of(o).startswith(UNSIGNED))
 
     def data_signature(self, run: Run) -> str:
         keys = [o for o in run.overrides if key_of(o).startswith("data.") or key_of(o) == "model.seq_length"]
@@ -344,6 +345,8 @@ class Scheduler:
         if latest_step(run.dir) == 0 and (run.dir / "metrics.jsonl").exists():
             # a start from scratch (its checkpoints were lost): its old records go
             (run.dir / "metrics.jsonl").unlink()
+        if run.parent is not None and (s.work / "branch" / f"{run.parent}.json").is_file():
+            shutil.copy(s.work / "branch" / f"{run.parent}.json", run.dir / "parent.json")
         cmd = [sys.executable, "train.py", *run.overrides, f"run_dir={run.dir}"]
         job = Job(run.name, "train", cmd, Path(f"{run.dir}.log"), gpu, run=run)
         job.started_step = latest_step(run.dir)
@@ -410,6 +413,11 @@ class Scheduler:
         source = self.branch_source(run)
         if source is not None:
             cmd = [sys.executable, "-m", "msa_model.convert", "dense-to-msa", str(source), str(run.init)]
+            # what the CPT runs branch from, for their report
+            retrained = self.parent_dir(run.parent) in source.parents
+            (s.work / "branch").mkdir(parents=True, exist_ok=True)
+            (s.work / "branch" / f"{run.parent}.json").write_text(json.dumps(
+                {"dense_run": run.parent, "step": s.mid, "retrained": retrained}) + "\n")
             # on the CPU, beside the lanes: no GPU of theirs is touched
             cpu = "" if self.gpus != [None] else None
             return [Job(name, "convert", cmd, s.work / "branch" / f"{run.parent}.log", cpu, run=run)]

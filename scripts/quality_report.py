@@ -50,6 +50,8 @@ def run_summary(study, run) -> dict:
            "recall": sparse[-1]["msa/recall"] if sparse else None,
            "tokens_per_s": statistics.median([r["tokens_per_s"] for r in recs[1:]]) if len(recs) > 1 else None,
            "peak_mem_gib": max((r["peak_mem_gib"] for r in recs if "peak_mem_gib" in r), default=None)}
+    if (run.dir / "parent.json").is_file():
+        out["parent_retrained"] = json.loads((run.dir / "parent.json").read_text())["retrained"]
     res = study.eval_dir(run) / "results.json"
     if res.is_file():
         e = json.loads(res.read_text())
@@ -162,6 +164,12 @@ def markdown(summary: dict, study, call: dict) -> str:
         lines += ["", "Targets:", *targets]
     lines += ["", f"This call: {call['seconds']:.0f} s, {call['tokens'] / 1e6:.3g}M tokens trained by "
               f"{call['runs']} run(s), {call['tokens'] / max(call['seconds'], 1):,.0f} tokens/s together."]
+    retrained = [f"{name}-s{seed}" for name, a in s["arms"].items() for seed, v in a["runs"].items()
+                 if v.get("parent_retrained")]
+    if retrained:
+        lines += ["", f"Branched from a dense run re-trained to step {s['mid']} (its own checkpoint there was on "
+                  "another machine): " + ", ".join(retrained) + ". Same seed and data, but not its exact weights "
+                  "(GPU kernels are not bit-reproducible)."]
     if call["failed"]:
         lines += ["", "Failed: " + ", ".join(call["failed"]) + " (their logs are in runs.tar.gz)"]
     return "\n".join(lines) + "\n"
@@ -191,7 +199,7 @@ def plot(summary: dict, study, path: Path) -> None:
     plt.close(fig)
 
 
-ARCHIVED = ("metrics.jsonl", "train.log", "driver.json", "done.json", "config.yaml")
+ARCHIVED = ("metrics.jsonl", "train.log", "driver.json", "done.json", "config.yaml", "parent.json")
 
 
 def archive(study, path: Path) -> None:

@@ -1,6 +1,7 @@
 """scripts/quality_experiment.py on the `tiny` preset (CPU): dense and the fair MSA-CPT arm over two
-seeds side by side, the paired report, a second machine continuing from the first one's archive,
-ablation arms composed from overrides, and the settings check of a reused work directory."""
+seeds side by side, continued on a second machine from the first one's archive, the paired
+report, ablation arms composed from overrides, stop saves within the free disk, and the settings
+check of a reused work directory."""
 
 from __future__ import annotations
 
@@ -38,9 +39,19 @@ def _records(path) -> dict[int, dict]:
 
 
 def test_dense_and_cpt_over_two_seeds_end_to_end(tmp_path):
-    work, out = tmp_path / "work", tmp_path / "out"
-    proc = _driver("--seeds", "2", "--arms", "dense,cpt", "--work", str(work), "--out", str(out))
+    """A first machine trains dense seed 0; a second one imports it and runs the rest: dense seed 1
+    and both CPT branches, the one of seed 0 from its dense run re-trained to mid-way."""
+    first = tmp_path / "first"
+    proc = _driver("--seeds", "1", "--arms", "dense", "--work", str(first), "--out", str(first / "out"))
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    work, out = tmp_path / "work", tmp_path / "out"
+    proc = _driver("--seeds", "2", "--arms", "dense,cpt", "--work", str(work), "--out", str(out),
+                   "--import", str(first / "out" / "runs.tar.gz"))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    assert "dense-s0: imported" in proc.stdout and "dense-s0: train started" not in proc.stdout
+    assert "parent-dense-s0: parent started" in proc.stdout and "parent-dense-s1" not in proc.stdout
+    assert (work / "dense-s0" / "metrics.jsonl").read_text() == (first / "dense-s0" / "metrics.jsonl").read_text()
+
     report = json.loads((out / "quality.json").read_text())
     assert (report["steps"], report["mid"]) == (8, 4)
     dense, cpt = report["arms"]["dense"], report["arms"]["cpt"]
@@ -51,13 +62,16 @@ def test_dense_and_cpt_over_two_seeds_end_to_end(tmp_path):
     assert cpt["paired"]["mean"] == pytest.approx(statistics.mean(diffs))
     assert cpt["paired"]["std"] == pytest.approx(statistics.stdev(diffs))
     assert dense["std"] == pytest.approx(statistics.stdev(dense["runs"][s]["final_lm_loss"] for s in ("0", "1")))
+    assert [cpt["runs"][s].get("parent_retrained") for s in ("0", "1")] == [True, False]
     md = (out / "quality.md").read_text()
     assert "| cpt | cpt | dense | 2/2 |" in md and "cpt within 1% of dense:" in md
+    assert "re-trained to step 4" in md and ": cpt-s0." in md
     for name in ("loss_curves.png", "runs.tar.gz", "driver.log"):
         assert (out / name).is_file(), name
 
     for seed in (0, 1):
         dense_dir, cpt_dir = work / f"dense-s{seed}", work / f"cpt-s{seed}"
+        assert f"seed: {seed}\n" in (dense_dir / "config.yaml").read_text()
         assert f"seed: {seed}\n" in (cpt_dir / "config.yaml").read_text()
         # CPT continues the dense run of its seed: its data (sample 16 = 4 steps x 4) and lr
         log = (cpt_dir / "train.log").read_text()
@@ -69,15 +83,7 @@ def test_dense_and_cpt_over_two_seeds_end_to_end(tmp_path):
         assert c[2]["phase"] == "warmup" and c[4]["phase"] == "sparse"
         # finished runs that nothing needs keep no checkpoints
         assert not (dense_dir / "checkpoints").exists() and not (cpt_dir / "checkpoints").exists()
-    assert "seed: 0\n" in (work / "dense-s0" / "config.yaml").read_text()
-
-    # another machine: the finished runs come from the archive, nothing is trained again
-    again = tmp_path / "again"
-    proc = _driver("--seeds", "2", "--arms", "dense,cpt", "--work", str(again), "--out", str(tmp_path / "out2"),
-                   "--import", str(out / "runs.tar.gz"))
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
-    assert proc.stdout.count("imported") == 4 and "started" not in proc.stdout
-    assert json.loads((tmp_path / "out2" / "quality.json").read_text())["arms"] == report["arms"]
+    assert (work / "parent" / "dense-s0.log").is_file() and not (work / "parent" / "dense-s0").exists()
 
     # the same work dir with other settings is refused, naming the run and the setting
     proc = _driver("--seeds", "2", "--arms", "dense,cpt", "--work", str(work), "--tokens", "32768")
