@@ -399,6 +399,9 @@ class Scheduler:
                     and left > self.args.eval_seconds:
                 if latest_step(run.dir) == run.steps:
                     out.append(self.eval_job(run))
+                else:
+                    self.failed[f"eval-{run.name}"] = "no final checkpoint on this machine (the run was imported)"
+                    say(f"eval-{run.name}: {self.failed[f'eval-{run.name}']}")
         return out
 
     def train_job_spec(self, run: Run) -> Job:
