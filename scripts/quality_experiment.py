@@ -740,6 +740,8 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     sched = Scheduler(study, budget)
+    say(f"{shutil.disk_usage(study.work).free / 2**30:.0f} GiB free in {study.work} (a checkpoint: about "
+        f"{study.preset['ckpt_gib']} GiB)")
     try:
         done = sched.loop()
     except InputError as e:
