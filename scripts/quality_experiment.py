@@ -442,6 +442,9 @@ class Scheduler:
         lengths = self.args.eval_lengths or ",".join(str(n) for n in p["lengths"])
         cmd = [sys.executable, "-m", "msa_model.eval", str(run.dir), "--out", str(out), "--lengths", lengths,
                "--samples", str(p["samples"]), "--loss-sequences", str(p["loss_sequences"]), "--label", run.name]
+        if value_of(run.overrides, "data.blend") not in (None, "null"):
+            # haystacks and held-out text: a run on prepared datasets has no corpus directory of its own
+            cmd += ["--corpus", self.args.corpus]
         return Job(f"eval-{run.name}", "eval", cmd, self.s.work / "eval" / f"{run.name}.log", None, run=run)
 
     def fill(self) -> None:
@@ -673,7 +676,8 @@ def parse(argv):
     p.add_argument("--retrieval-arm-share", type=float, default=0.5, help="data.retrieval_share of the *-retr arms")
     p.add_argument("--retrieval-arm-max-bytes", type=int, default=None,
                    help="their corpus cap (default: 20 MB for small, the preset's for tiny)")
-    p.add_argument("--corpus", default=sysconfig.get_paths()["purelib"], help="data.source (default: site-packages)")
+    p.add_argument("--corpus", default=sysconfig.get_paths()["purelib"],
+                   help="data.source, and the evals' haystacks (default: site-packages)")
     p.add_argument("--eval", default="", help="also evaluate these arms' runs (the *-retr arms always are)")
     p.add_argument("--eval-lengths", default=None, help="eval lengths, comma-separated (default: the preset's)")
     p.add_argument("--eval-seconds", type=float, default=240, help="do not start an eval with less budget left")
