@@ -210,6 +210,11 @@ class OptimConfig:
     # None: the index branch is clipped with the rest on the global norm (optim.clip_grad); a value:
     # the index branch is clipped to it on its own norm, the rest to clip_grad on theirs
     index_clip_grad: Optional[float] = None
+    # the lr schedule's step at this run's start (its warmup and decay as if that many steps had
+    # run): a run that continues another's schedule, e.g. CPT branched from a dense run at step s
+    # with the dense run's lr, warmup_steps and decay_steps, gives s. Only a fresh run applies it
+    # (a resumed one takes the step from its checkpoint)
+    schedule_start_step: int = 0
     use_distributed_optimizer: bool = True
 
 
@@ -315,6 +320,10 @@ class TrainConfig:
     # init_from a checkpoint of another shape: load the tensors whose name and shape match, keep
     # the rest freshly initialised (otherwise differing models are refused, naming the fields)
     init_from_partial: bool = False
+    # continue the data stream where the init_from checkpoint's run stopped: the first step reads
+    # the sample after the last one that run trained on (its consumed samples; a dense-to-msa
+    # conversion carries its source's). The run's own step and token counts start at 0
+    init_from_data_position: bool = False
     # the recipe continues another model (CPT): refuse to start from random weights
     requires_init_from: bool = False
     dry_run: bool = False
@@ -500,6 +509,7 @@ def validate(cfg, world_size: Optional[int] = None, gpu: Optional[bool] = None) 
                         ("model.moe_aux_loss_coeff", m.moe_aux_loss_coeff), ("model.msa.kl_coeff", msa.kl_coeff),
                         ("trainer.indexer_warmup_tokens", t.indexer_warmup_tokens),
                         ("optim.min_lr", o.min_lr), ("optim.warmup_steps", o.warmup_steps),
+                        ("optim.schedule_start_step", o.schedule_start_step),
                         ("optim.weight_decay", o.weight_decay), ("optim.clip_grad", o.clip_grad),
                         ("checkpoint.interval", cfg.checkpoint.interval), ("checkpoint.keep", cfg.checkpoint.keep)):
         _check(errors, value >= 0, f"{name} must be >= 0, got {value}")
@@ -589,6 +599,8 @@ def validate(cfg, world_size: Optional[int] = None, gpu: Optional[bool] = None) 
     _check(errors, not cfg.requires_init_from or bool(cfg.init_from) or cfg.dry_run,
            f"recipe {cfg.name} continues a dense checkpoint: set init_from=PATH (an MSA checkpoint made by "
            "`python -m msa_model.convert dense-to-msa` or `hf-to-msa`)")
+    _check(errors, not cfg.init_from_data_position or bool(cfg.init_from),
+           "init_from_data_position=true needs init_from=PATH (the checkpoint whose data position it continues)")
     _check(errors, cfg.resume in ("auto", "fallback", "never"),
            f"resume must be auto, fallback or never, got {cfg.resume!r}")
     for field_name, names in (("trainer.stop_signals", t.stop_signals),

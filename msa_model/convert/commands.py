@@ -194,7 +194,9 @@ def dense_to_msa(src: str, out: str, *, model_config: str | None = None, index_i
                  block_size: int | None = None, topk: int | None = None, index_head_dim: int | None = None,
                  local_blocks: int | None = None, name: str | None = None, seed: int = 0) -> Path:
     """One of our dense-attention checkpoints -> the MSA model: every tensor kept bit-identical,
-    index projections added."""
+    index projections added; the dense run's data position is recorded (init_from_data_position)."""
+    from msa_model.training.checkpoint import recorded_data_position
+
     cfg, build_cfg, dense = _load_source(src, model_config)
     if cfg.attention != "dense":
         raise ConversionError(f"{src}: model.attention is {cfg.attention!r}; dense-to-msa needs a dense checkpoint")
@@ -219,8 +221,10 @@ def dense_to_msa(src: str, out: str, *, model_config: str | None = None, index_i
     msa_model = mio.build(dataclasses.replace(msa_cfg, vocab_size=build_cfg.vocab_size), ParallelConfig())
     mio.assign(msa_model, tensors, str(src))
     source_record = mio.find_conversion_record(src) or {}
+    # where the dense run stopped reading data, for init_from_data_position
     record = _metadata(kind="dense-to-msa", source=str(Path(src).resolve()), family=source_record.get("family"),
                        index_init=index_init, source_dtype=source_record.get("source_dtype"),
+                       data_position=recorded_data_position(mio.checkpoint_step_dir(src)),
                        hf_config=source_record.get("hf_config"))
     _write(msa_model, msa_cfg, out, record, header=f"MSA model converted from the dense checkpoint {Path(src).resolve()}",
            tokenizer=_checkpoint_tokenizer(src))

@@ -439,6 +439,42 @@ def load_model_weights(model_chunks, path: str | Path, model_config: dict | None
              f" ({fresh} index-branch tensors absent, kept fresh)" if fresh else "")
 
 
+def recorded_data_position(step_dir: str | Path) -> dict | None:
+    """Where the run behind a checkpoint step directory stopped reading data: {"consumed_samples",
+    "seq_length", "step"} from a training checkpoint's counters, or the one a dense-to-msa
+    conversion copied from its source; None when the checkpoint records none (a conversion from
+    Hugging Face or DeepSpeed)."""
+    with _quiet_load():
+        common = dist_checkpointing.load_common_state_dict(str(step_dir))
+    if "trainer" in common:
+        return {"consumed_samples": int(common["trainer"]["consumed_samples"]),
+                "seq_length": (common.get("model_config") or {}).get("seq_length"),
+                "step": int(common["trainer"]["step"])}
+    return (common.get("conversion") or {}).get("data_position")
+
+
+def init_data_position(path: str | Path, seq_length: int) -> tuple[dict, Path]:
+    """init_from_data_position: (the init_from checkpoint's recorded_data_position, its step
+    directory). Raises CheckpointError when it records none or its run read samples of another
+    length than `seq_length`."""
+    path = Path(path)
+    step_dir = latest_checkpoint(path) if (path / LATEST).is_file() else path
+    try:
+        position = recorded_data_position(step_dir)
+    except CHECKPOINT_FAILURES as e:
+        raise unreadable("init_from", step_dir, e) from e
+    if position is None:
+        raise CheckpointError(
+            f"init_from_data_position: {step_dir} records no data position (it is neither a training checkpoint "
+            "nor a dense-to-msa conversion of one); leave init_from_data_position off to start the data stream "
+            "at its beginning")
+    if position.get("seq_length") not in (None, seq_length):
+        raise CheckpointError(
+            f"init_from_data_position: {step_dir}'s run read samples of {position['seq_length']} tokens, this run "
+            f"reads {seq_length} (model.seq_length): a data position counts samples of one length")
+    return position, step_dir
+
+
 def cleanup_partial_saves(root: str | Path) -> None:
     """Remove .tmp-* directories of saves that never completed, and .old-* ones a replacing save
     left behind (rank 0 only)."""

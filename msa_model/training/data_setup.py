@@ -119,14 +119,15 @@ def tokenizer_problems(cfg, resume_dir: Path | None, init_dir: Path | None):
     return tokenizer, source, problems
 
 
-def build_data(cfg, tokenizer):
+def build_data(cfg, tokenizer, start_samples=lambda: 0):
     """(train, valid or None): this data-parallel rank's micro-batch streams (data.datasets.TrainData),
-    the datasets built at their first use. valid exists when trainer.eval_interval > 0."""
+    the datasets built at their first use. valid exists when trainer.eval_interval > 0. The train
+    stream starts at `start_samples()` (init_from_data_position; read when the datasets are built),
+    so its dataset holds that many samples more than the run's max_steps global batches."""
     from data.datasets import TrainData, build_datasets
     from msa_model.training.distributed import data_parallel_info
 
     t, p = cfg.trainer, cfg.parallel
-    train_samples = t.max_steps * p.global_batch_size
     # every evaluation reads eval_iters global batches further (megatron's count: one per interval
     # and one at the end)
     valid_samples = (t.max_steps // t.eval_interval + 1) * t.eval_iters * p.global_batch_size if t.eval_interval else 0
@@ -134,6 +135,7 @@ def build_data(cfg, tokenizer):
 
     def dataset(index: int):
         if not datasets:
+            train_samples = start_samples() + t.max_steps * p.global_batch_size
             datasets["all"] = build_datasets(cfg.data, tokenizer, cfg.model.seq_length, train_samples, valid_samples)
         return datasets["all"][index]
 

@@ -139,6 +139,27 @@ def _log_summary(state, cfg, run_dir: Path, ckpt_root: Path, last: dict | None, 
              latest.name if latest else "none")
 
 
+def _start_fresh(cfg, trainer, model_chunks, optimizer, scheduler, model_config) -> None:
+    """A run without a checkpoint of its own: init_from's weights (and data position), the lr
+    schedule's start step."""
+    from msa_model.training import checkpoint as ckpt
+
+    if cfg.init_from:
+        ckpt.load_model_weights(model_chunks, cfg.init_from, model_config, partial=cfg.init_from_partial)
+        # bf16 training keeps fp32 main copies made when the optimizer was built: refresh them,
+        # or the first step would put the fresh initialisation back
+        optimizer.reload_model_params()
+        if cfg.init_from_data_position:
+            position, step_dir = ckpt.init_data_position(cfg.init_from, cfg.model.seq_length)
+            trainer.state.start_samples = trainer.state.consumed_samples = position["consumed_samples"]
+            log.info("init_from_data_position: the data stream continues at sample %s, where the run of %s "
+                     "stopped (its step %s)", f"{position['consumed_samples']:,}", step_dir, position.get("step"))
+    if cfg.optim.schedule_start_step:
+        scheduler.step(increment=cfg.optim.schedule_start_step)
+        log.info("lr schedule starts at its step %d (optim.schedule_start_step): lr %.3g", cfg.optim.schedule_start_step,
+                 optimizer.param_groups[0]["lr"])
+
+
 def run(cfg: DictConfig) -> None:
     OmegaConf.resolve(cfg)
     rank, world_size, _ = launch_env()
@@ -234,17 +255,16 @@ def run(cfg: DictConfig) -> None:
                                        cfg.trainer.max_steps, flops_per_token=_flops_counter(cfg, tokenizer),
                                        world_size=world_size, phase=(lambda: warmup.phase) if warmup else None)
         callbacks.append(metrics_logger)
-        train_data, valid_data = build_data(cfg, tokenizer)
+        # the train dataset ends start_samples (read at its first use, after any checkpoint is
+        # loaded) + max_steps global batches after the start of the stream
+        train_data, valid_data = build_data(cfg, tokenizer, lambda: trainer.state.start_samples)
         trainer = Trainer(cfg.trainer, cfg.parallel, cfg.model, model_chunks=model_chunks, optimizer=optimizer,
                           scheduler=scheduler, data=train_data, valid_data=valid_data, callbacks=callbacks,
                           device=env.device, stop_signal=stop_signal)
         if latest is not None:
             ckpt.load_checkpoint(trainer, latest, verify=False, model_config=model_config)
-        elif cfg.init_from:
-            ckpt.load_model_weights(model_chunks, cfg.init_from, model_config, partial=cfg.init_from_partial)
-            # bf16 training keeps fp32 main copies made when the optimizer was built: refresh them,
-            # or the first step would put the fresh initialisation back
-            optimizer.reload_model_params()
+        else:
+            _start_fresh(cfg, trainer, model_chunks, optimizer, scheduler, model_config)
         if trainer.state.step >= cfg.trainer.max_steps:
             log.info("nothing to do: %s is already at step %d of %d (resume=auto); pass another run_dir= "
                      "to start a new run", run_dir, trainer.state.step, cfg.trainer.max_steps)
