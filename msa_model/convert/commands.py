@@ -148,7 +148,7 @@ def source_tokenizer(directory: str | None, vocab_size: int | None):
     """The Hugging Face tokenizer of `directory` to carry into a converted checkpoint, or None (with
     a warning) when it holds no tokenizer files. Raises ConversionError for one that cannot be
     loaded or whose ids the model's embedding does not cover."""
-    from data.tokenizer import TokenizerError, build_tokenizer, check_tokenizer_dir
+    from data.tokenizer import TokenizerError, check_tokenizer_dir
 
     if directory is None or check_tokenizer_dir(directory) is not None:
         log.warning("%s holds no tokenizer files: the checkpoint records no tokenizer; pass --tokenizer DIR, or "
