@@ -58,9 +58,10 @@ class BuildLock:
     built in messages; waiting longer than `timeout_s` for a live builder raises DataCacheError.
 
     A directory this process cannot write is read as it is: no lock is taken (nothing could be
-    built there either)."""
+    built there either). `stale_after_s` is generous: the heartbeat is a thread, which a build
+    holding the interpreter lock (a long native call) holds up."""
 
-    def __init__(self, path: str | Path, what: str, timeout_s: float, stale_after_s: float = 120.0,
+    def __init__(self, path: str | Path, what: str, timeout_s: float, stale_after_s: float = 300.0,
                  heartbeat_s: float = 10.0, poll_s: float = 0.5):
         path = Path(path)
         self.path = path.with_name(f"{path.name}.lock")
@@ -167,7 +168,8 @@ class BuildLock:
                         f"of waiting (data.cache_wait_s); wait longer, or if that build is gone, delete {self.path}")
                 else:
                     if not announced and holder is not None:
-                        log.info("%s: waiting for %s, which is building it", self.what, self._describe(holder))
+                        log.info("%s: waiting for %s, which holds its lock (building or checking it)", self.what,
+                                 self._describe(holder))
                         announced = True
                     time.sleep(self.poll_s)
             created = self._try_create()

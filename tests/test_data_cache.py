@@ -1,16 +1,14 @@
 """The tokenized data cache is checked before use: files damaged after the build (zeroed, truncated,
 removed) are rebuilt by the building rank with a warning naming them and refused by the others;
-every byte is compared on request; GPTDataset's sample indices are checked the same way. Processes
-that start together on an empty cache build it once."""
+every byte is compared on request; GPTDataset's sample indices are checked the same way. A build
+that died leaves nothing the next one keeps (processes that start together on an empty cache:
+tests/test_shared_build.py, and jobs: tests/test_slurm.py)."""
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +23,6 @@ from data.tokenizer import build_tokenizer
 def build_train_dataset(cfg, seq_length: int, samples: int):
     return build_datasets(cfg, build_tokenizer("byte"), seq_length, samples)[0]
 from msa_model.config import DataConfig
-from skeleton_helpers import REPO, _env
 
 
 @pytest.fixture
@@ -138,33 +135,3 @@ def test_a_build_that_died_leaves_nothing_the_next_one_keeps(tmp_path, corpus):
     assert Path(prepare_tokens(cfg)).parent == out
     assert sorted(p.name for p in out.parent.iterdir()) == [out.name]
 
-
-# one training process on its own (no process group), as two jobs started together are
-BUILD = """
-import json, logging, sys
-from omegaconf import OmegaConf
-from data.datasets import build_datasets
-from data.tokenizer import build_tokenizer
-from msa_model.config import DataConfig
-logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-cfg = OmegaConf.structured(DataConfig(source=sys.argv[1], glob="*.txt", cache_dir=sys.argv[2]))
-print(json.dumps(build_datasets(cfg, build_tokenizer("byte"), 64, 16)[0][3]["tokens"].tolist()))
-"""
-
-
-def test_processes_started_together_on_an_empty_cache_build_it_once(tmp_path, corpus):
-    cache = tmp_path / "cache"
-    procs = [subprocess.Popen([sys.executable, "-c", BUILD, str(corpus), str(cache)], cwd=REPO, env=_env(),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
-    outs = [p.communicate(timeout=300) for p in procs]
-    assert all(p.returncode == 0 for p in procs), [err[-3000:] for _, err in outs]
-    logs = "".join(err for _, err in outs)
-    assert logs.count("tokenized 3 files") == 1, logs
-    assert len({out for out, _ in outs}) == 1 and json.loads(outs[0][0])
-    (out,) = [p for p in cache.iterdir()]
-    index = out / "index"
-    assert sorted(n.rsplit("-", 1)[-1] for n in read_manifest(index)) == \
-        ["description.txt", "document_index.npy", "sample_index.npy", "shuffle_index.npy"]
-    # no lock, temporary or set-aside file is left
-    assert sorted(p.name for p in cache.iterdir()) == [out.name]
-    assert sorted(p.name for p in out.iterdir()) == ["index", MANIFEST, "tokens.bin", "tokens.idx"]
