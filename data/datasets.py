@@ -9,7 +9,9 @@ either builds a new dataset and a stale one is never read. The build writes a te
 directory and renames it into place, so an interrupted build leaves nothing behind. Before use,
 the files are checked against their manifests (data/cache_check.py: sizes and sampled hashes,
 every byte with data.verify_cache=true); a damaged cache is rebuilt by rank 0 with a warning
-naming it, and refused on other ranks.
+naming it, and refused on other ranks. Rank 0 builds while holding the cache's lock, so that
+jobs started together on one cache directory build it once (data/shared_build.py); the other
+ranks wait for rank 0.
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-from .cache_check import DataCacheError, problem, record, unrecorded
+from .cache_check import DataCacheError, problem, record
 from .corpus import list_corpus_files
 from .retrieval import Haystack, training_documents
+from .shared_build import BuildLock, build_megatron_datasets, discard, wait_for_rank_0
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +51,9 @@ def prepare_tokens(data_cfg, tokenizer=None, build: bool = True, seq_length: int
 
     With `data_cfg.retrieval_share` > 0 synthetic retrieval documents (data.retrieval) of up to
     `seq_length` tokens make that share of the tokens. Only one rank should build (the caller
-    synchronises); others call with build=False after. `tokenizer`: data.tokenizer's by default.
+    synchronises); others call with build=False after. A build holds the cache's BuildLock: a
+    process of another job that needs the same cache waits for it and uses what it built.
+    `tokenizer`: data.tokenizer's by default.
     """
     if tokenizer is None:
         from .tokenizer import BYTE, build_tokenizer
@@ -72,16 +77,30 @@ def prepare_tokens(data_cfg, tokenizer=None, build: bool = True, seq_length: int
     if out_dir.exists():
         found = problem(out_dir, full=data_cfg.verify_cache, required=("tokens.bin", "tokens.idx"))
         if found is None:
-            if build:
-                _check_index_dir(out_dir / "index", data_cfg.verify_cache)
             return prefix
         if not build:
             raise DataCacheError(f"data cache {out_dir}: {found}")
-        log.warning("data cache %s: %s; rebuilding it", out_dir, found)
-        _discard(out_dir)
     elif not build:
         raise DataCacheError(f"data cache {out_dir} does not exist after rank 0 built it: data.cache_dir must be "
                              "on a file system every node sees")
+    with BuildLock(out_dir, f"data cache {out_dir}", data_cfg.cache_wait_s):
+        # another job may have built (or rebuilt) it while this one waited for the lock
+        found = problem(out_dir, full=data_cfg.verify_cache, required=("tokens.bin", "tokens.idx")) \
+            if out_dir.exists() else None
+        if found is not None:
+            log.warning("data cache %s: %s; rebuilding it", out_dir, found)
+            discard(out_dir)
+        if not out_dir.exists():
+            # the temporary directories of builds that died: nobody else builds this one now
+            for leftover in out_dir.parent.glob(f".{out_dir.name}-*"):
+                shutil.rmtree(leftover, ignore_errors=True)
+            _tokenize(out_dir, tokenizer, root, files, data_cfg, seq_length, bos)
+    return prefix
+
+
+def _tokenize(out_dir: Path, tokenizer, root: Path, files: list[Path], data_cfg, seq_length: int | None,
+              bos: int | None) -> None:
+    share = getattr(data_cfg, "retrieval_share", 0.0)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
     tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared by every user of the checkout
@@ -111,38 +130,6 @@ def prepare_tokens(data_cfg, tokenizer=None, build: bool = True, seq_length: int
     log.info("tokenized %d files (%.1f MB) from %s into %s: %d tokens%s", len(files),
              sum(p.stat().st_size for p in files) / 1e6, root, out_dir, n_tokens + n_synthetic,
              f" ({n_synthetic} in synthetic retrieval documents)" if n_synthetic else "")
-    return prefix
-
-
-def _discard(path: Path) -> None:
-    # renamed first: a process that has the files open keeps reading the old ones undisturbed
-    aside = path.with_name(f".{path.name}.damaged-{os.getpid()}")
-    os.rename(path, aside)
-    shutil.rmtree(aside, ignore_errors=True)
-
-
-def _check_index_dir(index_dir: Path, full: bool) -> None:
-    """Rank 0, before megatron reads its sample indices: remove damaged or unrecorded ones (megatron
-    rebuilds them, cheaply; it checks only that the files exist)."""
-    if not index_dir.is_dir():
-        return
-    files = [p for p in index_dir.iterdir() if p.is_file()]
-    found = problem(index_dir, full=full) if files else None
-    if found is not None:
-        log.warning("data cache %s: %s; rebuilding the sample indices", index_dir, found)
-        _discard(index_dir)
-        return
-    for path in unrecorded(index_dir):
-        log.warning("data cache %s: %s was never recorded (a build that died?); rebuilding it", index_dir, path.name)
-        path.unlink()
-
-
-def _record_new_indices(index_dir: Path) -> None:
-    """Rank 0, after megatron built its sample indices: record the new ones in the manifest."""
-    if index_dir.is_dir():
-        new = [p.name for p in unrecorded(index_dir)]
-        if new:
-            record(index_dir, new)
 
 
 def build_datasets(data_cfg, tokenizer, seq_length: int, train_samples: int, valid_samples: int = 0):
@@ -151,9 +138,11 @@ def build_datasets(data_cfg, tokenizer, seq_length: int, train_samples: int, val
 
     The tokens come from the prepared datasets of data.blend (data.valid_blend for validation, or
     each dataset's data.split share of documents), else from the file-directory corpus tokenized
-    into the cache (data.split cuts its documents likewise). Every rank calls this; megatron builds
-    the sample indices on rank 0 first, then the others read them from the cache. Each item:
-    tokens/labels int64 [seq_length], loss_mask float [seq_length], position_ids int64 [seq_length].
+    into the cache (data.split cuts its documents likewise). Every rank calls this; rank 0 tokenizes
+    the corpus (or finds it, or waits for another job that builds it) while the others wait, then
+    megatron builds the sample indices on rank 0 and the others read them from the cache
+    (data/shared_build.py). Each item: tokens/labels int64 [seq_length], loss_mask float
+    [seq_length], position_ids int64 [seq_length].
     """
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     from .prepared import parse_blend
@@ -162,15 +151,14 @@ def build_datasets(data_cfg, tokenizer, seq_length: int, train_samples: int, val
         # checked before the run started (data.prepared.check_blends); megatron reads them as they are
         train_blend = tuple(parse_blend(data_cfg.blend, "data.blend")[:2])
         index_dir = Path(data_cfg.cache_dir) / "indices"
-        if rank == 0:
-            index_dir.mkdir(parents=True, exist_ok=True)
-            _check_index_dir(index_dir, data_cfg.verify_cache)
     else:
-        prefix = prepare_tokens(data_cfg, tokenizer, build=rank == 0, seq_length=seq_length)
+        if rank == 0:
+            prefix = prepare_tokens(data_cfg, tokenizer, build=True, seq_length=seq_length)
+        wait_for_rank_0(data_cfg.cache_wait_s)
+        if rank != 0:
+            prefix = prepare_tokens(data_cfg, tokenizer, build=False, seq_length=seq_length)
         train_blend = ([prefix], None)
         index_dir = Path(prefix).parent / "index"
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
     split = {"blend": train_blend, "split": ",".join(f"{float(x):g}" for x in data_cfg.split)}
     if data_cfg.valid_blend:
         split = {"blend_per_split": [train_blend, tuple(parse_blend(data_cfg.valid_blend, "data.valid_blend")[:2]),
@@ -192,15 +180,11 @@ def build_datasets(data_cfg, tokenizer, seq_length: int, train_samples: int, val
         # (megatron would build every split its matrix names; a split without documents never ends)
         config.split_matrix = [config.split_matrix[0], config.split_matrix[1] if valid_samples else None, None]
         _check_split_documents(train_blend[0], config.split_matrix, data_cfg.split)
-    train, valid, _ = BlendedMegatronDatasetBuilder(
-        GPTDataset, [train_samples, valid_samples, 0], lambda: True, config
-    ).build()
+    builder = BlendedMegatronDatasetBuilder(GPTDataset, [train_samples, valid_samples, 0], lambda: True, config)
+    train, valid, _ = build_megatron_datasets(builder, data_cfg.verify_cache, data_cfg.cache_wait_s)
     if valid_samples and valid is None:
         raise DataCacheError(f"no validation data: data.split {list(data_cfg.split)} leaves no document for "
                              "validation; give it a larger second share, or data.valid_blend")
-    if rank == 0:
-        # megatron has written any missing indices by now (rank 0 builds them first)
-        _record_new_indices(index_dir)
     return train, valid
 
 

@@ -180,6 +180,9 @@ class DataConfig:
     # the tokenized corpus and the sample indices; MSA_DATA_CACHE_DIR moves the default (e.g. to a
     # shared scratch disk)
     cache_dir: str = "${oc.env:MSA_DATA_CACHE_DIR,.cache/data}"
+    # how long a rank waits for rank 0 to prepare the data, and a job for another job that builds
+    # the same cache (data/shared_build.py), before it gives up naming the builder
+    cache_wait_s: float = 3600.0
     seed: int = 1234
     # packed documents are separate sequences: each token attends to (and the indexer selects
     # from) its own document only, found from end-of-document tokens. Positions are not reset:
@@ -503,7 +506,8 @@ def validate(cfg, world_size: Optional[int] = None, gpu: Optional[bool] = None) 
                         ("model.ffn_hidden_size", m.ffn_hidden_size), ("model.moe_ffn_hidden_size", m.moe_ffn_hidden_size),
                         ("model.make_vocab_size_divisible_by", m.make_vocab_size_divisible_by),
                         ("model.norm_eps", m.norm_eps), ("model.rotary_base", m.rotary_base),
-                        ("optim.lr", o.lr), ("optim.eps", o.eps), ("data.max_bytes", cfg.data.max_bytes)):
+                        ("optim.lr", o.lr), ("optim.eps", o.eps), ("data.max_bytes", cfg.data.max_bytes),
+                        ("data.cache_wait_s", cfg.data.cache_wait_s)):
         _check(errors, value > 0, f"{name} must be positive, got {value}")
     for name, value in (("model.num_experts", m.num_experts), ("model.moe_shared_expert_size", m.moe_shared_expert_size),
                         ("model.moe_aux_loss_coeff", m.moe_aux_loss_coeff), ("model.msa.kl_coeff", msa.kl_coeff),

@@ -190,6 +190,7 @@ def run(cfg: DictConfig) -> None:
 
     from data.tokenizer import describe_identity
     from msa_model.training import checkpoint as ckpt
+    from msa_model.training import failures
     from msa_model.training.data_setup import build_data
     from msa_model.training.distributed import init_distributed, shutdown
     from msa_model.training.indexer_warmup import IndexerWarmup
@@ -211,7 +212,8 @@ def run(cfg: DictConfig) -> None:
         raise ConfigError(f"resume=never but {ckpt_root} already holds checkpoints; choose another run_dir")
 
     env = init_distributed(cfg.parallel, cfg.trainer.device, cfg.trainer.seed)
-    requeue, lock = False, None
+    failures.watch(env.rank, world_size)
+    requeue, lock, failed = False, None, False
     try:
         # before anything is written: a second launch into a busy run dir would delete the first
         # one's save in progress and interleave its metrics
@@ -273,6 +275,9 @@ def run(cfg: DictConfig) -> None:
         try:
             state = trainer.train()
         except OutOfMemory as e:
+            if failures.active():
+                # said once, and named by the other ranks; the process ends there
+                failures.fail(str(e), 1)
             log.error("%s", e)
             # the message says it all; the process group cannot be shut down cleanly after it
             logging.shutdown()
@@ -289,10 +294,17 @@ def run(cfg: DictConfig) -> None:
                      where or "none (checkpointing is off)", plan.note if plan else "")
         else:
             _log_summary(state, cfg, run_dir, ckpt_root, metrics_logger.last_record, time.monotonic() - started)
+    except BaseException:
+        failed = True
+        raise
     finally:
         try:
-            # the handlers stay until the process group is gone: SLURM may repeat a signal meanwhile
-            shutdown()
+            # the handlers stay until the process group is gone: SLURM may repeat a signal meanwhile.
+            # A rank of several that failed leaves the group as it is: its last barrier would pair
+            # with whatever collective the others wait in (train.py reports the error; the process ends)
+            if not failed or world_size == 1:
+                failures.stop_watching()
+                shutdown()
             if stop_signal is not None:
                 stop_signal.restore()
         finally:
