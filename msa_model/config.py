@@ -8,6 +8,7 @@ and names the offending fields.
 
 from __future__ import annotations
 
+import math
 import signal
 
 from dataclasses import dataclass, field
@@ -55,6 +56,9 @@ class MSAConfig:
     # Triton sparse path in training, elsewhere it falls back to forward) | forward (by the KL's
     # own kernels). Same loss and gradients; backward saves the teacher's q.k (docs/msa.md)
     kl_teacher: str = "backward"
+    # the KL's student is softmax(index scores / sqrt(Di) / kl_temperature) (MiniMax's
+    # lse_temperature): it rescales the index distribution the KL trains, never the top-k ranking
+    kl_temperature: float = 1.0
     backend: str = "auto"  # msa_model.ops backend: auto | reference | triton
 
 
@@ -463,6 +467,8 @@ def validate(cfg, world_size: Optional[int] = None, gpu: Optional[bool] = None) 
                f"model.msa.index_precision must be input or fp8, got {msa.index_precision!r}")
         _check(errors, msa.kl_teacher in KL_TEACHERS,
                f"model.msa.kl_teacher must be forward or backward, got {msa.kl_teacher!r}")
+        _check(errors, math.isfinite(msa.kl_temperature) and msa.kl_temperature > 0,
+               f"model.msa.kl_temperature must be a finite positive number, got {msa.kl_temperature}")
         # with rotary_dim set the index q/k rotate their first rotary_dim channels with the main table
         _check(errors, m.rotary_dim is None or m.rotary_dim <= msa.index_head_dim,
                f"model.rotary_dim ({m.rotary_dim}) must be <= model.msa.index_head_dim ({msa.index_head_dim}): "
