@@ -173,7 +173,8 @@ def test_m3_tiny_trains_and_exports(tmp_path, data_cache):
              "data.max_bytes=100000", "parallel.micro_batch_size=1", "parallel.global_batch_size=2",
              "trainer.max_steps=2", "trainer.indexer_warmup_tokens=1024", "optim.warmup_steps=1",
              "checkpoint.interval=0", "logging.log_interval=1", "logging.wandb_mode=disabled",
-             "logging.tensorboard=false", "logging.progress_bar=false", "trainer.stop_signals=[]"]
+             "logging.tensorboard=false", "logging.progress_bar=false", "trainer.stop_signals=[]",
+             "data.document_mask=false"]
     convert = [sys.executable, "-m", "msa_model.convert"]
     for cmd in (train, [*convert, "msa-to-hf", str(run / "checkpoints"), str(out), "--format", "minimax_m3"],
                 [*convert, "verify", str(out), str(run / "checkpoints"), "--seq-length", "256", "--batches", "1"]):
@@ -182,7 +183,7 @@ def test_m3_tiny_trains_and_exports(tmp_path, data_cache):
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["phase"] for r in rows] == ["warmup", "sparse"]
     assert all(torch.isfinite(torch.tensor([r["lm_loss"], r["kl_loss"]])).all() for r in rows)
-    # keys/q averages the 3 MSA layers: all causal keys, then at most top-4 x 32
+    # keys/q averages the 3 MSA layers: all causal keys (documents not masked), then at most top-4 x 32
     assert rows[0]["keys_per_query"] == 256.5 and rows[1]["keys_per_query"] <= 128
     result = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
     print(f"m3_tiny exported vs transformers: {result}")

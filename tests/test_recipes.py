@@ -45,6 +45,12 @@ def test_every_recipe_and_model_composes(recipe, model):
     assert (cfg.name, cfg.model.name) == (recipe, model)
 
 
+@pytest.mark.parametrize("recipe", ["pt", "cpt", "dense", "msa_109b_pt", "msa_109b_cpt", "msa_109b_dense"])
+def test_every_recipe_masks_packed_documents_unless_told_not_to(recipe):
+    assert _compose(f"recipe={recipe}").data.document_mask is True
+    assert _compose(f"recipe={recipe}", "data.document_mask=false").data.document_mask is False
+
+
 @pytest.fixture(scope="module")
 def pt_109b_dry_run() -> str:
     """The dry run of the full-scale MSA-PT recipe (about a minute of CPU: the 109B model on the
@@ -99,6 +105,7 @@ def test_109b_recipe_dry_run_prints_its_run(pt_109b_dry_run):
     assert _field(out, "world_size") == 512 and (_field(out, "tp"), _field(out, "pp"), _field(out, "ep")) == (2, 4, 32)
     assert "x 715255 steps = 2,999,996,907,520 tokens" in out
     assert 0 < _field(out, "memory_per_gpu_gib") < 68
+    assert "\ndocuments: masked (data.document_mask=true)" in out
 
 
 @pytest.mark.parametrize("recipe", sorted(RUNS_109B))
@@ -139,9 +146,10 @@ def test_109b_layouts_fit_on_80gb(layout, seq):
 
 
 def test_dry_run_prints_the_layout_estimate():
-    out = _dry_run("model=msa_109b", "parallel=msa_109b_128k", "recipe=dense")
+    out = _dry_run("model=msa_109b", "parallel=msa_109b_128k", "recipe=dense", "data.document_mask=false")
     assert _field(out, "world_size") == 512 and _field(out, "cp") == 16
     assert 0 < _field(out, "memory_per_gpu_gib") < 68
+    assert "\ndocuments: not masked (data.document_mask=false)" in out
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -196,10 +196,14 @@ def run(cfg: DictConfig) -> None:
         # one's save in progress and interleave its metrics
         lock = lock_run_dir(run_dir, env.is_main)
         if env.is_main:
+            from msa_model.dry_run import document_mask_line
+
             setup_logging(run_dir, True)
             write_run_files(cfg, run_dir)
             ckpt.cleanup_partial_saves(ckpt_root)
-            log.info("run dir %s | %s", run_dir, " ".join(f"{k}={v}" for k, v in parallel_layout(cfg.parallel, world_size).items()))
+            log.info("run dir %s | %s | %s", run_dir,
+                     " ".join(f"{k}={v}" for k, v in parallel_layout(cfg.parallel, world_size).items()),
+                     document_mask_line(cfg))
         # checked against its manifest before anything is built: a damaged checkpoint stops here
         latest = ckpt.resume_checkpoint(ckpt_root, fallback=cfg.resume == "fallback") if latest is not None else None
         model_chunks = _build_model(cfg, env)
