@@ -228,6 +228,10 @@ class TrainerConfig:
     seed: int = 1234
     # dense attention + dense KL for this many tokens, then top-k selection (MSA only)
     indexer_warmup_tokens: int = 0
+    # init_from's index branch decides the warmup: none when it was trained (MiniMax-M3, an MSA
+    # run; msa_model/training/index_history.py), indexer_warmup_tokens otherwise; a value of
+    # indexer_warmup_tokens given on the command line wins (recipe cpt sets this)
+    indexer_warmup_from_init: bool = False
     # on these signals: finish the step, save, exit cleanly; [] leaves signals alone. A second
     # SIGINT (Ctrl-C) aborts without saving
     stop_signals: List[str] = field(default_factory=lambda: ["SIGUSR1", "SIGTERM", "SIGINT"])

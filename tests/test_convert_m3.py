@@ -164,6 +164,36 @@ def test_reimport_is_the_same_checkpoint(converted, tmp_path):
     assert {k.split(".")[2] for k in first if ".index_q_proj." in k} == {"0", "2"}
 
 
+def _cpt_config(init_from: Path):
+    from hydra import compose, initialize_config_dir
+
+    from msa_model.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
+        return compose("train", overrides=["recipe=cpt", f"init_from={init_from}"])
+
+
+def test_cpt_from_a_converted_m3_starts_sparse_unless_told(converted):
+    """MiniMax trained M3's index branch: the conversion records it, and recipe=cpt from it needs
+    no dense warmup, unless the command line asks for one (tests/test_convert_hf.py: a Llama's)."""
+    from msa_model.training.index_history import index_branch_trained, plan_indexer_warmup
+
+    root, _, _ = converted
+    msa = root / "text" / "msa"
+    assert json.loads((msa / "conversion.json").read_text())["index_trained"] is True
+    assert index_branch_trained(msa) is True and index_branch_trained(msa / "step_00000000") is True
+    cfg = _cpt_config(msa)
+    recipe_tokens = cfg.trainer.indexer_warmup_tokens
+    assert recipe_tokens > 0 and cfg.trainer.indexer_warmup_from_init
+    note = plan_indexer_warmup(cfg, warmup_given=False)
+    assert cfg.trainer.indexer_warmup_tokens == 0
+    assert note.startswith("indexer warmup: none, sparse attention from the first step") and "trained" in note
+    cfg = _cpt_config(msa)
+    note = plan_indexer_warmup(cfg, warmup_given=True)
+    assert cfg.trainer.indexer_warmup_tokens == recipe_tokens and "on the command line" in note
+
+
 def test_m3_tiny_trains_and_exports(tmp_path, data_cache):
     """The m3_tiny preset trains on CPU (a dense-warmup step, then a top-k step); its checkpoint exports
     with `msa-to-hf --format minimax_m3` and transformers runs it with our logits (top-k, 8 blocks)."""

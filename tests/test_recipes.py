@@ -214,12 +214,25 @@ def test_cpt_continues_a_converted_dense_run(tmp_path, data_cache):
     assert abs(dense_loss - msa_warmup_loss) < 1e-5, (dense_loss, msa_warmup_loss)
 
     cpt = tmp_path / "cpt"
-    run_train(cpt, "recipe=cpt", f"init_from={converted}", "trainer.max_steps=4",
-              "trainer.indexer_warmup_tokens=2048", data_cache=data_cache)
+    proc = run_train(cpt, "recipe=cpt", f"init_from={converted}", "trainer.max_steps=4",
+                     "trainer.indexer_warmup_tokens=2048", data_cache=data_cache)
     rows = metrics(cpt)
     assert sorted(rows) == [1, 2, 3, 4]
     assert [rows[s]["phase"] for s in (1, 2, 3, 4)] == ["warmup", "warmup", "sparse", "sparse"]
     assert rows[1]["lm_loss"] < metrics(dense)[1]["lm_loss"] - 0.3
+    assert "indexer warmup: 2,048 tokens: init_from's index branch is untrained" in proc.stdout + proc.stderr
+
+    # the CPT run trained its index branch (its checkpoint says so): a CPT from it starts sparse,
+    # the recipe's warmup skipped, without a word on the command line
+    from msa_model.training.index_history import index_branch_trained
+
+    assert index_branch_trained(converted) is False and index_branch_trained(cpt / "checkpoints") is True
+    again = tmp_path / "again"
+    proc = run_train(again, "recipe=cpt", f"init_from={cpt / 'checkpoints'}", "trainer.max_steps=2",
+                     data_cache=data_cache)
+    assert [metrics(again)[s]["phase"] for s in (1, 2)] == ["sparse", "sparse"]
+    assert "indexer warmup: none, sparse attention from the first step" in proc.stdout + proc.stderr
+    assert "indexer_warmup_tokens: 0" in (again / "config.yaml").read_text()
 
 
 def test_init_from_survives_the_first_bf16_step(tmp_path, data_cache):

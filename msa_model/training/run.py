@@ -154,8 +154,13 @@ def _log_summary(state, cfg, run_dir: Path, ckpt_root: Path, last: dict | None, 
 
 
 def run(cfg: DictConfig) -> None:
+    from msa_model.training.index_history import WARMUP_KEY, given_on_command_line, plan_indexer_warmup
+
     OmegaConf.resolve(cfg)
     rank, world_size, _ = launch_env()
+    # init_from's index branch may make the warmup unnecessary (before the config is checked and
+    # written: what runs is what config.yaml says)
+    warmup_note = plan_indexer_warmup(cfg, given_on_command_line(WARMUP_KEY))
     if cfg.dry_run:
         # a dry run checks the layout it will be launched with, not this one process
         layout_world = max(world_size, cfg.launch.nodes * cfg.launch.ranks_per_node)
@@ -164,6 +169,8 @@ def run(cfg: DictConfig) -> None:
             from msa_model.dry_run import dry_run_report
 
             print(dry_run_report(cfg, layout_world), flush=True)
+            if warmup_note:
+                print(warmup_note, flush=True)
         return
     validate(cfg, world_size)
     started = time.monotonic()
@@ -204,6 +211,8 @@ def run(cfg: DictConfig) -> None:
             log.info("run dir %s | %s | %s", run_dir,
                      " ".join(f"{k}={v}" for k, v in parallel_layout(cfg.parallel, world_size).items()),
                      document_mask_line(cfg))
+            if warmup_note:
+                log.info("%s", warmup_note)
         # checked against its manifest before anything is built: a damaged checkpoint stops here
         latest = ckpt.resume_checkpoint(ckpt_root, fallback=cfg.resume == "fallback") if latest is not None else None
         model_chunks = _build_model(cfg, env)
@@ -222,7 +231,10 @@ def run(cfg: DictConfig) -> None:
         warmup = None
         # phases exist where some layer is MSA (a model of full-attention layers only is dense)
         if any(msa_layers_of(cfg.model)):
-            warmup = IndexerWarmup(cfg.trainer.indexer_warmup_tokens, cfg.model.msa)
+            from msa_model.training.index_history import index_branch_trained
+
+            warmup = IndexerWarmup(cfg.trainer.indexer_warmup_tokens, cfg.model.msa,
+                                   index_trained=bool(cfg.init_from) and bool(index_branch_trained(cfg.init_from)))
             callbacks.append(warmup)
             if cfg.logging.msa_diagnostics_interval > 0:
                 from msa_model.training.diagnostics import MSADiagnostics
