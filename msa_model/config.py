@@ -236,6 +236,10 @@ class TrainerConfig:
     # SIGINT (Ctrl-C) aborts without saving
     stop_signals: List[str] = field(default_factory=lambda: ["SIGUSR1", "SIGTERM", "SIGINT"])
     device: str = "auto"  # auto | cpu | cuda
+    # the same losses and weights bit for bit run to run and across stop and resume: torch's
+    # deterministic algorithms, cuBLAS and NCCL settings, ordered sums instead of atomics in the
+    # kernels (msa_model/training/determinism.py); slower
+    deterministic: bool = False
 
 
 @dataclass

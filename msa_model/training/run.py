@@ -196,6 +196,12 @@ def run(cfg: DictConfig) -> None:
     if cfg.resume == "never" and latest is not None:
         raise ConfigError(f"resume=never but {ckpt_root} already holds checkpoints; choose another run_dir")
 
+    determinism = []
+    if cfg.trainer.deterministic:
+        from msa_model.training.determinism import deterministic_mode
+
+        # before CUDA, cuBLAS and NCCL start: they read their settings once
+        determinism = deterministic_mode()
     env = init_distributed(cfg.parallel, cfg.trainer.device, cfg.trainer.seed)
     requeue, lock = False, None
     try:
@@ -213,6 +219,8 @@ def run(cfg: DictConfig) -> None:
                      document_mask_line(cfg))
             if warmup_note:
                 log.info("%s", warmup_note)
+            for line in determinism:
+                log.info("%s", line)
         # checked against its manifest before anything is built: a damaged checkpoint stops here
         latest = ckpt.resume_checkpoint(ckpt_root, fallback=cfg.resume == "fallback") if latest is not None else None
         model_chunks = _build_model(cfg, env)
