@@ -11,6 +11,7 @@ from msa_model.config import KL_TEACHERS, PRODUCTION_BLOCK_SIZE, PRODUCTION_TOPK
 
 from .common import (check_doc_start, check_index, check_qkv, check_temperature, default_scale, resolve_backend,
                      trim_keys)
+from .dense_attention import DocumentPlan, document_attention
 from .indexer_kl import indexer_kl_loss
 from .select_blocks import select_blocks
 from .sparse_attention import sparse_attention
@@ -23,7 +24,7 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iq: torch.T
                   doc_start: torch.Tensor | None = None, check_ids: bool = True, tuning: dict | None = None,
                   keep_teacher: bool | None = None, local_blocks: int = 1, index_precision: str = "input",
                   kl_teacher: str = "forward", on_kl: Callable[[torch.Tensor], None] | None = None,
-                  with_kl: bool = True, kl_temperature: float = 1.0):
+                  with_kl: bool = True, kl_temperature: float = 1.0, document_plan: DocumentPlan | None = None):
     """MSA attention: o [B, T, Hq, D] and the indexer KL (fp32 scalar, no coefficient applied).
 
     q [B, T, Hq, D], k/v [B, T, Hkv, D], iq [B, T, Hkv, Di], ik [B, T, Di].
@@ -58,6 +59,9 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iq: torch.T
     `kl_temperature`: the KL's student is softmax(iq.ik * index_scale / kl_temperature)
     (`indexer_kl_loss`'s `temperature`, MiniMax's `lse_temperature`); the selection's ranking
     does not depend on it.
+    `document_plan`: the dense path's plan for these queries' documents (`dense_attention.
+    document_plan`, shared by the layers of a micro-batch); None: built here when dense with
+    doc_start (reading the starts back from the device).
     """
     if kl_teacher not in KL_TEACHERS:
         raise ValueError(f"kl_teacher must be one of {KL_TEACHERS}, got {kl_teacher!r}")
@@ -85,7 +89,11 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iq: torch.T
                                     tuning.get("sparse_attention"),
                                     tuning.get("indexer_kl"), doc_start, on_kl)
         return (o, kl, block_idx) if return_block_idx else (o, kl)
-    if dense and q_offset == 0 and doc_start is None and _use_flash(q, k, v, backend):
+    if dense and doc_start is not None:
+        # packed documents: causal attention on rows of one document, each document alone otherwise
+        o, lse = document_attention(q, k, v, doc_start, scale=scale, q_offset=q_offset, backend=backend,
+                                    plan=document_plan, tuning=tuning.get("sparse_attention"))
+    elif dense and q_offset == 0 and _use_flash(q, k, v, backend):
         o, lse = causal_attention_with_lse(q, k, v, default_scale(q.shape[-1], scale))
     else:
         o, lse = sparse_attention(q, k, v, block_idx, block_size=block_size, scale=scale, backend=backend,
