@@ -368,7 +368,7 @@ class MSASelfAttention(CausalSelfAttention):
                 keep_teacher=True if self.options.recompute_core else None,
                 local_blocks=msa.local_blocks, index_precision=msa.index_precision,
                 kl_teacher="backward" if self._late_kl else "forward", on_kl=record,
-                kl_temperature=msa.kl_temperature, document_plan=plan,
+                kl_temperature=msa.kl_temperature, document_plan=plan, fp8_probs=msa.fp8_probs,
                 # without a graph the layer drops the KL (evaluation, full recompute's first pass)
                 with_kl=torch.is_grad_enabled(),
             )

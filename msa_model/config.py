@@ -59,6 +59,10 @@ class MSAConfig:
     # the KL's student is softmax(index scores / sqrt(Di) / kl_temperature) (MiniMax's
     # lse_temperature): it rescales the index distribution the KL trains, never the top-k ranking
     kl_temperature: float = 1.0
+    # the sparse attention's probabilities rounded to float8 e4m3 (of P x 448, P relative to each
+    # key block's max) in the forward, gradients straight through: quantization-aware training for
+    # a model served with fp8 attention (MiniMax-M3). The warmup's dense attention is unaffected
+    fp8_probs: bool = False
     backend: str = "auto"  # msa_model.ops backend: auto | reference | triton
 
 

@@ -24,7 +24,8 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iq: torch.T
                   doc_start: torch.Tensor | None = None, check_ids: bool = True, tuning: dict | None = None,
                   keep_teacher: bool | None = None, local_blocks: int = 1, index_precision: str = "input",
                   kl_teacher: str = "forward", on_kl: Callable[[torch.Tensor], None] | None = None,
-                  with_kl: bool = True, kl_temperature: float = 1.0, document_plan: DocumentPlan | None = None):
+                  with_kl: bool = True, kl_temperature: float = 1.0, document_plan: DocumentPlan | None = None,
+                  fp8_probs: bool = False):
     """MSA attention: o [B, T, Hq, D] and the indexer KL (fp32 scalar, no coefficient applied).
 
     q [B, T, Hq, D], k/v [B, T, Hkv, D], iq [B, T, Hkv, Di], ik [B, T, Di].
@@ -62,6 +63,9 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iq: torch.T
     `document_plan`: the dense path's plan for these queries' documents (`dense_attention.
     document_plan`, shared by the layers of a micro-batch); None: built here when dense with
     doc_start (reading the starts back from the device).
+    `fp8_probs`: the sparse attention's probabilities rounded to float8 e4m3 in the forward,
+    gradients straight through (`sparse_attention`); the KL's teacher stays the exact softmax.
+    The dense warmup's attention is unaffected.
     """
     if kl_teacher not in KL_TEACHERS:
         raise ValueError(f"kl_teacher must be one of {KL_TEACHERS}, got {kl_teacher!r}")
@@ -87,7 +91,7 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iq: torch.T
         o, _, kl = msa_late_teacher(q, k, v, iq, ik, block_idx, block_size, default_scale(D, scale),
                                     default_scale(Di, index_scale) / kl_temperature, q_offset,
                                     tuning.get("sparse_attention"),
-                                    tuning.get("indexer_kl"), doc_start, on_kl)
+                                    tuning.get("indexer_kl"), doc_start, on_kl, fp8_probs=fp8_probs)
         return (o, kl, block_idx) if return_block_idx else (o, kl)
     if dense and doc_start is not None:
         # packed documents: causal attention on rows of one document, each document alone otherwise
@@ -98,7 +102,7 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iq: torch.T
     else:
         o, lse = sparse_attention(q, k, v, block_idx, block_size=block_size, scale=scale, backend=backend,
                                   q_offset=q_offset, check_ids=False, doc_start=doc_start,
-                                  tuning=tuning.get("sparse_attention"))
+                                  tuning=tuning.get("sparse_attention"), fp8_probs=fp8_probs and not dense)
     kl = None
     if with_kl:
         kl = indexer_kl_loss(q.detach(), k.detach(), iq, ik, block_idx, lse.detach(), block_size=block_size,
