@@ -114,9 +114,10 @@ def test_the_plan_covers_every_row_once_and_buckets_by_length():
     assert plan.packed == sum(b.count * b.length for b in plan.buckets)
     assert plan.key_area() == sum(n * (n + 1) // 2 for n in plan.lengths) < B * C * (C + 1) // 2
     assert plan.padded_area() >= plan.key_area()
-    # the shapes come from a small set: powers of two up to 1024, multiples of 1024 above
-    assert [bucket_length(n) for n in (1, 128, 129, 1024, 1025, 4095, 4097)] == [128, 128, 256, 1024, 2048, 4096,
-                                                                                  5120]
+    # the shapes come from a small set: powers of two up to 1024, eight lengths an octave above
+    assert [bucket_length(n) for n in (1, 128, 129, 1024, 1025, 4095, 4097, 5000)] == [128, 128, 256, 1024, 1152,
+                                                                                        4096, 4608, 5120]
+    assert len({bucket_length(n) for n in range(1025, 32769)}) == 5 * 8
     assert [bucket_count(n, 512) for n in (1, 3, 5)] == [1, 4, 8] and bucket_count(3, 2048) == 3
 
 

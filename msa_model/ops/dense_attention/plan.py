@@ -25,10 +25,11 @@ import torch
 # hundreds of ms, then cached for the process), so shapes come from a small set whatever the
 # documents: a segment's padded length is a power of two from MIN_LENGTH up to SHORT (short
 # documents: cheap attention, and a bucket's count of segments is padded to a power of two too),
-# a multiple of LONG_STEP above (one bucket per length, little padding where attention costs).
+# and above it one of STEPS_PER_OCTAVE lengths of each octave (padding at most 1/8 of the
+# length, where attention costs).
 MIN_LENGTH = 128
 SHORT = 1024
-LONG_STEP = 1024
+STEPS_PER_OCTAVE = 8
 # the attribute of a doc_start tensor that holds its host copy and its plans (one tensor per
 # micro-batch, handed to every layer: one host copy, and one plan per query chunk, per step)
 _HOST, _PLANS = "_msa_doc_start_host", "_msa_doc_start_plans"
@@ -38,7 +39,8 @@ def bucket_length(n: int) -> int:
     """The padded length of a segment of n rows."""
     if n <= SHORT:
         return max(MIN_LENGTH, 1 << (n - 1).bit_length())
-    return -(-n // LONG_STEP) * LONG_STEP
+    step = (1 << ((n - 1).bit_length() - 1)) // STEPS_PER_OCTAVE
+    return -(-n // step) * step
 
 
 def bucket_count(n: int, length: int) -> int:
