@@ -39,12 +39,14 @@ D = head dim, Di = index head dim, K = top-k blocks.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
@@ -59,6 +61,7 @@ from msa_model.ops.rope import rope
 from msa_model.parallel_grads import attach_kl, average_over_tp, metrics_group, scale_for_tp_mean
 
 KL_METRIC = "msa_kl_loss"
+_DETERMINISTIC_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 KEYS_METRIC = "msa_keys_per_query"
 
 
@@ -237,13 +240,17 @@ class DenseSelfAttention(CausalSelfAttention):
                                       q_offset=q_offset, backend=self.options.msa.backend, plan=plan)
             return o
         q, k, v = (t.transpose(1, 2) for t in (q_BCHD, k_BJGD, v_BJGD))
-        if q_offset == 0:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.config.softmax_scale, enable_gqa=True)
-        else:
-            C, J = q.shape[2], k.shape[2]
-            mask_CJ = torch.arange(J, device=q.device)[None, :] <= q_offset + torch.arange(C, device=q.device)[:, None]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_CJ, scale=self.config.softmax_scale,
-                                               enable_gqa=True)
+        # trainer.deterministic: only kernels whose backward torch makes deterministic in that mode
+        deterministic = torch.are_deterministic_algorithms_enabled()
+        with sdpa_kernel(_DETERMINISTIC_SDPA) if deterministic else contextlib.nullcontext():
+            if q_offset == 0:
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.config.softmax_scale,
+                                                   enable_gqa=True)
+            else:
+                C, J = q.shape[2], k.shape[2]
+                mask_CJ = torch.arange(J, device=q.device)[None, :] <= q_offset + torch.arange(C, device=q.device)[:, None]
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_CJ, scale=self.config.softmax_scale,
+                                                   enable_gqa=True)
         return o.transpose(1, 2)
 
 
