@@ -37,13 +37,13 @@ def main():
     from msa_model.eval.runner import _heldout_docs, build_model, load_config, resolve_checkpoint
     from msa_model.ops.sparse_attention.triton import tile_union
     from msa_model.ops.inverse_index import clean_block_idx
-    from data.tokenizer import build_tokenizer
+    from msa_model.training.data_setup import checkpoint_run_tokenizer
 
     step_dir, config_path = resolve_checkpoint(a.checkpoint)
     cfg = load_config(config_path)
     model, device = build_model(cfg, step_dir, a.device)
     set_msa_phase(model, True)
-    eod = build_tokenizer(cfg.data.tokenizer).eod
+    eod = checkpoint_run_tokenizer(cfg, step_dir).eod
     bs, K = cfg.model.msa.block_size, cfg.model.msa.topk
 
     ops = importlib.import_module("msa_model.ops.msa_attention")

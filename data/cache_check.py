@@ -74,6 +74,12 @@ def problem(directory: Path, full: bool = False, required: tuple[str, ...] = ())
     for name in required:
         if name not in files:
             return f"{name} was never recorded in {MANIFEST}"
+    return files_problem(directory, files, full)
+
+
+def files_problem(directory: Path, files: dict[str, dict], full: bool = False) -> str | None:
+    """What is wrong with `files` (name -> describe() as recorded) in `directory`, or None: sizes
+    and sampled blocks always, the sha256 of every byte with `full`."""
     for name, want in sorted(files.items()):
         path = directory / name
         if not path.is_file():

@@ -9,7 +9,9 @@ either builds a new dataset and a stale one is never read. The build writes a te
 directory and renames it into place, so an interrupted build leaves nothing behind. Before use,
 the files are checked against their manifests (data/cache_check.py: sizes and sampled hashes,
 every byte with data.verify_cache=true); a damaged cache is rebuilt by rank 0 with a warning
-naming it, and refused on other ranks.
+naming it, and refused on other ranks. Rank 0 builds while holding the cache's lock, so that
+jobs started together on one cache directory build it once (data/shared_build.py); the other
+ranks wait for rank 0.
 """
 
 from __future__ import annotations
@@ -28,10 +30,10 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-from .cache_check import DataCacheError, problem, record, unrecorded
+from .cache_check import DataCacheError, problem, record
 from .corpus import list_corpus_files
 from .retrieval import Haystack, training_documents
-from .tokenizer import build_tokenizer
+from .shared_build import BuildLock, build_megatron_datasets, discard, wait_for_rank_0
 
 log = logging.getLogger(__name__)
 
@@ -44,14 +46,19 @@ def _cache_key(tokenizer_name: str, root: Path, files: list[Path], extra: str = 
     return h.hexdigest()[:16]
 
 
-def prepare_tokens(data_cfg, build: bool = True, seq_length: int | None = None) -> str:
+def prepare_tokens(data_cfg, tokenizer=None, build: bool = True, seq_length: int | None = None) -> str:
     """Return the indexed-dataset path prefix of the corpus, building it if `build` and missing.
 
     With `data_cfg.retrieval_share` > 0 synthetic retrieval documents (data.retrieval) of up to
     `seq_length` tokens make that share of the tokens. Only one rank should build (the caller
-    synchronises); others call with build=False after.
+    synchronises); others call with build=False after. A build holds the cache's BuildLock: a
+    process of another job that needs the same cache waits for it and uses what it built.
+    `tokenizer`: data.tokenizer's by default.
     """
-    tokenizer = build_tokenizer(data_cfg.tokenizer)
+    if tokenizer is None:
+        from .tokenizer import BYTE, build_tokenizer
+
+        tokenizer = build_tokenizer(data_cfg.tokenizer or BYTE, data_cfg.eod_token)
     root, files = list_corpus_files(data_cfg.source, data_cfg.glob, data_cfg.max_bytes)
     tag = "stdlib" if data_cfg.source == "stdlib" else Path(data_cfg.source).name
     share = getattr(data_cfg, "retrieval_share", 0.0)
@@ -59,28 +66,49 @@ def prepare_tokens(data_cfg, build: bool = True, seq_length: int | None = None) 
         raise ValueError("data.retrieval_share needs the sequence length of the documents")
     # the mixture is part of the key only when there is one, so plain corpora keep their caches
     extra = f"retrieval={share},{seq_length},{data_cfg.seed}" if share > 0 else ""
-    out_dir = Path(data_cfg.cache_dir) / f"{tag}-{_cache_key(tokenizer.name, root, files, extra)}"
+    # the tokenizer's identity (and the BOS choice) is part of the key: another tokenizer, another cache
+    bos = tokenizer.bos if data_cfg.add_bos else None
+    if data_cfg.add_bos and bos is None:
+        raise DataCacheError(f"data.add_bos: the tokenizer {tokenizer.identity['name']} has no beginning-of-sequence token")
+    name = tokenizer.name if tokenizer.name == "byte-v1" else tokenizer.identity["sha256"]
+    extra += f"bos={bos}" if bos is not None else ""
+    out_dir = Path(data_cfg.cache_dir) / f"{tag}-{_cache_key(name, root, files, extra)}"
     prefix = str(out_dir / "tokens")
     if out_dir.exists():
         found = problem(out_dir, full=data_cfg.verify_cache, required=("tokens.bin", "tokens.idx"))
         if found is None:
-            if build:
-                _check_index_dir(out_dir / "index", data_cfg.verify_cache)
             return prefix
         if not build:
             raise DataCacheError(f"data cache {out_dir}: {found}")
-        log.warning("data cache %s: %s; rebuilding it", out_dir, found)
-        _discard(out_dir)
     elif not build:
         raise DataCacheError(f"data cache {out_dir} does not exist after rank 0 built it: data.cache_dir must be "
                              "on a file system every node sees")
+    with BuildLock(out_dir, f"data cache {out_dir}", data_cfg.cache_wait_s):
+        # another job may have built (or rebuilt) it while this one waited for the lock
+        found = problem(out_dir, full=data_cfg.verify_cache, required=("tokens.bin", "tokens.idx")) \
+            if out_dir.exists() else None
+        if found is not None:
+            log.warning("data cache %s: %s; rebuilding it", out_dir, found)
+            discard(out_dir)
+        if not out_dir.exists():
+            # the temporary directories of builds that died: nobody else builds this one now
+            for leftover in out_dir.parent.glob(f".{out_dir.name}-*"):
+                shutil.rmtree(leftover, ignore_errors=True)
+            _tokenize(out_dir, tokenizer, root, files, data_cfg, seq_length, bos)
+    return prefix
+
+
+def _tokenize(out_dir: Path, tokenizer, root: Path, files: list[Path], data_cfg, seq_length: int | None,
+              bos: int | None) -> None:
+    share = getattr(data_cfg, "retrieval_share", 0.0)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
     tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared by every user of the checkout
     builder = IndexedDatasetBuilder(str(tmp / "tokens.bin"), dtype=np.int32)
     n_tokens = 0
+    head = [] if bos is None else [bos]
     for path in files:
-        ids = np.append(tokenizer.tokenize(path.read_bytes()), tokenizer.eod).astype(np.int32)
+        ids = np.concatenate([head, tokenizer.tokenize(path.read_bytes()), [tokenizer.eod]]).astype(np.int32)
         builder.add_document(ids, [ids.size])
         n_tokens += ids.size
     n_synthetic = 0
@@ -89,7 +117,7 @@ def prepare_tokens(data_cfg, build: bool = True, seq_length: int | None = None) 
         haystack = Haystack(files, pool_bytes=64 * seq_length + 4_000_000, seed=data_cfg.seed)
         target = int(n_tokens * share / (1.0 - share))
         for doc in training_documents(haystack, target, seq_length, seed=data_cfg.seed + 1):
-            ids = np.append(tokenizer.tokenize(doc), tokenizer.eod).astype(np.int32)
+            ids = np.concatenate([head, tokenizer.tokenize(doc), [tokenizer.eod]]).astype(np.int32)
             builder.add_document(ids, [ids.size])
             n_synthetic += ids.size
     builder.finalize(str(tmp / "tokens.idx"))
@@ -102,66 +130,75 @@ def prepare_tokens(data_cfg, build: bool = True, seq_length: int | None = None) 
     log.info("tokenized %d files (%.1f MB) from %s into %s: %d tokens%s", len(files),
              sum(p.stat().st_size for p in files) / 1e6, root, out_dir, n_tokens + n_synthetic,
              f" ({n_synthetic} in synthetic retrieval documents)" if n_synthetic else "")
-    return prefix
 
 
-def _discard(path: Path) -> None:
-    # renamed first: a process that has the files open keeps reading the old ones undisturbed
-    aside = path.with_name(f".{path.name}.damaged-{os.getpid()}")
-    os.rename(path, aside)
-    shutil.rmtree(aside, ignore_errors=True)
+def build_datasets(data_cfg, tokenizer, seq_length: int, train_samples: int, valid_samples: int = 0):
+    """(train, valid) GPTDatasets of samples of `seq_length` tokens (+1 for the shifted labels);
+    valid is None when `valid_samples` is 0.
 
-
-def _check_index_dir(index_dir: Path, full: bool) -> None:
-    """Rank 0, before megatron reads its sample indices: remove damaged or unrecorded ones (megatron
-    rebuilds them, cheaply; it checks only that the files exist)."""
-    if not index_dir.is_dir():
-        return
-    files = [p for p in index_dir.iterdir() if p.is_file()]
-    found = problem(index_dir, full=full) if files else None
-    if found is not None:
-        log.warning("data cache %s: %s; rebuilding the sample indices", index_dir, found)
-        _discard(index_dir)
-        return
-    for path in unrecorded(index_dir):
-        log.warning("data cache %s: %s was never recorded (a build that died?); rebuilding it", index_dir, path.name)
-        path.unlink()
-
-
-def build_train_dataset(data_cfg, seq_length: int, num_samples: int) -> GPTDataset:
-    """GPTDataset of `num_samples` samples of `seq_length` tokens (+1 for the shifted labels).
-
-    Every rank calls this; megatron builds the sample indices on rank 0 first, then the others
-    read them from the cache. Each item: tokens/labels int64 [seq_length], loss_mask float
+    The tokens come from the prepared datasets of data.blend (data.valid_blend for validation, or
+    each dataset's data.split share of documents), else from the file-directory corpus tokenized
+    into the cache (data.split cuts its documents likewise). Every rank calls this; rank 0 tokenizes
+    the corpus (or finds it, or waits for another job that builds it) while the others wait, then
+    megatron builds the sample indices on rank 0 and the others read them from the cache
+    (data/shared_build.py). Each item: tokens/labels int64 [seq_length], loss_mask float
     [seq_length], position_ids int64 [seq_length].
     """
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    prefix = prepare_tokens(data_cfg, build=rank == 0, seq_length=seq_length)
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
+    from .prepared import parse_blend
+
+    if data_cfg.blend:
+        # checked before the run started (data.prepared.check_blends); megatron reads them as they are
+        train_blend = tuple(parse_blend(data_cfg.blend, "data.blend")[:2])
+        index_dir = Path(data_cfg.cache_dir) / "indices"
+    else:
+        if rank == 0:
+            prefix = prepare_tokens(data_cfg, tokenizer, build=True, seq_length=seq_length)
+        wait_for_rank_0(data_cfg.cache_wait_s)
+        if rank != 0:
+            prefix = prepare_tokens(data_cfg, tokenizer, build=False, seq_length=seq_length)
+        train_blend = ([prefix], None)
+        index_dir = Path(prefix).parent / "index"
+    split = {"blend": train_blend, "split": ",".join(f"{float(x):g}" for x in data_cfg.split)}
+    if data_cfg.valid_blend:
+        split = {"blend_per_split": [train_blend, tuple(parse_blend(data_cfg.valid_blend, "data.valid_blend")[:2]),
+                                     None]}
     config = GPTDatasetConfig(
         random_seed=data_cfg.seed,
         sequence_length=seq_length,
-        blend=([prefix], None),
-        split="100,0,0",
-        path_to_cache=str(Path(prefix).parent / "index"),
-        tokenizer=build_tokenizer(data_cfg.tokenizer),
+        **split,
+        path_to_cache=str(index_dir),
+        tokenizer=tokenizer,
         reset_position_ids=False,
         reset_attention_mask=False,
-        eod_mask_loss=False,
+        eod_mask_loss=data_cfg.eod_mask_loss,
         # attention is causal by construction in our layers; no mask tensor is needed
         create_attention_mask=False,
     )
-    train, _, _ = BlendedMegatronDatasetBuilder(
-        GPTDataset, [num_samples, None, None], lambda: True, config
-    ).build()
-    index_dir = Path(config.path_to_cache)
-    if rank == 0 and index_dir.is_dir():
-        # megatron has written any missing indices by now (rank 0 builds them first)
-        new = [p.name for p in unrecorded(index_dir)]
-        if new:
-            record(index_dir, new)
-    return train
+    if "split" in split:
+        # only what the run reads is built: no test split, and a validation split only when evaluating
+        # (megatron would build every split its matrix names; a split without documents never ends)
+        config.split_matrix = [config.split_matrix[0], config.split_matrix[1] if valid_samples else None, None]
+        _check_split_documents(train_blend[0], config.split_matrix, data_cfg.split)
+    builder = BlendedMegatronDatasetBuilder(GPTDataset, [train_samples, valid_samples, 0], lambda: True, config)
+    train, valid, _ = build_megatron_datasets(builder, data_cfg.verify_cache, data_cfg.cache_wait_s)
+    if valid_samples and valid is None:
+        raise DataCacheError(f"no validation data: data.split {list(data_cfg.split)} leaves no document for "
+                             "validation; give it a larger second share, or data.valid_blend")
+    return train, valid
+
+
+def _check_split_documents(prefixes: list[str], split_matrix, split) -> None:
+    """Every split the run reads holds documents of every dataset (megatron cuts each dataset's
+    documents by the split's fractions, rounded)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    for prefix in prefixes:
+        n = len(IndexedDataset(prefix, mmap=True).index.sequence_lengths)
+        for name, span in zip(("training", "validation"), split_matrix):
+            if span is not None and int(round(span[1] * n)) <= int(round(span[0] * n)):
+                raise DataCacheError(f"data.split {list(split)} leaves no {name} document of {prefix} ({n:,} documents); "
+                                     f"give {name} a larger share, or its own datasets (data.valid_blend)")
 
 
 class MicroBatchSampler:

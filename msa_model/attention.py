@@ -110,6 +110,9 @@ class CausalSelfAttention(SelfAttention):
                          attn_mask_type=attn_mask_type, cp_comm_type=cp_comm_type,
                          pg_collection=pg_collection, pp_layer_offset=pp_layer_offset, name=name)
         self.options = options or MSAOptions()
+        # in evaluation (no graph), record the step metrics (keys per query, the indexer KL) as
+        # training does: set by `record_evaluation_metrics` for the trainer's validation only
+        self.evaluation_metrics = False
 
     def _document_starts(self, hidden_states, attention_mask, megatron_inputs: dict) -> torch.Tensor | None:
         """The document starts int [B, S] of this rank's tokens that megatron's attention_mask slot
@@ -192,6 +195,9 @@ class CausalSelfAttention(SelfAttention):
         """linear_proj of the attention output: ([S, B, hidden], bias)."""
         return self.linear_proj(o_BSHD.transpose(0, 1).reshape(o_BSHD.shape[1], o_BSHD.shape[0], -1))
 
+    def _evaluating(self) -> bool:
+        return self.evaluation_metrics and not self.training
+
     def _record_step_metrics(self, keys: torch.Tensor, kl: torch.Tensor | None = None) -> None:
         """Record keys per query and the KL in megatron's MoE metrics tracker: per-rank means over
         this rank's groups (TP) and queries (CP), whose mean over `metrics_group` is the layer's."""
@@ -212,7 +218,7 @@ class DenseSelfAttention(CausalSelfAttention):
         output, bias = self._project(o_BSHD)
         # recorded with a graph only: not in evaluation, nor in the first pass of a layer that
         # megatron's full recompute reruns in backward (it records then, once)
-        if torch.is_grad_enabled() and self.options.dense_keys_metric:
+        if (torch.is_grad_enabled() or self._evaluating()) and self.options.dense_keys_metric:
             self._record_step_metrics(keys)
         return output, bias
 
@@ -296,8 +302,10 @@ class MSASelfAttention(CausalSelfAttention):
         o_BSHD, kl, keys = self._recomputed(self._core, q, k, v, iq, ik, doc_start)
         output, bias = self._project(o_BSHD)
         if not torch.is_grad_enabled():
-            # no graph to attach the KL to (evaluation, or the first pass of a layer that
-            # megatron's full recompute reruns in backward: it records and attaches then, once)
+            # no graph to attach the KL to: the trainer's validation records it; the first pass of a
+            # layer that megatron's full recompute reruns in backward does not (it records then, once)
+            if self._evaluating():
+                self._record_step_metrics(keys, kl)
             return output, bias
         # a KL whose teacher comes from the attention's backward is recorded there (`_core`)
         self._record_step_metrics(keys, None if self._late_kl else kl)
@@ -376,8 +384,8 @@ class MSASelfAttention(CausalSelfAttention):
                 local_blocks=msa.local_blocks, index_precision=msa.index_precision,
                 kl_teacher="backward" if self._late_kl else "forward", on_kl=record,
                 kl_temperature=msa.kl_temperature, document_plan=plan, fp8_probs=msa.fp8_probs,
-                # without a graph the layer drops the KL (evaluation, full recompute's first pass)
-                with_kl=torch.is_grad_enabled(),
+                # without a graph the layer drops the KL (full recompute's first pass, inference)
+                with_kl=torch.is_grad_enabled() or self._evaluating(),
             )
             if self.diagnostics_capture is not None:
                 # the first forward after arming only (a recomputation finds the capture sealed)
@@ -429,6 +437,14 @@ def msa_layers(model: torch.nn.Module):
     """Every MSASelfAttention inside `model` (a module or a list of model chunks)."""
     chunks = model if isinstance(model, (list, tuple)) else [model]
     return [m for chunk in chunks for m in chunk.modules() if isinstance(m, MSASelfAttention)]
+
+
+def record_evaluation_metrics(model, on: bool) -> None:
+    """Whether the attention layers of `model` record their step metrics (keys per query, the
+    indexer KL) in evaluation mode without a graph, as the trainer's validation wants."""
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    for layer in (m for chunk in chunks for m in chunk.modules() if isinstance(m, CausalSelfAttention)):
+        layer.evaluation_metrics = on
 
 
 def set_msa_phase(model, sparse: bool) -> None:

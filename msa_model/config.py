@@ -12,7 +12,7 @@ import math
 import signal
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -20,6 +20,15 @@ from omegaconf import MISSING
 
 class ConfigError(ValueError):
     """A configuration that cannot run; the message names the fields involved."""
+
+
+_PROBLEMS = "invalid configuration:\n  - "
+
+
+def config_problems(error: ConfigError) -> list[str]:
+    """The problem lines of a ConfigError raised by `validate`."""
+    text = str(error)
+    return text[len(_PROBLEMS):].split("\n  - ") if text.startswith(_PROBLEMS) else [text]
 
 
 # the production geometry of docs/msa.md ("Defaults"), which MiniMax's kernels hard-code: the ops'
@@ -144,25 +153,56 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    # "stdlib": the Python standard library sources shipped with the interpreter;
-    # otherwise a directory whose files matching `glob` form the corpus
-    source: str = "stdlib"
+    """Where the tokens come from (docs/data.md): prepared datasets (`blend`, made by
+    `python -m data.prepare`) or, when no blend is given, a directory of text files tokenized into a
+    cache at the first use (the embedded default: the standard library's sources)."""
+
+    # "stdlib": the Python standard library sources shipped with the interpreter; otherwise a
+    # directory whose files matching `glob` form the corpus (used when `blend` is not set); None:
+    # no such corpus (the full-scale recipes: they train on data.blend)
+    source: Optional[str] = "stdlib"
     glob: str = "**/*.py"
     max_bytes: int = 4_000_000  # corpus bound, files taken in sorted order
-    tokenizer: str = "byte"
-    # the tokenized corpus; MSA_DATA_CACHE_DIR moves the default (e.g. to a shared scratch disk)
+    # `byte`, or a local Hugging Face tokenizer directory. None: the tokenizer of the checkpoint the
+    # run starts from (resume, then init_from) when it has one, else the one the blend's datasets
+    # were prepared with when that directory still exists, else `byte`
+    tokenizer: Optional[str] = None
+    # the token that ends a document; None: the tokenizer's end-of-sequence token
+    eod_token: Optional[str] = None
+    # the file-directory corpus: put the tokenizer's beginning-of-sequence token before each
+    # document (prepared datasets record their own choice: `data.prepare --add-bos`)
+    add_bos: bool = False
+    # prepared datasets, megatron's blend: [[weight, prefix], ...] (or plain prefixes, weight 1);
+    # each prefix names PREFIX.bin / PREFIX.idx / PREFIX.json written by `python -m data.prepare`
+    blend: Optional[List[Any]] = None
+    # documents of every dataset split [train, validation, test] by these proportions (megatron's
+    # split, as a list: data.split=[98,2,0])
+    split: List[float] = field(default_factory=lambda: [99.0, 1.0, 0.0])
+    # validation datasets of their own, in the blend's format; the split then serves training only
+    valid_blend: Optional[List[Any]] = None
+    # leave end-of-document tokens out of the loss; restart position ids after each of them
+    eod_mask_loss: bool = False
+    reset_position_ids: bool = False
+    # refuse | allow: a run whose tokenizer differs from its datasets' or its checkpoint's
+    tokenizer_mismatch: str = "refuse"
+    # the tokenized corpus and the sample indices; MSA_DATA_CACHE_DIR moves the default (e.g. to a
+    # shared scratch disk)
     cache_dir: str = "${oc.env:MSA_DATA_CACHE_DIR,.cache/data}"
+    # how long a rank waits for rank 0 to prepare the data, and a job for another job that builds
+    # the same cache (data/shared_build.py), before it gives up naming the builder
+    cache_wait_s: float = 3600.0
     seed: int = 1234
     # packed documents are separate sequences: each token attends to (and the indexer selects
     # from) its own document only, found from end-of-document tokens. Positions are not reset:
     # RoPE scores depend on relative positions only, so a document sees the same scores at any
     # offset (docs/msa.md, "Packed documents")
     document_mask: bool = False
-    # also hash every byte of the cached tokens and indices before use (sizes and sampled blocks
-    # are always checked)
+    # also hash every byte of the cached tokens, the prepared datasets and the sample indices
+    # before use (sizes and sampled blocks are always checked)
     verify_cache: bool = False
     # share of the training tokens in synthetic retrieval documents (data/retrieval.py: passkey,
-    # multi-key, variable tracking; up to model.seq_length tokens each); 0: none
+    # multi-key, variable tracking; up to model.seq_length tokens each); 0: none. File-directory
+    # corpus only
     retrieval_share: float = 0.0
 
 
@@ -181,6 +221,11 @@ class OptimConfig:
     # None: the index branch is clipped with the rest on the global norm (optim.clip_grad); a value:
     # the index branch is clipped to it on its own norm, the rest to clip_grad on theirs
     index_clip_grad: Optional[float] = None
+    # the lr schedule's step at this run's start (its warmup and decay as if that many steps had
+    # run): a run that continues another's schedule, e.g. CPT branched from a dense run at step s
+    # with the dense run's lr, warmup_steps and decay_steps, gives s. Only a fresh run applies it
+    # (a resumed one takes the step from its checkpoint)
+    schedule_start_step: int = 0
     use_distributed_optimizer: bool = True
 
 
@@ -240,6 +285,10 @@ class TrainerConfig:
     # SIGINT (Ctrl-C) aborts without saving
     stop_signals: List[str] = field(default_factory=lambda: ["SIGUSR1", "SIGTERM", "SIGINT"])
     device: str = "auto"  # auto | cpu | cuda
+    # held-out loss every N steps (a multiple of logging.log_interval) and at the last step, on
+    # eval_iters global batches of the validation split or data.valid_blend; 0: off
+    eval_interval: int = 0
+    eval_iters: int = 4
     # the same losses and weights bit for bit run to run and across stop and resume: torch's
     # deterministic algorithms, cuBLAS and NCCL settings, ordered sums instead of atomics in the
     # kernels (msa_model/training/determinism.py); slower
@@ -290,6 +339,10 @@ class TrainConfig:
     # init_from a checkpoint of another shape: load the tensors whose name and shape match, keep
     # the rest freshly initialised (otherwise differing models are refused, naming the fields)
     init_from_partial: bool = False
+    # continue the data stream where the init_from checkpoint's run stopped: the first step reads
+    # the sample after the last one that run trained on (its consumed samples; a dense-to-msa
+    # conversion carries its source's). The run's own step and token counts start at 0
+    init_from_data_position: bool = False
     # the recipe continues another model (CPT): refuse to start from random weights
     requires_init_from: bool = False
     dry_run: bool = False
@@ -394,6 +447,48 @@ def _check_m3_options(errors: list[str], m) -> None:
            "model.mlp_types names moe layers but model.num_experts is 0")
 
 
+def split_shares(split) -> list[float] | None:
+    """data.split [train, validation, test] as three shares summing to 1, or None."""
+    shares = [float(x) for x in split]
+    if len(shares) != 3 or min(shares) < 0 or shares[0] <= 0:
+        return None
+    return [x / sum(shares) for x in shares]
+
+
+def _check_data(errors: list[str], d, t, logging_cfg, dry_run: bool = False) -> None:
+    """The data keys and the validation schedule (the files themselves: data.prepared.check_blends)."""
+    from data.prepared import parse_blend
+
+    # a dry run shows a full-scale recipe as it stands; a run needs the user's datasets
+    _check(errors, dry_run or bool(d.blend) or d.source is not None,
+           "no training data: set data.blend=[[weight,prefix],...] (datasets made by `python -m data.prepare`, "
+           "docs/data.md), or data.source=DIR (a directory of text files)")
+    shares = split_shares(d.split)
+    _check(errors, shares is not None, f"data.split must be three non-negative numbers [train, validation, test] "
+           f"with a positive train share (e.g. [98,2,0]), got {list(d.split)}")
+    _check(errors, d.tokenizer_mismatch in ("refuse", "allow"),
+           f"data.tokenizer_mismatch must be refuse or allow, got {d.tokenizer_mismatch!r}")
+    for key in ("blend", "valid_blend"):
+        errors += parse_blend(getattr(d, key), f"data.{key}")[2]
+    _check(errors, not (d.blend and d.retrieval_share > 0),
+           "data.retrieval_share mixes synthetic documents into the file-directory corpus only; with data.blend, "
+           "prepare them as a dataset of their own and blend it")
+    # RoPE scores depend on relative positions only, so within a document restarted positions change
+    # nothing; across documents (no document mask) the rotary table would need per-token positions
+    _check(errors, not d.reset_position_ids or d.document_mask,
+           "data.reset_position_ids needs data.document_mask=true: with rotary embeddings a masked document "
+           "already scores as if its positions started at 0; positions restarted without the mask are not supported")
+    _check(errors, t.eval_interval >= 0, f"trainer.eval_interval must be >= 0, got {t.eval_interval}")
+    if t.eval_interval > 0:
+        _check(errors, t.eval_interval % logging_cfg.log_interval == 0,
+               f"trainer.eval_interval ({t.eval_interval}) must be a multiple of logging.log_interval "
+               f"({logging_cfg.log_interval})")
+        _check(errors, t.eval_iters > 0, f"trainer.eval_iters must be positive, got {t.eval_iters}")
+        _check(errors, bool(d.valid_blend) or shares is None or shares[1] > 0,
+               f"trainer.eval_interval={t.eval_interval} needs validation data: a data.split with a validation "
+               f"share (e.g. [98,2,0]; now {list(d.split)}) or data.valid_blend")
+
+
 def _check_launch(errors: list[str], launch) -> None:
     for name in ("nodes", "ranks_per_node", "time_min"):
         value = getattr(launch, name)
@@ -427,12 +522,14 @@ def validate(cfg, world_size: Optional[int] = None, gpu: Optional[bool] = None) 
                         ("model.ffn_hidden_size", m.ffn_hidden_size), ("model.moe_ffn_hidden_size", m.moe_ffn_hidden_size),
                         ("model.make_vocab_size_divisible_by", m.make_vocab_size_divisible_by),
                         ("model.norm_eps", m.norm_eps), ("model.rotary_base", m.rotary_base),
-                        ("optim.lr", o.lr), ("optim.eps", o.eps), ("data.max_bytes", cfg.data.max_bytes)):
+                        ("optim.lr", o.lr), ("optim.eps", o.eps), ("data.max_bytes", cfg.data.max_bytes),
+                        ("data.cache_wait_s", cfg.data.cache_wait_s)):
         _check(errors, value > 0, f"{name} must be positive, got {value}")
     for name, value in (("model.num_experts", m.num_experts), ("model.moe_shared_expert_size", m.moe_shared_expert_size),
                         ("model.moe_aux_loss_coeff", m.moe_aux_loss_coeff), ("model.msa.kl_coeff", msa.kl_coeff),
                         ("trainer.indexer_warmup_tokens", t.indexer_warmup_tokens),
                         ("optim.min_lr", o.min_lr), ("optim.warmup_steps", o.warmup_steps),
+                        ("optim.schedule_start_step", o.schedule_start_step),
                         ("optim.weight_decay", o.weight_decay), ("optim.clip_grad", o.clip_grad),
                         ("checkpoint.interval", cfg.checkpoint.interval), ("checkpoint.keep", cfg.checkpoint.keep)):
         _check(errors, value >= 0, f"{name} must be >= 0, got {value}")
@@ -524,6 +621,8 @@ def validate(cfg, world_size: Optional[int] = None, gpu: Optional[bool] = None) 
     _check(errors, not cfg.requires_init_from or bool(cfg.init_from) or cfg.dry_run,
            f"recipe {cfg.name} continues a dense checkpoint: set init_from=PATH (an MSA checkpoint made by "
            "`python -m msa_model.convert dense-to-msa` or `hf-to-msa`)")
+    _check(errors, not cfg.init_from_data_position or bool(cfg.init_from),
+           "init_from_data_position=true needs init_from=PATH (the checkpoint whose data position it continues)")
     _check(errors, cfg.resume in ("auto", "fallback", "never"),
            f"resume must be auto, fallback or never, got {cfg.resume!r}")
     for field_name, names in (("trainer.stop_signals", t.stop_signals),
@@ -532,6 +631,7 @@ def validate(cfg, world_size: Optional[int] = None, gpu: Optional[bool] = None) 
         _check(errors, not bad, f"{field_name}: unknown signal name(s) {bad} (use names like SIGUSR1, SIGTERM)")
     _check(errors, 0.0 <= cfg.data.retrieval_share < 1.0,
            f"data.retrieval_share must be in [0, 1), got {cfg.data.retrieval_share}")
+    _check_data(errors, cfg.data, t, cfg.logging, cfg.dry_run)
     _check(errors, o.index_clip_grad is None or o.index_clip_grad > 0,
            f"optim.index_clip_grad must be positive or null, got {o.index_clip_grad}")
     _check(errors, o.index_clip_grad is None or m.attention == "msa",

@@ -68,10 +68,10 @@ def _human(n: int) -> str:
 
 def dry_run_report(cfg: DictConfig, world_size: int) -> str:
     """What dry_run=true prints: config, `total_params=`/`active_params=`, layout, memory."""
-    from data.tokenizer import build_tokenizer
+    from msa_model.training.data_setup import checkpoint_run_tokenizer, step_dir_of
     from msa_model.training.distributed import parallel_layout
 
-    vocab = build_tokenizer(cfg.data.tokenizer).vocab_size
+    vocab = checkpoint_run_tokenizer(cfg, step_dir_of(cfg.init_from)).vocab_size
     built = built_parameter_counts(cfg, vocab)
     analytic = count_parameters(cfg.model, vocab)
     layout_world = world_size

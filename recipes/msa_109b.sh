@@ -9,7 +9,7 @@
 # Every setting is in configs/recipe/msa_109b_{dense,pt,cpt}.yaml (`python train.py
 # recipe=msa_109b_pt dry_run=true` prints it); this script converts the dense checkpoint for CPT
 # and submits with `python -m launch.slurm`. Extra Hydra overrides after the recipe's arguments are
-# passed on (e.g. data.source=/data/corpus run_dir=...). Set PARTITION / ACCOUNT / TIME (a SLURM
+# passed on (e.g. data.blend=[[0.7,/data/web],[0.3,/data/code]] run_dir=...). Set PARTITION / ACCOUNT / TIME (a SLURM
 # time; the recipe's is 48:00:00) in the environment; DRY_RUN=1 prints the job script only.
 set -euo pipefail
 PY=${PYTHON:-python}  # the project virtualenv's python (.venv/bin/python) unless activated

@@ -1,67 +1,275 @@
-"""Quality experiment: dense vs MSA-PT vs MSA-CPT at equal tokens, then the long-context eval, loss
-curves and a results table. Resumable: every call does what its time budget allows and the next
-call goes on (training jobs get SIGTERM before the budget ends, save and exit cleanly).
+"""Quality study: does MSA train as well as dense attention? Dense, MSA-PT and MSA-CPT (and any
+ablation arm) at equal tokens over several seeds, several runs side by side on each GPU; per arm
+the mean and std of the final loss and the paired difference to its reference (same seed).
 
-    python scripts/quality_experiment.py --work runs/quality --out OUT [--budget 480] [--tokens 30e6]
-    python scripts/quality_experiment.py --preset tiny --work /tmp/q --out /tmp/q/out --tokens 24576   # CPU check
+    python scripts/quality_experiment.py --work runs/quality --out OUT --budget 540 --tokens 10e6 --seeds 3 --lanes 6
+    python scripts/quality_experiment.py --preset tiny --corpus stdlib --work /tmp/q --out /tmp/q/out --tokens 16384
 
-With `--gpus 0,1` two lanes run side by side: dense, convert and CPT on the first GPU, PT on the
-second (it starts once the dense run has built the data cache they share).
+Arms (`--arms`, default dense,pt,cpt; `--arm "NAME=BASE KEY=VALUE ..."` adds one, repeatable):
+    dense   recipe=dense
+    pt      recipe=pt, indexer warmup for --warmup-share of the tokens
+    cpt     the reference arm's run of the same seed (dense) converted at its mid-way step
+            (`python -m msa_model.convert dense-to-msa`), then recipe=cpt for the other half, made
+            fair: the data stream continues where the dense run was (init_from_data_position),
+            the lr follows the dense run's remaining schedule (optim.schedule_start_step, same lr,
+            decay steps and end), the index branch is clipped on its own (optim.index_clip_grad)
+            and warms up for the same tokens as pt
+    dense-retr, pt-retr   dense and pt on a retrieval-heavy mixture (--retrieval-arm-share of the
+            tokens synthetic retrieval documents, `data/retrieval.py`), evaluated (passkey,
+            multi-key, variable tracking at --eval-lengths); pt-retr's reference is dense-retr
+    NAME=BASE KEY=VALUE ...   BASE's run (dense, pt, cpt or an arm above) with train.py overrides
+            on top, e.g. "pt-lb2=pt model.msa.local_blocks=2"; `vs=ARM` names its reference
+            (default dense; a cpt-based arm branches from its reference's runs)
+Every arm runs seeds 0..N-1 (`--seeds N`: trainer.seed; the data order is the same for every
+seed, so a paired difference compares two models on the same batches).
 
-Stages, each skipped once done:
-    dense-mid   recipe=dense up to half the steps (checkpoint there)
-    convert     that checkpoint -> MSA (`python -m msa_model.convert dense-to-msa`): the CPT start
-    dense       recipe=dense to the end
-    pt          recipe=pt from scratch, indexer warmup for `--warmup-share` of the tokens
-    cpt         recipe=cpt from the converted mid-way checkpoint for the other half of the steps,
-                the same warmup tokens (so it has seen as many tokens as the others at its end)
-    eval-*      python -m msa_model.eval on each final checkpoint (MSA in the sparse phase)
-    report      <work>/report/quality.md (table, targets met or missed), loss_curves.png; copied
-                with the eval results to --out
-All runs read the same corpus (default: this interpreter's site-packages) with the same share of
-synthetic retrieval documents; MSA runs log diagnostics (recall@k) every `diag` steps.
+Lanes: every run is one train.py process; up to --lanes of them share each GPU of --gpus (`small`
+at 8K with micro-batch 1: about 14 GiB estimated, 17 measured: six fit on an H200). Runs start in
+seed order, dense first (CPT needs its mid-way checkpoint); the first run of a data mixture
+starts alone until it has built the tokenized cache and logged a step, then the others follow.
+
+Resumable: a call does what --budget seconds allow. Before the end, running jobs get SIGTERM
+(they save and exit) as far as the free disk holds their checkpoints (`small`: about 8.5 GiB
+each), the rest are killed and restart from their last checkpoint. The same command continues
+in the same --work. A machine that lost --work continues from the finished runs of an earlier
+call's OUT/runs.tar.gz given to --import (a CPT run whose dense parent was imported re-trains the
+parent to mid-way first). Finished runs' checkpoints are deleted unless evaluated or
+--keep-checkpoints (disk).
+
+Report (scripts/quality_report.py; every call, also when not finished): <work>/report and --out:
+quality.md, quality.json, loss_curves.png, runs.tar.gz (metrics, logs, eval results), driver.log.
+Final loss of a run: the mean lm loss of its last --final-window logged intervals.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import sysconfig
-import threading
+import tarfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from quality_report import archive, markdown, plot, records, summarize  # noqa: E402
 PRESETS = {
     # one H200: 8K context, 8 x 8K tokens a step
-    "small": {"model": "small", "micro": 4, "gbs": 8, "log": 10, "diag": 50, "samples": 2, "loss_sequences": 4,
-              "lengths": [1024, 2048, 4096, 8192, 16384, 32768], "max_bytes": 200_000_000},
+    "small": {"model": "small", "seq": 8192, "micro": 1, "gbs": 8, "log": 10, "diag": 50, "warmup_steps": 10,
+              "max_bytes": 200_000_000, "lengths": [2048, 8192, 32768], "samples": 2, "loss_sequences": 4,
+              "final_window": 5, "ckpt_gib": 8.5, "stop_margin": 120, "start_cost": 150, "gpus": "0"},
     # CPU check of the whole pipeline
-    "tiny": {"model": "tiny", "micro": 2, "gbs": 4, "log": 2, "diag": 4, "samples": 1, "loss_sequences": 2,
-             "lengths": [256, 512], "max_bytes": 4_000_000},
+    "tiny": {"model": "tiny", "seq": 512, "micro": 2, "gbs": 4, "log": 2, "diag": 2, "warmup_steps": 1,
+             "max_bytes": 4_000_000, "lengths": [256, 512], "samples": 1, "loss_sequences": 2,
+             "final_window": 2, "ckpt_gib": 0.1, "stop_margin": 20, "start_cost": 10, "gpus": None},
 }
-SAVE_MARGIN_S = 90  # a checkpoint save of `small` plus the last step, before the call's budget ends
+# left out of a run's settings signature: paths under --work, and checkpointing (which does not
+# change what a run trains, so a dense run made without a CPT arm serves one made with it)
+UNSIGNED = ("run_dir", "data.cache_dir", "init_from", "checkpoint.")
+LOG = None
+
+
+def say(msg: str) -> None:
+    line = f"[{time.strftime('%H:%M:%S')}] {msg}"
+    print(line, flush=True)
+    if LOG is not None:
+        with open(LOG, "a") as f:
+            f.write(line + "\n")
+
+
+class InputError(ValueError):
+    """Bad options; the message names the option."""
 
 
 class Budget:
     def __init__(self, seconds: float):
-        self.end = time.monotonic() + seconds
+        self.start = time.monotonic()
+        self.end = self.start + seconds
 
     def left(self) -> float:
         return self.end - time.monotonic()
 
+    def used(self) -> float:
+        return time.monotonic() - self.start
 
-def say(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+@dataclass
+class Arm:
+    name: str
+    base: str  # dense | pt | cpt
+    overrides: list[str] = field(default_factory=list)
+    ref: str | None = "dense"  # the arm it is compared with (same seed); a cpt arm branches from it
+    eval: bool = False
 
 
-def _env(gpu: str | None) -> dict:
-    return dict(os.environ, CUDA_VISIBLE_DEVICES=gpu) if gpu is not None else dict(os.environ)
+@dataclass
+class Run:
+    name: str
+    arm: Arm
+    seed: int
+    steps: int
+    overrides: list[str]
+    dir: Path
+    parent: str | None = None  # cpt: the reference run whose mid-way checkpoint it starts from
+    init: Path | None = None  # cpt: the converted checkpoint
+
+
+def parse_arm(text: str, known: dict[str, Arm]) -> Arm:
+    """"NAME=BASE KEY=VALUE ... [vs=ARM]" -> an Arm built on BASE (a base or an arm defined before)."""
+    parts = text.split()
+    if not parts or "=" not in parts[0]:
+        raise InputError(f"--arm {text!r}: write NAME=BASE followed by train.py overrides KEY=VALUE")
+    name, base = parts[0].split("=", 1)
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name) or name in known:
+        raise InputError(f"--arm {text!r}: {name!r} is taken or not a plain name (letters, digits, '_', '.', '-')")
+    if base not in known:
+        raise InputError(f"--arm {text!r}: unknown base {base!r} (known: {', '.join(known)})")
+    parent = known[base]
+    ref, overrides = parent.ref, list(parent.overrides)
+    for item in parts[1:]:
+        if "=" not in item:
+            raise InputError(f"--arm {text!r}: {item!r} is not KEY=VALUE")
+        if item.startswith("vs="):
+            ref = item[3:]
+        else:
+            overrides.append(item)
+    return Arm(name, parent.base, overrides, ref, parent.eval)
+
+
+def builtin_arms(args) -> dict[str, Arm]:
+    retr = [f"data.retrieval_share={args.retrieval_arm_share}", f"data.max_bytes={args.retrieval_arm_max_bytes}"]
+    return {"dense": Arm("dense", "dense", [], None), "pt": Arm("pt", "pt"), "cpt": Arm("cpt", "cpt"),
+            "dense-retr": Arm("dense-retr", "dense", retr, None, eval=True),
+            "pt-retr": Arm("pt-retr", "pt", retr, "dense-retr", eval=True)}
+
+
+def key_of(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def merged(*lists: list[str]) -> list[str]:
+    """Overrides in order, a later value of a key replacing an earlier one in place."""
+    out: dict[str, str] = {}
+    for items in lists:
+        for item in items:
+            out[key_of(item)] = item
+    return list(out.values())
+
+
+def value_of(overrides: list[str], key: str) -> str | None:
+    for item in reversed(overrides):
+        if key_of(item) == key and "=" in item:
+            return item.split("=", 1)[1]
+    return None
+
+
+class Study:
+    """The plan (arms x seeds), its file layout under --work and what is done there."""
+
+    def __init__(self, args):
+        self.args = args
+        p = self.preset = PRESETS[args.preset]
+        self.work = Path(args.work).resolve()
+        self.step_tokens = args.gbs * p["seq"]
+        steps = max(4, round(args.tokens / self.step_tokens))
+        self.steps = steps + steps % 2
+        self.mid = self.steps // 2
+        self.warmup_tokens = max(2 * self.step_tokens,
+                                 round(args.warmup_share * self.steps) * self.step_tokens)
+        self.common = [
+            f"model={p['model']}", f"parallel.micro_batch_size={args.micro}", f"parallel.global_batch_size={args.gbs}",
+            f"logging.log_interval={p['log']}", "logging.wandb_mode=disabled", "logging.progress_bar=false",
+            "logging.tensorboard=false", "checkpoint.interval=0", "checkpoint.keep=1",
+            f"data.source={args.corpus}", f"data.max_bytes={p['max_bytes']}", f"data.cache_dir={self.work / 'data'}",
+            f"data.retrieval_share={args.retrieval_share}", f"optim.lr={args.lr}", f"optim.min_lr={args.min_lr}",
+            f"optim.warmup_steps={p['warmup_steps']}"]
+        self.msa = [f"trainer.indexer_warmup_tokens={self.warmup_tokens}",
+                    f"logging.msa_diagnostics_interval={p['diag']}"]
+        known = builtin_arms(args)
+        chosen = [a for a in args.arms.split(",") if a]
+        bad = [a for a in chosen if a not in known]
+        if bad:
+            raise InputError(f"--arms: unknown {bad} (built in: {', '.join(known)}; define others with --arm)")
+        self.arms = {a: known[a] for a in chosen}
+        for text in args.arm:
+            arm = parse_arm(text, {**known, **self.arms})
+            self.arms[arm.name] = arm
+        for name in args.eval.split(",") if args.eval else []:
+            if name not in self.arms:
+                raise InputError(f"--eval: {name!r} is not an arm of this study ({', '.join(self.arms)})")
+            self.arms[name].eval = True
+        for arm in list(self.arms.values()):
+            if arm.ref is not None and arm.ref not in self.arms:
+                if arm.ref in known and known[arm.ref].base == "dense":
+                    self.arms[arm.ref] = known[arm.ref]  # a reference arm comes along
+                else:
+                    raise InputError(f"arm {arm.name}: its reference {arm.ref!r} is not an arm of this study")
+            if arm.base == "cpt" and self.arms[arm.ref].base != "dense":
+                raise InputError(f"arm {arm.name}: a cpt arm branches from a dense arm, not {arm.ref!r}")
+        # references first (CPT needs their mid-way checkpoints)
+        order = sorted(self.arms.values(), key=lambda a: (a.base != "dense", list(self.arms).index(a.name)))
+        self.runs: dict[str, Run] = {}
+        for seed in range(args.seeds):
+            for arm in order:
+                run = self._run(arm, seed)
+                self.runs[run.name] = run
+
+    def _run(self, arm: Arm, seed: int) -> Run:
+        name = f"{arm.name}-s{seed}"
+        base = [f"recipe={arm.base}", f"trainer.seed={seed}"]
+        steps, parent, init = self.steps, None, None
+        if arm.base == "dense":
+            if any(a.base == "cpt" and a.ref == arm.name for a in self.arms.values()):
+                # the CPT branch point; the save after it keeps it until it is converted
+                base += [f"checkpoint.interval={self.mid}", "checkpoint.keep=2"]
+        elif arm.base == "pt":
+            base += self.msa
+        else:
+            steps, parent = self.steps - self.mid, f"{arm.ref}-s{seed}"
+            init = self.work / "branch" / parent
+            decay = value_of(self.args.override, "optim.decay_steps") or str(self.steps)
+            base += [*self.msa, f"init_from={init}", "init_from_data_position=true",
+                     f"optim.schedule_start_step={self.mid}", f"optim.decay_steps={decay}",
+                     f"optim.index_clip_grad={self.args.index_clip_grad}"]
+        if not arm.eval:
+            base.append("checkpoint.save_at_end=false")
+        overrides = merged(self.common, self.args.override, base, arm.overrides, [f"trainer.max_steps={steps}"])
+        return Run(name, arm, seed, steps, overrides, self.work / name, parent, init)
+
+    # --- state on disk -------------------------------------------------------------------------
+
+    def signature(self, overrides: list[str]) -> list[str]:
+        return sorted(o.replace(str(self.work), "<work>") for o in overrides if not key_of(o).startswith(UNSIGNED))
+
+    def data_signature(self, run: Run) -> str:
+        keys = [o for o in run.overrides if key_of(o).startswith("data.") or key_of(o) == "model.seq_length"]
+        return hashlib.sha256("\n".join(sorted(keys)).encode()).hexdigest()[:12]
+
+    def done(self, run: Run) -> bool:
+        return (run.dir / "done.json").is_file()
+
+    def check_settings(self, run: Run) -> None:
+        """Refuse a run directory started with other settings (another --tokens, arm definition...)."""
+        path = run.dir / "driver.json"
+        if not path.is_file():
+            return
+        had = json.loads(path.read_text())["settings"]
+        now = self.signature(run.overrides)
+        if had != now:
+            diff = sorted(set(had) ^ set(now))
+            raise InputError(f"{run.dir} was started with other settings ({', '.join(diff[:6])}); give another "
+                             "--work or remove it")
+
+    def eval_dir(self, run: Run) -> Path:
+        return self.work / "eval" / run.name
 
 
 def latest_step(run_dir: Path) -> int:
@@ -69,246 +277,489 @@ def latest_step(run_dir: Path) -> int:
     return int(pointer.read_text().strip().split("_")[-1]) if pointer.is_file() else 0
 
 
-def train(name: str, args, common: list[str], extra: list[str], until: int, max_steps: int, budget: Budget,
-          gpu: str | None = None) -> bool:
-    """Train `name` (a run of `max_steps`) until its latest checkpoint is at step `until`; False when
-    the budget ran out."""
-    run_dir = Path(args.work) / name
-    if latest_step(run_dir) >= until:
-        return True
-    if budget.left() < SAVE_MARGIN_S + 60:
+def dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+@dataclass
+class Job:
+    name: str
+    kind: str  # train | parent | convert | eval
+    cmd: list[str]
+    log: Path
+    gpu: str | None
+    proc: subprocess.Popen | None = None
+    run: Run | None = None
+    stopped: bool = False
+    started_step: int = 0
+
+
+class Scheduler:
+    def __init__(self, study: Study, budget: Budget):
+        self.s, self.budget, self.args = study, budget, study.args
+        self.jobs: dict[str, Job] = {}
+        self.failed: dict[str, str] = {}
+        self.gpus = study.args.gpus.split(",") if study.args.gpus else [None]
+        self.ckpt_bytes = study.preset["ckpt_gib"] * 2**30
+        self.ready_data = study.work / ".data-ready"
+        self.call_steps: dict[str, tuple[int, int]] = {}  # run -> (step at start of call, step now)
+        self.measured: set[Path] = set()
+        # the budget's last seconds: stop saves (or kills) and the report
+        self.stop_margin = study.preset["stop_margin"] if study.args.stop_save == "auto" else 15
+        cores = os.cpu_count() or 1
+        self.threads = max(1, cores // (len(self.gpus) * study.args.lanes))
+
+    def env(self, gpu: str | None) -> dict:
+        env = dict(os.environ, OMP_NUM_THREADS=str(self.threads), PYTHONUNBUFFERED="1")
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(key, None)
+        if gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpu
+        return env
+
+    def free_gpu(self) -> str | None | bool:
+        """The GPU with a free lane and the fewest jobs (None on CPU); False when every lane is busy."""
+        load = {g: 0 for g in self.gpus}
+        for job in self.jobs.values():
+            if job.kind != "convert":
+                load[job.gpu] += 1
+        gpu = min(load, key=load.get)
+        return gpu if load[gpu] < self.args.lanes else False
+
+    def start(self, job: Job) -> None:
+        job.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(job.log, "a") as logf:
+            job.proc = subprocess.Popen(job.cmd, cwd=REPO, stdout=logf, stderr=subprocess.STDOUT, env=self.env(job.gpu))
+        self.jobs[job.name] = job
+        where = f" on GPU {job.gpu}" if job.gpu else ""
+        say(f"{job.name}: {job.kind} started{where} (log {job.log})")
+
+    # --- what can start ------------------------------------------------------------------------
+
+    def train_job(self, run: Run, gpu) -> Job:
+        s = self.s
+        s.check_settings(run)
+        run.dir.mkdir(parents=True, exist_ok=True)
+        if not (run.dir / "driver.json").is_file():
+            (run.dir / "driver.json").write_text(json.dumps({"settings": s.signature(run.overrides)}, indent=1))
+        if latest_step(run.dir) == 0 and (run.dir / "metrics.jsonl").exists():
+            # a start from scratch (its checkpoints were lost): its old records go
+            (run.dir / "metrics.jsonl").unlink()
+        if run.parent is not None and (s.work / "branch" / f"{run.parent}.json").is_file():
+            shutil.copy(s.work / "branch" / f"{run.parent}.json", run.dir / "parent.json")
+        cmd = [sys.executable, "train.py", *run.overrides, f"run_dir={run.dir}"]
+        job = Job(run.name, "train", cmd, Path(f"{run.dir}.log"), gpu, run=run)
+        job.started_step = latest_step(run.dir)
+        return job
+
+    def converted(self, run: Run) -> bool:
+        """A CPT run's start is written (its conversion has ended)."""
+        return (run.init / "latest").is_file() and f"convert-{run.parent}" not in self.jobs
+
+    def parent_dir(self, dense: str) -> Path:
+        """Where the first half of the dense run `dense` is re-trained when its own run went past it."""
+        return self.s.work / "parent" / dense
+
+    def branch_source(self, run: Run) -> Path | None:
+        """The mid-way dense checkpoint a CPT run converts, once it exists."""
+        step = f"step_{self.s.mid:08d}"
+        for d in (self.s.runs[run.parent].dir, self.parent_dir(run.parent)):
+            if (d / "checkpoints" / step / "metadata.json").is_file():
+                return d / "checkpoints" / step
+        return None
+
+    def data_ready(self, run: Run) -> bool | None:
+        """True: the tokenized data is there; None: its first run is building it; False: nobody is."""
+        if (self.ready_data / self.s.data_signature(run)).is_file():
+            return True
+        for job in self.jobs.values():
+            if job.run is not None and job.kind in ("train", "parent") and \
+                    self.s.data_signature(job.run) == self.s.data_signature(run):
+                if records(job.run.dir if job.kind == "train" else self.parent_dir(job.run.name)):
+                    self.ready_data.mkdir(exist_ok=True)
+                    (self.ready_data / self.s.data_signature(run)).touch()
+                    return True
+                return None
         return False
-    stop = [f"trainer.stop_at_step={until}"] if until < max_steps else []
-    cmd = [sys.executable, "train.py", *common, f"trainer.max_steps={max_steps}", *extra, *stop, f"run_dir={run_dir}"]
-    say(f"{name}: training from step {latest_step(run_dir)} to {until} (log: {run_dir}.log)")
-    with open(f"{run_dir}.log", "a") as logf:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=logf, stderr=subprocess.STDOUT, env=_env(gpu))
-        while proc.poll() is None:
-            if budget.left() < SAVE_MARGIN_S:
-                say(f"{name}: budget reached, SIGTERM (the job saves and exits)")
-                proc.send_signal(signal.SIGTERM)
-                proc.wait()
+
+    def next_jobs(self) -> list[Job]:
+        """Jobs that may start now, in priority order (a GPU is given by `fill`)."""
+        s, out = self.s, []
+        left = self.budget.left() - self.stop_margin
+        for run in s.runs.values():
+            if run.name in self.failed:
+                continue
+            if run.arm.base == "cpt" and not s.done(run) and not self.converted(run):
+                out += self.branch_jobs(run)
+                continue
+            if not s.done(run) and run.name not in self.jobs and left > s.preset["start_cost"]:
+                out.append(self.train_job_spec(run))
+            elif s.done(run) and run.arm.eval and not (s.eval_dir(run) / "results.json").is_file() \
+                    and f"eval-{run.name}" not in self.jobs and f"eval-{run.name}" not in self.failed \
+                    and left > self.args.eval_seconds:
+                if latest_step(run.dir) == run.steps:
+                    out.append(self.eval_job(run))
+                else:
+                    self.failed[f"eval-{run.name}"] = "no final checkpoint on this machine (the run was imported)"
+                    say(f"eval-{run.name}: {self.failed[f'eval-{run.name}']}")
+        return out
+
+    def train_job_spec(self, run: Run) -> Job:
+        return Job(run.name, "train", [], Path(f"{run.dir}.log"), None, run=run)
+
+    def branch_jobs(self, run: Run) -> list[Job]:
+        """A CPT run without its converted start: the conversion, or first the parent's first half."""
+        s = self.s
+        name = f"convert-{run.parent}"
+        if name in self.jobs or name in self.failed:
+            return []
+        source = self.branch_source(run)
+        if source is not None:
+            cmd = [sys.executable, "-m", "msa_model.convert", "dense-to-msa", str(source), str(run.init)]
+            # what the CPT runs branch from, for their report
+            retrained = self.parent_dir(run.parent) in source.parents
+            (s.work / "branch").mkdir(parents=True, exist_ok=True)
+            (s.work / "branch" / f"{run.parent}.json").write_text(json.dumps(
+                {"dense_run": run.parent, "step": s.mid, "retrained": retrained}) + "\n")
+            # on the CPU, beside the lanes: no GPU of theirs is touched
+            cpu = "" if self.gpus != [None] else None
+            return [Job(name, "convert", cmd, s.work / "branch" / f"{run.parent}.log", cpu, run=run)]
+        parent = s.runs[run.parent]
+        pname = f"parent-{run.parent}"
+        # the dense run went past mid-way without its checkpoint there (imported from another machine)
+        gone = s.done(parent) or (latest_step(parent.dir) > s.mid and parent.name not in self.jobs)
+        if gone and pname not in self.jobs and pname not in self.failed and \
+                self.budget.left() - self.stop_margin > s.preset["start_cost"]:
+            d = self.parent_dir(run.parent)
+            overrides = merged(parent.overrides, ["checkpoint.interval=0", "checkpoint.keep=1",
+                                                  f"trainer.stop_at_step={s.mid}"])
+            cmd = [sys.executable, "train.py", *overrides, f"run_dir={d}"]
+            return [Job(pname, "parent", cmd, Path(f"{d}.log"), None, run=parent)]
+        return []
+
+    def eval_job(self, run: Run) -> Job:
+        p, out = self.s.preset, self.s.eval_dir(run)
+        lengths = self.args.eval_lengths or ",".join(str(n) for n in p["lengths"])
+        cmd = [sys.executable, "-m", "msa_model.eval", str(run.dir), "--out", str(out), "--lengths", lengths,
+               "--samples", str(p["samples"]), "--loss-sequences", str(p["loss_sequences"]), "--label", run.name]
+        if value_of(run.overrides, "data.blend") not in (None, "null"):
+            # haystacks and held-out text: a run on prepared datasets has no corpus directory of its own
+            cmd += ["--corpus", self.args.corpus]
+        return Job(f"eval-{run.name}", "eval", cmd, self.s.work / "eval" / f"{run.name}.log", None, run=run)
+
+    def fill(self) -> None:
+        for job in self.next_jobs():
+            if job.kind == "train":
+                if self.data_ready(job.run) is None:
+                    continue
+                gpu = self.free_gpu()
+                if gpu is False:
+                    return
+                job = self.train_job(job.run, gpu)
+                self.call_steps.setdefault(job.name, (job.started_step, job.started_step))
+                self.start(job)
+            elif job.kind == "parent":
+                if self.data_ready(job.run) is None:
+                    continue
+                gpu = self.free_gpu()
+                if gpu is False:
+                    return
+                job.gpu = gpu
+                self.parent_dir(job.run.name).mkdir(parents=True, exist_ok=True)
+                self.start(job)
+            elif job.kind == "eval":
+                gpu = self.free_gpu()
+                if gpu is False:
+                    return
+                job.gpu = gpu
+                self.start(job)
+            else:
+                self.start(job)  # conversions run on the CPU, beside the lanes
+
+    # --- what ended ----------------------------------------------------------------------------
+
+    def reap(self) -> None:
+        for name, job in list(self.jobs.items()):
+            rc = job.proc.poll()
+            if rc is None:
+                if job.kind == "train":
+                    self.call_steps[name] = (self.call_steps[name][0], self.progress(job))
+                continue
+            del self.jobs[name]
+            if job.kind == "train":
+                self.call_steps[name] = (self.call_steps[name][0], self.progress(job))
+            if rc != 0 and not job.stopped:
+                tail = job.log.read_text()[-2500:] if job.log.is_file() else ""
+                self.failed[name] = tail
+                say(f"{name}: {job.kind} FAILED (exit {rc}); the last lines of {job.log}:\n{tail}")
+                continue
+            if job.kind == "train" and latest_step(job.run.dir) >= job.run.steps or \
+                    job.kind == "train" and self.finished_line(job.run):
+                (job.run.dir / "done.json").write_text(json.dumps({"steps": job.run.steps}) + "\n")
+                say(f"{name}: finished ({job.run.steps} steps)")
+            elif job.kind == "convert" and rc == 0:
+                say(f"{name}: converted")
+                self.drop_branch_checkpoint(job.run)
+            elif job.stopped:
+                say(f"{name}: stopped at step {latest_step(job.run.dir) if job.run else '-'}")
+            else:
+                say(f"{name}: {job.kind} done")
+
+    def finished_line(self, run: Run) -> bool:
+        log = run.dir / "train.log"
+        n = run.steps
+        return log.is_file() and (f"finished at step {n} of {n}" in log.read_text()
+                                  or f"is already at step {n} of {n}" in log.read_text())
+
+    def progress(self, job: Job) -> int:
+        recs = records(job.run.dir)
+        return recs[-1]["step"] if recs else job.started_step
+
+    def drop_branch_checkpoint(self, run: Run) -> None:
+        """Once converted, the dense run's mid-way checkpoint (unless it is its latest) goes."""
+        source = self.branch_source(run)
+        if source is not None and (source.parent / "latest").read_text().strip() != source.name:
+            shutil.rmtree(source, ignore_errors=True)
+        shutil.rmtree(self.parent_dir(run.parent), ignore_errors=True)
+
+    def cleanup(self) -> None:
+        """Checkpoints of finished runs that nothing needs any more (disk)."""
+        if self.args.keep_checkpoints:
+            return
+        s = self.s
+        for run in s.runs.values():
+            ck = run.dir / "checkpoints"
+            if not s.done(run) or not ck.is_dir() or run.name in self.jobs or f"eval-{run.name}" in self.jobs:
+                continue
+            if run.arm.eval and not (s.eval_dir(run) / "results.json").is_file():
+                continue
+            if any(r.parent == run.name and not s.done(r) and not self.converted(r)
+                   for r in s.runs.values()):
+                continue
+            shutil.rmtree(ck, ignore_errors=True)
+
+    def measure_checkpoints(self) -> None:
+        """The largest checkpoint seen so far: what one more stop save needs on disk."""
+        for run in self.s.runs.values():
+            ck = run.dir / "checkpoints"
+            for step in ck.glob("step_*") if ck.is_dir() else []:
+                if step not in self.measured and (step / "manifest.json").is_file():
+                    self.measured.add(step)
+                    self.ckpt_bytes = max(self.ckpt_bytes, dir_bytes(step))
+
+    def stop_all(self) -> None:
+        """The budget's end: checkpoint what the free disk holds (most unsaved steps first), kill the rest."""
+        trains = [j for j in self.jobs.values() if j.kind == "train"]
+        for job in self.jobs.values():
+            job.stopped = True
+            if job.kind != "train":
+                job.proc.kill()
+        free = shutil.disk_usage(self.s.work).free - 2 * 2**30 if self.args.stop_save == "auto" else 0
+        for job in sorted(trains, key=lambda j: self.progress(j) - latest_step(j.run.dir), reverse=True):
+            if free >= self.ckpt_bytes:
+                job.proc.send_signal(signal.SIGTERM)
+                free -= self.ckpt_bytes
+                say(f"{job.name}: SIGTERM at step {self.progress(job)} (it saves and exits)")
+            else:
+                job.proc.kill()
+                say(f"{job.name}: killed at step {self.progress(job)}: no disk room for its checkpoint "
+                    f"({self.ckpt_bytes / 2**30:.1f} GiB); it restarts from step {latest_step(job.run.dir)}")
+        deadline = time.monotonic() + max(10.0, self.budget.left() - 5)
+        while self.jobs and time.monotonic() < deadline:
+            self.reap()
+            time.sleep(1)
+        for name, job in list(self.jobs.items()):
+            say(f"{name}: still saving at the budget's end; killed")
+            job.proc.kill()
+            job.proc.wait()
+            del self.jobs[name]
+
+    def loop(self) -> bool:
+        """Run until everything is done or the budget ends; True when everything is done."""
+        s = self.s
+        while True:
+            self.reap()
+            self.cleanup()
+            if self.budget.left() < self.stop_margin:
+                if self.jobs:
+                    self.stop_all()
                 break
-            time.sleep(2)
-    if proc.returncode != 0:
-        tail = Path(f"{run_dir}.log").read_text()[-3000:]
-        raise SystemExit(f"{name}: train.py failed ({proc.returncode}):\n{tail}")
-    say(f"{name}: at step {latest_step(run_dir)} of {until}")
-    return latest_step(run_dir) >= until
+            self.measure_checkpoints()
+            self.fill()
+            if not self.jobs and not self.next_jobs():
+                break
+            time.sleep(self.args.poll)
+        self.cleanup()
+        missing = [r.name for r in s.runs.values() if not s.done(r)]
+        missing += [f"eval-{r.name}" for r in s.runs.values() if r.arm.eval
+                    and not (s.eval_dir(r) / "results.json").is_file()]
+        return not missing and not self.failed
 
 
-def convert(args, mid: int, budget: Budget, gpu: str | None = None) -> bool:
-    out = Path(args.work) / "cpt-init"
-    if (out / "latest").is_file():
-        return True
-    if budget.left() < 120:
-        return False
-    src = Path(args.work) / "dense" / "checkpoints"
-    if latest_step(src.parent) != mid:
-        raise SystemExit(f"convert: {src} is at step {latest_step(src.parent)}, the CPT start must be step {mid}")
-    say(f"convert: dense step {mid} -> {out}")
-    subprocess.run([sys.executable, "-m", "msa_model.convert", "dense-to-msa", str(src), str(out)], cwd=REPO,
-                   check=True, env=_env(gpu))
-    return True
+def import_runs(study: Study, path: Path) -> None:
+    """The finished runs of another call's runs.tar.gz that this work dir has not finished."""
+    if not path.is_file():
+        raise InputError(f"--import {path}: no such file")
+    with tarfile.open(path) as tar:
+        members = {m.name: m for m in tar.getmembers() if m.isfile()}
+        for run in study.runs.values():
+            done = members.get(f"{run.name}/done.json")
+            if done is None or study.done(run):
+                continue
+            recorded = members.get(f"{run.name}/driver.json")
+            settings = json.loads(tar.extractfile(recorded).read())["settings"] if recorded else None
+            if settings != study.signature(run.overrides):
+                raise InputError(f"--import {path}: {run.name} there was run with other settings "
+                                 f"({', '.join(sorted(set(settings) ^ set(study.signature(run.overrides)))[:6])})")
+            shutil.rmtree(run.dir, ignore_errors=True)
+            run.dir.mkdir(parents=True)
+            for name, m in members.items():
+                if name.startswith(f"{run.name}/"):
+                    (run.dir / name.split("/", 1)[1]).write_bytes(tar.extractfile(m).read())
+                elif name.startswith(f"eval/{run.name}/"):
+                    dest = study.eval_dir(run) / name.rsplit("/", 1)[1]
+                    dest.parent.mkdir(parents=True, exist_ok=True)
+                    dest.write_bytes(tar.extractfile(m).read())
+            if f"{run.name}.log" in members:
+                Path(f"{run.dir}.log").write_bytes(tar.extractfile(members[f"{run.name}.log"]).read())
+            say(f"{run.name}: imported (finished elsewhere)")
 
 
-def evaluate(name: str, args, preset: dict, budget: Budget, gpu: str | None = None) -> bool:
-    out = Path(args.work) / "eval" / name
-    if (out / "results.json").is_file():
-        return True
-    if budget.left() < args.eval_seconds:
-        return False
-    lengths = ",".join(str(n) for n in preset["lengths"])
-    cmd = [sys.executable, "-m", "msa_model.eval", str(Path(args.work) / name), "--out", str(out), "--lengths", lengths,
-           "--samples", str(preset["samples"]), "--loss-sequences", str(preset["loss_sequences"]),
-           "--corpus", args.corpus, "--label", name]
-    say(f"eval {name}: lengths {lengths}")
-    with open(Path(args.work) / f"eval-{name}.log", "a") as logf:
-        try:
-            subprocess.run(cmd, cwd=REPO, stdout=logf, stderr=subprocess.STDOUT, check=True,
-                           timeout=max(60, budget.left() - 30), env=_env(gpu))
-        except subprocess.TimeoutExpired:
-            say(f"eval {name}: out of budget; it restarts in the next call (raise --eval-seconds)")
-            return False
-    return True
-
-
-def _records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
-
-
-def report(args, preset: dict, offset_tokens: int) -> Path:
-    """Loss curves (PNG) and the table with the targets, in <work>/report."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    work = Path(args.work)
-    out = work / "report"
+def write_outputs(study: Study, sched: Scheduler, budget: Budget) -> Path:
+    out = study.work / "report"
     out.mkdir(parents=True, exist_ok=True)
-    runs = {name: _records(work / name / "metrics.jsonl") for name in ("dense", "pt", "cpt")}
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, recs in runs.items():
-        shift = offset_tokens if name == "cpt" else 0
-        ax.plot([(r["tokens"] + shift) / 1e6 for r in recs], [r["lm_loss"] for r in recs], label=name, lw=1)
-    ax.set_xlabel("tokens seen (M; CPT includes the dense half it starts from)")
-    ax.set_ylabel("lm loss")
-    ax.set_ylim(top=min(6.0, ax.get_ylim()[1]))
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.savefig(out / "loss_curves.png", dpi=110, bbox_inches="tight")
-    plt.close(fig)
-
-    evals = {n: json.loads(p.read_text()) for n in runs if (p := work / "eval" / n / "results.json").is_file()}
-    budget_keys = next((e["key_budget"] for e in evals.values() if e.get("key_budget")), None)
-    far = str(4 * budget_keys) if budget_keys else None
-
-    def final(recs, key="lm_loss", last=5):
-        vals = [r[key] for r in recs[-last:] if key in r]
-        return sum(vals) / len(vals) if vals else None
-
-    def recall(recs):
-        vals = [r["msa/recall"] for r in recs if r.get("phase") == "sparse" and "msa/recall" in r]
-        return vals[-1] if vals else None
-
-    dense_loss = final(runs["dense"])
-    lines = [f"Preset `{args.preset}`, {args.steps} steps of {preset['gbs']} x {args.seq_length} tokens "
-             f"({args.steps * preset['gbs'] * args.seq_length / 1e6:.1f}M tokens per run), indexer warmup "
-             f"{args.warmup_tokens / 1e6:.2f}M tokens, retrieval share {args.retrieval_share}, corpus {args.corpus}.",
-             "Final lm loss: mean of the last 5 logged intervals; recall@k: the last diagnostics in the sparse phase; "
-             f"retrieval: exact match over tasks and depths.", "",
-             f"| run | final lm loss | vs dense | final KL | recall@k | retrieval acc {min(preset['lengths'])} | "
-             + (f"retrieval acc {far} (4x key budget) |" if far else "retrieval acc (longest) |"),
-             "|---|---|---|---|---|---|---|"]
-    acc_far = {}
-    for name, recs in runs.items():
-        loss = final(recs)
-        e = evals.get(name)
-        acc = e["accuracy_by_length"] if e else {}
-        key = far if far and far in acc else (max(acc, key=int) if acc else None)
-        acc_far[name] = acc.get(key) if key else None
-        fmt = lambda v, f=".3f": "-" if v is None else format(v, f)  # noqa: E731
-        rel = None if loss is None or dense_loss is None else 100 * (loss - dense_loss) / dense_loss
-        lines.append(f"| {name} | {fmt(loss)} | {'-' if rel is None or name == 'dense' else f'{rel:+.2f}%'} | "
-                     f"{fmt(final(recs, 'kl_loss'))} | {fmt(recall(recs))} | {fmt(acc.get(str(min(map(int, acc)))) if acc else None, '.2f')} | "
-                     f"{fmt(acc_far[name], '.2f')} |")
-    lines += ["", "Targets:"]
-    for name in ("pt", "cpt"):
-        loss, rc = final(runs[name]), recall(runs[name])
-        if loss is not None and dense_loss is not None:
-            rel = 100 * (loss - dense_loss) / dense_loss
-            lines.append(f"- {name} final loss within 1% of dense: {'met' if rel <= 1.0 else 'missed'} ({rel:+.2f}%)")
-        if rc is not None:
-            lines.append(f"- {name} recall@k >= 0.9 after warmup: {'met' if rc >= 0.9 else 'missed'} ({rc:.3f})")
-        if acc_far.get(name) is not None and acc_far.get("dense") is not None:
-            gap = 100 * (acc_far[name] - acc_far["dense"])
-            # a dense run that does not retrieve at all leaves nothing to be within 5 points of
-            verdict = ("not measured: the dense run does not retrieve either" if acc_far["dense"] == 0
-                       else "met" if gap >= -5 else "missed")
-            lines.append(f"- {name} retrieval at 4x the key budget within 5 points of dense: {verdict} "
-                         f"({gap:+.1f} points)")
-    for name, e in evals.items():
-        lines += ["", (work / "eval" / name / "results.md").read_text()]
-    (out / "quality.md").write_text("\n".join(lines) + "\n")
+    summary = summarize(study)
+    summary["common_overrides"] = merged(study.common, study.args.override)
+    moved = {n: b - a for n, (a, b) in sched.call_steps.items()}
+    call = {"seconds": budget.used(), "tokens": sum(moved.values()) * study.step_tokens,
+            "runs": sum(1 for v in moved.values() if v > 0), "failed": sorted(sched.failed)}
+    summary["this_call"] = call
+    (out / "quality.json").write_text(json.dumps(summary, indent=1) + "\n")
+    (out / "quality.md").write_text(markdown(summary, study, call))
+    try:
+        plot(summary, study, out / "loss_curves.png")
+    except ImportError:
+        say("matplotlib is missing: no loss_curves.png")
+    archive(study, out / "runs.tar.gz")
+    if LOG is not None and Path(LOG).is_file():
+        shutil.copy(LOG, out / "driver.log")
+    if study.args.out:
+        dest = Path(study.args.out)
+        dest.mkdir(parents=True, exist_ok=True)
+        for f in out.iterdir():
+            shutil.copy(f, dest / f.name)
     return out
 
 
-def main(argv=None) -> int:
+def parse(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--work", default="runs/quality", help="runs, evals and the report (kept between calls)")
-    p.add_argument("--out", default=None, help="copy the report and eval results here at the end of every call")
-    p.add_argument("--budget", type=float, default=480, help="seconds this call may use")
+    p.add_argument("--work", default="runs/quality", help="runs, checkpoints, evals and the report (kept between calls)")
+    p.add_argument("--out", default=None, help="copy the report files here at the end of every call")
+    p.add_argument("--budget", type=float, default=540, help="seconds this call may use")
     p.add_argument("--preset", choices=sorted(PRESETS), default="small")
-    p.add_argument("--tokens", type=float, default=30e6, help="training tokens per run (rounded to whole steps)")
-    p.add_argument("--warmup-share", type=float, default=0.05, help="indexer warmup, share of --tokens")
-    p.add_argument("--retrieval-share", type=float, default=0.05, help="data.retrieval_share of every run")
-    p.add_argument("--corpus", default=sysconfig.get_paths()["purelib"], help="data.source (default: site-packages)")
+    p.add_argument("--tokens", type=float, default=30e6, help="training tokens per run (whole steps, an even number)")
+    p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 of every arm (trainer.seed)")
+    p.add_argument("--arms", default="dense,pt,cpt", help="built-in arms to run (see above)")
+    p.add_argument("--arm", action="append", default=[], metavar='"NAME=BASE KEY=VALUE ..."',
+                   help="an arm defined by overrides (repeatable)")
+    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                   help="a train.py override for every run (repeatable); --data.KEY=VALUE is the same for data.*")
+    p.add_argument("--lanes", type=int, default=None, help="runs side by side on each GPU (small: 6, tiny: 2)")
+    p.add_argument("--gpus", default="", help="GPUs for the lanes, e.g. 0 or 0,1 (default: 0 for small, CPU for tiny)")
+    p.add_argument("--micro", type=int, default=None, help="micro-batch size (default: the preset's)")
+    p.add_argument("--gbs", type=int, default=None, help="global batch size in sequences (default: the preset's)")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak lr of every arm (CPT: the dense run's schedule)")
+    p.add_argument("--min-lr", type=float, default=3e-4)
+    p.add_argument("--warmup-share", type=float, default=0.05, help="indexer warmup of MSA arms, share of --tokens")
+    p.add_argument("--index-clip-grad", default="1.0", help="the CPT arm's optim.index_clip_grad (null: joint clip)")
+    p.add_argument("--retrieval-share", type=float, default=0.0, help="data.retrieval_share of every run")
+    p.add_argument("--retrieval-arm-share", type=float, default=0.5, help="data.retrieval_share of the *-retr arms")
+    p.add_argument("--retrieval-arm-max-bytes", type=int, default=None,
+                   help="their corpus cap (default: 20 MB for small, the preset's for tiny)")
+    p.add_argument("--corpus", default=sysconfig.get_paths()["purelib"],
+                   help="data.source, and the evals' haystacks (default: site-packages)")
+    p.add_argument("--eval", default="", help="also evaluate these arms' runs (the *-retr arms always are)")
+    p.add_argument("--eval-lengths", default=None, help="eval lengths, comma-separated (default: the preset's)")
     p.add_argument("--eval-seconds", type=float, default=240, help="do not start an eval with less budget left")
-    p.add_argument("--gpus", default=None, help="two GPUs (e.g. 0,1): dense lane and PT lane side by side")
-    p.add_argument("--dry-run", action="store_true", help="print the plan and the commands' settings only")
-    args = p.parse_args(argv)
+    p.add_argument("--final-window", type=int, default=None, help="logged intervals averaged for the final loss")
+    p.add_argument("--import", dest="import_", default=None, metavar="RUNS_TAR_GZ",
+                   help="take the finished runs of an earlier call's runs.tar.gz")
+    p.add_argument("--keep-checkpoints", action="store_true", help="keep finished runs' checkpoints")
+    p.add_argument("--stop-save", choices=["auto", "none"], default="auto",
+                   help="at the budget's end: save the runs the free disk holds (auto) or none (a fresh machine "
+                        "next time: the report is all that is kept)")
+    p.add_argument("--poll", type=float, default=2.0, help=argparse.SUPPRESS)
+    p.add_argument("--dry-run", action="store_true", help="print the runs and their train.py overrides only")
+    args, extra = p.parse_known_args(argv)
+    for item in extra:
+        # --data.blend=PATH or --data.blend PATH: a data.* override for every run
+        if item.startswith("--data.") and "=" in item:
+            args.override.append(item[2:])
+        elif item.startswith("--data."):
+            args.override.append(item[2:] + "=")
+        elif args.override and args.override[-1].endswith("=") and args.override[-1].startswith("data."):
+            args.override[-1] += item
+        else:
+            p.error(f"unrecognized argument {item!r}")
     preset = PRESETS[args.preset]
+    args.lanes = args.lanes or (6 if args.preset == "small" else 2)
+    args.retrieval_arm_max_bytes = args.retrieval_arm_max_bytes or min(20_000_000, preset["max_bytes"])
+    args.gpus = args.gpus or preset["gpus"]
+    args.micro = args.micro or preset["micro"]
+    args.gbs = args.gbs or preset["gbs"]
+    if args.seeds < 1 or args.lanes < 1:
+        p.error("--seeds and --lanes must be >= 1")
+    bad = [o for o in args.override if "=" not in o]
+    if bad:
+        p.error(f"--override takes KEY=VALUE, got {bad}")
+    return args
+
+
+def main(argv=None) -> int:
+    global LOG
+    args = parse(argv)
+    try:
+        study = Study(args)
+    except InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     budget = Budget(args.budget)
-
-    args.seq_length = 8192 if args.preset == "small" else 512
-    step_tokens = preset["gbs"] * args.seq_length
-    args.steps = max(4, round(args.tokens / step_tokens))
-    args.steps += args.steps % 2
-    mid = args.steps // 2
-    args.warmup_tokens = max(2 * step_tokens, round(args.warmup_share * args.steps * step_tokens / step_tokens) * step_tokens)
-    work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
-    common = [f"model={preset['model']}", f"parallel.micro_batch_size={preset['micro']}",
-              f"parallel.global_batch_size={preset['gbs']}", f"logging.log_interval={preset['log']}",
-              "logging.wandb_mode=disabled", "logging.progress_bar=false", "checkpoint.interval=0", "checkpoint.keep=1",
-              f"data.source={args.corpus}", f"data.max_bytes={preset['max_bytes']}", f"data.cache_dir={work / 'data'}",
-              f"data.retrieval_share={args.retrieval_share}", "optim.warmup_steps=10" if args.preset == "small"
-              else "optim.warmup_steps=1"]
-    msa = [f"trainer.indexer_warmup_tokens={args.warmup_tokens}", f"logging.msa_diagnostics_interval={preset['diag']}"]
-    say(f"plan: {args.steps} steps x {step_tokens:,} tokens = {args.steps * step_tokens / 1e6:.1f}M tokens per run; "
-        f"CPT from dense step {mid}; indexer warmup {args.warmup_tokens:,} tokens; budget {args.budget:.0f} s")
+    say(f"plan: {len(study.runs)} runs ({', '.join(study.arms)} x {args.seeds} seeds), {study.steps} steps x "
+        f"{study.step_tokens:,} tokens = {study.steps * study.step_tokens / 1e6:.2f}M tokens a run; "
+        + (f"CPT from step {study.mid}; " if any(a.base == "cpt" for a in study.arms.values()) else "")
+        + f"indexer warmup {study.warmup_tokens:,} tokens; {args.lanes} lane(s) on "
+        f"{'GPU ' + args.gpus if args.gpus else 'the CPU'}; budget {args.budget:.0f} s")
     if args.dry_run:
-        print(" ".join(common + [f"trainer.max_steps={args.steps}"] + msa))
+        for run in study.runs.values():
+            print(f"{run.name}: train.py {' '.join(run.overrides)} run_dir={run.dir}")
         return 0
-
-    n = args.steps
-    gpus = args.gpus.split(",") if args.gpus else [None]
-    if len(gpus) > 2:
-        raise SystemExit(f"--gpus takes one or two GPUs, got {args.gpus}")
-
-    def dense_lane(gpu):
-        return (train("dense", args, common, ["recipe=dense"], mid, n, budget, gpu)
-                and convert(args, mid, budget, gpu)
-                and train("dense", args, common, ["recipe=dense"], n, n, budget, gpu)
-                and train("cpt", args, common, ["recipe=cpt", f"init_from={work / 'cpt-init'}", *msa], mid, mid,
-                          budget, gpu)
-                and all([evaluate(name, args, preset, budget, gpu) for name in ("dense", "cpt")]))
-
-    def pt_lane(gpu):
-        return (train("pt", args, common, ["recipe=pt", *msa], n, n, budget, gpu)
-                and evaluate("pt", args, preset, budget, gpu))
-
-    if len(gpus) == 1:
-        done = dense_lane(gpus[0]) and pt_lane(gpus[0])
-    else:
-        results = {}
-
-        def second():
-            # the runs share the data cache: let the dense run build it first
-            while not (work / "dense" / "metrics.jsonl").is_file() and budget.left() > SAVE_MARGIN_S + 60:
-                if "dense" in results:
-                    break
-                time.sleep(5)
-            try:
-                results["pt"] = pt_lane(gpus[1])
-            except SystemExit as e:  # a thread would swallow it
-                say(str(e))
-                results["pt"] = False
-
-        lane = threading.Thread(target=second)
-        lane.start()
-        try:
-            results["dense"] = dense_lane(gpus[0])
-        finally:
-            results.setdefault("dense", False)
-            lane.join()
-        done = results["dense"] and results.get("pt", False)
-    out = report(args, preset, mid * step_tokens)
-    if args.out:
-        dest = Path(args.out)
-        dest.mkdir(parents=True, exist_ok=True)
-        shutil.copytree(out, dest / "report", dirs_exist_ok=True)
-        if (work / "eval").is_dir():
-            shutil.copytree(work / "eval", dest / "eval", dirs_exist_ok=True)
-        for name in ("dense", "pt", "cpt"):
-            for f in ("metrics.jsonl", "train.log"):
-                if (work / name / f).is_file():
-                    (dest / name).mkdir(exist_ok=True)
-                    shutil.copy(work / name / f, dest / name / f)
-            if (work / name / "diagnostics").is_dir():
-                shutil.copytree(work / name / "diagnostics", dest / name / "diagnostics", dirs_exist_ok=True)
-    say("all stages done; report in " + str(out) if done else "not finished: run the same command again to go on")
+    study.work.mkdir(parents=True, exist_ok=True)
+    LOG = str(study.work / "driver.log")
+    try:
+        for run in study.runs.values():
+            study.check_settings(run)
+        if args.import_:
+            import_runs(study, Path(args.import_))
+    except InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    sched = Scheduler(study, budget)
+    say(f"{shutil.disk_usage(study.work).free / 2**30:.0f} GiB free in {study.work} (a checkpoint: about "
+        f"{study.preset['ckpt_gib']} GiB)")
+    try:
+        done = sched.loop()
+    except InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        for job in list(sched.jobs.values()):  # an exception in the driver leaves no process behind
+            job.proc.kill()
+    out = write_outputs(study, sched, budget)
+    say((out / "quality.md").read_text())
+    if sched.failed:
+        say(f"failed: {', '.join(sorted(sched.failed))}")
+        return 1
+    say("all runs done; report in " + str(out) if done else "not finished: run the same command again to go on")
     return 0 if done else 3
 
 

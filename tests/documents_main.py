@@ -44,7 +44,7 @@ def main(out: Path, overrides: list[str]) -> None:
     from omegaconf import OmegaConf
 
     from data.datasets import document_starts
-    from data.tokenizer import build_tokenizer
+    from msa_model.training.data_setup import checkpoint_run_tokenizer
     from msa_model.attention import set_msa_phase
     from msa_model.model import build_model
     from msa_model.training.distributed import init_distributed, shutdown
@@ -55,7 +55,7 @@ def main(out: Path, overrides: list[str]) -> None:
     env = init_distributed(cfg.parallel, cfg.trainer.device, cfg.trainer.seed)
     results = {}
     try:
-        tok = build_tokenizer(cfg.data.tokenizer)
+        tok = checkpoint_run_tokenizer(cfg)
         gen = torch.Generator().manual_seed(0)
         S = cfg.model.seq_length
         tokens = _packed(tok.vocab_size - 1, tok.eod, S, gen)

@@ -42,6 +42,7 @@ def main(overrides: list[str]) -> None:
     from msa_model.model import build_model
     from msa_model.training.distributed import init_distributed, shutdown
     from msa_model.training.grad_norm import INDEX_GROUP
+    from msa_model.training.data_setup import checkpoint_run_tokenizer
     from msa_model.training.run import _build_model, _build_optimizer
 
     cfg = _compose([*overrides, "model.moe_aux_loss_coeff=0.0"])
@@ -128,7 +129,7 @@ def main(overrides: list[str]) -> None:
             c = cfg.copy()
             c.optim.index_clip_grad = index_clip
             c.optim.clip_grad = 1e-2
-            chunks = _build_model(c, env)
+            chunks = _build_model(c, env, checkpoint_run_tokenizer(c))
             optimizer, _ = _build_optimizer(c, chunks)
             chunks[0].zero_grad_buffer()
             optimizer.zero_grad()

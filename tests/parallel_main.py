@@ -95,7 +95,8 @@ def main(out_dir: Path, overrides: list[str], save_init: str | None) -> None:
     from msa_model.training.distributed import init_distributed, launch_env, shutdown
     from msa_model.training.diagnostics import MSADiagnostics
     from msa_model.training.indexer_warmup import IndexerWarmup
-    from msa_model.training.run import _build_data, _build_model, _build_optimizer
+    from msa_model.training.data_setup import build_data, checkpoint_run_tokenizer
+    from msa_model.training.run import _build_model, _build_optimizer
     from msa_model.training.trainer import Trainer
 
     cfg = _compose(overrides)
@@ -104,12 +105,14 @@ def main(out_dir: Path, overrides: list[str], save_init: str | None) -> None:
     validate(cfg, world_size)
     env = init_distributed(cfg.parallel, cfg.trainer.device, cfg.trainer.seed)
     try:
-        chunks = _build_model(cfg, env)
+        tokenizer = checkpoint_run_tokenizer(cfg)
+        chunks = _build_model(cfg, env, tokenizer)
+        train_data, valid_data = build_data(cfg, tokenizer)
         optimizer, scheduler = _build_optimizer(cfg, chunks)
         chunks[0].config.grad_scale_func = optimizer.scale_loss
         warmup = IndexerWarmup(cfg.trainer.indexer_warmup_tokens, cfg.model.msa)
         trainer = Trainer(cfg.trainer, cfg.parallel, cfg.model, model_chunks=chunks, optimizer=optimizer,
-                          scheduler=scheduler, data=_build_data(cfg), device=env.device,
+                          scheduler=scheduler, data=train_data, valid_data=valid_data, device=env.device,
                           callbacks=[warmup,
                                      MSADiagnostics(1, cfg.model.msa, cfg.model.num_layers, cfg.model.seq_length,
                                                     out_dir, is_main=False)])
@@ -135,6 +138,8 @@ def main(out_dir: Path, overrides: list[str], save_init: str | None) -> None:
         for _ in range(cfg.trainer.max_steps):
             trainer._call("on_step_start")
             metrics = trainer.train_step()
+            if valid_data is not None:
+                metrics.update(trainer.evaluate())
             trainer._call("on_step_end", metrics)
             steps[-1]["metrics"] = metrics | {"phase": warmup.phase}
             trainer.state.step += 1

@@ -100,6 +100,14 @@ def test_cpt_from_converted_hf_model(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert all(torch.isfinite(torch.tensor([r["lm_loss"], r["kl_loss"]])).all() for r in rows)
     assert rows[0]["keys_per_query"] > rows[-1]["keys_per_query"]  # dense warmup, then top-k blocks
+    # a Hugging Face model records no data position to continue: refused in one line, before any step
+    proc = subprocess.run([sys.executable, "train.py", "recipe=cpt", f"hydra.searchpath=[file://{conv}]",
+                           "model=qwen3moe-tiny", f"init_from={conv}", "init_from_data_position=true", *RUN,
+                           f"run_dir={tmp_path / 'continued'}", "trainer.max_steps=4",
+                           "trainer.indexer_warmup_tokens=256"], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 2 and "init_from_data_position" in proc.stderr, proc.stderr[-3000:]
+    assert "records no data position" in proc.stderr and not (tmp_path / "continued" / "checkpoints").exists()
 
     # the trained checkpoint exports as Qwen3-MoE (family found through the run's init_from)
     back = tmp_path / "back"

@@ -1,11 +1,14 @@
 """The tokenized data cache is checked before use: files damaged after the build (zeroed, truncated,
 removed) are rebuilt by the building rank with a warning naming them and refused by the others;
-every byte is compared on request; GPTDataset's sample indices are checked the same way."""
+every byte is compared on request; GPTDataset's sample indices are checked the same way. A build
+that died leaves nothing the next one keeps (processes that start together on an empty cache:
+tests/test_shared_build.py, and jobs: tests/test_slurm.py)."""
 
 from __future__ import annotations
 
 import logging
 import random
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +16,12 @@ import pytest
 from omegaconf import OmegaConf
 
 from data.cache_check import MANIFEST, DataCacheError, read_manifest
-from data.datasets import build_train_dataset, prepare_tokens
+from data.datasets import build_datasets, prepare_tokens
+from data.tokenizer import build_tokenizer
+
+
+def build_train_dataset(cfg, seq_length: int, samples: int):
+    return build_datasets(cfg, build_tokenizer("byte"), seq_length, samples)[0]
 from msa_model.config import DataConfig
 
 
@@ -115,3 +123,15 @@ def test_damaged_sample_indices_are_rebuilt(tmp_path, corpus, caplog):
     assert f"data cache {index}: {sample_index.name} is 50 bytes" in caplog.text
     assert np.array_equal(first[3]["tokens"].numpy(), again[3]["tokens"].numpy())
     assert set(read_manifest(index)) == set(recorded)
+
+
+def test_a_build_that_died_leaves_nothing_the_next_one_keeps(tmp_path, corpus):
+    cfg = _cfg(tmp_path, corpus)
+    out = Path(prepare_tokens(cfg)).parent
+    shutil.rmtree(out)
+    # what a tokenizer killed half-way leaves: its temporary directory
+    (out.parent / f".{out.name}-k1ll3d").mkdir()
+    (out.parent / f".{out.name}-k1ll3d" / "tokens.bin").write_bytes(b"half")
+    assert Path(prepare_tokens(cfg)).parent == out
+    assert sorted(p.name for p in out.parent.iterdir()) == [out.name]
+

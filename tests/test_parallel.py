@@ -4,8 +4,9 @@ activation recomputation (bit for bit) and grouped-GEMM experts (within 1e-5).
 
 Each layout runs two steps of the tiny MSA-MoE model from the same initial weights and data: step
 1 in the indexer warmup (dense attention, dense KL), step 2 sparse (top-k blocks). Compared with
-the one-process run, per step: the logged lm loss, indexer KL, MoE aux loss and grad norm, and
-every parameter's full-shape gradient just before the optimizer step (every rank's copy).
+the one-process run, per step: the logged lm loss, indexer KL, MoE aux loss and grad norm, the
+validation's lm loss and KL after the step, and every parameter's full-shape gradient just before
+the optimizer step (every rank's copy).
 
 Tolerance: 1e-5 relative (gradients: max |diff| over the tensor / max |reference|), about 100x
 the measured fp32 reduction-order noise (<= 5e-7); a wrong scale of any loss or gradient path
@@ -23,7 +24,9 @@ import torch
 from skeleton_helpers import REPO, TINY_TEST, _env, free_port
 
 RTOL = 1e-5
-TWO_STEPS = ["trainer.max_steps=2", "trainer.indexer_warmup_tokens=1024"]  # 4 x 256 tokens: step 1 only
+# 4 x 256 tokens: warmup in step 1 only; a validation batch after each step (both phases)
+TWO_STEPS = ["trainer.max_steps=2", "trainer.indexer_warmup_tokens=1024", "trainer.eval_interval=1",
+             "trainer.eval_iters=1"]
 
 # name -> (processes, overrides). The padded vocabulary (a multiple of 64 x TP here) is the same
 # at every layout, or the padded logits would change the softmax.
@@ -85,10 +88,11 @@ def assert_same_diagnostics(ref_steps: list[dict], ranks: list[list[dict]], layo
 
 def max_differences(ref_steps: list[dict], ranks: list[list[dict]]) -> dict[str, float]:
     """Largest relative difference of each logged metric and of any gradient, over steps and ranks."""
-    worst = {"lm_loss": 0.0, "kl_loss": 0.0, "moe_aux_loss": 0.0, "grad_norm": 0.0, "grad_norm_msa_index": 0.0,
-             "grads": 0.0}
+    scalars = ("lm_loss", "kl_loss", "moe_aux_loss", "grad_norm", "grad_norm_msa_index", "valid/lm_loss",
+               "valid/kl_loss")
+    worst = dict.fromkeys((*scalars, "grads"), 0.0)
     for i, ref in enumerate(ref_steps):
-        for key in ("lm_loss", "kl_loss", "moe_aux_loss", "grad_norm", "grad_norm_msa_index"):
+        for key in scalars:
             a, b = ref["metrics"][key], ranks[0][i]["metrics"][key]
             worst[key] = max(worst[key], abs(a - b) / abs(a))
         seen = set()

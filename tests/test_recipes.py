@@ -5,9 +5,11 @@ MSA-CPT continues a converted dense run from exactly the dense model's loss."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
+import warnings
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -159,6 +161,8 @@ def test_dry_run_prints_the_layout_estimate():
     (["trainer.indexer_warmup_tokens=100000000"], "trainer.indexer_warmup_tokens"),
     (["recipe=cpt"], "init_from=PATH"),
     (["recipe=cpt", "trainer.max_steps=2"], "trainer.indexer_warmup_tokens"),
+    (["recipe=dense", "init_from_data_position=true"], "init_from_data_position=true needs init_from=PATH"),
+    (["optim.schedule_start_step=-1"], r"optim.schedule_start_step must be >= 0"),
 ])
 def test_bad_combinations_fail_before_any_work(overrides, message):
     cfg = _compose(*overrides)
@@ -203,23 +207,54 @@ def _losses_of(*checkpoints) -> list[float]:
     return losses
 
 
-def test_cpt_continues_a_converted_dense_run(tmp_path, data_cache):
+def _batches(path) -> list:
+    return [json.loads(line)["tokens"] for line in path.read_text().splitlines()]
+
+
+def test_cpt_continues_a_converted_dense_run(tmp_path, data_cache, monkeypatch):
+    """The fair CPT branch of a dense run: converted at step 3 of 6, it reads the dense run's
+    batches 4-6 (init_from_data_position) under the dense run's lr at steps 4-6
+    (optim.schedule_start_step), from exactly the dense model's loss."""
     dense = tmp_path / "dense"
-    run_train(dense, "recipe=dense", "trainer.max_steps=3", data_cache=data_cache)
+    monkeypatch.setenv("BATCH_LOG", str(tmp_path / "dense-batches.jsonl"))
+    run_train(dense, "recipe=dense", "trainer.max_steps=6", "checkpoint.interval=3", "checkpoint.keep=0",
+              data_cache=data_cache, script="tests/batch_record_main.py")
+    branch = dense / "checkpoints" / "step_00000003"
     converted = tmp_path / "converted"
-    subprocess.run([sys.executable, "-m", "msa_model.convert", "dense-to-msa", str(dense / "checkpoints"),
-                    str(converted)], cwd=REPO, env=_env(), check=True, capture_output=True, timeout=300)
+    subprocess.run([sys.executable, "-m", "msa_model.convert", "dense-to-msa", str(branch), str(converted)], cwd=REPO,
+                   env=_env(), check=True, capture_output=True, timeout=300)
+    assert json.loads((converted / "conversion.json").read_text())["data_position"] == \
+        {"consumed_samples": 12, "seq_length": 256, "step": 3}
     # dense attention is the warmup phase of MSA: the converted model is the dense model
-    dense_loss, msa_warmup_loss = _losses_of(dense / "checkpoints", converted)
+    dense_loss, msa_warmup_loss = _losses_of(branch, converted)
     assert abs(dense_loss - msa_warmup_loss) < 1e-5, (dense_loss, msa_warmup_loss)
 
     cpt = tmp_path / "cpt"
-    proc = run_train(cpt, "recipe=cpt", f"init_from={converted}", "trainer.max_steps=4",
-                     "trainer.indexer_warmup_tokens=2048", data_cache=data_cache)
-    rows = metrics(cpt)
-    assert sorted(rows) == [1, 2, 3, 4]
-    assert [rows[s]["phase"] for s in (1, 2, 3, 4)] == ["warmup", "warmup", "sparse", "sparse"]
-    assert rows[1]["lm_loss"] < metrics(dense)[1]["lm_loss"] - 0.3
+    monkeypatch.setenv("BATCH_LOG", str(tmp_path / "cpt-batches.jsonl"))
+    # the dense run's schedule (the optim defaults with TINY_TEST's warmup), from its step 3
+    proc = run_train(cpt, "recipe=cpt", f"init_from={converted}", "trainer.max_steps=3",
+                     "trainer.indexer_warmup_tokens=2048", "init_from_data_position=true", "optim.schedule_start_step=3",
+                     "optim.decay_steps=6", "optim.lr=3e-3", "optim.min_lr=3e-4", "optim.index_clip_grad=1.0",
+                     data_cache=data_cache, script="tests/batch_record_main.py")
+    rows, dense_rows = metrics(cpt), metrics(dense)
+    assert sorted(rows) == [1, 2, 3]
+    assert [rows[s]["phase"] for s in (1, 2, 3)] == ["warmup", "warmup", "sparse"]
+    assert rows[1]["lm_loss"] < dense_rows[1]["lm_loss"] - 0.3
+    # 2 micro-batches a step: CPT's 6 are the dense run's 7th to 12th, token for token
+    dense_batches, cpt_batches = _batches(tmp_path / "dense-batches.jsonl"), _batches(tmp_path / "cpt-batches.jsonl")
+    assert len(dense_batches) == 12 and len(cpt_batches) == 6
+    assert cpt_batches == dense_batches[6:]
+    assert cpt_batches[0] != dense_batches[0]
+    for s in (1, 2, 3):
+        assert rows[s]["lr"] == pytest.approx(dense_rows[3 + s]["lr"], rel=1e-9), (s, rows[s]["lr"])
+    assert rows[1]["lr"] > 2 * dense_rows[6]["lr"]
+    # the position is saved: CPT's checkpoint is at the dense run's sample 24, having started at 12
+    from megatron.core import dist_checkpointing
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a one-process read of a distributed checkpoint, said by torch
+        trainer = dist_checkpointing.load_common_state_dict(str(cpt / "checkpoints" / "step_00000003"))["trainer"]
+    assert (trainer["step"], trainer["consumed_samples"], trainer["start_samples"]) == (3, 24, 12)
     assert "indexer warmup: 2,048 tokens: init_from's index branch is untrained" in proc.stdout + proc.stderr
 
     # the CPT run trained its index branch (its checkpoint says so): a CPT from it starts sparse,

@@ -12,11 +12,15 @@ the real ones, each sent once a periodic checkpoint exists:
   pending, which keeps the run from finishing first);
 - SIGKILL to every trainer and torchrun agent (a node failure), then a relaunch of the run's
   submit script.
-Each must save (except the kill), requeue, resume from that save and log every step once. All
-jobs run at once, with the Hydra submitit launcher's job beside them, so the scenarios cost about
-as much wall time as the slowest of them. The cluster lives in a private state directory with its
-own ports, is started by a session fixture and stopped at the end with a check that none of its
-daemons is left.
+Each must save (except the kill), requeue, resume from that save and log every step once. The
+uninterrupted job tokenizes its own data cache in a directory that does not exist yet (a first
+job's lot), the two USR1 jobs start together on another new one (one builds, the other waits for it
+and reuses it), the others read the cache of the reference run. One more job has a bad input that
+only its second rank sees (its data.cache_dir names a node-local directory): that rank's error is
+in the job's log once, and rank 0 stops naming it. All jobs run at once, with the Hydra submitit
+launcher's job beside them, so the scenarios cost about as much wall time as the slowest of them.
+The cluster lives in a private state directory with its own ports, is started by a session
+fixture and stopped at the end with a check that none of its daemons is left.
 """
 
 from __future__ import annotations
@@ -264,7 +268,7 @@ def _advance(sc: Scenario) -> None:
     """One poll of a scenario."""
     info = job_info(sc.job_id)
     state = info.get("JobState", "")
-    if sc.phase == "running" and sc.name != "straight" and _ready(sc) and state == "RUNNING":
+    if sc.phase == "running" and sc.name not in UNINTERRUPTED and _ready(sc) and state == "RUNNING":
         _fire(sc)
         return
     if sc.phase == "paused" and all(signal_pending(p, signal.SIGUSR1) or not _alive(p) for p in sc.trainers):
@@ -285,7 +289,7 @@ def _advance(sc: Scenario) -> None:
             sc.job_id = sbatch(sc.run_dir / "submit.sbatch")
             sc.jobs.append(sc.job_id)
             return
-        if sc.name == "straight" or sc.phase == "fired" or state != "COMPLETED":
+        if sc.name in UNINTERRUPTED or sc.phase == "fired" or state != "COMPLETED":
             sc.info = info
             sc.phase = "done"
 
@@ -307,6 +311,19 @@ def reference(tmp_path_factory, data_cache) -> dict[int, dict]:
 
 
 SCENARIOS = ("usr1_step", "usr1_batch", "sigterm_requeue", "time_limit")
+UNINTERRUPTED = ("straight", "rank_fails")
+
+
+def _job_cache(name: str, root: Path, data_cache: Path) -> str:
+    """The data.cache_dir of a scenario's job (module docstring)."""
+    if name == "straight":
+        return str(root / "straight-cache")
+    if name in ("usr1_step", "usr1_batch"):
+        return str(root / "shared-cache")
+    if name == "rank_fails":
+        # resolved by each rank: node1's rank 0 builds its own, node2's rank 1 finds none
+        return f"{root}/node-local/${{oc.env:SLURMD_NODENAME,login}}"
+    return str(data_cache)
 
 
 @pytest.fixture(scope="module")
@@ -314,11 +331,13 @@ def campaign(slurm_cluster, reference, data_cache, tmp_path_factory) -> dict:
     """Submit every scenario at once, interrupt each at its moment, wait for all of them."""
     root = tmp_path_factory.mktemp("slurm-jobs")
     started = time.monotonic()
-    scenarios = {name: Scenario(name, root / name) for name in ("straight", *SCENARIOS, "kill")}
+    scenarios = {name: Scenario(name, root / name) for name in ("straight", *SCENARIOS, "kill", "rank_fails")}
     for sc in scenarios.values():
         signal_s = SIGNAL_S if sc.name == "time_limit" else 30
-        _, sc.job_id = submit([*tiny(sc.run_dir, data_cache), "launch.nodes=2", f"launch.time_min={TIME_MIN}",
-                               f"launch.signal_seconds={signal_s}", f"launch.job_name=test-{sc.name}"])
+        cache = _job_cache(sc.name, root, data_cache)
+        _, sc.job_id = submit([*TINY, f"run_dir={sc.run_dir}", f"data.cache_dir={cache}", "launch.nodes=2",
+                               f"launch.time_min={TIME_MIN}", f"launch.signal_seconds={signal_s}",
+                               f"launch.job_name=test-{sc.name}"])
         sc.jobs.append(sc.job_id)
     submitit_dir = root / "submitit"
     submitit = subprocess.Popen(
@@ -350,7 +369,8 @@ def campaign(slurm_cluster, reference, data_cache, tmp_path_factory) -> dict:
                 subprocess.run(["scancel", sc.job_id], timeout=30)
     wall = time.monotonic() - started
     print(f"\nSLURM scenarios (all at once) took {wall:.0f}s")
-    return {"scenarios": scenarios, "submitit": (submitit.returncode, submitit_out, submitit_dir), "wall": wall}
+    return {"scenarios": scenarios, "submitit": (submitit.returncode, submitit_out, submitit_dir), "wall": wall,
+            "root": root}
 
 
 def _same_bits(got: dict[int, dict], ref: dict[int, dict]) -> None:
@@ -375,6 +395,51 @@ def test_sbatch_two_nodes_matches_single_process(campaign, reference):
     assert cfg.trainer.max_steps == MAX_STEPS and cfg.run_dir == str(sc.run_dir)
     assert re.match(r"[0-9a-f]{40}", (sc.run_dir / "git.txt").read_text())
     assert (sc.run_dir / "launch.sh").read_text().rstrip().endswith(f"sbatch {sc.run_dir / 'submit.sbatch'}")
+    # it tokenized the corpus into a cache directory that did not exist before the job
+    assert f"into {campaign['root'] / 'straight-cache'}/stdlib-" in sc.log(), sc.log()[-4000:]
+
+
+def _cache_files(cache: Path) -> list[str]:
+    return sorted(str(p.relative_to(cache)) for p in cache.rglob("*") if not p.is_dir())
+
+
+def test_two_jobs_started_together_on_one_new_cache_build_it_once(campaign):
+    """usr1_step and usr1_batch: each trains and resumes (their own tests); here, the cache."""
+    cache = campaign["root"] / "shared-cache"
+    logs = [campaign["scenarios"][name].log() for name in ("usr1_step", "usr1_batch")]
+    assert sum(log.count(f"into {cache}/stdlib-") for log in logs) == 1, "\n".join(log[-3000:] for log in logs)
+    # the tokens and the sample indices, each recorded: no lock, no temporary, nothing set aside
+    files = _cache_files(cache)
+    keys = {f.split("/")[0] for f in files}
+    assert len(keys) == 1, files
+    key = keys.pop()
+    index = sorted(f.split("/")[-1] for f in files if f.startswith(f"{key}/index/"))
+    recorded = json.loads((cache / key / "index" / "manifest.json").read_text())["files"]
+    assert sorted(f.rsplit("-", 1)[-1] for f in recorded) == \
+        ["description.txt", "document_index.npy", "sample_index.npy", "shuffle_index.npy"], files
+    assert index == sorted([*recorded, "manifest.json"]), files
+    assert sorted(f for f in files if "/index/" not in f) == [f"{key}/{n}" for n in ("manifest.json", "tokens.bin",
+                                                                                     "tokens.idx")], files
+
+
+def test_a_rank_that_fails_is_named_once_in_the_job_log(campaign):
+    """Rank 1 cannot find the data cache rank 0 built (node-local, on the other node: torchrun's
+    rendezvous decides which): its error is in the job's log once, with its rank and host; rank 0
+    stops with one line naming it, in the job's log and in train.log, and the broken collective is
+    not dumped."""
+    sc, root = campaign["scenarios"]["rank_fails"], campaign["root"]
+    log = sc.log()
+    assert sc.info["JobState"] == "FAILED", f"job {sc.job_id} {sc.info['JobState']}:\n{log[-4000:]}"
+    errors = [line for line in log.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, log[-4000:]
+    m = re.match(rf"error: \[rank 1 on (node[12])\] data cache {root}/node-local/(node[12])/stdlib-\w+ does not exist "
+                 "after rank 0 built it: data.cache_dir must be on a file system every node sees$", errors[0])
+    assert m and m.group(1) == m.group(2), errors[0]
+    other = "node1" if m.group(1) == "node2" else "node2"
+    stop = f"[rank 0 on {other}] stopping: rank 1 on {m.group(1)} failed"
+    assert stop in log and "Connection closed by peer" not in log and "gloo" not in log, log[-4000:]
+    train_log = (sc.run_dir / "train.log").read_text().splitlines()
+    assert train_log[-2].endswith(errors[0]) and train_log[-1].endswith(stop), train_log[-3:]
 
 
 @pytest.mark.parametrize("name", SCENARIOS)

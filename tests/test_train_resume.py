@@ -1,4 +1,5 @@
-"""Restarts: 2N steps equal N steps + resume + N steps to the last digit (fp32, CPU); a save that
+"""Restarts: 2N steps equal N steps + resume + N steps to the last digit (fp32, CPU), the validation
+losses included; a save that
 dies half-way never becomes `latest`; a stop signal finishes the step, saves and exits cleanly."""
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ import pytest
 
 from skeleton_helpers import REPO, TINY_TEST, _env, metrics, run_train
 
-# 4 x 256 tokens a step: warmup for steps 1-3, top-k from step 4
-COMMON = ("trainer.max_steps=6", "trainer.indexer_warmup_tokens=3072", "checkpoint.interval=0")
-COMPARED = ("lm_loss", "kl_loss", "moe_aux_loss", "grad_norm", "lr", "keys_per_query", "phase", "tokens")
+# 4 x 256 tokens a step: warmup for steps 1-3, top-k from step 4; validation after steps 2, 4 and 6
+COMMON = ("trainer.max_steps=6", "trainer.indexer_warmup_tokens=3072", "checkpoint.interval=0",
+          "trainer.eval_interval=2", "trainer.eval_iters=1")
+COMPARED = ("lm_loss", "kl_loss", "moe_aux_loss", "grad_norm", "lr", "keys_per_query", "phase", "tokens",
+            "valid/lm_loss", "valid/kl_loss")
 SWITCH = "indexer warmup done after step 3"
 
 
@@ -42,6 +45,10 @@ def test_stop_and_resume_reproduces_the_uninterrupted_run_exactly(tmp_path, data
 
     a, b = metrics(straight), metrics(split)
     assert sorted(a) == sorted(b) == list(range(1, 7))
+    # each validation reads the batches after the last one's, also across a resume (the position
+    # is in the checkpoint): equal numbers at steps 4 and 6 mean equal batches
+    assert [s for s in a if "valid/lm_loss" in a[s]] == [2, 4, 6]
+    assert len({a[s]["valid/lm_loss"] for s in (2, 4, 6)}) == 3
     assert [a[s]["phase"] for s in a] == ["warmup"] * 3 + ["sparse"] * 3
     for step in a:
         assert {k: a[step].get(k) for k in COMPARED} == {k: b[step].get(k) for k in COMPARED}, step

@@ -44,6 +44,8 @@ def _parser() -> argparse.ArgumentParser:
     def hf_args(q):
         q.add_argument("--attention", choices=("msa", "dense"), default="msa")
         q.add_argument("--seq-length", type=int, default=4096, help="training context written to the model config")
+        q.add_argument("--tokenizer", default=None, help="directory of the model's Hugging Face tokenizer, copied "
+                       "into the checkpoint (default: the source directory; --hf-config's for deepspeed-to-msa)")
         for flag in ("--tp", "--pp", "--ep"):
             q.add_argument(flag, type=int, default=1, help="target layout to check the model against; the checkpoint "
                            "itself loads at any layout")
@@ -102,7 +104,7 @@ def main(argv=None) -> int:
         geometry = {k: getattr(args, k, None) for k in ("block_size", "topk", "index_head_dim", "local_blocks")}
         if args.command in ("hf-to-msa", "deepspeed-to-msa"):
             kw = dict(attention=args.attention, index_init=args.index_init, tp=args.tp, pp=args.pp, ep=args.ep,
-                      seq_length=args.seq_length, name=args.name, seed=args.seed, **geometry)
+                      seq_length=args.seq_length, name=args.name, seed=args.seed, tokenizer=args.tokenizer, **geometry)
             if args.command == "hf-to-msa":
                 commands.hf_to_msa(args.src, args.out, **kw)
             else:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from data.tokenizer import HFTokenizer, build_tokenizer
 from msa_model.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig, msa_layers_of, validate
 from msa_model.convert import megatron_io as mio
 from msa_model.convert import minimax_m3 as m3
@@ -71,14 +72,15 @@ def _metadata(**kw) -> dict:
 def hf_to_msa(src: str, out: str, *, attention: str = "msa", index_init: str = DEFAULT, tp: int = 1, pp: int = 1,
               ep: int = 1, seq_length: int = 4096, block_size: int | None = None, topk: int | None = None,
               index_head_dim: int | None = None, local_blocks: int | None = None, name: str | None = None,
-              seed: int = 0) -> Path:
+              seed: int = 0, tokenizer: str | None = None) -> Path:
     """A Hugging Face checkpoint directory -> our checkpoint + model config in `out`. Returns `out`.
 
     The MSA geometry comes from the checkpoint when it has one (MiniMax-M3), else the production
     block size and top-k (msa_model.config.PRODUCTION_BLOCK_SIZE, PRODUCTION_TOPK) with
-    Di = D; the keyword arguments override it."""
+    Di = D; the keyword arguments override it. The tokenizer files of `tokenizer` (default: `src`)
+    are copied into the checkpoint, which training then takes as its tokenizer."""
     hf_cfg = read_config(src)
-    return convert_hf_tensors(HFCheckpoint(src), hf_cfg, out, source=str(Path(src).resolve()),
+    return convert_hf_tensors(HFCheckpoint(src), hf_cfg, out, source=str(Path(src).resolve()), tokenizer=tokenizer or src,
                               where=str(Path(src) / CONFIG_FILE), kind="hf-to-msa", attention=attention,
                               index_init=index_init, tp=tp, pp=pp, ep=ep, seq_length=seq_length, block_size=block_size,
                               topk=topk, index_head_dim=index_head_dim, local_blocks=local_blocks, name=name, seed=seed)
@@ -87,11 +89,14 @@ def hf_to_msa(src: str, out: str, *, attention: str = "msa", index_init: str = D
 def convert_hf_tensors(ckpt, hf_cfg: dict, out: str, *, source: str, where: str, kind: str, attention: str = "msa",
                        index_init: str = DEFAULT, tp: int = 1, pp: int = 1, ep: int = 1, seq_length: int = 4096,
                        block_size: int | None = None, topk: int | None = None, index_head_dim: int | None = None,
-                       local_blocks: int | None = None, name: str | None = None, seed: int = 0) -> Path:
+                       local_blocks: int | None = None, name: str | None = None, seed: int = 0,
+                       tokenizer: str | None = None) -> Path:
     """Tensors in a Hugging Face family's names (an HFCheckpoint, or a TensorDict of a DeepSpeed
-    checkpoint) + that model's config.json -> our checkpoint in `out`. Everything is checked
-    (config, names, shapes, layout) before the model is built and anything is written."""
+    checkpoint) + that model's config.json -> our checkpoint in `out`, with the Hugging Face
+    tokenizer of the directory `tokenizer` when it holds one. Everything is checked (config,
+    names, shapes, layout, tokenizer) before the model is built and anything is written."""
     fam, model = model_config_from_hf(hf_cfg, attention=attention, seq_length=seq_length, name=name, where=where)
+    hf_tokenizer = source_tokenizer(tokenizer, model.vocab_size)
     s = model.msa
     model.msa = dataclasses.replace(s, block_size=block_size or s.block_size, topk=topk or s.topk,
                                     index_head_dim=index_head_dim or s.index_head_dim,
@@ -138,13 +143,33 @@ def convert_hf_tensors(ckpt, hf_cfg: dict, out: str, *, source: str, where: str,
                        source_dtype=source_dtype, skipped=skipped or None, hf_config=hf_cfg,
                        target_layout={"tp": tp, "pp": pp, "ep": ep})
     _write(megatron_model, model, out, record,
-           header=f"{fam.architecture} converted from {source} ({model.attention} attention)")
+           header=f"{fam.architecture} converted from {source} ({model.attention} attention)", tokenizer=hf_tokenizer)
     return Path(out)
 
 
-def _write(megatron_model, model: ModelConfig, out: str, record: dict, header: str) -> None:
+def source_tokenizer(directory: str | None, vocab_size: int | None):
+    """The Hugging Face tokenizer of `directory` to carry into a converted checkpoint, or None (with
+    a warning) when it holds no tokenizer files. Raises ConversionError for one that cannot be
+    loaded or whose ids the model's embedding does not cover."""
+    from data.tokenizer import TokenizerError, check_tokenizer_dir
+
+    if directory is None or check_tokenizer_dir(directory) is not None:
+        log.warning("%s holds no tokenizer files: the checkpoint records no tokenizer; pass --tokenizer DIR, or "
+                    "give data.tokenizer=DIR when training on it", directory)
+        return None
+    try:
+        tokenizer = build_tokenizer(str(Path(directory).resolve()))
+    except TokenizerError as e:
+        raise ConversionError(f"{directory}: {e}") from e
+    if vocab_size is not None and tokenizer.vocab_size > vocab_size:
+        raise ConversionError(f"{directory}: the tokenizer has {tokenizer.vocab_size} ids, the model's embedding "
+                              f"{vocab_size} rows: not this model's tokenizer")
+    return tokenizer
+
+
+def _write(megatron_model, model: ModelConfig, out: str, record: dict, header: str, tokenizer=None) -> None:
     out = Path(out)
-    mio.save(megatron_model, out, {k: v for k, v in record.items() if k != "hf_config"})
+    mio.save(megatron_model, out, {k: v for k, v in record.items() if k != "hf_config"}, tokenizer=tokenizer)
     yaml = mio.write_model_yaml(model, out, header=header + "\nuse: python train.py hydra.searchpath=[file://"
                                 f"{out.resolve()}] model={model.name} init_from={out.resolve()}")
     (out / mio.CONVERSION_FILE).write_text(json.dumps(record, indent=2) + "\n")
@@ -172,7 +197,9 @@ def dense_to_msa(src: str, out: str, *, model_config: str | None = None, index_i
                  block_size: int | None = None, topk: int | None = None, index_head_dim: int | None = None,
                  local_blocks: int | None = None, name: str | None = None, seed: int = 0) -> Path:
     """One of our dense-attention checkpoints -> the MSA model: every tensor kept bit-identical,
-    index projections added."""
+    index projections added; the dense run's data position is recorded (init_from_data_position)."""
+    from msa_model.training.checkpoint import recorded_data_position
+
     cfg, build_cfg, dense = _load_source(src, model_config)
     if cfg.attention != "dense":
         raise ConversionError(f"{src}: model.attention is {cfg.attention!r}; dense-to-msa needs a dense checkpoint")
@@ -197,11 +224,22 @@ def dense_to_msa(src: str, out: str, *, model_config: str | None = None, index_i
     msa_model = mio.build(dataclasses.replace(msa_cfg, vocab_size=build_cfg.vocab_size), ParallelConfig())
     mio.assign(msa_model, tensors, str(src))
     source_record = mio.find_conversion_record(src) or {}
+    # where the dense run stopped reading data, for init_from_data_position
     record = _metadata(kind="dense-to-msa", source=str(Path(src).resolve()), family=source_record.get("family"),
                        index_init=index_init, index_trained=False, source_dtype=source_record.get("source_dtype"),
+                       data_position=recorded_data_position(mio.checkpoint_step_dir(src)),
                        hf_config=source_record.get("hf_config"))
-    _write(msa_model, msa_cfg, out, record, header=f"MSA model converted from the dense checkpoint {Path(src).resolve()}")
+    _write(msa_model, msa_cfg, out, record, header=f"MSA model converted from the dense checkpoint {Path(src).resolve()}",
+           tokenizer=_checkpoint_tokenizer(src))
     return Path(out)
+
+
+def _checkpoint_tokenizer(src: str):
+    """The tokenizer one of our checkpoints records, built, or None."""
+    from msa_model.training.data_setup import checkpoint_tokenizer
+
+    _, spec = checkpoint_tokenizer(mio.checkpoint_step_dir(src))
+    return build_tokenizer(spec) if spec is not None else None
 
 
 def msa_to_hf(src: str, out: str, *, family: str | None = None, model_config: str | None = None,
@@ -233,5 +271,12 @@ def msa_to_hf(src: str, out: str, *, family: str | None = None, model_config: st
     hf_cfg = hf_config_from_model(build_cfg, fam, record.get("hf_config"))
     hf_cfg["dtype"] = dtype
     (Path(out) / CONFIG_FILE).write_text(json.dumps(hf_cfg, indent=2, sort_keys=True) + "\n")
+    tokenizer = _checkpoint_tokenizer(src)
+    if isinstance(tokenizer, HFTokenizer):
+        tokenizer.save(out)
+        log.info("wrote the checkpoint's tokenizer (%s) beside the weights", tokenizer.identity["name"])
+    else:
+        log.warning("%s records no Hugging Face tokenizer%s: none written to %s", src,
+                    " (it was trained with the byte tokenizer)" if tokenizer is not None else "", out)
     log.info("wrote %s (%d tensors in %d file(s)) as %s", out, len(tensors), len(files), fam.architecture)
     return Path(out)

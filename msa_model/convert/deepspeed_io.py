@@ -55,5 +55,7 @@ def deepspeed_to_msa(ckpt_dir: str, out: str, *, hf_config: str, tag: str | None
         state.pop("lm_head.weight")
     source = str(Path(ckpt_dir).resolve()) + (f" ({tag})" if tag else "")
     log.info("read %d tensors from the ZeRO checkpoint %s", len(state), source)
+    if convert_kw.get("tokenizer") is None:
+        convert_kw["tokenizer"] = hf_config
     return convert_hf_tensors(TensorDict(state, source), cfg, out, source=source,
                               where=str(Path(hf_config) / CONFIG_FILE), kind="deepspeed-to-msa", **convert_kw)

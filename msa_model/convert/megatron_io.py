@@ -84,8 +84,9 @@ def full_state_dict(model) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in model.state_dict().items() if torch.is_tensor(v)}
 
 
-def save(model, out: str | Path, metadata: dict) -> Path:
-    """Write `model` as OUT/step_00000000 with a `latest` pointer (the trainer's layout)."""
+def save(model, out: str | Path, metadata: dict, tokenizer=None) -> Path:
+    """Write `model` as OUT/step_00000000 with a `latest` pointer (the trainer's layout); with
+    `tokenizer` (data/tokenizer.py), its step directory records it as a training checkpoint does."""
     from megatron.core import dist_checkpointing
 
     from msa_model.training.checkpoint import publish_save, step_dir_name
@@ -100,6 +101,10 @@ def save(model, out: str | Path, metadata: dict) -> Path:
     dist.barrier()
     state = {"model": model.sharded_state_dict(), "world_size": dist.get_world_size(), "conversion": metadata}
     dist_checkpointing.save(state, str(tmp))
+    if tokenizer is not None and dist.get_rank() == 0:
+        from msa_model.training.data_setup import write_checkpoint_tokenizer
+
+        write_checkpoint_tokenizer(tmp, tokenizer)
     dist.barrier()
     write_manifest(tmp)
     if dist.get_rank() == 0:

@@ -60,15 +60,15 @@ def load_config(config_path: Path):
 
 def build_model(cfg, step_dir: Path, device_pref: str):
     """The model of `cfg` on one process (TP = PP = 1) with the checkpoint's weights, eval mode."""
-    from data.tokenizer import build_tokenizer
     from msa_model.config import ParallelConfig
     from msa_model.model import build_model as build
     from msa_model.training.checkpoint import load_weights
+    from msa_model.training.data_setup import checkpoint_run_tokenizer
     from msa_model.training.distributed import init_distributed
 
     parallel = OmegaConf.structured(ParallelConfig)
     env = init_distributed(parallel, device_pref, cfg.trainer.seed)
-    model = build(cfg.model, parallel, build_tokenizer(cfg.data.tokenizer).vocab_size, on_cpu=env.device.type == "cpu")
+    model = build(cfg.model, parallel, checkpoint_run_tokenizer(cfg, step_dir).vocab_size, on_cpu=env.device.type == "cpu")
     model.to(env.device)
     load_weights(model, step_dir, allow_missing_index=False, what="eval", error=EvalError)
     model.eval()
@@ -83,12 +83,14 @@ def _logits(model, tokens_BS: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def score_example(model, device, ex, vocab: int) -> dict:
-    """{"correct": bool, "rank": mean rank of the answer tokens, "logprob": their summed log-prob}."""
-    ids = np.frombuffer(ex.prompt + ex.answer, dtype=np.uint8).astype(np.int64)
+def score_example(model, device, ex, tokenizer) -> dict:
+    """{"correct": bool, "rank": mean rank of the answer tokens, "logprob": their summed log-prob}.
+    Prompt and answer are tokenized apart (with the byte tokenizer, one token a byte)."""
+    prompt, answer = tokenizer.tokenize_batch([ex.prompt, ex.answer])
+    ids = np.concatenate([prompt, answer]).astype(np.int64)
     tokens = torch.from_numpy(ids[:-1])[None].to(device)
     targets = torch.from_numpy(ids[1:]).to(device)
-    A = len(ex.answer)
+    A, vocab = len(answer), tokenizer.vocab_size
     logits = _logits(model, tokens)[0, -A:, :vocab].float()
     want = targets[-A:]
     target_logit = logits.gather(-1, want[:, None])
@@ -113,7 +115,7 @@ def _example_rng(seed: int, task: str, length: int, depth: float, index: int) ->
     return random.Random(int.from_bytes(key.encode(), "little") % (1 << 61))
 
 
-def retrieval_results(model, device, haystack, tasks, lengths, depths, samples, seed, vocab) -> dict:
+def retrieval_results(model, device, haystack, tasks, lengths, depths, samples, seed, tokenizer) -> dict:
     from data.retrieval import make_example
 
     out = {}
@@ -126,7 +128,7 @@ def retrieval_results(model, device, haystack, tasks, lengths, depths, samples, 
                 hits = 0
                 for i in range(samples):
                     ex = make_example(task, length, depth, haystack, _example_rng(seed, task, length, depth, i))
-                    r = score_example(model, device, ex, vocab)
+                    r = score_example(model, device, ex, tokenizer)
                     hits += r["correct"]
                     ranks.append(r["rank"])
                     logprobs.append(r["logprob"])
@@ -150,13 +152,13 @@ def position_buckets(length: int) -> list[tuple[int, int]]:
 
 
 @torch.no_grad()
-def loss_by_position(model, device, docs: list[bytes], length: int, sequences: int, eod: int) -> dict:
+def loss_by_position(model, device, docs: list[bytes], length: int, sequences: int, tokenizer) -> dict:
     """Mean next-token loss per position bucket over `sequences` windows of `length` tokens cut from
-    the documents joined with end-of-document tokens."""
+    the documents, tokenized and joined with end-of-document tokens."""
     stream = []
-    for doc in docs:
-        stream.append(np.frombuffer(doc, dtype=np.uint8).astype(np.int64))
-        stream.append(np.array([eod], dtype=np.int64))
+    for ids in tokenizer.tokenize_batch(docs):
+        stream.append(ids.astype(np.int64))
+        stream.append(np.array([tokenizer.eod], dtype=np.int64))
     flat = np.concatenate(stream) if stream else np.zeros(0, dtype=np.int64)
     n = min(sequences, (len(flat) - 1) // length)
     if n < 1:
@@ -180,7 +182,8 @@ def _heldout_docs(cfg, corpus: str | None, need_bytes: int) -> tuple[list[bytes]
     source = corpus or cfg.data.source
     _, train_files = list_corpus_files(source, cfg.data.glob, cfg.data.max_bytes)
     _, all_files = list_corpus_files(source, cfg.data.glob, 1 << 62)
-    same = corpus is None or Path(corpus).resolve() == corpus_root(cfg.data.source).resolve()
+    same = corpus is None or (cfg.data.source is not None
+                              and Path(corpus).resolve() == corpus_root(cfg.data.source).resolve())
     if not same:
         files, kind = all_files, "given corpus"
     else:
@@ -199,9 +202,9 @@ def _heldout_docs(cfg, corpus: str | None, need_bytes: int) -> tuple[list[bytes]
 def run_eval(args) -> dict:
     from data.corpus import list_corpus_files
     from data.retrieval import TASKS, Haystack
-    from data.tokenizer import build_tokenizer
     from msa_model.attention import msa_layers, set_msa_phase
     from msa_model.eval.report import write_report
+    from msa_model.training.data_setup import checkpoint_run_tokenizer
     from msa_model.training.distributed import shutdown
     from msa_model.training.run_dir import setup_logging
 
@@ -220,7 +223,7 @@ def run_eval(args) -> dict:
     lengths = args.lengths or default_lengths(context)
     if any(n < 256 for n in lengths):
         raise EvalError(f"--lengths: each must be >= 256 tokens, got {lengths}")
-    tokenizer = build_tokenizer(cfg.data.tokenizer)
+    tokenizer = checkpoint_run_tokenizer(cfg, step_dir)
     msa = cfg.model.attention == "msa"
     label = args.label or step_dir.parent.parent.name
     log.info("eval %s (%s, %s attention%s) from %s; lengths %s, depths %s, %d samples each", label, cfg.model.name,
@@ -233,14 +236,17 @@ def run_eval(args) -> dict:
         if msa:
             set_msa_phase(model, args.phase == "sparse")
         source = args.corpus or cfg.data.source
+        if source is None:
+            raise EvalError(f"{config_path}: the run trained on prepared datasets (data.blend); give --corpus DIR, "
+                            "a directory of text files for the haystacks and the held-out loss")
         _, files = list_corpus_files(source, cfg.data.glob, cfg.data.max_bytes)
         haystack = Haystack(files, pool_bytes=max(4_000_000, 4 * max(lengths)), seed=args.seed)
         t0 = time.perf_counter()
         retrieval = retrieval_results(model, device, haystack, tasks, lengths, args.depths, args.samples, args.seed,
-                                      tokenizer.vocab_size)
+                                      tokenizer)
         loss_length = args.loss_length or max(lengths)
         docs, kind = _heldout_docs(cfg, args.corpus, (args.loss_sequences + 1) * loss_length)
-        loss = loss_by_position(model, device, docs, loss_length, args.loss_sequences, tokenizer.eod)
+        loss = loss_by_position(model, device, docs, loss_length, args.loss_sequences, tokenizer)
         loss["source"] = kind
         log.info("held-out loss by position (%s, %d x %d tokens): %s", kind, loss["sequences"], loss_length,
                  " ".join(f"[{b['from']},{b['to']}) {b['loss']:.3f}" for b in loss["buckets"]))

@@ -13,18 +13,27 @@ from dataclasses import dataclass
 
 @dataclass
 class TrainState:
-    """Progress counters, saved in every checkpoint. `step` counts completed optimizer steps."""
+    """Progress counters, saved in every checkpoint. `step` counts completed optimizer steps;
+    `consumed_samples` is the data position, which starts at `start_samples` (0, or where the
+    init_from checkpoint's run stopped with init_from_data_position=true)."""
 
     step: int = 0
     consumed_samples: int = 0
     tokens: int = 0
+    # the validation stream's position: each evaluation reads the batches after the last one's
+    consumed_valid_samples: int = 0
+    start_samples: int = 0
     stop_requested: bool = False
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "consumed_samples": self.consumed_samples, "tokens": self.tokens}
+        return {"step": self.step, "consumed_samples": self.consumed_samples, "tokens": self.tokens,
+                "consumed_valid_samples": self.consumed_valid_samples, "start_samples": self.start_samples}
 
     def load_state_dict(self, sd: dict) -> None:
         self.step, self.consumed_samples, self.tokens = sd["step"], sd["consumed_samples"], sd["tokens"]
+        # absent from older checkpoints
+        self.consumed_valid_samples = sd.get("consumed_valid_samples", 0)
+        self.start_samples = sd.get("start_samples", 0)
 
 
 class Callback:

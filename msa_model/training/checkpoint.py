@@ -186,9 +186,11 @@ def _latest_name(root: Path) -> str | None:
     return pointer.read_text().strip() if pointer.is_file() else None
 
 
-def save_checkpoint(trainer, root: str | Path, keep: int = 0, model_config: dict | None = None) -> Path:
+def save_checkpoint(trainer, root: str | Path, keep: int = 0, model_config: dict | None = None,
+                    tokenizer=None) -> Path:
     """Save atomically as <root>/step_<step>; update `latest`; keep the newest `keep` (0 = all).
-    `model_config` (the model section of the run's config) is stored for the architecture check."""
+    `model_config` (the model section of the run's config) is stored for the architecture check;
+    `tokenizer` (data/tokenizer.py) is recorded in the step's tokenizer/ folder (data_setup.py)."""
     root = Path(root)
     name = step_dir_name(trainer.state.step)
     tmp, final = root / f".tmp-{name}", root / name
@@ -218,6 +220,10 @@ def save_checkpoint(trainer, root: str | Path, keep: int = 0, model_config: dict
         raise CheckpointError(
             f"could not save checkpoint {final} ({cause}); {free / 2**30:.2f} GiB free on its file system"
             f"{' (full)' if free < 2**26 else ''}; `latest` still names {_latest_name(root)}") from e
+    if tokenizer is not None and dist.get_rank() == 0:
+        from msa_model.training.data_setup import write_checkpoint_tokenizer
+
+        write_checkpoint_tokenizer(tmp, tokenizer)
     dist.barrier()
     write_manifest(tmp)
     if dist.get_rank() == 0:
@@ -433,6 +439,42 @@ def load_model_weights(model_chunks, path: str | Path, model_config: dict | None
              f" ({fresh} index-branch tensors absent, kept fresh)" if fresh else "")
 
 
+def recorded_data_position(step_dir: str | Path) -> dict | None:
+    """Where the run behind a checkpoint step directory stopped reading data: {"consumed_samples",
+    "seq_length", "step"} from a training checkpoint's counters, or the one a dense-to-msa
+    conversion copied from its source; None when the checkpoint records none (a conversion from
+    Hugging Face or DeepSpeed)."""
+    with _quiet_load():
+        common = dist_checkpointing.load_common_state_dict(str(step_dir))
+    if "trainer" in common:
+        return {"consumed_samples": int(common["trainer"]["consumed_samples"]),
+                "seq_length": (common.get("model_config") or {}).get("seq_length"),
+                "step": int(common["trainer"]["step"])}
+    return (common.get("conversion") or {}).get("data_position")
+
+
+def init_data_position(path: str | Path, seq_length: int) -> tuple[dict, Path]:
+    """init_from_data_position: (the init_from checkpoint's recorded_data_position, its step
+    directory). Raises CheckpointError when it records none or its run read samples of another
+    length than `seq_length`."""
+    path = Path(path)
+    step_dir = latest_checkpoint(path) if (path / LATEST).is_file() else path
+    try:
+        position = recorded_data_position(step_dir)
+    except CHECKPOINT_FAILURES as e:
+        raise unreadable("init_from", step_dir, e) from e
+    if position is None:
+        raise CheckpointError(
+            f"init_from_data_position: {step_dir} records no data position (it is neither a training checkpoint "
+            "nor a dense-to-msa conversion of one); leave init_from_data_position off to start the data stream "
+            "at its beginning")
+    if position.get("seq_length") not in (None, seq_length):
+        raise CheckpointError(
+            f"init_from_data_position: {step_dir}'s run read samples of {position['seq_length']} tokens, this run "
+            f"reads {seq_length} (model.seq_length): a data position counts samples of one length")
+    return position, step_dir
+
+
 def cleanup_partial_saves(root: str | Path) -> None:
     """Remove .tmp-* directories of saves that never completed, and .old-* ones a replacing save
     left behind (rank 0 only)."""
@@ -446,16 +488,17 @@ class Checkpointer(Callback):
 
     name = "checkpointer"
 
-    def __init__(self, root: str | Path, interval: int, keep: int, save_at_end: bool, model_config: dict | None = None):
+    def __init__(self, root: str | Path, interval: int, keep: int, save_at_end: bool, model_config: dict | None = None,
+                 tokenizer=None):
         self.root, self.interval, self.keep, self.save_at_end = Path(root), interval, keep, save_at_end
-        self.model_config = model_config
+        self.model_config, self.tokenizer = model_config, tokenizer
         self.last_saved_step: int | None = None
         self.last_saved: Path | None = None
 
     def _save(self, trainer) -> None:
         if self.last_saved_step == trainer.state.step:
             return
-        path = save_checkpoint(trainer, self.root, self.keep, self.model_config)
+        path = save_checkpoint(trainer, self.root, self.keep, self.model_config, self.tokenizer)
         self.last_saved_step, self.last_saved = trainer.state.step, path
         # a stop on a signal reports its checkpoint in its one closing line (run.py)
         if getattr(trainer, "stop_reason", None) is None:

@@ -21,6 +21,8 @@ from msa_model.training.callbacks import Callback
 
 log = logging.getLogger(__name__)
 
+# the prefix of the validation's metrics (trainer.evaluate)
+VALID = "valid/"
 # per-layer values megatron's MoE metrics tracker collects during forward; name -> our metric
 LAYER_METRICS = {KL_METRIC: "kl_loss", "load_balancing_loss": "moe_aux_loss", KEYS_METRIC: "keys_per_query"}
 
@@ -162,9 +164,11 @@ class MetricsLogger(Callback):
 
 
 def _numeric(record: dict) -> dict[str, float]:
-    """The record's scalars for TensorBoard and wandb, with the attention phase as 0/1 `sparse`."""
-    numeric = {k: v for k, v in record.items() if k in MetricsLogger.SCALARS or "/" in k}
-    numeric["sparse"] = float(record["phase"] == "sparse")
+    """The record's scalars for TensorBoard and wandb under their names there: train/<name>, the
+    validation's as valid/<name>, with the attention phase as 0/1 `train/sparse`."""
+    numeric = {k if k.startswith(VALID) else f"train/{k}": v for k, v in record.items()
+               if k in MetricsLogger.SCALARS or "/" in k}
+    numeric["train/sparse"] = float(record["phase"] == "sparse")
     return numeric
 
 
@@ -221,6 +225,9 @@ class ConsoleLine(MetricsSink):
                  _fmt(r.get("tflops_per_gpu"), ".1f"),
                  f" | mem {r['peak_mem_gib']:.1f} GiB" if "peak_mem_gib" in r else "", r["phase"],
                  _fmt(r.get("keys_per_query"), ".1f"))
+        if f"{VALID}lm_loss" in r:
+            log.info("validation at step %d | lm %.4f | kl %s | %s", r["step"], r[f"{VALID}lm_loss"],
+                     _fmt(r.get(f"{VALID}kl_loss"), ".4f"), r["phase"])
 
     def close(self) -> None:
         if self.bar is not None:
@@ -260,7 +267,7 @@ class TensorBoard(MetricsSink):
 
     def write(self, record: dict) -> None:
         for key, value in _numeric(record).items():
-            self.writer.add_scalar(f"train/{key}", value, record["step"])
+            self.writer.add_scalar(key, value, record["step"])
         self.writer.flush()
 
     def close(self) -> None:
@@ -285,7 +292,7 @@ class Wandb(MetricsSink):
                               settings=wandb.Settings(quiet=True))
 
     def write(self, record: dict) -> None:
-        self.run.log({f"train/{k}": v for k, v in _numeric(record).items()} | {"tokens": record["tokens"]},
+        self.run.log(_numeric(record) | {"tokens": record["tokens"]},
                      step=record["step"])
 
     def close(self) -> None:

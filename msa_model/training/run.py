@@ -20,14 +20,13 @@ import logging  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
-from functools import partial  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from data.cache_check import DataCacheError  # noqa: E402
 from msa_model.compat import warn_untested_versions  # noqa: E402
-from msa_model.config import ConfigError, msa_layers_of, validate  # noqa: E402
+from msa_model.config import ConfigError, config_problems, msa_layers_of, validate  # noqa: E402
 from msa_model.training.checkpoint_checks import CheckpointError  # noqa: E402
 from msa_model.training.distributed import launch_env, parallel_layout  # noqa: E402
 from msa_model.training.run_dir import RunDirBusy, lock_run_dir, setup_logging, write_run_files  # noqa: E402
@@ -77,14 +76,13 @@ def _build_optimizer(cfg, model_chunks):
     return optimizer, scheduler
 
 
-def _build_model(cfg, env):
+def _build_model(cfg, env, tokenizer):
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
-    from data.tokenizer import build_tokenizer
     from msa_model.model import build_model
 
-    model = build_model(cfg.model, cfg.parallel, build_tokenizer(cfg.data.tokenizer).vocab_size,
+    model = build_model(cfg.model, cfg.parallel, tokenizer.vocab_size,
                         on_cpu=env.device.type == "cpu",
                         pre_process=parallel_state.is_pipeline_first_stage(),
                         post_process=parallel_state.is_pipeline_last_stage())
@@ -101,22 +99,10 @@ def _build_model(cfg, env):
     return [ddp]
 
 
-def _build_data(cfg):
-    from data.datasets import TrainData, build_train_dataset
-    from msa_model.training.distributed import data_parallel_info
-
-    num_samples = cfg.trainer.max_steps * cfg.parallel.global_batch_size
-    dp_rank, dp_size = data_parallel_info()
-    return TrainData(partial(build_train_dataset, cfg.data, cfg.model.seq_length, num_samples),
-                     cfg.parallel.micro_batch_size, dp_rank, dp_size, document_mask=cfg.data.document_mask)
-
-
-def _flops_counter(cfg):
-    from data.tokenizer import build_tokenizer
+def _flops_counter(cfg, tokenizer):
     from msa_model.flops import flops_per_token
 
-    vocab = build_tokenizer(cfg.data.tokenizer).vocab_size
-    return lambda keys_per_query, sparse: flops_per_token(cfg.model, vocab, keys_per_query, sparse)
+    return lambda keys_per_query, sparse: flops_per_token(cfg.model, tokenizer.vocab_size, keys_per_query, sparse)
 
 
 def _metric_sinks(cfg, run_dir: Path) -> list:
@@ -153,6 +139,27 @@ def _log_summary(state, cfg, run_dir: Path, ckpt_root: Path, last: dict | None, 
              latest.name if latest else "none")
 
 
+def _start_fresh(cfg, trainer, model_chunks, optimizer, scheduler, model_config) -> None:
+    """A run without a checkpoint of its own: init_from's weights (and data position), the lr
+    schedule's start step."""
+    from msa_model.training import checkpoint as ckpt
+
+    if cfg.init_from:
+        ckpt.load_model_weights(model_chunks, cfg.init_from, model_config, partial=cfg.init_from_partial)
+        # bf16 training keeps fp32 main copies made when the optimizer was built: refresh them,
+        # or the first step would put the fresh initialisation back
+        optimizer.reload_model_params()
+        if cfg.init_from_data_position:
+            position, step_dir = ckpt.init_data_position(cfg.init_from, cfg.model.seq_length)
+            trainer.state.start_samples = trainer.state.consumed_samples = position["consumed_samples"]
+            log.info("init_from_data_position: the data stream continues at sample %s, where the run of %s "
+                     "stopped (its step %s)", f"{position['consumed_samples']:,}", step_dir, position.get("step"))
+    if cfg.optim.schedule_start_step:
+        scheduler.step(increment=cfg.optim.schedule_start_step)
+        log.info("lr schedule starts at its step %d (optim.schedule_start_step): lr %.3g", cfg.optim.schedule_start_step,
+                 optimizer.param_groups[0]["lr"])
+
+
 def run(cfg: DictConfig) -> None:
     from msa_model.training.index_history import WARMUP_KEY, given_on_command_line, plan_indexer_warmup
 
@@ -172,10 +179,26 @@ def run(cfg: DictConfig) -> None:
             if warmup_note:
                 print(warmup_note, flush=True)
         return
-    validate(cfg, world_size)
     started = time.monotonic()
+    from msa_model.training.data_setup import step_dir_of, tokenizer_problems
 
+    try:
+        validate(cfg, world_size)
+        problems = []
+    except ConfigError as e:
+        problems = config_problems(e)
+    # the tokenizer against the model, the checkpoints and the prepared datasets, before anything
+    # is written (a wrong one would train the embedding rows of another vocabulary)
+    ckpt_root = Path(cfg.checkpoint.dir or Path(cfg.run_dir) / "checkpoints")
+    resume_dir = step_dir_of(ckpt_root) if cfg.resume != "never" else None
+    tokenizer, tokenizer_source, more = tokenizer_problems(cfg, resume_dir, step_dir_of(cfg.init_from))
+    if problems or more:
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems + more))
+
+    from data.tokenizer import describe_identity
     from msa_model.training import checkpoint as ckpt
+    from msa_model.training import failures
+    from msa_model.training.data_setup import build_data
     from msa_model.training.distributed import init_distributed, shutdown
     from msa_model.training.indexer_warmup import IndexerWarmup
     from msa_model.training.metrics import MetricsLogger
@@ -185,7 +208,6 @@ def run(cfg: DictConfig) -> None:
     # first, so that a stop during start-up (which can take minutes at scale) is not lost
     stop_signal = StopSignal(list(cfg.trainer.stop_signals)) if cfg.trainer.stop_signals else None
     run_dir = Path(cfg.run_dir)
-    ckpt_root = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
     # the console only: train.log is the run's, written once the run dir's lock is ours
@@ -203,7 +225,8 @@ def run(cfg: DictConfig) -> None:
         # before CUDA, cuBLAS and NCCL start: they read their settings once
         determinism = deterministic_mode()
     env = init_distributed(cfg.parallel, cfg.trainer.device, cfg.trainer.seed)
-    requeue, lock = False, None
+    failures.watch(env.rank, world_size)
+    requeue, lock, failed = False, None, False
     try:
         # before anything is written: a second launch into a busy run dir would delete the first
         # one's save in progress and interleave its metrics
@@ -217,13 +240,14 @@ def run(cfg: DictConfig) -> None:
             log.info("run dir %s | %s | %s", run_dir,
                      " ".join(f"{k}={v}" for k, v in parallel_layout(cfg.parallel, world_size).items()),
                      document_mask_line(cfg))
+            log.info("tokenizer %s (%s)", describe_identity(tokenizer.identity), tokenizer_source)
             if warmup_note:
                 log.info("%s", warmup_note)
             for line in determinism:
                 log.info("%s", line)
         # checked against its manifest before anything is built: a damaged checkpoint stops here
         latest = ckpt.resume_checkpoint(ckpt_root, fallback=cfg.resume == "fallback") if latest is not None else None
-        model_chunks = _build_model(cfg, env)
+        model_chunks = _build_model(cfg, env, tokenizer)
         optimizer, scheduler = _build_optimizer(cfg, model_chunks)
         model_chunks[0].config.grad_scale_func = optimizer.scale_loss
 
@@ -251,22 +275,22 @@ def run(cfg: DictConfig) -> None:
                                                 cfg.model.num_layers, cfg.model.seq_length, run_dir, env.is_main))
         model_config = OmegaConf.to_container(cfg.model, resolve=True)
         checkpointer = ckpt.Checkpointer(ckpt_root, cfg.checkpoint.interval, cfg.checkpoint.keep,
-                                         cfg.checkpoint.save_at_end, model_config)
+                                         cfg.checkpoint.save_at_end, model_config, tokenizer=tokenizer)
         callbacks.append(checkpointer)
         metrics_logger = MetricsLogger(_metric_sinks(cfg, run_dir) if env.is_main else [], cfg.logging.log_interval,
-                                       cfg.trainer.max_steps, flops_per_token=_flops_counter(cfg),
+                                       cfg.trainer.max_steps, flops_per_token=_flops_counter(cfg, tokenizer),
                                        world_size=world_size, phase=(lambda: warmup.phase) if warmup else None)
         callbacks.append(metrics_logger)
+        # the train dataset ends start_samples (read at its first use, after any checkpoint is
+        # loaded) + max_steps global batches after the start of the stream
+        train_data, valid_data = build_data(cfg, tokenizer, lambda: trainer.state.start_samples)
         trainer = Trainer(cfg.trainer, cfg.parallel, cfg.model, model_chunks=model_chunks, optimizer=optimizer,
-                          scheduler=scheduler, data=_build_data(cfg), callbacks=callbacks, device=env.device,
-                          stop_signal=stop_signal)
+                          scheduler=scheduler, data=train_data, valid_data=valid_data, callbacks=callbacks,
+                          device=env.device, stop_signal=stop_signal)
         if latest is not None:
             ckpt.load_checkpoint(trainer, latest, verify=False, model_config=model_config)
-        elif cfg.init_from:
-            ckpt.load_model_weights(model_chunks, cfg.init_from, model_config, partial=cfg.init_from_partial)
-            # bf16 training keeps fp32 main copies made when the optimizer was built: refresh them,
-            # or the first step would put the fresh initialisation back
-            optimizer.reload_model_params()
+        else:
+            _start_fresh(cfg, trainer, model_chunks, optimizer, scheduler, model_config)
         if trainer.state.step >= cfg.trainer.max_steps:
             log.info("nothing to do: %s is already at step %d of %d (resume=auto); pass another run_dir= "
                      "to start a new run", run_dir, trainer.state.step, cfg.trainer.max_steps)
@@ -275,6 +299,9 @@ def run(cfg: DictConfig) -> None:
         try:
             state = trainer.train()
         except OutOfMemory as e:
+            if failures.active():
+                # said once, and named by the other ranks; the process ends there
+                failures.fail(str(e), 1)
             log.error("%s", e)
             # the message says it all; the process group cannot be shut down cleanly after it
             logging.shutdown()
@@ -291,10 +318,17 @@ def run(cfg: DictConfig) -> None:
                      where or "none (checkpointing is off)", plan.note if plan else "")
         else:
             _log_summary(state, cfg, run_dir, ckpt_root, metrics_logger.last_record, time.monotonic() - started)
+    except BaseException:
+        failed = True
+        raise
     finally:
         try:
-            # the handlers stay until the process group is gone: SLURM may repeat a signal meanwhile
-            shutdown()
+            # the handlers stay until the process group is gone: SLURM may repeat a signal meanwhile.
+            # A rank of several that failed leaves the group as it is: its last barrier would pair
+            # with whatever collective the others wait in (train.py reports the error; the process ends)
+            if not failed or world_size == 1:
+                failures.stop_watching()
+                shutdown()
             if stop_signal is not None:
                 stop_signal.restore()
         finally:

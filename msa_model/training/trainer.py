@@ -13,6 +13,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from msa_model.attention import record_evaluation_metrics
 from msa_model.context_parallel import slice_batch_for_cp
 from msa_model.ops.dense_attention import attach_host_copy
 from msa_model.training.callbacks import Callback, TrainState
@@ -85,10 +86,11 @@ class Trainer:
     restores with the other counters before the first step reads a batch."""
 
     def __init__(self, trainer_cfg, parallel_cfg, model_cfg, *, model_chunks, optimizer, scheduler, data,
-                 callbacks: list[Callback], device: torch.device, stop_signal=None):
+                 callbacks: list[Callback], device: torch.device, stop_signal=None, valid_data=None):
         self.model_chunks, self.optimizer, self.scheduler = model_chunks, optimizer, scheduler
-        self.data, self.callbacks = data, callbacks
+        self.data, self.valid_data, self.callbacks = data, valid_data, callbacks
         self.max_steps, self.stop_at_step = trainer_cfg.max_steps, trainer_cfg.stop_at_step
+        self.eval_interval, self.eval_iters = trainer_cfg.eval_interval, trainer_cfg.eval_iters
         self.micro_batch_size, self.global_batch_size = parallel_cfg.micro_batch_size, parallel_cfg.global_batch_size
         self.seq_length, self.num_layers = model_cfg.seq_length, model_cfg.num_layers
         self.device, self.stop_signal = device, stop_signal
@@ -137,6 +139,38 @@ class Trainer:
             metrics[f"grad_norm_{group}"] = float(norm)
         return metrics
 
+    def evaluate(self) -> dict:
+        """The held-out losses of the next `eval_iters` global batches of the validation stream, in
+        the current attention phase, without gradients: {"valid/lm_loss", "valid/kl_loss" (MSA),
+        ...}. Every rank must call this; every rank gets the same result."""
+        for chunk in self.model_chunks:
+            chunk.eval()
+        record_evaluation_metrics(self.model_chunks, True)
+        self.stage = "evaluation"
+        num_microbatches = self.num_microbatches * self.eval_iters
+        with torch.no_grad():
+            losses_reduced = get_forward_backward_func()(
+                forward_step_func=partial(_forward_step, device=self.device),
+                data_iterator=self.valid_data.iterator(self.state.consumed_valid_samples),
+                model=self.model_chunks,
+                num_microbatches=num_microbatches,
+                seq_length=self.seq_length,
+                micro_batch_size=self.micro_batch_size,
+                forward_only=True,
+            )
+        self.state.consumed_valid_samples += self.eval_iters * self.global_batch_size
+        for chunk in self.model_chunks:
+            chunk.train()
+        record_evaluation_metrics(self.model_chunks, False)
+        metrics = reduce_step_metrics(losses_reduced, num_microbatches, self.num_layers,
+                                      parallel_state.get_pipeline_model_parallel_world_size(), self.device)
+        return {f"valid/{key}": value for key, value in metrics.items()}
+
+    def _evaluation_due(self) -> bool:
+        if self.valid_data is None or not self.eval_interval:
+            return False
+        return self.state.step % self.eval_interval == 0 or self.state.step == self.max_steps
+
     def _should_stop(self) -> bool:
         if self.stop_at_step is not None and self.state.step >= self.stop_at_step:
             return True
@@ -172,6 +206,8 @@ class Trainer:
             self.state.step += 1
             self.state.consumed_samples += self.global_batch_size
             self.state.tokens += step_tokens
+            if self._evaluation_due():
+                metrics.update(self.evaluate())
             self.state.stop_requested = self._should_stop()
             metrics["step_tokens"] = step_tokens
             self._call("on_step_end", metrics)

@@ -1,0 +1,191 @@
+"""Prepared datasets: megatron indexed datasets (`PREFIX.bin`, `PREFIX.idx`) with a description
+(`PREFIX.json`), as `python -m data.prepare` writes them, and the blends that train on them.
+
+PREFIX.json records what made the dataset and what it should be:
+
+    {"format": "msa-prepared-v1", "source": [...], "tokenizer": {identity}, "add_bos": false,
+     "documents": N, "tokens": N, "skipped": {...},
+     "files": {"PREFIX.bin": {size, sampled_sha256, sha256}, "PREFIX.idx": {...}}}
+
+(file names relative to the .json's directory). Before training, every prefix of `data.blend`
+and `data.valid_blend` is checked against it: sizes and sampled blocks always (a few hundred KiB
+read per file, whatever its size), the sha256 of every byte with data.verify_cache=true; the index
+must describe exactly the bytes of the .bin; every dataset must share one tokenizer identity, the
+run's. A dataset made elsewhere (Megatron-LM's preprocess_data.py) gets its .json from
+`python -m data.prepare --describe PREFIX --tokenizer DIR`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from .cache_check import describe, files_problem
+from .tokenizer import describe_identity, identities_match
+
+FORMAT = "msa-prepared-v1"
+
+
+def metadata_path(prefix: str | Path) -> Path:
+    return Path(f"{prefix}.json")
+
+
+def write_metadata(prefix: str | Path, record: dict) -> Path:
+    """Write PREFIX.json: `record` (source, tokenizer, documents, tokens, ...) plus the sizes and
+    hashes of PREFIX.bin and PREFIX.idx, atomically. Returns its path."""
+    prefix = Path(prefix)
+    files = {f"{prefix.name}{ext}": describe(Path(f"{prefix}{ext}")) for ext in (".bin", ".idx")}
+    out = metadata_path(prefix)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}")
+    tmp.write_text(json.dumps({"format": FORMAT, **record, "files": files}, indent=1) + "\n")
+    os.replace(tmp, out)
+    return out
+
+
+def read_metadata(prefix: str | Path) -> dict:
+    """PREFIX.json as written by write_metadata. Raises ValueError naming the file and the cause."""
+    path = metadata_path(prefix)
+    if not path.is_file():
+        raise ValueError(f"{path} is missing: make the dataset with `python -m data.prepare`, or describe one made "
+                         f"elsewhere with `python -m data.prepare --describe {prefix} --tokenizer DIR`")
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} is not readable JSON ({e})") from e
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or "files" not in meta or "tokenizer" not in meta:
+        raise ValueError(f"{path} is not a prepared dataset's description (format {FORMAT})")
+    return meta
+
+
+def index_problem(prefix: str | Path) -> str | None:
+    """Whether PREFIX.idx reads as a megatron index whose sequences fill PREFIX.bin exactly."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    idx, bin_ = Path(f"{prefix}.idx"), Path(f"{prefix}.bin")
+    for path in (idx, bin_):
+        if not path.is_file():
+            return f"{path} is missing"
+    try:
+        index = IndexedDataset(str(prefix), mmap=True).index
+        lengths, pointers = index.sequence_lengths, index.sequence_pointers
+        itemsize = index.dtype_size
+    except Exception as e:  # megatron reads the header with asserts and numpy: any failure means a bad file
+        return f"{idx} is not a readable megatron index ({type(e).__name__}: {e}; truncated or not an .idx?)"
+    end = int(pointers[-1]) + int(lengths[-1]) * itemsize if len(lengths) else 0
+    size = bin_.stat().st_size
+    if end != size:
+        return (f"{bin_} is {size:,} bytes but {idx} describes {end:,} ({len(lengths):,} documents): "
+                "the two files do not belong together, or one is truncated")
+    return None
+
+
+def check_prefix(prefix: str | Path, full: bool = False) -> str | None:
+    """What is wrong with the prepared dataset PREFIX (one line naming the file), or None."""
+    try:
+        meta = read_metadata(prefix)
+    except ValueError as e:
+        return str(e)
+    found = files_problem(Path(prefix).parent, meta["files"], full)
+    if found is not None:
+        # the message starts with the file's name: give its directory too
+        return f"{Path(prefix).parent}/{found}"
+    return index_problem(prefix)
+
+
+def parse_blend(entries, key: str) -> tuple[list[str], list[float], list[str]]:
+    """(prefixes, weights, problems) of a blend given as [[weight, prefix], ...] or [prefix, ...]."""
+    prefixes, weights, problems = [], [], []
+    for i, entry in enumerate(entries or []):
+        if isinstance(entry, str):
+            weight, prefix = 1.0, entry
+        elif isinstance(entry, Sequence) and len(entry) == 2:
+            weight, prefix = entry
+        else:
+            problems.append(f"{key}[{i}]: {entry!r} is not [weight, prefix] or a prefix")
+            continue
+        try:
+            weight = float(weight)
+        except (TypeError, ValueError):
+            problems.append(f"{key}[{i}]: weight {weight!r} is not a number")
+            continue
+        if not weight > 0:
+            problems.append(f"{key}[{i}]: weight {weight} of {prefix} must be > 0")
+            continue
+        prefix = str(prefix)
+        if prefix.endswith((".bin", ".idx", ".json")):
+            problems.append(f"{key}[{i}]: {prefix} names a file; give the prefix without its extension")
+            continue
+        if prefix in prefixes:
+            problems.append(f"{key}: {prefix} is listed twice (give it one weight)")
+            continue
+        prefixes.append(prefix)
+        weights.append(weight)
+    if entries is not None and not prefixes and not problems:
+        problems.append(f"{key} is empty")
+    return prefixes, weights, problems
+
+
+def check_blends(data_cfg, tokenizer_identity: dict | None = None) -> list[str]:
+    """Every problem of data.blend and data.valid_blend, one line each: the entries, each prefix's
+    files, and one tokenizer identity shared by all of them and by `tokenizer_identity` (the run's,
+    when known; data.tokenizer_mismatch=allow lets a different one through)."""
+    problems, seen = [], {}
+    for key in ("data.blend", "data.valid_blend"):
+        entries = getattr(data_cfg, key.split(".")[1])
+        prefixes, _, bad = parse_blend(entries, key)
+        problems += bad
+        for prefix in prefixes:
+            found = check_prefix(prefix, full=data_cfg.verify_cache)
+            if found is not None:
+                problems.append(f"{key}: {found}")
+                continue
+            seen[prefix] = read_metadata(prefix)["tokenizer"]
+    if len({(t.get("sha256"), t.get("vocab_size")) for t in seen.values()}) > 1:
+        listing = "; ".join(f"{p}: {describe_identity(t)}" for p, t in seen.items())
+        problems.append(f"data.blend: the datasets were prepared with different tokenizers ({listing}); "
+                        "prepare them all with one")
+    elif seen and tokenizer_identity is not None and data_cfg.tokenizer_mismatch != "allow":
+        prefix, recorded = next(iter(seen.items()))
+        if not identities_match(recorded, tokenizer_identity):
+            problems.append(f"data.tokenizer: {describe_identity(tokenizer_identity)} is not the tokenizer "
+                            f"{prefix} was prepared with ({describe_identity(recorded)}); use that one, or "
+                            "data.tokenizer_mismatch=allow")
+    return problems
+
+
+def split_problems(data_cfg, evaluating: bool) -> list[str]:
+    """Datasets of data.blend whose share of data.split holds no document (megatron cuts each
+    dataset's documents by the split's fractions, rounded): training always, validation when the
+    run evaluates on the split."""
+    problems = []
+    total = sum(float(x) for x in data_cfg.split)
+    bounds = [0.0]
+    for x in data_cfg.split:
+        bounds.append(bounds[-1] + float(x) / total)
+    spans = [("training", bounds[0], bounds[1])]
+    if evaluating and not data_cfg.valid_blend:
+        spans.append(("validation", bounds[1], bounds[2]))
+    for prefix in parse_blend(data_cfg.blend, "data.blend")[0]:
+        try:
+            n = int(read_metadata(prefix)["documents"])
+        except (ValueError, KeyError, TypeError):
+            continue  # reported by check_blends
+        for name, a, b in spans:
+            if int(round(b * n)) <= int(round(a * n)):
+                problems.append(f"data.split {list(data_cfg.split)} leaves no {name} document of {prefix} ({n:,} "
+                                f"documents): give {name} a larger share, or its own datasets (data.valid_blend)")
+    return problems
+
+
+def recorded_tokenizer(data_cfg) -> dict | None:
+    """The tokenizer identity the blend's first dataset records (with its `path` when the prepare
+    step knew one), or None without a readable blend."""
+    prefixes, _, _ = parse_blend(data_cfg.blend, "data.blend")
+    for prefix in prefixes:
+        try:
+            return read_metadata(prefix)["tokenizer"]
+        except ValueError:
+            continue
+    return None

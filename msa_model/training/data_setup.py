@@ -1,0 +1,145 @@
+"""The run's tokenizer and data: which tokenizer (given, or the checkpoint's), whether it matches
+the checkpoint and the prepared datasets, and the train / validation micro-batch streams.
+
+A checkpoint records its tokenizer in `<step dir>/tokenizer/`: `identity.json` (data/tokenizer.py)
+and, for a Hugging Face tokenizer, a copy of its files, so a checkpoint (ours, or one a conversion
+wrote) carries the tokenizer its embedding rows belong to. With data.tokenizer unset a run takes
+the tokenizer of the checkpoint it starts from (resume, else init_from), else the one the blend's
+datasets were prepared with, else `byte`. A tokenizer other than the checkpoint's or the datasets'
+is refused, naming both, unless data.tokenizer_mismatch=allow.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from functools import partial
+from pathlib import Path
+
+from data.tokenizer import (BYTE, HFTokenizer, TokenizerError, build_tokenizer, describe_identity,
+                            identities_match, tokenizer_files)
+
+log = logging.getLogger(__name__)
+
+TOKENIZER_DIR = "tokenizer"
+IDENTITY_FILE = "identity.json"
+
+
+def write_checkpoint_tokenizer(step_dir: str | Path, tokenizer) -> Path:
+    """Record `tokenizer` in `step_dir`/tokenizer/: its identity and (Hugging Face) its files."""
+    out = Path(step_dir) / TOKENIZER_DIR
+    if isinstance(tokenizer, HFTokenizer):
+        tokenizer.save(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / IDENTITY_FILE).write_text(json.dumps(tokenizer.identity, indent=1) + "\n")
+    return out
+
+
+def checkpoint_tokenizer(step_dir: str | Path | None) -> tuple[dict | None, str | None]:
+    """(identity, tokenizer spec) a checkpoint step directory records: the spec is `byte` or the
+    directory of its copied files; (None, None) for a checkpoint that records no tokenizer."""
+    if step_dir is None:
+        return None, None
+    folder = Path(step_dir) / TOKENIZER_DIR
+    try:
+        identity = json.loads((folder / IDENTITY_FILE).read_text())
+    except (OSError, ValueError):
+        return None, None
+    if tokenizer_files(folder):
+        return identity, str(folder)
+    return identity, BYTE if identity.get("name") == "byte-v1" else None
+
+
+def step_dir_of(path: str | Path | None) -> Path | None:
+    """The step directory a checkpoint path means (a root with `latest`, or a step dir), or None."""
+    if path is None:
+        return None
+    path = Path(path)
+    latest = path / "latest"
+    if latest.is_file():
+        path = path / latest.read_text().strip()
+    return path if path.is_dir() else None
+
+
+def resolve_tokenizer(data_cfg, resume_dir: Path | None, init_dir: Path | None) -> tuple[str, str]:
+    """(spec, where it came from) of the run's tokenizer (module docstring's order)."""
+    if data_cfg.tokenizer is not None:
+        return data_cfg.tokenizer, "data.tokenizer"
+    for what, step_dir in (("the checkpoint this run resumes", resume_dir), ("init_from", init_dir)):
+        _, spec = checkpoint_tokenizer(step_dir)
+        if spec is not None:
+            return spec, f"{what} ({step_dir})"
+    if data_cfg.blend:
+        from data.prepared import recorded_tokenizer
+
+        recorded = recorded_tokenizer(data_cfg) or {}
+        path = recorded.get("path")
+        if path == BYTE or (path and Path(path).is_dir()):
+            return path, "the tokenizer data.blend was prepared with"
+    return BYTE, "default"
+
+
+def checkpoint_run_tokenizer(cfg, step_dir: Path | None = None):
+    """The tokenizer a tool (eval, dry run, tests) uses for the run config `cfg` (of the checkpoint
+    `step_dir`, when given)."""
+    spec, _ = resolve_tokenizer(cfg.data, step_dir, None)
+    return build_tokenizer(spec, cfg.data.eod_token)
+
+
+def tokenizer_problems(cfg, resume_dir: Path | None, init_dir: Path | None):
+    """(tokenizer or None, where it came from, problem lines): the run's tokenizer built, and what
+    is wrong with it against the model, the checkpoints and the prepared datasets."""
+    from data.prepared import check_blends, split_problems
+
+    spec, source = resolve_tokenizer(cfg.data, resume_dir, init_dir)
+    try:
+        tokenizer = build_tokenizer(spec, cfg.data.eod_token)
+    except TokenizerError as e:
+        return None, source, [str(e)]
+    problems = []
+    mine = tokenizer.identity
+    vocab = cfg.model.vocab_size
+    if vocab is not None and vocab < tokenizer.vocab_size:
+        problems.append(f"model.vocab_size ({vocab}) is smaller than the vocabulary of the tokenizer "
+                        f"{describe_identity(mine)}: its ids would index past the embedding")
+    if cfg.data.add_bos and tokenizer.bos is None and not cfg.data.blend:
+        problems.append(f"data.add_bos: the tokenizer {describe_identity(mine)} has no beginning-of-sequence token")
+    if cfg.data.tokenizer_mismatch != "allow":
+        for what, step_dir in (("resume", resume_dir), ("init_from", init_dir)):
+            recorded, _ = checkpoint_tokenizer(step_dir)
+            if recorded is not None and not identities_match(recorded, mine):
+                problems.append(f"data.tokenizer: {describe_identity(mine)} ({source}) is not the tokenizer of the "
+                                f"{what} checkpoint {step_dir} ({describe_identity(recorded)}): its embedding rows "
+                                "belong to that one; use it (leave data.tokenizer unset), or "
+                                "data.tokenizer_mismatch=allow")
+    if cfg.data.blend or cfg.data.valid_blend:
+        problems += check_blends(cfg.data, mine)
+    if cfg.data.blend and not problems:
+        problems += split_problems(cfg.data, evaluating=cfg.trainer.eval_interval > 0)
+    return tokenizer, source, problems
+
+
+def build_data(cfg, tokenizer, start_samples=lambda: 0):
+    """(train, valid or None): this data-parallel rank's micro-batch streams (data.datasets.TrainData),
+    the datasets built at their first use. valid exists when trainer.eval_interval > 0. The train
+    stream starts at `start_samples()` (init_from_data_position; read when the datasets are built),
+    so its dataset holds that many samples more than the run's max_steps global batches."""
+    from data.datasets import TrainData, build_datasets
+    from msa_model.training.distributed import data_parallel_info
+
+    t, p = cfg.trainer, cfg.parallel
+    # every evaluation reads eval_iters global batches further (megatron's count: one per interval
+    # and one at the end)
+    valid_samples = (t.max_steps // t.eval_interval + 1) * t.eval_iters * p.global_batch_size if t.eval_interval else 0
+    datasets = {}
+
+    def dataset(index: int):
+        if not datasets:
+            train_samples = start_samples() + t.max_steps * p.global_batch_size
+            datasets["all"] = build_datasets(cfg.data, tokenizer, cfg.model.seq_length, train_samples, valid_samples)
+        return datasets["all"][index]
+
+    dp_rank, dp_size = data_parallel_info()
+    make = partial(TrainData, micro_batch_size=p.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size,
+                   document_mask=cfg.data.document_mask)
+    return make(partial(dataset, 0)), make(partial(dataset, 1)) if valid_samples else None

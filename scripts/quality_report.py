@@ -1,0 +1,216 @@
+"""The quality study's report (scripts/quality_experiment.py): per run its final loss and
+diagnostics from metrics.jsonl, per arm the mean and std over seeds and the paired difference to
+its reference arm (same seed), as JSON and markdown; the loss curves; the archive of every run's
+records and logs that another call can --import."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import tarfile
+from pathlib import Path
+
+
+def records(run_dir: Path) -> list[dict]:
+    """metrics.jsonl, the last record of each step (a resumed run may have rewritten steps)."""
+    path = run_dir / "metrics.jsonl"
+    by_step = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                rec = json.loads(line)
+                by_step[rec["step"]] = rec
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def _mean(values):
+    return statistics.mean(values) if values else None
+
+
+def _std(values):
+    return statistics.stdev(values) if len(values) >= 2 else None
+
+
+def run_summary(study, run) -> dict:
+    """One run (a quality_experiment.Run of the Study `study`): its final loss and KL (done runs
+    only), last recall@k, median tokens/s, peak memory, eval accuracy."""
+    recs = records(run.dir)
+    w = study.args.final_window or study.preset["final_window"]
+    last = recs[-w:]
+
+    def mean_of(key, rows):
+        vals = [r[key] for r in rows if key in r and r[key] is not None and math.isfinite(r[key])]
+        return _mean(vals)
+
+    sparse = [r for r in recs if r.get("phase") == "sparse" and "msa/recall" in r]
+    out = {"seed": run.seed, "done": study.done(run), "step": recs[-1]["step"] if recs else 0, "steps": run.steps,
+           "final_lm_loss": mean_of("lm_loss", last) if study.done(run) else None,
+           "final_kl": mean_of("kl_loss", last) if study.done(run) else None,
+           "recall": sparse[-1]["msa/recall"] if sparse else None,
+           "tokens_per_s": statistics.median([r["tokens_per_s"] for r in recs[1:]]) if len(recs) > 1 else None,
+           "peak_mem_gib": max((r["peak_mem_gib"] for r in recs if "peak_mem_gib" in r), default=None)}
+    if (run.dir / "parent.json").is_file():
+        out["parent_retrained"] = json.loads((run.dir / "parent.json").read_text())["retrained"]
+    res = study.eval_dir(run) / "results.json"
+    if res.is_file():
+        e = json.loads(res.read_text())
+        out["eval"] = {"accuracy_by_length": e["accuracy_by_length"], "key_budget": e.get("key_budget")}
+    return out
+
+
+def summarize(study) -> dict:
+    """Every arm of the study: its runs, the mean and std of their final losses, and the paired
+    difference to its reference arm over the seeds both finished."""
+    arms = {}
+    for name, arm in study.arms.items():
+        runs = {r.seed: run_summary(study, r) for r in study.runs.values() if r.arm.name == name}
+        losses = [v["final_lm_loss"] for v in runs.values() if v["final_lm_loss"] is not None]
+        entry = {"base": arm.base, "ref": arm.ref, "overrides": arm.overrides, "runs": runs, "n": len(losses),
+                 "mean": _mean(losses), "std": _std(losses)}
+        for key in ("final_kl", "recall", "tokens_per_s"):
+            entry[key] = _mean([v[key] for v in runs.values() if v[key] is not None])
+        entry["peak_mem_gib"] = max((v["peak_mem_gib"] for v in runs.values() if v["peak_mem_gib"]), default=None)
+        arms[name] = entry
+    for name, entry in arms.items():
+        ref = arms.get(entry["ref"]) if entry["ref"] else None
+        if ref is None:
+            continue
+        pairs = [(v["final_lm_loss"], ref["runs"][seed]["final_lm_loss"]) for seed, v in entry["runs"].items()
+                 if v["final_lm_loss"] is not None and seed in ref["runs"]
+                 and ref["runs"][seed]["final_lm_loss"] is not None]
+        diffs = [a - b for a, b in pairs]
+        p = {"n": len(diffs), "mean": _mean(diffs), "std": _std(diffs), "rel_pct": None, "exceeds_2_seed_std": None}
+        if diffs:
+            p["rel_pct"] = 100 * p["mean"] / _mean([b for _, b in pairs])
+        if diffs and ref["std"] is not None:
+            p["exceeds_2_seed_std"] = abs(p["mean"]) > 2 * ref["std"]
+        entry["paired"] = p
+    return {"preset": study.args.preset, "steps": study.steps, "mid": study.mid, "step_tokens": study.step_tokens,
+            "tokens_per_run": study.steps * study.step_tokens, "warmup_tokens": study.warmup_tokens,
+            "seeds": study.args.seeds, "arms": arms}
+
+
+def _fmt(v, spec=".3f", signed=False):
+    if v is None:
+        return "-"
+    return format(v, ("+" if signed else "") + spec)
+
+
+def markdown(summary: dict, study, call: dict) -> str:
+    s = summary
+    lines = [f"# Quality study ({s['preset']})", "",
+             f"{s['steps']} steps of {study.args.gbs} x {study.preset['seq']} tokens = {s['tokens_per_run'] / 1e6:.2f}M "
+             f"tokens per run" + (f" (CPT: the dense run's last {s['steps'] - s['mid']} steps)"
+                                  if any(a["base"] == "cpt" for a in s["arms"].values()) else "")
+             + f"; seeds 0-{s['seeds'] - 1} "
+             f"(trainer.seed; the same data order for every seed); indexer warmup {s['warmup_tokens']:,} tokens; "
+             f"lr {study.args.lr} -> {study.args.min_lr} cosine. Final lm loss: mean of the last "
+             f"{study.args.final_window or study.preset['final_window']} logged intervals. Paired: the arm's final loss "
+             "minus its reference's, same seed.", "",
+             "| arm | base | vs | runs done | final lm loss (mean ± std) | paired diff (mean ± std, n) | rel | "
+             "> 2 x ref seed std | final KL | recall@k | tok/s per run | peak GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, a in s["arms"].items():
+        p = a.get("paired") or {}
+        exceeds = p.get("exceeds_2_seed_std")
+        lines.append(
+            f"| {name} | {a['base']} | {a['ref'] or '-'} | {a['n']}/{len(a['runs'])} | {_fmt(a['mean'], '.4f')} ± "
+            f"{_fmt(a['std'], '.4f')} | {_fmt(p.get('mean'), '.4f', True)} ± {_fmt(p.get('std'), '.4f')} "
+            f"({p.get('n', '-')}) | {_fmt(p.get('rel_pct'), '.2f', True)}{'%' if p.get('rel_pct') is not None else ''}"
+            f" | {'-' if exceeds is None else ('yes' if exceeds else 'no')} | {_fmt(a['final_kl'])} | "
+            f"{_fmt(a['recall'])} | {_fmt(a['tokens_per_s'], ',.0f')} | {_fmt(a['peak_mem_gib'], '.1f')} |")
+    seeds = sorted({seed for a in s["arms"].values() for seed in a["runs"]})
+    lines += ["", "Per seed (final lm loss; `at N` = not finished, at step N):", "",
+              "| arm | " + " | ".join(f"seed {x}" for x in seeds) + " |", "|---|" + "---|" * len(seeds)]
+    for name, a in s["arms"].items():
+        cells = []
+        for x in seeds:
+            v = a["runs"].get(x)
+            cells.append("-" if v is None else _fmt(v["final_lm_loss"], ".4f") if v["done"] else f"at {v['step']}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    targets = []
+    for name, a in s["arms"].items():
+        p = a.get("paired")
+        if a["base"] in ("pt", "cpt") and a["ref"] and s["arms"][a["ref"]]["base"] == "dense" and p and p["n"]:
+            ok = p["rel_pct"] <= 1.0
+            targets.append(f"- {name} within 1% of {a['ref']}: {'met' if ok else 'missed'} "
+                           f"({p['rel_pct']:+.2f}% over {p['n']} seed(s)"
+                           + (f"; gap {'exceeds' if p['exceeds_2_seed_std'] else 'within'} 2 x the seed std of "
+                              f"{a['ref']}" if p["exceeds_2_seed_std"] is not None else "; seed std needs 2 seeds")
+                           + ")")
+    evals = {n: a for n, a in s["arms"].items() if any("eval" in v for v in a["runs"].values())}
+    if evals:
+        lines += ["", "Retrieval (exact match, mean over tasks and seeds):", ""]
+        lengths = sorted({int(n) for a in evals.values() for v in a["runs"].values() if "eval" in v
+                          for n in v["eval"]["accuracy_by_length"]})
+        lines += ["| arm | " + " | ".join(str(n) for n in lengths) + " |", "|---|" + "---|" * len(lengths)]
+        acc = {}
+        for name, a in evals.items():
+            acc[name] = {n: _mean([v["eval"]["accuracy_by_length"][str(n)] for v in a["runs"].values()
+                                   if "eval" in v and str(n) in v["eval"]["accuracy_by_length"]]) for n in lengths}
+            lines.append(f"| {name} | " + " | ".join(_fmt(acc[name][n], ".2f") for n in lengths) + " |")
+        for name, a in evals.items():
+            budget = next((v["eval"]["key_budget"] for v in a["runs"].values() if "eval" in v), None)
+            ref = a["ref"]
+            if budget and ref in acc and 4 * budget in lengths:
+                mine, theirs = acc[name][4 * budget], acc[ref][4 * budget]
+                if mine is not None and theirs is not None:
+                    verdict = ("not measured: the reference does not retrieve" if theirs == 0
+                               else "met" if 100 * (mine - theirs) >= -5 else "missed")
+                    targets.append(f"- {name} retrieval at 4 x its key budget ({4 * budget}) within 5 points of "
+                                   f"{ref}: {verdict} ({100 * (mine - theirs):+.1f} points)")
+    if targets:
+        lines += ["", "Targets:", *targets]
+    lines += ["", f"This call: {call['seconds']:.0f} s, {call['tokens'] / 1e6:.3g}M tokens trained by "
+              f"{call['runs']} run(s), {call['tokens'] / max(call['seconds'], 1):,.0f} tokens/s together."]
+    retrained = [f"{name}-s{seed}" for name, a in s["arms"].items() for seed, v in a["runs"].items()
+                 if v.get("parent_retrained")]
+    if retrained:
+        lines += ["", f"Branched from a dense run re-trained to step {s['mid']} (its own checkpoint there was on "
+                  "another machine): " + ", ".join(retrained) + ". Same seed and data, but not its exact weights "
+                  "(GPU kernels are not bit-reproducible)."]
+    if call["failed"]:
+        lines += ["", "Failed: " + ", ".join(call["failed"]) + " (their logs are in runs.tar.gz)"]
+    return "\n".join(lines) + "\n"
+
+
+def plot(summary: dict, study, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, name in enumerate(summary["arms"]):
+        for j, run in enumerate(r for r in study.runs.values() if r.arm.name == name):
+            recs = records(run.dir)
+            shift = study.mid * study.step_tokens if run.arm.base == "cpt" else 0
+            ax.plot([(r["tokens"] + shift) / 1e6 for r in recs], [r["lm_loss"] for r in recs], lw=0.8,
+                    color=colors[i % len(colors)], label=name if j == 0 else None)
+    ax.set_xlabel("tokens (M; CPT counts the dense half it branches from)")
+    ax.set_ylabel("lm loss")
+    low, high = ax.get_ylim()
+    ax.set_ylim(low, min(high, 6.0))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+ARCHIVED = ("metrics.jsonl", "train.log", "driver.json", "done.json", "config.yaml", "parent.json")
+
+
+def archive(study, path: Path) -> None:
+    """Every run's records and logs (not checkpoints) and the eval results, for --import elsewhere."""
+    with tarfile.open(path, "w:gz") as tar:
+        for run in study.runs.values():
+            for name in ARCHIVED:
+                if (run.dir / name).is_file():
+                    tar.add(run.dir / name, f"{run.name}/{name}")
+            if Path(f"{run.dir}.log").is_file():
+                tar.add(f"{run.dir}.log", f"{run.name}.log")
+            for name in ("results.json", "results.md"):
+                if (study.eval_dir(run) / name).is_file():
+                    tar.add(study.eval_dir(run) / name, f"eval/{run.name}/{name}")

@@ -1,0 +1,142 @@
+"""Tokenizers (byte and a real Hugging Face BPE trained here) and the checks of prepared datasets:
+what ids text becomes, what identifies a tokenizer, and each damaged or inconsistent dataset
+named as it is."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tokenizer_fixtures import EOS, make_bpe_tokenizer, stdlib_texts, write_prepared
+
+TEXT = 'def greet(name):\n    return f"hello, {name}!"  # ünïcödé\n'
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory) -> Path:
+    return make_bpe_tokenizer(tmp_path_factory.mktemp("tok") / "bpe")
+
+
+def test_hf_tokenizer_encodes_as_transformers_does_without_special_tokens(bpe):
+    from transformers import AutoTokenizer
+
+    from data.tokenizer import build_tokenizer
+
+    tok = build_tokenizer(str(bpe))
+    hf = AutoTokenizer.from_pretrained(str(bpe))
+    want = hf(TEXT, add_special_tokens=False).input_ids
+    assert tok.tokenize(TEXT).tolist() == want and tok.tokenize(TEXT).dtype == np.int32
+    texts = stdlib_texts(3)
+    assert [ids.tolist() for ids in tok.tokenize_batch(texts)] == [hf(t, add_special_tokens=False).input_ids
+                                                                    for t in texts]
+    assert tok.detokenize(tok.tokenize(TEXT)) == TEXT
+    assert tok.eod == hf.convert_tokens_to_ids(EOS) and tok.bos == hf.bos_token_id
+    assert tok.vocab_size == len(hf) == 1000
+
+
+def test_identity_survives_a_resave_and_changes_with_the_vocabulary_or_the_eod(bpe, tmp_path):
+    from transformers import AutoTokenizer
+
+    from data.tokenizer import HFTokenizer, identities_match
+
+    a = HFTokenizer(bpe).identity
+    AutoTokenizer.from_pretrained(str(bpe)).save_pretrained(str(tmp_path / "again"))
+    b = HFTokenizer(tmp_path / "again").identity
+    assert identities_match(a, b) and a["sha256"] == b["sha256"]
+    assert not identities_match(a, HFTokenizer(bpe, eod_token="<s>").identity)
+    other = make_bpe_tokenizer(tmp_path / "other", vocab_size=900)
+    assert not identities_match(a, HFTokenizer(other).identity)
+
+
+def test_bad_tokenizer_directories_are_named(tmp_path, bpe):
+    from data.tokenizer import TokenizerError, build_tokenizer
+
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "tokenizer.json").write_text("{not json")
+    cases = {str(tmp_path / "missing"): "does not exist", str(tmp_path / "empty"): "holds no tokenizer files",
+             str(tmp_path / "broken"): "could not be loaded"}
+    for spec, why in cases.items():
+        with pytest.raises(TokenizerError, match=why) as e:
+            build_tokenizer(spec)
+        assert spec in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(TokenizerError, match="'<nope>' is not a token"):
+        build_tokenizer(str(bpe), "<nope>")
+
+
+def _dataset(root: Path, tokenizer, name: str = "web", count: int = 4) -> Path:
+    return write_prepared(root / name, stdlib_texts(count), tokenizer)
+
+
+def test_a_prepared_dataset_checks_out_and_each_damage_is_named(tmp_path):
+    from data.prepared import check_prefix
+    from data.tokenizer import build_tokenizer
+
+    prefix = _dataset(tmp_path, build_tokenizer("byte"))
+    assert check_prefix(prefix) is None
+    copies = {}
+    for case in ("idx_truncated", "bin_grown", "bin_swapped", "no_json", "no_idx"):
+        d = tmp_path / case
+        d.mkdir()
+        for ext in (".bin", ".idx", ".json"):
+            shutil.copy(f"{prefix}{ext}", d / f"web{ext}")
+        copies[case] = d / "web"
+    Path(f"{copies['idx_truncated']}.idx").write_bytes(Path(f"{prefix}.idx").read_bytes()[:40])
+    with open(f"{copies['bin_grown']}.bin", "ab") as f:
+        f.write(b"\0" * 8)
+    Path(f"{copies['no_json']}.json").unlink()
+    Path(f"{copies['no_idx']}.idx").unlink()
+    # a .bin of the right size but other bytes: the sampled hashes see it, the full hash too
+    data = bytearray(Path(f"{prefix}.bin").read_bytes())
+    data[:64] = bytes(64)
+    Path(f"{copies['bin_swapped']}.bin").write_bytes(bytes(data))
+
+    assert "web.idx is " in check_prefix(copies["idx_truncated"]) and "truncated" in check_prefix(copies["idx_truncated"])
+    assert "web.bin is " in check_prefix(copies["bin_grown"])
+    assert "differs from what was built" in check_prefix(copies["bin_swapped"], full=True)
+    assert "web.json is missing" in check_prefix(copies["no_json"]) and "data.prepare" in check_prefix(copies["no_json"])
+    assert "web.idx is missing" in check_prefix(copies["no_idx"])
+
+
+def test_an_index_that_does_not_describe_its_bin_is_refused(tmp_path):
+    """Two files of different datasets under one prefix, each matching its own description."""
+    from data.prepared import check_prefix, write_metadata
+    from data.tokenizer import build_tokenizer
+
+    tok = build_tokenizer("byte")
+    a, b = _dataset(tmp_path / "a", tok, count=3), _dataset(tmp_path / "b", tok, count=5)
+    shutil.copy(f"{b}.bin", f"{a}.bin")
+    meta = json.loads(Path(f"{a}.json").read_text())
+    write_metadata(a, {k: v for k, v in meta.items() if k not in ("format", "files")})
+    assert "do not belong together" in check_prefix(a)
+
+
+def test_blend_entries_and_tokenizers_are_checked_together(tmp_path, bpe):
+    from types import SimpleNamespace
+
+    from data.prepared import check_blends, parse_blend
+    from data.tokenizer import build_tokenizer
+
+    byte, hf = build_tokenizer("byte"), build_tokenizer(str(bpe))
+    x, y = _dataset(tmp_path, byte, "x"), _dataset(tmp_path, hf, "y")
+    prefixes, weights, problems = parse_blend([[0.3, str(x)], str(y)], "data.blend")
+    assert (prefixes, weights, problems) == ([str(x), str(y)], [0.3, 1.0], [])
+    _, _, problems = parse_blend([[0, "a"], [1, "b"], [2, "b"], ["w", "c"], [1, "d.bin"]], "data.blend")
+    assert problems == ["data.blend[0]: weight 0.0 of a must be > 0", "data.blend: b is listed twice (give it one weight)",
+                        "data.blend[3]: weight 'w' is not a number",
+                        "data.blend[4]: d.bin names a file; give the prefix without its extension"]
+
+    cfg = SimpleNamespace(blend=[[1, str(x)], [1, str(y)]], valid_blend=None, verify_cache=False,
+                          tokenizer_mismatch="refuse")
+    problems = check_blends(cfg, byte.identity)
+    assert len(problems) == 1 and "prepared with different tokenizers" in problems[0]
+    cfg.blend = [[1, str(y)]]
+    problems = check_blends(cfg, byte.identity)
+    assert len(problems) == 1 and f"is not the tokenizer {y} was prepared with" in problems[0]
+    assert check_blends(cfg, hf.identity) == []
+    cfg.tokenizer_mismatch = "allow"
+    assert check_blends(cfg, byte.identity) == []

@@ -1,0 +1,164 @@
+"""scripts/quality_experiment.py on the `tiny` preset (CPU): dense and the fair MSA-CPT arm over two
+seeds side by side, continued on a second machine from the first one's archive, the paired
+report, ablation arms composed from overrides, stop saves within the free disk, and the settings
+check of a reused work directory."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+import pytest
+
+from skeleton_helpers import REPO, _env
+
+SCRIPT = REPO / "scripts" / "quality_experiment.py"
+TINY = ["--preset", "tiny", "--corpus", "stdlib", "--tokens", "16384", "--lanes", "2", "--budget", "1200", "--poll", "0.5"]
+
+
+def _driver(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *TINY, *args], cwd=REPO, env=_env(), capture_output=True,
+                          text=True, timeout=1200)
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("quality_experiment", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def _records(path) -> dict[int, dict]:
+    return {r["step"]: r for r in map(json.loads, path.read_text().splitlines())}
+
+
+def test_dense_and_cpt_over_two_seeds_end_to_end(tmp_path):
+    """A first machine trains dense seed 0; a second one imports it and runs the rest: dense seed 1
+    and both CPT branches, the one of seed 0 from its dense run re-trained to mid-way."""
+    first = tmp_path / "first"
+    proc = _driver("--seeds", "1", "--arms", "dense", "--work", str(first), "--out", str(first / "out"))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    work, out = tmp_path / "work", tmp_path / "out"
+    proc = _driver("--seeds", "2", "--arms", "dense,cpt", "--work", str(work), "--out", str(out),
+                   "--import", str(first / "out" / "runs.tar.gz"))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    assert "dense-s0: imported" in proc.stdout and "dense-s0: train started" not in proc.stdout
+    assert "parent-dense-s0: parent started" in proc.stdout and "parent-dense-s1" not in proc.stdout
+    assert (work / "dense-s0" / "metrics.jsonl").read_text() == (first / "dense-s0" / "metrics.jsonl").read_text()
+
+    report = json.loads((out / "quality.json").read_text())
+    assert (report["steps"], report["mid"]) == (8, 4)
+    dense, cpt = report["arms"]["dense"], report["arms"]["cpt"]
+    assert dense["n"] == cpt["n"] == 2 and cpt["ref"] == "dense"
+    # the paired difference is taken seed by seed
+    diffs = [cpt["runs"][s]["final_lm_loss"] - dense["runs"][s]["final_lm_loss"] for s in ("0", "1")]
+    assert cpt["paired"]["n"] == 2
+    assert cpt["paired"]["mean"] == pytest.approx(statistics.mean(diffs))
+    assert cpt["paired"]["std"] == pytest.approx(statistics.stdev(diffs))
+    assert dense["std"] == pytest.approx(statistics.stdev(dense["runs"][s]["final_lm_loss"] for s in ("0", "1")))
+    assert [cpt["runs"][s].get("parent_retrained") for s in ("0", "1")] == [True, False]
+    md = (out / "quality.md").read_text()
+    assert "| cpt | cpt | dense | 2/2 |" in md and "cpt within 1% of dense:" in md
+    assert "re-trained to step 4" in md and ": cpt-s0." in md
+    for name in ("loss_curves.png", "runs.tar.gz", "driver.log"):
+        assert (out / name).is_file(), name
+
+    for seed in (0, 1):
+        dense_dir, cpt_dir = work / f"dense-s{seed}", work / f"cpt-s{seed}"
+        assert f"seed: {seed}\n" in (dense_dir / "config.yaml").read_text()
+        assert f"seed: {seed}\n" in (cpt_dir / "config.yaml").read_text()
+        # CPT continues the dense run of its seed: its data (sample 16 = 4 steps x 4) and lr
+        log = (cpt_dir / "train.log").read_text()
+        assert "the data stream continues at sample 16" in log and "(its step 4)" in log
+        d, c = _records(dense_dir / "metrics.jsonl"), _records(cpt_dir / "metrics.jsonl")
+        assert sorted(c) == [2, 4] and sorted(d) == [2, 4, 6, 8]
+        for step in (2, 4):
+            assert c[step]["lr"] == pytest.approx(d[4 + step]["lr"], rel=1e-9)
+        assert c[2]["phase"] == "warmup" and c[4]["phase"] == "sparse"
+        # finished runs that nothing needs keep no checkpoints
+        assert not (dense_dir / "checkpoints").exists() and not (cpt_dir / "checkpoints").exists()
+    assert (work / "parent" / "dense-s0.log").is_file() and not (work / "parent" / "dense-s0").exists()
+
+    # the same work dir with other settings is refused, naming the run and the setting
+    proc = _driver("--seeds", "2", "--arms", "dense,cpt", "--work", str(work), "--tokens", "32768")
+    assert proc.returncode == 2
+    assert "dense-s0 was started with other settings" in proc.stderr and "trainer.max_steps" in proc.stderr
+
+
+def test_arms_are_composed_from_overrides(capsys):
+    """Ablations need no code: an arm is a base plus overrides; every run gets the global ones."""
+    qe = _module()
+    rc = qe.main([*TINY, "--seeds", "2", "--arms", "dense,pt,cpt", "--work", "/nonexistent/q", "--dry-run",
+                  "--arm", "pt-lb2=pt model.msa.local_blocks=2", "--arm", "cpt-joint=cpt optim.index_clip_grad=null",
+                  "--arm", "pt-long=pt-lb2 trainer.indexer_warmup_tokens=8192", "--override", "optim.weight_decay=0.05",
+                  "--data.retrieval_share=0.1"])
+    assert rc == 0
+    runs = {}
+    for line in capsys.readouterr().out.splitlines():
+        if ": train.py " in line:
+            name, cmd = line.split(": train.py ", 1)
+            runs[name] = dict(item.split("=", 1) for item in cmd.split())
+    assert sorted(runs) == sorted(f"{a}-s{s}" for a in ("dense", "pt", "cpt", "pt-lb2", "cpt-joint", "pt-long")
+                                  for s in (0, 1))
+    for name, o in runs.items():
+        assert o["optim.weight_decay"] == "0.05" and o["data.retrieval_share"] == "0.1", name
+        assert o["trainer.seed"] == name[-1]
+    assert runs["pt-lb2-s1"]["recipe"] == "pt" and runs["pt-lb2-s1"]["model.msa.local_blocks"] == "2"
+    assert runs["pt-long-s0"]["model.msa.local_blocks"] == "2"
+    assert runs["pt-long-s0"]["trainer.indexer_warmup_tokens"] == "8192"
+    assert runs["pt-s0"]["trainer.indexer_warmup_tokens"] == "4096"
+    joint, fair = runs["cpt-joint-s1"], runs["cpt-s1"]
+    assert joint["optim.index_clip_grad"] == "null" and fair["optim.index_clip_grad"] == "1.0"
+    for o in (joint, fair):
+        assert o["init_from"].endswith("/branch/dense-s1") and o["init_from_data_position"] == "true"
+        assert (o["optim.schedule_start_step"], o["optim.decay_steps"], o["trainer.max_steps"]) == ("4", "8", "4")
+        assert (o["optim.lr"], o["optim.min_lr"]) == (runs["dense-s1"]["optim.lr"], runs["dense-s1"]["optim.min_lr"])
+    assert runs["dense-s0"]["checkpoint.interval"] == "4"  # the CPT branch point is saved
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--arm", "pt-x=ptt model.msa.topk=2"], "unknown base 'ptt'"),
+    (["--arm", "pt-x=pt topk"], "'topk' is not KEY=VALUE"),
+    (["--arm", "pt-x=pt vs=nothing"], "its reference 'nothing' is not an arm"),
+    (["--arm", "c=cpt vs=pt"], "a cpt arm branches from a dense arm"),
+    (["--eval", "dense-retr"], "--eval: 'dense-retr' is not an arm"),
+])
+def test_bad_arms_are_refused(args, message, capsys):
+    qe = _module()
+    assert qe.main([*TINY, "--work", "/nonexistent/q", "--dry-run", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_budget_end_saves_what_the_disk_holds(tmp_path, capsys):
+    """Stop saves go to the runs with the most unsaved steps while the free disk holds their
+    checkpoints; the others are killed (they restart from their last checkpoint)."""
+    qe = _module()
+    study = qe.Study(qe.parse([*TINY, "--seeds", "1", "--arms", "dense,pt", "--work", str(tmp_path)]))
+    sched = qe.Scheduler(study, qe.Budget(120))
+    sched.ckpt_bytes = 0.6 * (shutil.disk_usage(tmp_path).free - 2 * 2**30)  # room for one, not two
+    # a stand-in for train.py: saves (exits 0) on SIGTERM
+    script = ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(0)); "
+              "print('up', flush=True); time.sleep(120)")
+    jobs = []
+    for run in study.runs.values():
+        run.dir.mkdir(parents=True)
+        (run.dir / "metrics.jsonl").write_text(json.dumps({"step": 6 if run.arm.name == "pt" else 2}) + "\n")
+        job = qe.Job(run.name, "train", [sys.executable, "-c", script], tmp_path / f"{run.name}.log", None, run=run)
+        sched.call_steps[run.name] = (0, 0)
+        sched.start(job)
+        jobs.append(job)
+    deadline = time.monotonic() + 60
+    while not all(j.log.is_file() and "up" in j.log.read_text() for j in jobs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    sched.stop_all()
+    assert not sched.jobs and not sched.failed
+    codes = {j.name: j.proc.returncode for j in jobs}
+    assert codes == {"pt-s0": 0, "dense-s0": -9}, codes
+    out = capsys.readouterr().out
+    assert "pt-s0: SIGTERM at step 6" in out and "dense-s0: killed at step 2: no disk room" in out
