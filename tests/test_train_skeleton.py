@@ -67,9 +67,10 @@ def test_rerun_of_a_finished_run_does_nothing(short_run, data_cache):
 
 def test_dense_baseline_then_cpt_from_its_checkpoint(tmp_path, data_cache):
     dense_dir = tmp_path / "dense"
-    run_train(dense_dir, "recipe=dense", "trainer.max_steps=2", data_cache=data_cache)
+    run_train(dense_dir, "recipe=dense", "trainer.max_steps=3", data_cache=data_cache)
     m = metrics(dense_dir)
-    assert m[2]["phase"] == "dense" and "kl_loss" not in m[2] and m[2]["lm_loss"] < m[1]["lm_loss"]
+    # the first steps move little (the lr warms up from 0): the loss falls by step 3
+    assert m[3]["phase"] == "dense" and "kl_loss" not in m[3] and m[3]["lm_loss"] < m[1]["lm_loss"] - 0.3
 
     cpt_dir = tmp_path / "cpt"
     proc = run_train(cpt_dir, "recipe=cpt", "trainer.max_steps=2", "trainer.indexer_warmup_tokens=1024",
