@@ -254,7 +254,8 @@ class DenseSelfAttention(CausalSelfAttention):
                                                    enable_gqa=True)
             else:
                 C, J = q.shape[2], k.shape[2]
-                mask_CJ = torch.arange(J, device=q.device)[None, :] <= q_offset + torch.arange(C, device=q.device)[:, None]
+                pos_C = q_offset + torch.arange(C, device=q.device)
+                mask_CJ = torch.arange(J, device=q.device)[None, :] <= pos_C[:, None]
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_CJ, scale=self.config.softmax_scale,
                                                    enable_gqa=True)
         return o.transpose(1, 2)

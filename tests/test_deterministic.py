@@ -129,7 +129,8 @@ def test_the_mode_sets_torch_and_the_libraries():
     before = torch.are_deterministic_algorithms_enabled()
     try:
         lines = deterministic_mode(env)
-        assert torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled()
+        assert torch.are_deterministic_algorithms_enabled()
+        assert not torch.is_deterministic_algorithms_warn_only_enabled()
         assert not torch.backends.cudnn.benchmark and torch.backends.cudnn.deterministic
         assert env["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8" and env["NCCL_ALGO"] == "Ring"
         assert any("CUBLAS_WORKSPACE_CONFIG" in line for line in lines)

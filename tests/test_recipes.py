@@ -233,9 +233,9 @@ def test_cpt_continues_a_converted_dense_run(tmp_path, data_cache, monkeypatch):
     monkeypatch.setenv("BATCH_LOG", str(tmp_path / "cpt-batches.jsonl"))
     # the dense run's schedule (the optim defaults with TINY_TEST's warmup), from its step 3
     proc = run_train(cpt, "recipe=cpt", f"init_from={converted}", "trainer.max_steps=3",
-                     "trainer.indexer_warmup_tokens=2048", "init_from_data_position=true", "optim.schedule_start_step=3",
-                     "optim.decay_steps=6", "optim.lr=3e-3", "optim.min_lr=3e-4", "optim.index_clip_grad=1.0",
-                     data_cache=data_cache, script="tests/batch_record_main.py")
+                     "trainer.indexer_warmup_tokens=2048", "init_from_data_position=true",
+                     "optim.schedule_start_step=3", "optim.decay_steps=6", "optim.lr=3e-3", "optim.min_lr=3e-4",
+                     "optim.index_clip_grad=1.0", data_cache=data_cache, script="tests/batch_record_main.py")
     rows, dense_rows = metrics(cpt), metrics(dense)
     assert sorted(rows) == [1, 2, 3]
     assert [rows[s]["phase"] for s in (1, 2, 3)] == ["warmup", "warmup", "sparse"]

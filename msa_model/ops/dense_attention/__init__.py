@@ -12,7 +12,7 @@ import torch
 
 from msa_model.compat import causal_attention_with_lse
 
-from ..common import check_doc_start, check_qkv, default_scale, resolve_backend, trim_keys
+from ..common import check_doc_start, check_qkv, default_scale, trim_keys
 from ..sparse_attention import sparse_attention
 from ..sparse_attention.reference import sparse_attention_reference
 from .plan import DocumentPlan, attach_host_copy, build_plan, document_plan
@@ -51,7 +51,8 @@ class _Move(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         src, dst = ctx.saved_tensors
-        return dout.new_zeros((ctx.n_in, *dout.shape[1:])).index_copy_(0, src, dout.index_select(0, dst)), None, None, None
+        dx = dout.new_zeros((ctx.n_in, *dout.shape[1:])).index_copy_(0, src, dout.index_select(0, dst))
+        return dx, None, None, None
 
 
 def _segments(q, k, v, plan: DocumentPlan, scale):

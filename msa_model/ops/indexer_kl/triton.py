@@ -326,8 +326,8 @@ def _stored_backward(iq, ik, pbar, lse_z, inv_s, index, K, block_size, index_sca
     tb, ts, tc = sums.programs
     bstart, bend, docs_on = _tables(docs, index.entry)
     kl_stored_bwd_kernel[(tb.numel(),)](
-        iq, ik, pbar, lse_z, inv_s, index.entry, tb, ts, tc, sums.dik, sums.diq, sums.dik if sums.bz is None else sums.bz,
-        bstart, bend, T, TK, q_offset, index.n_blocks, iq.stride(0), iq.stride(1), iq.stride(2), ik.stride(0),
+        iq, ik, pbar, lse_z, inv_s, index.entry, tb, ts, tc, sums.dik, sums.diq,
+        sums.dik if sums.bz is None else sums.bz, bstart, bend, T, TK, q_offset, index.n_blocks, iq.stride(0), iq.stride(1), iq.stride(2), ik.stride(0),
         ik.stride(1), index_scale, BLOCK=block_size, G=G, K=K, M=cfg.late_M if value else cfg.stored_M,
         J=triton.next_power_of_2(block_size), DI=Di, PREC=_precision(iq, iq), DOCS=docs_on, VALUE=value,
         DET=sums.deterministic, num_warps=cfg.late_warps if value else cfg.stored_warps, num_stages=cfg.stored_stages)
