@@ -24,7 +24,10 @@ Packed documents: megatron's `attention_mask` argument carries the documents' st
 [B, S] (`doc_start`, the position of each token's document's first token; a boolean
 [.., S, S] mask would be quadratic in S). Each document is then its own sequence for attention,
 selection and KL, in both phases and in the dense baseline (docs/msa.md). None: one document per
-row. Under context parallelism the rows are this rank's, as for every [B, S] input.
+row. Under context parallelism the rows are this rank's, as for every [B, S] input. Dense
+attention on documents (the baseline, the warmup) takes the path the batch's documents call for
+(msa_model/ops/dense_attention: causal attention on rows of one document, each document alone
+in padded buckets otherwise), planned once per micro-batch and shared by the layers.
 
 Parallelism: each rank attends with its own GQA groups (TP) and query chunks (CP), against the
 whole sequence's keys (`_attention_inputs`, `_over_query_chunks`); the gradient adjustments that
@@ -36,12 +39,14 @@ D = head dim, Di = index head dim, K = top-k blocks.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
@@ -50,11 +55,13 @@ from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
 from msa_model.config import MSAConfig
 from msa_model.context_parallel import gather_sequence, local_query_chunks
-from msa_model.ops import late_teacher_applies, msa_attention, sparse_attention
+from msa_model.ops import late_teacher_applies, msa_attention
+from msa_model.ops.dense_attention import document_attention, document_plan, fused_causal_takes
 from msa_model.ops.rope import rope
 from msa_model.parallel_grads import attach_kl, average_over_tp, metrics_group, scale_for_tp_mean
 
 KL_METRIC = "msa_kl_loss"
+_DETERMINISTIC_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 KEYS_METRIC = "msa_keys_per_query"
 
 
@@ -156,6 +163,15 @@ class CausalSelfAttention(SelfAttention):
             return torch.utils.checkpoint.checkpoint(core, *args, use_reentrant=False)
         return core(*args)
 
+    def _document_plan(self, q, doc_start, a: int, b: int, q_offset: int):
+        """How dense attention runs for this rank's query rows a:b (positions q_offset..) of the
+        batch's packed documents (msa_model/ops/dense_attention/plan.py): decided once per
+        micro-batch from the starts (a host copy the trainer attaches), shared by every layer.
+        None without documents."""
+        if doc_start is None:
+            return None
+        return document_plan(doc_start, a, b, q_offset, fused_causal_takes(q, self.options.msa.backend))
+
     def _over_query_chunks(self, S: int, attend):
         """The context-parallel chunk loop. `attend(a, b, q_offset)` -> (o [B, b - a, Hq, D], KL fp32
         scalar or None, mean keys a query reads fp32 scalar) for this rank's query rows a:b, which
@@ -214,30 +230,34 @@ class DenseSelfAttention(CausalSelfAttention):
         def attend(a, b, off):
             # a chunk's queries read the keys up to its own last position
             doc = _rows(doc_start, a, b)
-            o = self._dense_attention(q[:, a:b], k[:, :off + b - a], v[:, :off + b - a], off, doc)
+            plan = self._document_plan(q, doc_start, a, b, off)
+            o = self._dense_attention(q[:, a:b], k[:, :off + b - a], v[:, :off + b - a], off, doc, plan)
             return o, None, dense_keys_per_query(b - a, off, doc, q.device)
 
         o, _, keys = self._over_query_chunks(q.shape[1], attend)
         return o, keys
 
-    def _dense_attention(self, q_BCHD, k_BJGD, v_BJGD, q_offset: int, doc_start_BC=None):
+    def _dense_attention(self, q_BCHD, k_BJGD, v_BJGD, q_offset: int, doc_start_BC=None, plan=None):
         """Causal GQA attention of queries at positions q_offset.. over keys 0..q_offset+C-1; with
-        document starts int [B, C] each query reads its own document's keys only."""
+        document starts int [B, C] each query reads its own document's keys only, by the path
+        `plan` chose for the batch's documents (msa_model/ops/dense_attention)."""
         if doc_start_BC is not None:
-            # SDPA would need a [C, J] mask per row: the ops' dense path takes the starts directly
-            msa = self.options.msa
-            o, _ = sparse_attention(q_BCHD, k_BJGD, v_BJGD, None, block_size=msa.block_size,
-                                    scale=self.config.softmax_scale, backend=msa.backend, q_offset=q_offset,
-                                    check_ids=False, doc_start=doc_start_BC)
+            o, _ = document_attention(q_BCHD, k_BJGD, v_BJGD, doc_start_BC, scale=self.config.softmax_scale,
+                                      q_offset=q_offset, backend=self.options.msa.backend, plan=plan)
             return o
         q, k, v = (t.transpose(1, 2) for t in (q_BCHD, k_BJGD, v_BJGD))
-        if q_offset == 0:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.config.softmax_scale, enable_gqa=True)
-        else:
-            C, J = q.shape[2], k.shape[2]
-            mask_CJ = torch.arange(J, device=q.device)[None, :] <= q_offset + torch.arange(C, device=q.device)[:, None]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_CJ, scale=self.config.softmax_scale,
-                                               enable_gqa=True)
+        # trainer.deterministic: only kernels whose backward torch makes deterministic in that mode
+        deterministic = torch.are_deterministic_algorithms_enabled()
+        with sdpa_kernel(_DETERMINISTIC_SDPA) if deterministic else contextlib.nullcontext():
+            if q_offset == 0:
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.config.softmax_scale,
+                                                   enable_gqa=True)
+            else:
+                C, J = q.shape[2], k.shape[2]
+                pos_C = q_offset + torch.arange(C, device=q.device)
+                mask_CJ = torch.arange(J, device=q.device)[None, :] <= pos_C[:, None]
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_CJ, scale=self.config.softmax_scale,
+                                                   enable_gqa=True)
         return o.transpose(1, 2)
 
 
@@ -352,6 +372,7 @@ class MSASelfAttention(CausalSelfAttention):
 
         def attend(a, b, off):
             doc = _rows(doc_start, a, b)
+            plan = None if self.sparse else self._document_plan(q, doc_start, a, b, off)
             o, kl, block_idx = msa_attention(
                 q[:, a:b], k, v, iq[:, a:b], ik, block_size=msa.block_size, topk=msa.topk,
                 dense=not self.sparse, scale=self.config.softmax_scale, force_sink=msa.force_sink,
@@ -363,6 +384,7 @@ class MSASelfAttention(CausalSelfAttention):
                 keep_teacher=True if self.options.recompute_core else None,
                 local_blocks=msa.local_blocks, index_precision=msa.index_precision,
                 kl_teacher="backward" if self._late_kl else "forward", on_kl=record,
+                kl_temperature=msa.kl_temperature, document_plan=plan, fp8_probs=msa.fp8_probs,
                 # without a graph the layer drops the KL (full recompute's first pass, inference)
                 with_kl=torch.is_grad_enabled() or self._evaluating(),
             )

@@ -8,6 +8,7 @@ and names the offending fields.
 
 from __future__ import annotations
 
+import math
 import signal
 
 from dataclasses import dataclass, field
@@ -64,6 +65,13 @@ class MSAConfig:
     # Triton sparse path in training, elsewhere it falls back to forward) | forward (by the KL's
     # own kernels). Same loss and gradients; backward saves the teacher's q.k (docs/msa.md)
     kl_teacher: str = "backward"
+    # the KL's student is softmax(index scores / sqrt(Di) / kl_temperature) (MiniMax's
+    # lse_temperature): it rescales the index distribution the KL trains, never the top-k ranking
+    kl_temperature: float = 1.0
+    # the sparse attention's probabilities rounded to float8 e4m3 (of P x 448, P relative to each
+    # key block's max) in the forward, gradients straight through: quantization-aware training for
+    # a model served with fp8 attention (MiniMax-M3). The warmup's dense attention is unaffected
+    fp8_probs: bool = False
     backend: str = "auto"  # msa_model.ops backend: auto | reference | triton
 
 
@@ -269,6 +277,10 @@ class TrainerConfig:
     seed: int = 1234
     # dense attention + dense KL for this many tokens, then top-k selection (MSA only)
     indexer_warmup_tokens: int = 0
+    # init_from's index branch decides the warmup: none when it was trained (MiniMax-M3, an MSA
+    # run; msa_model/training/index_history.py), indexer_warmup_tokens otherwise; a value of
+    # indexer_warmup_tokens given on the command line wins (recipe cpt sets this)
+    indexer_warmup_from_init: bool = False
     # on these signals: finish the step, save, exit cleanly; [] leaves signals alone. A second
     # SIGINT (Ctrl-C) aborts without saving
     stop_signals: List[str] = field(default_factory=lambda: ["SIGUSR1", "SIGTERM", "SIGINT"])
@@ -277,6 +289,10 @@ class TrainerConfig:
     # eval_iters global batches of the validation split or data.valid_blend; 0: off
     eval_interval: int = 0
     eval_iters: int = 4
+    # the same losses and weights bit for bit run to run and across stop and resume: torch's
+    # deterministic algorithms, cuBLAS and NCCL settings, ordered sums instead of atomics in the
+    # kernels (msa_model/training/determinism.py); slower
+    deterministic: bool = False
 
 
 @dataclass
@@ -560,6 +576,8 @@ def validate(cfg, world_size: Optional[int] = None, gpu: Optional[bool] = None) 
                f"model.msa.index_precision must be input or fp8, got {msa.index_precision!r}")
         _check(errors, msa.kl_teacher in KL_TEACHERS,
                f"model.msa.kl_teacher must be forward or backward, got {msa.kl_teacher!r}")
+        _check(errors, math.isfinite(msa.kl_temperature) and msa.kl_temperature > 0,
+               f"model.msa.kl_temperature must be a finite positive number, got {msa.kl_temperature}")
         # with rotary_dim set the index q/k rotate their first rotary_dim channels with the main table
         _check(errors, m.rotary_dim is None or m.rotary_dim <= msa.index_head_dim,
                f"model.rotary_dim ({m.rotary_dim}) must be <= model.msa.index_head_dim ({msa.index_head_dim}): "

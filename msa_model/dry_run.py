@@ -52,6 +52,16 @@ def built_parameter_counts(cfg: DictConfig, vocab_size: int) -> dict[str, int]:
     return {"total": total, "active": active}
 
 
+def document_mask_line(cfg) -> str:
+    """One line saying whether packed documents are masked (data.document_mask), for the dry run
+    and the run's first log line."""
+    if cfg.data.document_mask:
+        return ("documents: masked (data.document_mask=true): each packed document, ended by its "
+                "end-of-document token, attends, selects blocks and trains the indexer KL within itself")
+    return ("documents: not masked (data.document_mask=false): tokens attend to the documents packed "
+            "before theirs in a sequence")
+
+
 def _human(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
@@ -77,6 +87,7 @@ def dry_run_report(cfg: DictConfig, world_size: int) -> str:
     tokens_per_step = cfg.parallel.global_batch_size * cfg.model.seq_length
     lines.append(f"tokens_per_step={tokens_per_step}  (x {cfg.trainer.max_steps} steps = "
                  f"{tokens_per_step * cfg.trainer.max_steps:,} tokens)")
+    lines.append(document_mask_line(cfg))
     lines.append("# per-GPU memory estimate (GiB, most loaded pipeline stage; msa_model/estimate.py)")
     lines += format_estimate(memory_estimate(cfg, vocab, layout_world))
     return "\n".join(lines)

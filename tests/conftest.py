@@ -23,10 +23,12 @@ os.environ["MSA_DATA_CACHE_DIR"] = _SESSION_CACHE
 
 # the files that take longest (each runs many train.py / torchrun processes), longest first
 LONG_FILES = ("test_parallel.py", "test_checkpoint_guards.py", "test_recipes.py", "test_convert_checkpoints.py",
-              "test_train_resume.py", "test_quality_experiment.py", "test_readme.py", "test_indexer_kl_triton.py", "test_convert_m3.py",
+              "test_train_resume.py", "test_quality_experiment.py", "test_deterministic.py", "test_readme.py",
+              "test_indexer_kl_triton.py", "test_convert_m3.py",
               "test_sparse_attention_triton.py", "test_parallel_checkpoint.py", "test_train_skeleton.py",
               "test_convert_deepspeed.py", "test_preemption.py", "test_msa_diagnostics.py", "test_train_dp.py",
-              "test_golden_loss.py", "test_ops_reference.py", "test_ops_q_offset.py", "test_run_dir_lock.py")
+              "test_golden_loss.py", "test_ops_reference.py", "test_ops_q_offset.py", "test_fp8_probs.py",
+              "test_dense_documents.py", "test_kl_temperature.py", "test_run_dir_lock.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -87,6 +87,7 @@ def test_wrong_type_is_an_error():
     (["data.max_bytes=0"], "data.max_bytes must be positive, got 0"),
     (["checkpoint.keep=-1"], "checkpoint.keep must be >= 0"),
     (["optim.beta2=1.0"], r"optim.beta2 must be in \[0, 1\)"),
+    (["model.msa.kl_temperature=0"], "model.msa.kl_temperature must be a finite positive number"),
 ])
 def test_bad_values_fail_early_naming_the_field(overrides, field):
     cfg = _compose(*overrides)

@@ -143,6 +143,30 @@ def test_reimport_keeps_index_branch(converted, tmp_path):
     assert record["index_init"] == "from checkpoint"
 
 
+def test_cpt_from_a_converted_llama_keeps_the_warmup(converted):
+    """A dense model's index branch is derived at conversion, never trained: recipe=cpt keeps its
+    warmup (tests/test_convert_m3.py: from M3 it starts sparse)."""
+    from hydra import compose, initialize_config_dir
+
+    from msa_model.config import register_configs
+    from msa_model.training.index_history import index_branch_trained, plan_indexer_warmup
+
+    root, _ = converted
+    msa, dense = root / "llama" / "msa", root / "qwen3" / "dense"
+    assert json.loads((msa / "conversion.json").read_text())["index_trained"] is False
+    assert index_branch_trained(msa) is False and index_branch_trained(dense) is False
+    # an exported MSA model read back carries index weights: they count as trained
+    assert index_branch_trained(root / "qwen3_moe" / "msa_again") is True
+    register_configs()
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "configs"), version_base=None):
+        cfg = compose("train", overrides=["recipe=cpt", f"init_from={msa}"])
+    recipe_tokens = cfg.trainer.indexer_warmup_tokens
+    note = plan_indexer_warmup(cfg, warmup_given=False)
+    assert cfg.trainer.indexer_warmup_tokens == recipe_tokens > 0
+    assert note == f"indexer warmup: {recipe_tokens:,} tokens: init_from's index branch is untrained (derived " \
+                   "from a dense model)"
+
+
 if __name__ == "__main__":
     root_dir, out_file = Path(sys.argv[1]), Path(sys.argv[2])
     out_file.write_text(json.dumps(_worker(root_dir), indent=2))

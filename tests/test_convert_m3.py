@@ -164,6 +164,36 @@ def test_reimport_is_the_same_checkpoint(converted, tmp_path):
     assert {k.split(".")[2] for k in first if ".index_q_proj." in k} == {"0", "2"}
 
 
+def _cpt_config(init_from: Path):
+    from hydra import compose, initialize_config_dir
+
+    from msa_model.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
+        return compose("train", overrides=["recipe=cpt", f"init_from={init_from}"])
+
+
+def test_cpt_from_a_converted_m3_starts_sparse_unless_told(converted):
+    """MiniMax trained M3's index branch: the conversion records it, and recipe=cpt from it needs
+    no dense warmup, unless the command line asks for one (tests/test_convert_hf.py: a Llama's)."""
+    from msa_model.training.index_history import index_branch_trained, plan_indexer_warmup
+
+    root, _, _ = converted
+    msa = root / "text" / "msa"
+    assert json.loads((msa / "conversion.json").read_text())["index_trained"] is True
+    assert index_branch_trained(msa) is True and index_branch_trained(msa / "step_00000000") is True
+    cfg = _cpt_config(msa)
+    recipe_tokens = cfg.trainer.indexer_warmup_tokens
+    assert recipe_tokens > 0 and cfg.trainer.indexer_warmup_from_init
+    note = plan_indexer_warmup(cfg, warmup_given=False)
+    assert cfg.trainer.indexer_warmup_tokens == 0
+    assert note.startswith("indexer warmup: none, sparse attention from the first step") and "trained" in note
+    cfg = _cpt_config(msa)
+    note = plan_indexer_warmup(cfg, warmup_given=True)
+    assert cfg.trainer.indexer_warmup_tokens == recipe_tokens and "on the command line" in note
+
+
 def test_m3_tiny_trains_and_exports(tmp_path, data_cache):
     """The m3_tiny preset trains on CPU (a dense-warmup step, then a top-k step); its checkpoint exports
     with `msa-to-hf --format minimax_m3` and transformers runs it with our logits (top-k, 8 blocks)."""
@@ -173,7 +203,8 @@ def test_m3_tiny_trains_and_exports(tmp_path, data_cache):
              "data.max_bytes=100000", "parallel.micro_batch_size=1", "parallel.global_batch_size=2",
              "trainer.max_steps=2", "trainer.indexer_warmup_tokens=1024", "optim.warmup_steps=1",
              "checkpoint.interval=0", "logging.log_interval=1", "logging.wandb_mode=disabled",
-             "logging.tensorboard=false", "logging.progress_bar=false", "trainer.stop_signals=[]"]
+             "logging.tensorboard=false", "logging.progress_bar=false", "trainer.stop_signals=[]",
+             "data.document_mask=false"]
     convert = [sys.executable, "-m", "msa_model.convert"]
     for cmd in (train, [*convert, "msa-to-hf", str(run / "checkpoints"), str(out), "--format", "minimax_m3"],
                 [*convert, "verify", str(out), str(run / "checkpoints"), "--seq-length", "256", "--batches", "1"]):
@@ -182,7 +213,7 @@ def test_m3_tiny_trains_and_exports(tmp_path, data_cache):
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["phase"] for r in rows] == ["warmup", "sparse"]
     assert all(torch.isfinite(torch.tensor([r["lm_loss"], r["kl_loss"]])).all() for r in rows)
-    # keys/q averages the 3 MSA layers: all causal keys, then at most top-4 x 32
+    # keys/q averages the 3 MSA layers: all causal keys (documents not masked), then at most top-4 x 32
     assert rows[0]["keys_per_query"] == 256.5 and rows[1]["keys_per_query"] <= 128
     result = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
     print(f"m3_tiny exported vs transformers: {result}")

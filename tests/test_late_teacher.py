@@ -222,7 +222,7 @@ def test_calls_over_the_row_budget_run_as_query_chunks(B, cut, monkeypatch):
     calls = []  # the queries of each attention forward the late path runs
     forward = late_teacher.sa_triton.attention_forward
     monkeypatch.setattr(late_teacher.sa_triton, "attention_forward",
-                        lambda q, *a: calls.append(q.shape[1]) or forward(q, *a))
+                        lambda q, *a, **kw: calls.append(q.shape[1]) or forward(q, *a, **kw))
 
     T, Hq, G, D, Di, bs, topk, off = 70, 4, 2, 16, 16, 16, 3, 10
     leaves = inputs(B, T, Hq, G, D, Di, off, seed=11)

@@ -9,6 +9,7 @@ import torch
 
 from gpu_sync import assert_no_host_sync
 from msa_model.ops import indexer_kl_loss, msa_attention, select_blocks, sparse_attention
+from msa_model.ops.dense_attention import attach_host_copy, document_plan
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
@@ -65,8 +66,10 @@ def test_composition_matches_reference(dense, docs, teacher):
         assert rel(x, r) < 2e-2, (name, rel(x, r))
 
 
-# packed documents: the warmup needs no synchronisation either; the sparse phase reads the size of
-# the documents' block table back once per sparse_attention / indexer_kl_loss call (docs/msa.md)
+# packed documents: the warmup needs no synchronisation either (its dense attention's plan comes
+# from the starts' host copy, as the layers get it: msa_model/ops/dense_attention); the sparse
+# phase reads the size of the documents' block table back once per sparse_attention /
+# indexer_kl_loss call (docs/msa.md)
 @pytest.mark.parametrize("dense,docs,teacher", [(False, False, "forward"), (False, False, "backward"),
                                                  (True, False, "forward"), (True, True, "forward")],
                          ids=["sparse", "sparse-late-teacher", "dense", "dense-documents"])
@@ -78,10 +81,11 @@ def test_a_training_step_never_waits_on_the_device(dense, docs, teacher):
     mk = lambda *s: torch.randn(*s, device="cuda", generator=gen).bfloat16().requires_grad_()  # noqa: E731
     q, k, v, iq, ik = mk(B, T, Hq, D), mk(B, T, G, D), mk(B, T, G, D), mk(B, T, G, Di), mk(B, T, Di)
     doc_start = packed_starts(B, T, seed=6) if docs else None
+    plan = document_plan(attach_host_copy(doc_start, doc_start.cpu()), 0, T, 0) if docs else None
 
     def step():
         o, kl = msa_attention(q, k, v, iq, ik, bs, topk, dense=dense, backend="triton", doc_start=doc_start,
-                              check_ids=False, kl_teacher=teacher)
+                              check_ids=False, kl_teacher=teacher, document_plan=plan)
         torch.autograd.backward([o, kl], [torch.ones_like(o), torch.ones_like(kl)])
 
     assert_no_host_sync(step)

@@ -47,6 +47,12 @@ def test_every_recipe_and_model_composes(recipe, model):
     assert (cfg.name, cfg.model.name) == (recipe, model)
 
 
+@pytest.mark.parametrize("recipe", ["pt", "cpt", "dense", "msa_109b_pt", "msa_109b_cpt", "msa_109b_dense"])
+def test_every_recipe_masks_packed_documents_unless_told_not_to(recipe):
+    assert _compose(f"recipe={recipe}").data.document_mask is True
+    assert _compose(f"recipe={recipe}", "data.document_mask=false").data.document_mask is False
+
+
 @pytest.fixture(scope="module")
 def pt_109b_dry_run() -> str:
     """The dry run of the full-scale MSA-PT recipe (about a minute of CPU: the 109B model on the
@@ -101,6 +107,7 @@ def test_109b_recipe_dry_run_prints_its_run(pt_109b_dry_run):
     assert _field(out, "world_size") == 512 and (_field(out, "tp"), _field(out, "pp"), _field(out, "ep")) == (2, 4, 32)
     assert "x 715255 steps = 2,999,996,907,520 tokens" in out
     assert 0 < _field(out, "memory_per_gpu_gib") < 68
+    assert "\ndocuments: masked (data.document_mask=true)" in out
 
 
 @pytest.mark.parametrize("recipe", sorted(RUNS_109B))
@@ -141,9 +148,10 @@ def test_109b_layouts_fit_on_80gb(layout, seq):
 
 
 def test_dry_run_prints_the_layout_estimate():
-    out = _dry_run("model=msa_109b", "parallel=msa_109b_128k", "recipe=dense")
+    out = _dry_run("model=msa_109b", "parallel=msa_109b_128k", "recipe=dense", "data.document_mask=false")
     assert _field(out, "world_size") == 512 and _field(out, "cp") == 16
     assert 0 < _field(out, "memory_per_gpu_gib") < 68
+    assert "\ndocuments: not masked (data.document_mask=false)" in out
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -224,10 +232,10 @@ def test_cpt_continues_a_converted_dense_run(tmp_path, data_cache, monkeypatch):
     cpt = tmp_path / "cpt"
     monkeypatch.setenv("BATCH_LOG", str(tmp_path / "cpt-batches.jsonl"))
     # the dense run's schedule (the optim defaults with TINY_TEST's warmup), from its step 3
-    run_train(cpt, "recipe=cpt", f"init_from={converted}", "trainer.max_steps=3", "trainer.indexer_warmup_tokens=2048",
-              "init_from_data_position=true", "optim.schedule_start_step=3", "optim.decay_steps=6", "optim.lr=3e-3",
-              "optim.min_lr=3e-4", "optim.index_clip_grad=1.0", data_cache=data_cache,
-              script="tests/batch_record_main.py")
+    proc = run_train(cpt, "recipe=cpt", f"init_from={converted}", "trainer.max_steps=3",
+                     "trainer.indexer_warmup_tokens=2048", "init_from_data_position=true",
+                     "optim.schedule_start_step=3", "optim.decay_steps=6", "optim.lr=3e-3", "optim.min_lr=3e-4",
+                     "optim.index_clip_grad=1.0", data_cache=data_cache, script="tests/batch_record_main.py")
     rows, dense_rows = metrics(cpt), metrics(dense)
     assert sorted(rows) == [1, 2, 3]
     assert [rows[s]["phase"] for s in (1, 2, 3)] == ["warmup", "warmup", "sparse"]
@@ -247,6 +255,19 @@ def test_cpt_continues_a_converted_dense_run(tmp_path, data_cache, monkeypatch):
         warnings.simplefilter("ignore")  # a one-process read of a distributed checkpoint, said by torch
         trainer = dist_checkpointing.load_common_state_dict(str(cpt / "checkpoints" / "step_00000003"))["trainer"]
     assert (trainer["step"], trainer["consumed_samples"], trainer["start_samples"]) == (3, 24, 12)
+    assert "indexer warmup: 2,048 tokens: init_from's index branch is untrained" in proc.stdout + proc.stderr
+
+    # the CPT run trained its index branch (its checkpoint says so): a CPT from it starts sparse,
+    # the recipe's warmup skipped, without a word on the command line
+    from msa_model.training.index_history import index_branch_trained
+
+    assert index_branch_trained(converted) is False and index_branch_trained(cpt / "checkpoints") is True
+    again = tmp_path / "again"
+    proc = run_train(again, "recipe=cpt", f"init_from={cpt / 'checkpoints'}", "trainer.max_steps=2",
+                     data_cache=data_cache)
+    assert [metrics(again)[s]["phase"] for s in (1, 2)] == ["sparse", "sparse"]
+    assert "indexer warmup: none, sparse attention from the first step" in proc.stdout + proc.stderr
+    assert "indexer_warmup_tokens: 0" in (again / "config.yaml").read_text()
 
 
 def test_init_from_survives_the_first_bf16_step(tmp_path, data_cache):

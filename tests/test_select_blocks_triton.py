@@ -218,3 +218,54 @@ def test_topk_skip_changes_no_set(skip_from, precision):
     got = select_blocks(iq, ik, block_size=bs, topk=4, backend="triton", precision=precision,
                         tuning=dataclasses.replace(base, skip_from=skip_from))
     assert torch.equal(as_sets(got), as_sets(want))
+
+
+def tied_index(B, T, G, Di, block_size, seed, device=DEV):
+    """Index inputs whose block maxima tie often: iq one-hot on channel 0, each key block one
+    small integer (every key of a block the same), so many blocks share a score."""
+    g = torch.Generator().manual_seed(seed)
+    iq = torch.zeros(B, T, G, Di)
+    iq[..., 0] = 1.0
+    n = -(-T // block_size)
+    value = torch.randint(0, 3, (B, n), generator=g).float()
+    ik = torch.zeros(B, T, Di)
+    ik[..., 0] = value.repeat_interleave(block_size, 1)[:, :T]
+    return iq.to(device), ik.to(device)
+
+
+def test_ties_go_to_the_lowest_block_id():
+    # block maxima 2, 1, 9, 2, 5 then the query's block: of the two 2s the lower id is kept,
+    # whatever slot the kernel's running top-k holds them in
+    bs = 16
+    vals = [2.0, 1.0, 9.0, 2.0, 5.0, 0.0]
+    iq = torch.zeros(1, len(vals) * bs, 1, 16, device=DEV)
+    iq[..., 0] = 1
+    ik = torch.zeros(1, len(vals) * bs, 16, device=DEV)
+    ik[0, :, 0] = torch.tensor(vals, device=DEV).repeat_interleave(bs)
+    for backend in ("reference", "triton"):
+        got = select_blocks(iq, ik, block_size=bs, topk=4, backend=backend)[0, -1, 0]
+        assert sorted(got.tolist()) == [0, 2, 4, 5], backend
+
+
+@pytest.mark.parametrize("docs", [False, True], ids=["one-document", "documents"])
+@pytest.mark.parametrize("local_blocks,force_sink", [(1, False), (2, True)])
+def test_tied_scores_pick_the_same_sets_as_the_reference(docs, local_blocks, force_sink):
+    B, T, G, Di, bs, topk = 2, 190, 2, 16, 16, 5
+    iq, ik = tied_index(B, T, G, Di, bs, seed=3)
+    doc = None
+    if docs:
+        # documents of 37..120 tokens: their blocks do not line up with the key tiles
+        cuts = torch.tensor([0, 37, 157]), torch.tensor([0, 120])
+        doc = torch.stack([torch.bucketize(torch.arange(T), c, right=True) for c in cuts])
+        doc = torch.stack([c[d - 1] for c, d in zip(cuts, doc)]).to(torch.int32).to(DEV)
+    kw = dict(block_size=bs, topk=topk, force_sink=force_sink, doc_start=doc, local_blocks=local_blocks)
+    want = select_blocks(iq, ik, backend="reference", **kw)
+    got = select_blocks(iq, ik, backend="triton", **kw)
+    assert torch.equal(as_sets(got), as_sets(want))
+
+
+def test_two_stage_top_k_breaks_ties_by_the_lowest_block_id():
+    iq, ik = tied_index(1, 160, 2, 16, 16, seed=5)
+    want = select_blocks(iq, ik, block_size=16, topk=4, backend="reference")
+    got = topk_blocks_triton(block_scores_triton(iq, ik, 16), 16, 4)
+    assert torch.equal(as_sets(got), as_sets(want))

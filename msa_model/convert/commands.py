@@ -137,8 +137,11 @@ def convert_hf_tensors(ckpt, hf_cfg: dict, out: str, *, source: str, where: str,
     megatron_model = mio.build(model, parallel)
     mio.assign(megatron_model, tensors, source)
     init = ("from checkpoint" if has_index else index_init) if msa else None
-    record = _metadata(kind=kind, source=source, family=fam.name, index_init=init, source_dtype=source_dtype,
-                       skipped=skipped or None, hf_config=hf_cfg, target_layout={"tp": tp, "pp": pp, "ep": ep})
+    # an index branch read from the source was trained there (MiniMax-M3); a derived or drawn one
+    # was not (msa_model/training/index_history.py: recipe=cpt skips the warmup for a trained one)
+    record = _metadata(kind=kind, source=source, family=fam.name, index_init=init, index_trained=msa and has_index,
+                       source_dtype=source_dtype, skipped=skipped or None, hf_config=hf_cfg,
+                       target_layout={"tp": tp, "pp": pp, "ep": ep})
     _write(megatron_model, model, out, record,
            header=f"{fam.architecture} converted from {source} ({model.attention} attention)", tokenizer=hf_tokenizer)
     return Path(out)
@@ -223,7 +226,7 @@ def dense_to_msa(src: str, out: str, *, model_config: str | None = None, index_i
     source_record = mio.find_conversion_record(src) or {}
     # where the dense run stopped reading data, for init_from_data_position
     record = _metadata(kind="dense-to-msa", source=str(Path(src).resolve()), family=source_record.get("family"),
-                       index_init=index_init, source_dtype=source_record.get("source_dtype"),
+                       index_init=index_init, index_trained=False, source_dtype=source_record.get("source_dtype"),
                        data_position=recorded_data_position(mio.checkpoint_step_dir(src)),
                        hf_config=source_record.get("hf_config"))
     _write(msa_model, msa_cfg, out, record, header=f"MSA model converted from the dense checkpoint {Path(src).resolve()}",

@@ -158,6 +158,14 @@ def default_scale(d: int, scale: float | None) -> float:
     return 1.0 / math.sqrt(d) if scale is None else float(scale)
 
 
+def check_temperature(temperature: float) -> float:
+    """The KL's temperature (`indexer_kl_loss`): a finite positive number."""
+    t = float(temperature)
+    if not math.isfinite(t) or t <= 0:
+        raise ValueError(f"the KL temperature must be a finite positive number, got {temperature!r}")
+    return t
+
+
 def query_chunk(T: int, per_query: int, budget: int = 1 << 24) -> int:
     """Queries per chunk so that a chunk's [chunk, ..., T] working tensors hold about `budget` elements."""
     return max(1, min(T, budget // max(1, per_query * T)))

@@ -61,7 +61,7 @@ class LateTeacherMSA(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, iq, ik, block_idx, block_size, scale, index_scale, q_offset, sa_tuning, kl_tuning,
-                doc_start, on_kl, bounds):
+                doc_start, on_kl, bounds, fp8):
         q, k, v, iq, ik = (x.contiguous() for x in (q, k, v, iq, ik))
         B, T, G, K = block_idx.shape
         if doc_start is not None:
@@ -78,7 +78,7 @@ class LateTeacherMSA(torch.autograd.Function):
             out = None if whole else _views(o[:, t0:t1], lse[:, t0:t1])
             o_c, lse_c, state = sa_triton.attention_forward(q_c, k_c, v[:, :keys].contiguous(), block_idx[:, t0:t1],
                                                             block_size, scale, off, sa_tuning,
-                                                            _rows(doc_start, t0, t1), out)
+                                                            _rows(doc_start, t0, t1), out, fp8=fp8)
             # one inverse index for both ops: the KL walks the attention's, unchunked
             index = sa_triton.gather_index(q_c, k_c, state, block_size, sa_tuning).whole()
             lse_z_c = kl_triton.student_lse(_rows(iq, t0, t1), ik[:, :keys].contiguous(), index, K, block_size,
@@ -151,15 +151,16 @@ class LateTeacherMSA(torch.autograd.Function):
         coef = dkl.float() * (index_scale / (B * T * G))
         d_iq = (diq * coef).to(iq.dtype) if ctx.needs_input_grad[3] else None
         d_ik = (dik * coef).to(ik.dtype) if ctx.needs_input_grad[4] else None
-        return dq, dk.to(k.dtype), dv.to(v.dtype), d_iq, d_ik, *([None] * 10)
+        return dq, dk.to(k.dtype), dv.to(v.dtype), d_iq, d_ik, *([None] * 11)
 
 
 def msa_late_teacher(q, k, v, iq, ik, block_idx, block_size, scale, index_scale, q_offset=0, sa_tuning=None,
-                     kl_tuning=None, doc_start=None, on_kl=None):
+                     kl_tuning=None, doc_start=None, on_kl=None, fp8_probs=False):
     """(o, lse, kl) as sparse_attention + indexer_kl_loss give them (Triton, sparse), with kl's
     value NaN until the backward fills it in (and calls `on_kl(value)`). Inputs as
     msa_attention's after its checks: keys cut to q_offset + T, block_idx in range. Calls whose
-    teacher rows pass the KL tuning's `teacher_bytes` run as query chunks that fit."""
+    teacher rows pass the KL tuning's `teacher_bytes` run as query chunks that fit. fp8_probs:
+    the attention's (sparse_attention's); the teacher rows stay the exact softmax's."""
     sa_tuning = sa_tuning or sa_triton.DEFAULT_TUNING
     kl_tuning = kl_tuning or kl_triton.DEFAULT_TUNING
     G, K = block_idx.shape[2:]
@@ -169,4 +170,4 @@ def msa_late_teacher(q, k, v, iq, ik, block_idx, block_size, scale, index_scale,
         raise ValueError(f"the KL's teacher_bytes ({kl_tuning.teacher_bytes}) hold no query's teacher rows")
     bounds = [(t0, min(T, t0 + chunk)) for t0 in range(0, T, chunk)]
     return LateTeacherMSA.apply(q, k, v, iq, ik, block_idx, block_size, float(scale), float(index_scale),
-                                int(q_offset), sa_tuning, kl_tuning, doc_start, on_kl, bounds)
+                                int(q_offset), sa_tuning, kl_tuning, doc_start, on_kl, bounds, bool(fp8_probs))

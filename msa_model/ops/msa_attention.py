@@ -9,7 +9,9 @@ import torch
 from msa_model.compat import causal_attention_with_lse
 from msa_model.config import KL_TEACHERS, PRODUCTION_BLOCK_SIZE, PRODUCTION_TOPK
 
-from .common import check_doc_start, check_index, check_qkv, default_scale, resolve_backend, trim_keys
+from .common import (check_doc_start, check_index, check_qkv, check_temperature, default_scale, resolve_backend,
+                     trim_keys)
+from .dense_attention import DocumentPlan, document_attention
 from .indexer_kl import indexer_kl_loss
 from .select_blocks import select_blocks
 from .sparse_attention import sparse_attention
@@ -22,7 +24,8 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iq: torch.T
                   doc_start: torch.Tensor | None = None, check_ids: bool = True, tuning: dict | None = None,
                   keep_teacher: bool | None = None, local_blocks: int = 1, index_precision: str = "input",
                   kl_teacher: str = "forward", on_kl: Callable[[torch.Tensor], None] | None = None,
-                  with_kl: bool = True):
+                  with_kl: bool = True, kl_temperature: float = 1.0, document_plan: DocumentPlan | None = None,
+                  fp8_probs: bool = False):
     """MSA attention: o [B, T, Hq, D] and the indexer KL (fp32 scalar, no coefficient applied).
 
     q [B, T, Hq, D], k/v [B, T, Hkv, D], iq [B, T, Hkv, Di], ik [B, T, Di].
@@ -54,10 +57,20 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iq: torch.T
     when the teacher comes from there (`late_teacher_applies`), else in this call.
     `with_kl=False`: no KL at all (kl is None), for passes that would drop it: evaluation, and
     the first forward of a layer that full recompute reruns in backward.
+    `kl_temperature`: the KL's student is softmax(iq.ik * index_scale / kl_temperature)
+    (`indexer_kl_loss`'s `temperature`, MiniMax's `lse_temperature`); the selection's ranking
+    does not depend on it.
+    `document_plan`: the dense path's plan for these queries' documents (`dense_attention.
+    document_plan`, shared by the layers of a micro-batch); None: built here when dense with
+    doc_start (reading the starts back from the device).
+    `fp8_probs`: the sparse attention's probabilities rounded to float8 e4m3 in the forward,
+    gradients straight through (`sparse_attention`); the KL's teacher stays the exact softmax.
+    The dense warmup's attention is unaffected.
     """
     if kl_teacher not in KL_TEACHERS:
         raise ValueError(f"kl_teacher must be one of {KL_TEACHERS}, got {kl_teacher!r}")
     tuning = tuning or {}
+    kl_temperature = check_temperature(kl_temperature)
     B, T, _, Hkv, _ = check_qkv(q, k, v, q_offset)
     check_index(iq, ik, B, T, Hkv, q_offset)
     check_doc_start(doc_start, B, T, q_offset, values=check_ids, device=q.device)
@@ -76,21 +89,26 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iq: torch.T
 
         D, Di = q.shape[-1], iq.shape[-1]
         o, _, kl = msa_late_teacher(q, k, v, iq, ik, block_idx, block_size, default_scale(D, scale),
-                                    default_scale(Di, index_scale), q_offset, tuning.get("sparse_attention"),
-                                    tuning.get("indexer_kl"), doc_start, on_kl)
+                                    default_scale(Di, index_scale) / kl_temperature, q_offset,
+                                    tuning.get("sparse_attention"),
+                                    tuning.get("indexer_kl"), doc_start, on_kl, fp8_probs=fp8_probs)
         return (o, kl, block_idx) if return_block_idx else (o, kl)
-    if dense and q_offset == 0 and doc_start is None and _use_flash(q, k, v, backend):
+    if dense and doc_start is not None:
+        # packed documents: causal attention on rows of one document, each document alone otherwise
+        o, lse = document_attention(q, k, v, doc_start, scale=scale, q_offset=q_offset, backend=backend,
+                                    plan=document_plan, tuning=tuning.get("sparse_attention"))
+    elif dense and q_offset == 0 and _use_flash(q, k, v, backend):
         o, lse = causal_attention_with_lse(q, k, v, default_scale(q.shape[-1], scale))
     else:
         o, lse = sparse_attention(q, k, v, block_idx, block_size=block_size, scale=scale, backend=backend,
                                   q_offset=q_offset, check_ids=False, doc_start=doc_start,
-                                  tuning=tuning.get("sparse_attention"))
+                                  tuning=tuning.get("sparse_attention"), fp8_probs=fp8_probs and not dense)
     kl = None
     if with_kl:
         kl = indexer_kl_loss(q.detach(), k.detach(), iq, ik, block_idx, lse.detach(), block_size=block_size,
                              scale=scale, index_scale=index_scale, backend=backend, q_offset=q_offset,
                              check_ids=False, doc_start=doc_start, tuning=tuning.get("indexer_kl"),
-                             keep_teacher=keep_teacher)
+                             keep_teacher=keep_teacher, temperature=kl_temperature)
         if on_kl is not None:
             on_kl(kl.detach())
     if return_block_idx:

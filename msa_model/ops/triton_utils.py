@@ -60,3 +60,19 @@ def mm(a, b):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     else:
         return tl.dot(a, b)
+
+
+# the largest float8 e4m3 (e4m3fn) value: fp8 probabilities are stored as e4m3 of P x 448
+E4M3_MAX = tl.constexpr(448.0)
+
+
+@triton.jit
+def e4m3_round(x):
+    """x (fp32, 0 <= x <= 448) rounded to the nearest float8 e4m3 value, ties to even: what the
+    hardware's conversion gives (and `sparse_attention.reference.e4m3_round`), written as fp32
+    arithmetic so that Triton's interpreter, whose conversion truncates subnormals, agrees. The
+    spacing at x is 2^(exponent(x) - 3), 2^-9 below 2^-6 (subnormals); fp32 x / spacing < 16 is
+    rounded by adding and taking away 1.5 * 2^23."""
+    e = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    step = ((tl.maximum(e, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    return ((x / step + 12582912.0) - 12582912.0) * step

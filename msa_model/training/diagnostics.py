@@ -113,12 +113,13 @@ def _normalised_entropy(p_BTGN, vis_BTN):
 
 @torch.no_grad()
 def chunk_statistics(c: dict, block_size: int, topk: int, n_blocks: int, force_sink: bool,
-                     local_blocks: int = 1) -> dict:
+                     local_blocks: int = 1, kl_temperature: float = 1.0) -> dict:
     """Sums and counts (float64) of one captured chunk: {"scalars": [S, 2], "popularity": [2, N],
     "heatmap": [2, N, N] (indexer, oracle), "rows": [N]}. With packed documents (the chunk's
     "doc_start" int [B, T] and, for q_offset > 0, "key_doc_start" [B, >= q_offset + T]) blocks
     are numbered per document, as the selection numbers them, so a packed row gives the sums of
-    its documents measured one by one."""
+    its documents measured one by one. The student's distribution (its block mass, the KL) is
+    the training KL's, at `kl_temperature` (model.msa.kl_temperature)."""
     off = c["q_offset"]
     ds, key_ds = c.get("doc_start"), c.get("key_doc_start")
     q = c["q"].float()
@@ -126,7 +127,7 @@ def chunk_statistics(c: dict, block_size: int, topk: int, n_blocks: int, force_s
     end = off + T
     k, iq, ik = c["k"][:, :end].float(), c["iq"].float(), c["ik"][:, :end].float()
     G, Di = k.shape[2], iq.shape[-1]
-    scale, index_scale = default_scale(D, c["scale"]), default_scale(Di, None)
+    scale, index_scale = default_scale(D, c["scale"]), default_scale(Di, None) / kl_temperature
     dev = q.device
 
     mass_BTHN, lse_dense = block_mass(q, k, None, block_size, scale, n_blocks, off, ds, key_ds)
@@ -251,7 +252,8 @@ class MSADiagnostics(Callback):
         rows = torch.zeros(L, N, dtype=torch.float64, device=device)
         for layer_number, cap in captures.items():
             for chunk in cap.chunks:
-                st = chunk_statistics(chunk, c.block_size, c.topk, N, c.force_sink, c.local_blocks)
+                st = chunk_statistics(chunk, c.block_size, c.topk, N, c.force_sink, c.local_blocks,
+                                      c.kl_temperature)
                 i = layer_number - 1
                 scalars[i] += st["scalars"].to(device)
                 pop[i] += st["popularity"].to(device)

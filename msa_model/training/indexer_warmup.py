@@ -2,7 +2,9 @@
 `warmup_tokens` training tokens have been consumed, then top-k block selection.
 
 The phase of a step is decided by the tokens consumed before it, so a resumed run switches at
-exactly the same step as an uninterrupted one; the step of the switch is kept in the checkpoint.
+exactly the same step as an uninterrupted one; the step of the switch is kept in the checkpoint,
+and so is whether the index branch is trained (`index_trained`: the run trained a sparse step, or
+started from a trained branch; msa_model/training/index_history.py reads it).
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ log = logging.getLogger(__name__)
 class IndexerWarmup(Callback):
     name = "indexer_warmup"
 
-    def __init__(self, warmup_tokens: int, msa_cfg):
+    def __init__(self, warmup_tokens: int, msa_cfg, index_trained: bool = False):
         self.warmup_tokens = warmup_tokens
         self.msa_cfg = msa_cfg
+        # the index branch was trained before this run (init_from's record), or by a sparse step
+        self.index_trained = index_trained
         self.sparse: bool | None = None
         self.switched_at_step: int | None = None
         self.switched_at_tokens: int | None = None
@@ -59,13 +63,19 @@ class IndexerWarmup(Callback):
     def on_step_start(self, trainer) -> None:
         self._apply(trainer)
 
+    def on_step_end(self, trainer, metrics: dict) -> None:
+        # a step of top-k selection trained the index branch past its warmup
+        self.index_trained = self.index_trained or bool(self.sparse)
+
     def state_dict(self) -> dict:
         return {"warmup_tokens": self.warmup_tokens, "switched_at_step": self.switched_at_step,
-                "switched_at_tokens": self.switched_at_tokens}
+                "switched_at_tokens": self.switched_at_tokens, "index_trained": self.index_trained}
 
     def load_state_dict(self, sd: dict) -> None:
         self.switched_at_step = sd.get("switched_at_step")
         self.switched_at_tokens = sd.get("switched_at_tokens")
+        # checkpoints before the field: trained once the switch happened
+        self.index_trained = bool(sd.get("index_trained", self.switched_at_step is not None)) or self.index_trained
         if sd.get("warmup_tokens") != self.warmup_tokens:
             log.warning("indexer warmup: checkpoint had warmup_tokens=%s, config says %s; using the config",
                         sd.get("warmup_tokens"), self.warmup_tokens)

@@ -161,8 +161,13 @@ def _start_fresh(cfg, trainer, model_chunks, optimizer, scheduler, model_config)
 
 
 def run(cfg: DictConfig) -> None:
+    from msa_model.training.index_history import WARMUP_KEY, given_on_command_line, plan_indexer_warmup
+
     OmegaConf.resolve(cfg)
     rank, world_size, _ = launch_env()
+    # init_from's index branch may make the warmup unnecessary (before the config is checked and
+    # written: what runs is what config.yaml says)
+    warmup_note = plan_indexer_warmup(cfg, given_on_command_line(WARMUP_KEY))
     if cfg.dry_run:
         # a dry run checks the layout it will be launched with, not this one process
         layout_world = max(world_size, cfg.launch.nodes * cfg.launch.ranks_per_node)
@@ -171,6 +176,8 @@ def run(cfg: DictConfig) -> None:
             from msa_model.dry_run import dry_run_report
 
             print(dry_run_report(cfg, layout_world), flush=True)
+            if warmup_note:
+                print(warmup_note, flush=True)
         return
     started = time.monotonic()
     from msa_model.training.data_setup import step_dir_of, tokenizer_problems
@@ -211,6 +218,12 @@ def run(cfg: DictConfig) -> None:
     if cfg.resume == "never" and latest is not None:
         raise ConfigError(f"resume=never but {ckpt_root} already holds checkpoints; choose another run_dir")
 
+    determinism = []
+    if cfg.trainer.deterministic:
+        from msa_model.training.determinism import deterministic_mode
+
+        # before CUDA, cuBLAS and NCCL start: they read their settings once
+        determinism = deterministic_mode()
     env = init_distributed(cfg.parallel, cfg.trainer.device, cfg.trainer.seed)
     failures.watch(env.rank, world_size)
     requeue, lock, failed = False, None, False
@@ -219,11 +232,19 @@ def run(cfg: DictConfig) -> None:
         # one's save in progress and interleave its metrics
         lock = lock_run_dir(run_dir, env.is_main)
         if env.is_main:
+            from msa_model.dry_run import document_mask_line
+
             setup_logging(run_dir, True)
             write_run_files(cfg, run_dir)
             ckpt.cleanup_partial_saves(ckpt_root)
-            log.info("run dir %s | %s", run_dir, " ".join(f"{k}={v}" for k, v in parallel_layout(cfg.parallel, world_size).items()))
+            log.info("run dir %s | %s | %s", run_dir,
+                     " ".join(f"{k}={v}" for k, v in parallel_layout(cfg.parallel, world_size).items()),
+                     document_mask_line(cfg))
             log.info("tokenizer %s (%s)", describe_identity(tokenizer.identity), tokenizer_source)
+            if warmup_note:
+                log.info("%s", warmup_note)
+            for line in determinism:
+                log.info("%s", line)
         # checked against its manifest before anything is built: a damaged checkpoint stops here
         latest = ckpt.resume_checkpoint(ckpt_root, fallback=cfg.resume == "fallback") if latest is not None else None
         model_chunks = _build_model(cfg, env, tokenizer)
@@ -242,7 +263,10 @@ def run(cfg: DictConfig) -> None:
         warmup = None
         # phases exist where some layer is MSA (a model of full-attention layers only is dense)
         if any(msa_layers_of(cfg.model)):
-            warmup = IndexerWarmup(cfg.trainer.indexer_warmup_tokens, cfg.model.msa)
+            from msa_model.training.index_history import index_branch_trained
+
+            warmup = IndexerWarmup(cfg.trainer.indexer_warmup_tokens, cfg.model.msa,
+                                   index_trained=bool(cfg.init_from) and bool(index_branch_trained(cfg.init_from)))
             callbacks.append(warmup)
             if cfg.logging.msa_diagnostics_interval > 0:
                 from msa_model.training.diagnostics import MSADiagnostics

@@ -15,6 +15,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from msa_model.attention import record_evaluation_metrics
 from msa_model.context_parallel import slice_batch_for_cp
+from msa_model.ops.dense_attention import attach_host_copy
 from msa_model.training.callbacks import Callback, TrainState
 from msa_model.training.metrics import reduce_step_metrics
 
@@ -68,8 +69,11 @@ def _forward_step(data_iterator, model, device: torch.device):
     labels = batch["labels"].to(device) if batch is not None else None
     position_ids = batch["position_ids"].to(device) if batch is not None else None
     loss_mask = batch["loss_mask"].to(device) if batch is not None else None
-    # packed documents (data.document_mask): their starts travel in megatron's attention_mask slot
-    doc_start = batch["doc_start"].to(device) if batch is not None and "doc_start" in batch else None
+    # packed documents (data.document_mask): their starts travel in megatron's attention_mask slot,
+    # with their host copy, from which the layers plan their dense attention without reading back
+    doc_start = None
+    if batch is not None and "doc_start" in batch:
+        doc_start = attach_host_copy(batch["doc_start"].to(device), batch["doc_start"])
     output = model(tokens, position_ids, doc_start, labels=labels)
     return output, partial(_loss_func, loss_mask)
 

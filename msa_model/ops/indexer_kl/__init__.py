@@ -6,8 +6,8 @@ import torch
 
 from msa_model.config import PRODUCTION_BLOCK_SIZE
 
-from ..common import (check_block_idx, check_block_size, check_doc_start, check_index, check_qkv, default_scale,
-                      load_triton, resolve_backend, trim_keys)
+from ..common import (check_block_idx, check_block_size, check_doc_start, check_index, check_qkv,
+                      check_temperature, default_scale, load_triton, resolve_backend, trim_keys)
 from .reference import indexer_kl_loss_reference
 
 
@@ -16,7 +16,7 @@ def indexer_kl_loss(q: torch.Tensor, k: torch.Tensor, iq: torch.Tensor, ik: torc
                     scale: float | None = None, index_scale: float | None = None,
                     backend: str = "auto", q_offset: int = 0, check_ids: bool = True,
                     doc_start: torch.Tensor | None = None, tuning=None,
-                    keep_teacher: bool | None = None) -> torch.Tensor:
+                    keep_teacher: bool | None = None, temperature: float = 1.0) -> torch.Tensor:
     """Mean over (b, t, g) of KL(teacher || student) on each (query, group)'s support.
 
     q [B, T, Hq, D], k [B, T, Hkv, D]: the main branch's inputs (treated as constants);
@@ -36,6 +36,10 @@ def indexer_kl_loss(q: torch.Tensor, k: torch.Tensor, iq: torch.Tensor, ik: torc
     `keep_teacher` (Triton, sparse): keep the teacher rows from forward to backward; None: when
     they are no larger than q (a memory policy), True: whenever they fit the kernel's budget
     (for callers that rerun the forward just before the backward), False: recompute them.
+    `temperature` (MiniMax's `lse_temperature`): the student is softmax(iq.ik * index_scale /
+    temperature) on the support; the gradient in the logits iq.ik is then (p_student -
+    p_teacher) * index_scale / temperature / (B*T*Hkv). It rescales the student's distribution
+    only: the teacher, and the block selection (a ranking), do not depend on it.
     """
     check_block_size(block_size)
     B, T, Hq, Hkv, D = check_qkv(q, k, q_offset=q_offset)
@@ -48,7 +52,7 @@ def indexer_kl_loss(q: torch.Tensor, k: torch.Tensor, iq: torch.Tensor, ik: torc
     if lse.shape != (B, T, Hq):
         raise ValueError(f"lse must be [B, T, Hq] = {(B, T, Hq)}, got {tuple(lse.shape)}")
     scale = default_scale(D, scale)
-    index_scale = default_scale(Di, index_scale)
+    index_scale = default_scale(Di, index_scale) / check_temperature(temperature)
     k, ik = trim_keys(T, q_offset, k, ik)
     if resolve_backend(backend, q, k, iq, ik) == "triton":
         return load_triton("indexer_kl").indexer_kl_loss_triton(q, k, iq, ik, block_idx, lse, block_size,

@@ -26,7 +26,9 @@ lse_z kept online. Its gradient in z is dz = exp(z - lse_z) - p/s_sum (times gra
   five sums per entry, a combine reduces them over the K slots, and (when gradients are needed and
   they fit in `Tuning.teacher_bytes`) each entry's teacher row. The backward reads those rows and
   recomputes only the student (else both), keeps d ik in registers and adds d iq with atomics
-  (fp32, order not fixed).
+  (fp32, order not fixed). Under torch.use_deterministic_algorithms(True) the programs store
+  their d iq per entry and their d ik per work item instead, summed afterwards in a fixed order
+  (`_sums`): the same bits run to run.
 d ik is written per group and summed over groups afterwards (ik is shared by all groups).
 Packed documents: the sparse kernels read the documents' block table, the dense ones each
 query's document start (see triton_kernels.py).
@@ -42,8 +44,8 @@ import triton
 from ..inverse_index import (DocumentBlocks, InverseIndex, build_inverse_index, clean_block_idx, document_blocks,
                              query_ends, schedule)
 from ..triton_utils import LOG2E
-from .triton_kernels import (kl_bwd_kernel, kl_dense_keys_kernel, kl_sparse_fwd_kernel, kl_stored_bwd_kernel,
-                             kl_student_lse_kernel, kl_teacher_sums_kernel)
+from .triton_kernels import (kl_bwd_kernel, kl_dense_keys_kernel, kl_dik_reduce_kernel, kl_sparse_fwd_kernel,
+                             kl_stored_bwd_kernel, kl_student_lse_kernel, kl_teacher_sums_kernel)
 
 
 def _heads_per_dot(H: int, M: int, rows: int) -> int:
@@ -262,6 +264,57 @@ def _store_teacher(q, G, K, block_size, cfg, needs_grad: bool, keep: bool | None
     return needs_grad and keep is not False and fits
 
 
+class _Sums:
+    """Where the sparse backward's programs put d ik, d iq (and the late path's bz), and how they
+    become [B, TK, Di], [B, T, G, Di] (and [B, T, G]) fp32 sums.
+
+    By default they are added in place with fp32 atomics (the order, and so the last bits, vary
+    run to run). Deterministic (torch.use_deterministic_algorithms(True)): each program stores
+    its d ik [J, Di] at its program id and its entries' d iq (bz) per entry; `result` then sums a
+    bucket's work items in order (`kl_dik_reduce_kernel`, per group, then over groups) and each
+    query's slots in order. Memory: E x Di fp32 for d iq (E = B*T*G*K entries: 4.3 GB at 128K
+    with the default geometry) and a [J, Di] partial per work item."""
+
+    def __init__(self, iq, ik, index, K, block_size, per_program, value, docs):
+        B, T, G, Di = iq.shape
+        self.shape = (B, T, G, K, Di)
+        self.index, self.per_program, self.block_size, self.docs = index, per_program, block_size, docs
+        self.deterministic = torch.are_deterministic_algorithms_enabled()
+        f32 = dict(dtype=torch.float32, device=iq.device)
+        self.programs = _programs(index, per_program)
+        if self.deterministic:
+            J = triton.next_power_of_2(block_size)
+            self.dik = torch.zeros(self.programs[0].numel(), J, Di, **f32)
+            self.diq = torch.zeros(B * T * G * K, Di, **f32)
+            self.bz = torch.zeros(B * T * G * K, **f32) if value else None
+        else:
+            self.dik = torch.zeros(B, ik.shape[1], Di, **f32)
+            self.diq = torch.zeros(B, T, G, Di, **f32)
+            self.bz = torch.zeros(B, T, G, **f32) if value else None
+        self.TK = ik.shape[1]
+
+    def result(self):
+        """(d ik, d iq, bz or None)."""
+        if not self.deterministic:
+            return self.dik, self.diq, self.bz
+        B, T, G, K, Di = self.shape
+        index = self.index
+        runs = (index.count + self.per_program - 1) // self.per_program
+        first = (torch.cumsum(runs, 0) - runs).to(torch.int32)
+        J = self.dik.shape[1]
+        dik_g = torch.zeros(G, B, self.TK, Di, dtype=torch.float32, device=self.dik.device)
+        bstart, bend, docs_on = _tables(self.docs, index.entry)
+        RB = min(32, J)
+        if index.count.numel():
+            kl_dik_reduce_kernel[(index.count.numel(), J // RB)](
+                self.dik, dik_g, first, runs.to(torch.int32), bstart, bend, B, self.TK, index.n_blocks,
+                BLOCK=self.block_size, G=G, J=J, DI=Di, RB=RB, DOCS=docs_on, num_warps=4)
+        # slots and groups summed in index order: a fixed order
+        diq = self.diq.view(B, T, G, K, Di).sum(3)
+        bz = None if self.bz is None else self.bz.view(B, T, G, K).sum(3)
+        return dik_g.sum(0), diq, bz
+
+
 def _stored_backward(iq, ik, pbar, lse_z, inv_s, index, K, block_size, index_scale, cfg, q_offset, docs=None,
                      value=False):
     """Unscaled d ik fp32 [B, TK, Di] and d iq fp32 [B, T, G, Di] from the stored teacher rows;
@@ -269,18 +322,16 @@ def _stored_backward(iq, ik, pbar, lse_z, inv_s, index, K, block_size, index_sca
     fp32 [B, T, G], on the late tiles (else None)."""
     B, T, G, Di = iq.shape
     TK = ik.shape[1]
-    dik = torch.zeros(B, TK, Di, dtype=torch.float32, device=iq.device)
-    diq = torch.zeros(B, T, G, Di, dtype=torch.float32, device=iq.device)
-    bz = torch.zeros(B, T, G, dtype=torch.float32, device=iq.device) if value else None
-    tb, ts, tc = _programs(index, cfg.bwd_per_program)
+    sums = _Sums(iq, ik, index, K, block_size, cfg.bwd_per_program, value, docs)
+    tb, ts, tc = sums.programs
     bstart, bend, docs_on = _tables(docs, index.entry)
     kl_stored_bwd_kernel[(tb.numel(),)](
-        iq, ik, pbar, lse_z, inv_s, index.entry, tb, ts, tc, dik, diq, bz if value else dik, bstart, bend, T, TK,
-        q_offset, index.n_blocks, iq.stride(0), iq.stride(1), iq.stride(2), ik.stride(0), ik.stride(1), index_scale,
-        BLOCK=block_size, G=G, K=K, M=cfg.late_M if value else cfg.stored_M, J=triton.next_power_of_2(block_size),
-        DI=Di, PREC=_precision(iq, iq), DOCS=docs_on, VALUE=value,
-        num_warps=cfg.late_warps if value else cfg.stored_warps, num_stages=cfg.stored_stages)
-    return dik, diq, bz
+        iq, ik, pbar, lse_z, inv_s, index.entry, tb, ts, tc, sums.dik, sums.diq,
+        sums.dik if sums.bz is None else sums.bz, bstart, bend, T, TK, q_offset, index.n_blocks, iq.stride(0), iq.stride(1), iq.stride(2), ik.stride(0),
+        ik.stride(1), index_scale, BLOCK=block_size, G=G, K=K, M=cfg.late_M if value else cfg.stored_M,
+        J=triton.next_power_of_2(block_size), DI=Di, PREC=_precision(iq, iq), DOCS=docs_on, VALUE=value,
+        DET=sums.deterministic, num_warps=cfg.late_warps if value else cfg.stored_warps, num_stages=cfg.stored_stages)
+    return sums.result()
 
 
 def _backward(q, k, lse, iq, ik, lse_z, inv_s, index, K, block_size, scale, index_scale, cfg, q_offset,
@@ -308,14 +359,15 @@ def _backward(q, k, lse, iq, ik, lse_z, inv_s, index, K, block_size, scale, inde
             J=triton.next_power_of_2(block), SPARSE=False, DOCS=doc_start is not None,
             **{**common, "num_stages": cfg.dense_stages})
         return dik.sum(0), None
-    dik = torch.zeros(B, TK, Di, dtype=torch.float32, device=q.device)
-    diq = torch.zeros(B, T, G, Di, dtype=torch.float32, device=q.device)
-    tb, ts, tc = _programs(index, cfg.bwd_per_program)
+    sums = _Sums(iq, ik, index, K, block_size, cfg.bwd_per_program, False, docs)
+    tb, ts, tc = sums.programs
     bstart, bend, docs_on = _tables(docs, index.entry)
     kl_bwd_kernel[(tb.numel(),)](
-        q, k, lse, iq, ik, lse_z, inv_s, index.entry, tb, ts, tc, dik, diq, index.entry, bstart, bend, index.entry,
-        B, T, TK, q_offset, index.n_blocks, *_strides(q, k, lse, iq, ik), scale * LOG2E.value, index_scale,
-        BLOCK=block_size, J=triton.next_power_of_2(block_size), SPARSE=True, DOCS=docs_on, **common)
+        q, k, lse, iq, ik, lse_z, inv_s, index.entry, tb, ts, tc, sums.dik, sums.diq, index.entry, bstart, bend,
+        index.entry, B, T, TK, q_offset, index.n_blocks, *_strides(q, k, lse, iq, ik), scale * LOG2E.value,
+        index_scale, BLOCK=block_size, J=triton.next_power_of_2(block_size), SPARSE=True, DOCS=docs_on,
+        DET=sums.deterministic, **common)
+    dik, diq, _ = sums.result()
     return dik, diq
 
 

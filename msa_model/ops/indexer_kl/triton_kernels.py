@@ -350,8 +350,10 @@ def _bwd_step(start, hi, dik_JI, q_ptr, lse_ptr, iq_ptr, lsez_ptr, invs_ptr, ent
               QOFF, k_JD, ik_JI, kpos_J, sq_b, sq_t, sq_h, sl_b, sl_t, sl_h, si_b, si_t, si_h, scale_log2,
               index_scale, G: tl.constexpr, K: tl.constexpr, H: tl.constexpr, HS: tl.constexpr,
               M: tl.constexpr, J: tl.constexpr, D: tl.constexpr, DI: tl.constexpr, SPARSE: tl.constexpr,
-              PREC: tl.constexpr, DOCS: tl.constexpr):
-    """M queries (list entries when sparse, consecutive tokens when dense) against one key block."""
+              PREC: tl.constexpr, DOCS: tl.constexpr, DET: tl.constexpr):
+    """M queries (list entries when sparse, consecutive tokens when dense) against one key block.
+    Sparse: d iq added by atomics into diq [B, T, G, Di], or with DET stored per entry into
+    diq [E, Di] (each entry is one program's, so the caller's sum over slots has a fixed order)."""
     dt = iq_ptr.dtype.element_ty
     offs_i = tl.arange(0, DI)
     idx_M = start + tl.arange(0, M)
@@ -359,7 +361,8 @@ def _bwd_step(start, hi, dik_JI, q_ptr, lse_ptr, iq_ptr, lsez_ptr, invs_ptr, ent
     idx_R = start + tl.arange(0, M * HS) // HS
     row_R = idx_R < hi
     if SPARSE:
-        t_M = tl.load(ent_ptr + idx_M, mask=row_M, other=0) // (G * K) - b * T
+        e_M = tl.load(ent_ptr + idx_M, mask=row_M, other=0)
+        t_M = e_M // (G * K) - b * T
         t_R = tl.load(ent_ptr + idx_R, mask=row_R, other=0) // (G * K) - b * T
         # a table block holds keys of the entries' own document only: no document mask
         p_JM, z_JM, valid_JM, iq_MI = _teacher_student(
@@ -387,7 +390,10 @@ def _bwd_step(start, hi, dik_JI, q_ptr, lse_ptr, iq_ptr, lsez_ptr, invs_ptr, ent
     dik_JI += dot(dz_JM, iq_MI, PREC)
     if SPARSE:
         dq_IM = dot(tl.trans(ik_JI), dz_JM, PREC)
-        tl.atomic_add(diq_ptr + o_M[None, :] * DI + offs_i[:, None], dq_IM, mask=row_M[None, :], sem="relaxed")
+        if DET:
+            tl.store(diq_ptr + e_M.to(tl.int64)[None, :] * DI + offs_i[:, None], dq_IM, mask=row_M[None, :])
+        else:
+            tl.atomic_add(diq_ptr + o_M[None, :] * DI + offs_i[:, None], dq_IM, mask=row_M[None, :], sem="relaxed")
     return dik_JI
 
 
@@ -397,13 +403,15 @@ def kl_bwd_kernel(q_ptr, k_ptr, lse_ptr, iq_ptr, ik_ptr, lsez_ptr, invs_ptr, ent
                   sk_b, sk_t, sk_h, sl_b, sl_t, sl_h, si_b, si_t, si_h, sik_b, sik_t, scale_log2, index_scale,
                   BLOCK: tl.constexpr, G: tl.constexpr, K: tl.constexpr, H: tl.constexpr, HS: tl.constexpr,
                   M: tl.constexpr, J: tl.constexpr, D: tl.constexpr, DI: tl.constexpr, SPARSE: tl.constexpr,
-                  PREC: tl.constexpr, DOCS: tl.constexpr):
+                  PREC: tl.constexpr, DOCS: tl.constexpr, DET: tl.constexpr = False):
     """Key-outer backward over the keys of block n (BLOCK keys).
 
     dense: program (n, b*G+g) streams every query after the block and stores group g's unscaled
     d ik to dik [G, B, TK, Di] (deterministic). sparse: program p takes a run of a bucket's
     entries (as the forward) and adds its d ik into dik [B, TK, Di] and d iq into diq [B, T, G, Di]
-    with fp32 atomics (a popular block is split over several programs).
+    with fp32 atomics (a popular block is split over several programs). With DET (deterministic
+    sums) it stores instead: its d ik to dik [P, J, Di] at its program id, its entries' d iq to
+    diq [E, Di]; `kl_dik_reduce_kernel` and a sum over slots add them up in a fixed order.
     """
     if SPARSE:
         live, b, g, n, lo, hi, j0, j_end = _work_item(tb_ptr, ts_ptr, tc_ptr, TK, N, bstart_ptr, bend_ptr, G, BLOCK,
@@ -430,17 +438,22 @@ def kl_bwd_kernel(q_ptr, k_ptr, lse_ptr, iq_ptr, ik_ptr, lsez_ptr, invs_ptr, ent
         while start < hi:
             dik_JI = _bwd_step(start, hi, dik_JI, q_ptr, lse_ptr, iq_ptr, lsez_ptr, invs_ptr, ent_ptr, diq_ptr,
                                doc_ptr, b, g, T, QOFF, k_JD, ik_JI, kpos_J, sq_b, sq_t, sq_h, sl_b, sl_t, sl_h, si_b,
-                               si_t, si_h, scale_log2, index_scale, G, K, H, HS, M, J, D, DI, SPARSE, PREC, DOCS)
+                               si_t, si_h, scale_log2, index_scale, G, K, H, HS, M, J, D, DI, SPARSE, PREC, DOCS,
+                               DET)
             start += M
     else:
         for start in range(lo, hi, M):
             dik_JI = _bwd_step(start, hi, dik_JI, q_ptr, lse_ptr, iq_ptr, lsez_ptr, invs_ptr, ent_ptr, diq_ptr,
                                doc_ptr, b, g, T, QOFF, k_JD, ik_JI, kpos_J, sq_b, sq_t, sq_h, sl_b, sl_t, sl_h, si_b,
-                               si_t, si_h, scale_log2, index_scale, G, K, H, HS, M, J, D, DI, SPARSE, PREC, DOCS)
+                               si_t, si_h, scale_log2, index_scale, G, K, H, HS, M, J, D, DI, SPARSE, PREC, DOCS,
+                               DET)
     if SPARSE:
-        o_J = b * TK + kpos64
-        tl.atomic_add(dik_ptr + o_J[:, None] * DI + offs_i[None, :], dik_JI, mask=kin_J[:, None] & live,
-                      sem="relaxed")
+        if DET:
+            _store_item(dik_ptr, dik_JI, live, J, DI)
+        else:
+            o_J = b * TK + kpos64
+            tl.atomic_add(dik_ptr + o_J[:, None] * DI + offs_i[None, :], dik_JI, mask=kin_J[:, None] & live,
+                          sem="relaxed")
     else:
         o_J = (g * B + b) * TK + kpos64
         tl.store(dik_ptr + o_J[:, None] * DI + offs_i[None, :], dik_JI, mask=kin_J[:, None])
@@ -449,10 +462,12 @@ def kl_bwd_kernel(q_ptr, k_ptr, lse_ptr, iq_ptr, ik_ptr, lsez_ptr, invs_ptr, ent
 @triton.jit
 def _stored_bwd_step(start, hi, dik_JI, iq_ptr, pbar_ptr, lsez_ptr, invs_ptr, ent_ptr, diq_ptr, bz_ptr, b, g, T,
                      ikT_IJ, ik_JI, kpos_J, si_b, si_t, si_h, index_scale, G: tl.constexpr, K: tl.constexpr,
-                     M: tl.constexpr, J: tl.constexpr, DI: tl.constexpr, PREC: tl.constexpr, VALUE: tl.constexpr):
+                     M: tl.constexpr, J: tl.constexpr, DI: tl.constexpr, PREC: tl.constexpr, VALUE: tl.constexpr,
+                     DET: tl.constexpr):
     """M entries of one key block's list, teacher read from pbar [E, J]: only the student is
     recomputed. With VALUE also the loss's sum bz = sum p z, added per (b, t, g) to bz [B*T*G]
-    (when the forward did not compute the teacher)."""
+    (when the forward did not compute the teacher). DET: d iq and bz stored per entry instead,
+    into diq [E, Di] and bz [E] (see `kl_bwd_kernel`)."""
     dt = iq_ptr.dtype.element_ty
     offs_i = tl.arange(0, DI)
     idx_M = start + tl.arange(0, M)
@@ -473,10 +488,17 @@ def _stored_bwd_step(start, hi, dik_JI, iq_ptr, pbar_ptr, lsez_ptr, invs_ptr, en
     dz_MJ = tl.where(valid_MJ, tl.exp(z_MJ - lse_z[:, None]) - p_MJ * inv_s[:, None], 0.0).to(dt)
     dik_JI += dot(tl.trans(dz_MJ), iq_MI, PREC)
     dq_MI = dot(dz_MJ, ik_JI, PREC)
-    tl.atomic_add(diq_ptr + o_M[:, None] * DI + offs_i[None, :], dq_MI, mask=row_M[:, None], sem="relaxed")
+    e64 = e_M.to(tl.int64)
+    if DET:
+        tl.store(diq_ptr + e64[:, None] * DI + offs_i[None, :], dq_MI, mask=row_M[:, None])
+    else:
+        tl.atomic_add(diq_ptr + o_M[:, None] * DI + offs_i[None, :], dq_MI, mask=row_M[:, None], sem="relaxed")
     if VALUE:
         # p is zero off the support, where z is finite
-        tl.atomic_add(bz_ptr + o_M, tl.sum(p_MJ * z_MJ, axis=1), mask=row_M, sem="relaxed")
+        if DET:
+            tl.store(bz_ptr + e64, tl.sum(p_MJ * z_MJ, axis=1), mask=row_M)
+        else:
+            tl.atomic_add(bz_ptr + o_M, tl.sum(p_MJ * z_MJ, axis=1), mask=row_M, sem="relaxed")
     return dik_JI
 
 
@@ -485,10 +507,11 @@ def kl_stored_bwd_kernel(iq_ptr, ik_ptr, pbar_ptr, lsez_ptr, invs_ptr, ent_ptr, 
                          diq_ptr, bz_ptr, bstart_ptr, bend_ptr, T, TK, QOFF, N, si_b, si_t, si_h, sik_b, sik_t,
                          index_scale, BLOCK: tl.constexpr, G: tl.constexpr, K: tl.constexpr, M: tl.constexpr,
                          J: tl.constexpr, DI: tl.constexpr, PREC: tl.constexpr, DOCS: tl.constexpr,
-                         VALUE: tl.constexpr):
+                         VALUE: tl.constexpr, DET: tl.constexpr = False):
     """Sparse backward with the teacher stored (by the KL's forward or the attention's backward):
     program p takes a run of a bucket's entries (as `kl_bwd_kernel`); d ik [B, TK, Di] and
-    d iq [B, T, G, Di] by fp32 atomics; with VALUE the loss's bz (`_stored_bwd_step`)."""
+    d iq [B, T, G, Di] by fp32 atomics; with VALUE the loss's bz (`_stored_bwd_step`). DET: the
+    stores of `kl_bwd_kernel`'s deterministic mode (and bz per entry)."""
     live, b, g, n, lo, hi, j0, j_end = _work_item(tb_ptr, ts_ptr, tc_ptr, TK, N, bstart_ptr, bend_ptr, G, BLOCK, DOCS)
     if live:
         offs_i = tl.arange(0, DI)
@@ -501,15 +524,53 @@ def kl_stored_bwd_kernel(iq_ptr, ik_ptr, pbar_ptr, lsez_ptr, invs_ptr, ent_ptr, 
             while start < hi:
                 dik_JI = _stored_bwd_step(start, hi, dik_JI, iq_ptr, pbar_ptr, lsez_ptr, invs_ptr, ent_ptr, diq_ptr,
                                           bz_ptr, b, g, T, ikT_IJ, ik_JI, kpos_J, si_b, si_t, si_h, index_scale,
-                                          G, K, M, J, DI, PREC, VALUE)
+                                          G, K, M, J, DI, PREC, VALUE, DET)
                 start += M
         else:
             for start in range(lo, hi, M):
                 dik_JI = _stored_bwd_step(start, hi, dik_JI, iq_ptr, pbar_ptr, lsez_ptr, invs_ptr, ent_ptr, diq_ptr,
                                           bz_ptr, b, g, T, ikT_IJ, ik_JI, kpos_J, si_b, si_t, si_h, index_scale,
-                                          G, K, M, J, DI, PREC, VALUE)
-        o_J = b * TK + kpos64
-        tl.atomic_add(dik_ptr + o_J[:, None] * DI + offs_i[None, :], dik_JI, mask=kin_J[:, None], sem="relaxed")
+                                          G, K, M, J, DI, PREC, VALUE, DET)
+        if DET:
+            _store_item(dik_ptr, dik_JI, live, J, DI)
+        else:
+            o_J = b * TK + kpos64
+            tl.atomic_add(dik_ptr + o_J[:, None] * DI + offs_i[None, :], dik_JI, mask=kin_J[:, None], sem="relaxed")
+
+
+@triton.jit
+def _store_item(dikp_ptr, dik_JI, live, J: tl.constexpr, DI: tl.constexpr):
+    """A work item's d ik [J, Di] to its row of dikp [P, J, Di] (the program id; spare programs,
+    which belong to no bucket, store nothing)."""
+    pid = tl.program_id(0).to(tl.int64)
+    rows = tl.arange(0, J)[:, None] * DI + tl.arange(0, DI)[None, :]
+    tl.store(dikp_ptr + pid * (J * DI) + rows, dik_JI, mask=(rows >= 0) & live)
+
+
+@triton.jit
+def kl_dik_reduce_kernel(dikp_ptr, dik_ptr, first_ptr, runs_ptr, bstart_ptr, bend_ptr, B, TK, N,
+                         BLOCK: tl.constexpr, G: tl.constexpr, J: tl.constexpr, DI: tl.constexpr, RB: tl.constexpr,
+                         DOCS: tl.constexpr):
+    """Deterministic d ik: bucket (b, g, n)'s work items (`first` .. `first + runs - 1`, each a
+    partial [J, Di] of dikp) summed in order into the block's keys of dik [G, B, TK, Di] (fp32;
+    blocks of one (b, g) never share keys, and each group has its own slice). Grid: (buckets,
+    J / RB)."""
+    bucket = tl.program_id(0)
+    nitem = tl.load(runs_ptr + bucket)
+    if nitem > 0:
+        first = tl.load(first_ptr + bucket).to(tl.int64)
+        b, g, n = decode_bucket(bucket, N, G)
+        j0, j_end = _block_range(b, n, TK, N, bstart_ptr, bend_ptr, BLOCK, DOCS)
+        rr = tl.program_id(1) * RB + tl.arange(0, RB)
+        offs_i = tl.arange(0, DI)
+        acc = tl.zeros((RB, DI), tl.float32)
+        it = first
+        while it < first + nitem:
+            acc += tl.load(dikp_ptr + it * (J * DI) + rr[:, None] * DI + offs_i[None, :])
+            it += 1
+        j = j0 + rr
+        dst = ((g * B + b).to(tl.int64) * TK + j)[:, None] * DI + offs_i[None, :]
+        tl.store(dik_ptr + dst, acc, mask=(j < j_end)[:, None])
 
 
 @triton.jit

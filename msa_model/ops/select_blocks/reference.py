@@ -20,8 +20,9 @@ def select_blocks_reference(iq_BTGI: torch.Tensor, ik_BTI: torch.Tensor, block_s
 
     The `local_blocks` blocks ending with the local one (the block holding the query, and the
     ones right before it) are always kept, and block 0 too when `force_sink`. Ranking uses the
-    raw dot products: softmax and a positive scale keep the order, so no exp is needed. Slots are sorted ascending with -1 padding last. Query t sits at
-    position q_offset + t of the keys ik [B, >= q_offset + T, Di].
+    raw dot products: softmax and a positive scale keep the order, so no exp is needed. Equal
+    scores are ranked by block id, the lowest first. Slots are sorted ascending with -1 padding
+    last. Query t sits at position q_offset + t of the keys ik [B, >= q_offset + T, Di].
 
     With `doc_start_BT` (int [B, T]) each document is its own sequence: query t sees keys
     doc_start[t] .. q_offset + t, and block ids count from its document's first token (block n
@@ -74,7 +75,10 @@ def select_blocks_reference(iq_BTGI: torch.Tensor, ik_BTI: torch.Tensor, block_s
             bmax_BCGN[..., 0] = torch.finfo(bmax_BCGN.dtype).max
         bmax_BCGN = bmax_BCGN.masked_fill(local_BCN[:, :, None, :], float("inf"))
         k = min(topk, n_blk)
-        val_BCGK, idx_BCGK = bmax_BCGN.topk(k, dim=-1)
+        # ties go to the lowest block id: a stable descending sort keeps equal scores in id order
+        # (torch.topk leaves their order unspecified)
+        val_BCGN, idx_BCGN = bmax_BCGN.sort(dim=-1, descending=True, stable=True)
+        val_BCGK, idx_BCGK = val_BCGN[..., :k], idx_BCGN[..., :k]
         # blocks past the causal horizon have every key masked: never select them
         idx_BCGK = idx_BCGK.masked_fill(val_BCGK == float("-inf"), n_blk)
         idx_BCGK = idx_BCGK.sort(dim=-1).values

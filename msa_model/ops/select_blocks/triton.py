@@ -34,10 +34,39 @@ _SELECT, _SCORES, _BARE = 0, 1, 2
 
 
 @triton.jit
+def _leaving(topv_KR, topi_KR, low_R, slot_K, KP: tl.constexpr, AXIS: tl.constexpr):
+    """The slot a better candidate replaces, as its key (`_slot_keys`): of the slots holding the
+    minimum, the one with the largest block id, so that equal scores keep the lowest ids whatever
+    order the blocks come in; of empty slots (id -1), the first, so that slots fill in order.
+    AXIS: the slot axis."""
+    if AXIS == 1:
+        return tl.max(tl.where(topv_KR == low_R[:, None], _slot_keys(topi_KR, slot_K, KP, 1), -2147483647), axis=1)
+    else:
+        return tl.max(tl.where(topv_KR == low_R[None, :], _slot_keys(topi_KR, slot_K, KP, 0), -2147483647), axis=0)
+
+
+@triton.jit
+def _slot_keys(topi_KR, slot_K, KP: tl.constexpr, AXIS: tl.constexpr):
+    """id*KP + (KP - 1 - slot) per slot: unique (kept ids are distinct, empty slots hold -1 and
+    differ by slot), ordered by id, then by slot reversed."""
+    if AXIS == 1:
+        return topi_KR * KP + (KP - 1 - slot_K[None, :])
+    else:
+        return topi_KR * KP + (KP - 1 - slot_K[:, None])
+
+
+@triton.jit
+def _takes(x_R, n_R, low_R, out_R, KP: tl.constexpr):
+    """Whether candidate (x, n) enters: a larger score than the minimum, or an equal one and a
+    lower block id than the leaving slot's (n < id iff n*KP + KP - 1 < its key id*KP + r, r < KP)."""
+    return (x_R > low_R) | ((x_R == low_R) & (n_R * KP + (KP - 1) < out_R))
+
+
+@triton.jit
 def _update(topv_RK, topi_RK, low_R, x_R, n_R, slot_K):
-    # first slot holding the minimum (two plain reductions are cheaper than an index-carrying one)
-    pos_R = tl.min(tl.where(topv_RK == low_R[:, None], slot_K[None, :], slot_K.shape[0]), axis=1)
-    take_RK = (slot_K[None, :] == pos_R[:, None]) & (x_R > low_R)[:, None]
+    KP: tl.constexpr = slot_K.shape[0]
+    out_R = _leaving(topv_RK, topi_RK, low_R, slot_K, KP, 1)
+    take_RK = (_slot_keys(topi_RK, slot_K, KP, 1) == out_R[:, None]) & _takes(x_R, n_R, low_R, out_R, KP)[:, None]
     topv_RK = tl.where(take_RK, x_R[:, None], topv_RK)
     topi_RK = tl.where(take_RK, n_R[:, None], topi_RK)
     return topv_RK, topi_RK, tl.min(topv_RK, axis=1)
@@ -56,7 +85,8 @@ def _insert(topv_RK, topi_RK, low_R, x_R, n_R, slot_K, TRACK: tl.constexpr = Fal
     kernels over more than `Tuning.skip_from` blocks track it (`_skips`)."""
     if TRACK:
         if SKIP:
-            if tl.max((x_R > low_R).to(tl.int32), axis=0) > 0:
+            # a candidate equal to a row's minimum may enter too (a lower block id): ask for >=
+            if tl.max(((x_R > low_R) | ((x_R == low_R) & (x_R > float("-inf")))).to(tl.int32), axis=0) > 0:
                 topv_RK, topi_RK, low_R = _update(topv_RK, topi_RK, low_R, x_R, n_R, slot_K)
         else:
             topv_RK, topi_RK, low_R = _update(topv_RK, topi_RK, low_R, x_R, n_R, slot_K)
@@ -357,10 +387,12 @@ def _topk_kernel(bs_ptr, out_ptr, T, N, s_bs_b, s_bs_t, s_bs_g, s_out_b, s_out_t
         for jc in tl.static_range(4):
             x_R = tl.max(tl.where(c_C[:, None] == jc, x_CR, float("-inf")), axis=0)
             low_R = tl.min(topv_KR, axis=0)
-            pos_R = tl.min(tl.where(topv_KR == low_R[None, :], slot_K[:, None], KP), axis=0)
-            take_KR = (slot_K[:, None] == pos_R[None, :]) & (x_R > low_R)[None, :]
+            out_R = _leaving(topv_KR, topi_KR, low_R, slot_K, KP, 0)
+            n_R = tl.zeros_like(out_R) + c0 + jc
+            take_R = _takes(x_R, n_R, low_R, out_R, KP)
+            take_KR = (_slot_keys(topi_KR, slot_K, KP, 0) == out_R[None, :]) & take_R[None, :]
             topv_KR = tl.where(take_KR, x_R[None, :], topv_KR)
-            topi_KR = tl.where(take_KR, c0 + jc, topi_KR)
+            topi_KR = tl.where(take_KR, n_R[None, :], topi_KR)
         c0 += 4
     out_R = b * s_out_b + t_R.to(tl.int64) * s_out_t + g_R * s_out_g
     tl.store(out_ptr + out_R[None, :] + slot_K[:, None], topi_KR, mask=valid_R[None, :] & (slot_K[:, None] < K))

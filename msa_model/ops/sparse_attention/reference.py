@@ -35,11 +35,46 @@ def _exp_minus(s, lse):
     return torch.exp(s - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)[..., None])
 
 
-def sparse_attention_forward(q, k, v, block_idx, block_size, scale, upcast=True, q_offset=0, doc_start=None):
+E4M3_MAX = 448.0
+
+
+def e4m3_round(x: torch.Tensor) -> torch.Tensor:
+    """x (fp32, 0 <= x <= 448) rounded to the nearest float8 e4m3 value, ties to even (what
+    `x.to(torch.float8_e4m3fn)` gives), as fp32 arithmetic: the kernels' `triton_utils.e4m3_round`."""
+    x = x.float()
+    e = ((x.view(torch.int32) >> 23) & 0xFF) - 127
+    step = torch.ldexp(torch.ones_like(x), e.clamp(min=-6) - 3)
+    return torch.round(x / step) * step
+
+
+def fp8_probabilities(s, lse, block_size, t0, t1, key_end, q_offset=0, doc_start=None):
+    """The forward's probabilities with fp8_probs: exp(s - m) stored as e4m3 of its value x 448,
+    m the max of the query's scores over each key block, then times exp(m - lse) / 448. s [B, C,
+    G, H, J] (-inf off the support), lse [B, C, G, H]; blocks as the selection numbers them (from
+    the document's start with doc_start). Their sum is not exactly 1: the output uses them, the
+    gradients the exact softmax (straight-through)."""
+    pos_J = torch.arange(key_end, device=s.device)
+    if doc_start is None:
+        block = (pos_J // block_size)[None, None, :]
+    else:
+        block = (pos_J[None, None, :] - doc_start[:, t0:t1, None].long()).clamp(min=0) // block_size
+    n_blk = key_end // block_size + 2
+    index = block[:, :, None, None, :].expand_as(s)
+    m_blk = torch.full((*s.shape[:-1], n_blk), float("-inf"), dtype=s.dtype, device=s.device)
+    m_key = m_blk.scatter_reduce(-1, index, s, "amax").gather(-1, index)
+    m_key = torch.where(torch.isinf(m_key), torch.zeros_like(m_key), m_key)
+    unnorm = torch.exp(s - m_key)
+    lse_safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)[..., None]
+    return e4m3_round(unnorm * E4M3_MAX).to(s.dtype) * (torch.exp(m_key - lse_safe) / E4M3_MAX)
+
+
+def sparse_attention_forward(q, k, v, block_idx, block_size, scale, upcast=True, q_offset=0, doc_start=None,
+                             fp8_probs=False):
     """Returns o [B,T,Hq,D] (q.dtype) and lse [B,T,Hq] (fp32; fp64 for fp64 inputs).
 
     Query t sits at position q_offset + t; k, v hold at least q_offset + T keys; doc_start
-    (int [B, T] or None) restricts each query to its document (see `support_mask`)."""
+    (int [B, T] or None) restricts each query to its document (see `support_mask`). fp8_probs:
+    o from `fp8_probabilities` (lse stays the exact one)."""
     B, T, Hq, D = q.shape
     G = k.shape[2]
     H = Hq // G
@@ -53,7 +88,10 @@ def sparse_attention_forward(q, k, v, block_idx, block_size, scale, upcast=True,
         mask = support_mask(block_idx, t0, t1, e, block_size, G, B, q.device, q_offset, doc_start)
         s = _scores(q5[:, t0:t1], k[:, :e], mask, scale, cdt)
         lse_c = torch.logsumexp(s, dim=-1)
-        p = _exp_minus(s, lse_c)
+        if fp8_probs:
+            p = fp8_probabilities(s, lse_c, block_size, t0, t1, e, q_offset, doc_start)
+        else:
+            p = _exp_minus(s, lse_c)
         o_c = torch.einsum("bcghj,bjgd->bcghd", p.to(cdt), v[:, :e].to(cdt))
         o[:, t0:t1] = o_c.reshape(B, t1 - t0, Hq, D).to(q.dtype)
         lse[:, t0:t1] = lse_c.reshape(B, t1 - t0, Hq)
@@ -61,8 +99,11 @@ def sparse_attention_forward(q, k, v, block_idx, block_size, scale, upcast=True,
 
 
 def sparse_attention_backward(do, q, k, v, o, lse, block_idx, block_size, scale, upcast=True, q_offset=0,
-                              doc_start=None):
-    """Gradients (dq, dk, dv) of `sparse_attention_forward`, recomputing probabilities per chunk."""
+                              doc_start=None, fp8_probs=False):
+    """Gradients (dq, dk, dv) of `sparse_attention_forward`, recomputing probabilities per chunk.
+    With fp8_probs straight through: dv from the fp8 probabilities the output used, dq and dk
+    from the exact softmax (its correction term sum_j p_j dp_j from the exact p as well, not from
+    the output)."""
     B, T, Hq, D = q.shape
     G = k.shape[2]
     H = Hq // G
@@ -78,23 +119,31 @@ def sparse_attention_backward(do, q, k, v, o, lse, block_idx, block_size, scale,
     for t0, t1 in _chunks(T, Hq, q_offset):
         e = q_offset + t1
         mask = support_mask(block_idx, t0, t1, e, block_size, G, B, q.device, q_offset, doc_start)
-        p = _exp_minus(_scores(q5[:, t0:t1], k[:, :e], mask, scale, cdt), lse5[:, t0:t1])
+        s = _scores(q5[:, t0:t1], k[:, :e], mask, scale, cdt)
+        p = _exp_minus(s, lse5[:, t0:t1])
         do_c = do5[:, t0:t1].to(cdt)
         dp = torch.einsum("bcghd,bjgd->bcghj", do_c, v[:, :e].to(cdt)).to(acc)
-        ds = p * (dp - delta[:, t0:t1, ..., None])
+        delta_c = delta[:, t0:t1]
+        p_out = p
+        if fp8_probs:
+            delta_c = (p * dp).sum(-1)
+            p_out = fp8_probabilities(s, lse5[:, t0:t1], block_size, t0, t1, e, q_offset, doc_start)
+        ds = p * (dp - delta_c[..., None])
         dq_c = torch.einsum("bcghj,bjgd->bcghd", ds.to(cdt), k[:, :e].to(cdt)).to(acc) * scale
         dq[:, t0:t1] = dq_c.reshape(B, t1 - t0, Hq, D).to(q.dtype)
         dk[:, :e] += torch.einsum("bcghj,bcghd->bjgd", ds.to(cdt), q5[:, t0:t1].to(cdt)).to(acc) * scale
-        dv[:, :e] += torch.einsum("bcghj,bcghd->bjgd", p.to(cdt), do_c).to(acc)
+        dv[:, :e] += torch.einsum("bcghj,bcghd->bjgd", p_out.to(cdt), do_c).to(acc)
     return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
 class SparseAttentionReference(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, block_idx, block_size, scale, upcast, q_offset, doc_start):
-        o, lse = sparse_attention_forward(q, k, v, block_idx, block_size, scale, upcast, q_offset, doc_start)
+    def forward(ctx, q, k, v, block_idx, block_size, scale, upcast, q_offset, doc_start, fp8_probs):
+        o, lse = sparse_attention_forward(q, k, v, block_idx, block_size, scale, upcast, q_offset, doc_start,
+                                          fp8_probs)
         ctx.save_for_backward(q, k, v, o, lse, block_idx, doc_start)
         ctx.args = (block_size, scale, upcast, q_offset)
+        ctx.fp8_probs = fp8_probs
         ctx.mark_non_differentiable(lse)
         return o, lse
 
@@ -102,12 +151,16 @@ class SparseAttentionReference(torch.autograd.Function):
     def backward(ctx, do, _dlse):
         q, k, v, o, lse, block_idx, doc_start = ctx.saved_tensors
         dq, dk, dv = sparse_attention_backward(do.contiguous(), q, k, v, o, lse, block_idx, *ctx.args,
-                                               doc_start=doc_start)
-        return dq, dk, dv, None, None, None, None, None, None
+                                               doc_start=doc_start, fp8_probs=ctx.fp8_probs)
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
-def sparse_attention_reference(q, k, v, block_idx, block_size, scale, upcast=True, q_offset=0, doc_start=None):
+def sparse_attention_reference(q, k, v, block_idx, block_size, scale, upcast=True, q_offset=0, doc_start=None,
+                               fp8_probs=False):
     """Autograd entry of the reference. `upcast=False` does the matmuls in the input dtype, as
     plain PyTorch code in bf16 would (the yardstick for kernel error budgets). Query t sits at
-    position q_offset + t of the keys; doc_start int [B, T] keeps each query in its document."""
-    return SparseAttentionReference.apply(q, k, v, block_idx, block_size, scale, upcast, q_offset, doc_start)
+    position q_offset + t of the keys; doc_start int [B, T] keeps each query in its document.
+    fp8_probs: the output from probabilities stored as float8 e4m3 (`fp8_probabilities`), the
+    gradients straight through them (`sparse_attention_backward`)."""
+    return SparseAttentionReference.apply(q, k, v, block_idx, block_size, scale, upcast, q_offset, doc_start,
+                                          fp8_probs)

@@ -25,7 +25,7 @@ from ..inverse_index import (DocumentBlocks, InverseIndex, build_inverse_index, 
 from ..triton_utils import LOG2E, interpreting
 from .triton_dense import dense_bwd_dkdv_kernel, dense_bwd_dq_kernel, dense_fwd_kernel
 from .triton_sparse import (delta_kernel, sparse_bwd_kernel, sparse_bwd_reduce_kernel, sparse_dq_combine_kernel,
-                            sparse_fwd_combine_kernel, sparse_fwd_kernel)
+                            sparse_fp8_delta_kernel, sparse_fwd_combine_kernel, sparse_fwd_kernel)
 from .triton_tiles import tile_dkdv_kernel, tile_dq_kernel, tile_fwd_kernel, tile_union_kernel
 
 
@@ -158,11 +158,12 @@ def _blocks(docs: DocumentBlocks | None, TK: int, block_size: int, dummy: torch.
 
 
 def sparse_forward(q, k, v, idx, block_size, scale, q_offset=0, index=None, tuning: Tuning = DEFAULT_TUNING,
-                   docs: DocumentBlocks | None = None, out=None, rows=None, partials=None):
+                   docs: DocumentBlocks | None = None, out=None, rows=None, partials=None, fp8=False):
     """o [B, T, Hq, D] (q dtype), lse fp32 [B, T, Hq] and the inverse index (for the backward);
     idx cleaned int32 [B, T, G, K]; k, v [B, TK, G, D]; docs: packed documents' block table;
     out: contiguous (o, lse) to write into; rows: bool [B, T, G], contiguous: only these (b, t, g)
-    are written (None: all); partials: `_forward_partials`' buffers to use."""
+    are written (None: all); partials: `_forward_partials`' buffers to use; fp8: the output from
+    probabilities rounded to float8 e4m3 (triton_sparse.py)."""
     B, T, Hq, G, H, HP, D = _geometry(q, k, block_size)
     TK = k.shape[1]
     K = idx.shape[-1]
@@ -185,7 +186,7 @@ def sparse_forward(q, k, v, idx, block_size, scale, q_offset=0, index=None, tuni
         COMPILED["fwd"] = sparse_fwd_kernel[(tb.shape[1],)](
             q, k, v, po, plse, index.entry, tb[c], ts[c], tc[c], bstart, bend, T, TK, t1 - t0, t0, q_offset, N,
             scale * LOG2E.value, HQ=Hq, HKV=G, SLOTS=K, H=H, HP=HP, QT=QT, BS=block_size, D=D, DOCS=DOCS,
-            num_warps=tuning.fwd_warps, num_stages=tuning.fwd_stages)
+            FP8=fp8, num_warps=tuning.fwd_warps, num_stages=tuning.fwd_stages)
         # at most 64 rows a program (its fp32 accumulator in registers)
         rc = max(1, min(tuning.combine_queries if rows is None else tuning.combine_queries_rows, 64 // HP))
         sparse_fwd_combine_kernel[(B * triton.cdiv(t1 - t0, rc) * G,)](
@@ -212,8 +213,11 @@ def _delta(do, o):
 
 
 def sparse_backward(do, q, k, v, o, lse, idx, block_size, scale, q_offset=0, index=None,
-                    tuning: Tuning = DEFAULT_TUNING, docs: DocumentBlocks | None = None, teacher=None, out=None):
+                    tuning: Tuning = DEFAULT_TUNING, docs: DocumentBlocks | None = None, teacher=None, out=None,
+                    fp8=False):
     """(dq, dk, dv) of `sparse_forward` (given its inverse index, or building it), in the input dtype.
+    fp8: of the forward with fp8 probabilities, straight through (triton_sparse.py): each chunk's
+    correction term first gets the exact softmax's share (`sparse_fp8_delta_kernel`).
 
     teacher: optional pbar [B*T*G*K, block_size]: the indexer KL's teacher rows, the mean of P
     over each group's heads, written by the kernel for every entry (an entry's id over all
@@ -249,12 +253,20 @@ def sparse_backward(do, q, k, v, o, lse, idx, block_size, scale, q_offset=0, ind
     pbar = delta if teacher is None else teacher
     # the teacher's product has one column per entry of a tile, at least 16 on a GPU
     qtc = triton.next_power_of_2(QT if interpreting() else max(QT, 16))
+    corr = torch.empty(index.chunk_entries * H, dtype=torch.float32, device=q.device) if fp8 else None
     for c, t0, t1 in _chunks(index, T):
+        if fp8:
+            corr.zero_()
+            sparse_fp8_delta_kernel[(ib.shape[1],)](
+                q, k, v, do, lse, corr, index.entry, ib[c], istart[c], icount[c], bstart, bend, T, TK, t1 - t0, t0,
+                q_offset, N, scale * LOG2E.value, HQ=Hq, HKV=G, SLOTS=K, H=H, HP=HP, QT=QT, BS=block_size, D=D,
+                DOCS=DOCS, num_warps=tuning.bwd_warps, num_stages=1)
+            delta[:, t0:t1] += corr[:B * (t1 - t0) * G * K * H].view(B, t1 - t0, G, K, H).sum(3).view(B, t1 - t0, Hq)
         COMPILED["bwd"] = sparse_bwd_kernel[(ib.shape[1],)](
             q, k, v, do, lse, delta, dqp, dkp, dvp, index.entry, ib[c], istart[c], icount[c], bstart, bend,
             pbar, T, TK, t1 - t0, t0, q_offset, N, scale * LOG2E.value, scale,
             HQ=Hq, HKV=G, SLOTS=K, H=H, HP=HP, QT=QT, BS=block_size, D=D, DOCS=DOCS, TEACHER=teacher is not None,
-            QTC=qtc, num_warps=tuning.bwd_warps, num_stages=tuning.bwd_stages)
+            QTC=qtc, FP8=fp8, num_warps=tuning.bwd_warps, num_stages=tuning.bwd_stages)
         sparse_bwd_reduce_kernel[(runs.shape[1], block_size // rb)](
             dkp, dvp, dk, dv, first[c], runs[c], bstart, bend, TK, N,
             HKV=G, BS=block_size, RB=rb, D=D, DOCS=DOCS, num_warps=4)
@@ -537,6 +549,7 @@ class ForwardState:
     docs: DocumentBlocks | None = None
     index: InverseIndex | None = None
     union: TileUnion | None = None
+    fp8: bool = False
 
 
 def takes_tiles(tuning: Tuning, T: int, H: int) -> bool:
@@ -553,16 +566,19 @@ def takes_tile_backward(tuning: Tuning, T: int, H: int, D: int) -> bool:
 
 
 def attention_forward(q, k, v, block_idx, block_size, scale, q_offset, tuning: Tuning, doc_start, out=None,
-                      with_index=True):
+                      with_index=True, fp8=False):
     """(o, lse, ForwardState) of contiguous q, k, v: the dense kernels for block_idx None, else the
     gather, hybrid or tile path as `tuning` says; out: contiguous (o, lse) the sparse paths
     write into. with_index: the state holds the gather path's index of every entry (what its
     backward and the KL walk) also after the hybrid forward, which builds it beside its gather
-    pass (else `gather_index` builds it when it is needed)."""
+    pass (else `gather_index` builds it when it is needed). fp8: fp8 probabilities (sparse only;
+    the gather path, whose tiles each cover one block, so a tile's row max is the block's)."""
     if doc_start is not None:
         doc_start = doc_start.to(torch.int32).contiguous()
     idx = None if block_idx is None else clean_block_idx(block_idx, block_size, q_offset, doc_start)
-    state = ForwardState(idx, doc_start)
+    if fp8 and idx is None:
+        raise ValueError("fp8 probabilities are the sparse attention's (block_idx given)")
+    state = ForwardState(idx, doc_start, fp8=fp8)
     if idx is None:
         if out is not None:
             raise ValueError("given outputs are the sparse paths' only")
@@ -572,7 +588,10 @@ def attention_forward(q, k, v, block_idx, block_size, scale, q_offset, tuning: T
         state.docs = document_blocks(doc_start, block_size, q_offset)
     T, H, D = q.shape[1], q.shape[2] // k.shape[2], q.shape[-1]
     queries = _tile_queries(tuning, H)
-    if takes_tile_backward(tuning, T, H, D):
+    if fp8:
+        o, lse, state.index = sparse_forward(q, k, v, idx, block_size, scale, q_offset, tuning=tuning,
+                                             docs=state.docs, out=out, fp8=True)
+    elif takes_tile_backward(tuning, T, H, D):
         state.union = tile_union(idx, queries, state.docs)
         o, lse = tile_forward(q, k, v, state.union, block_size, scale, q_offset, tuning, state.docs, out=out)
     elif takes_tiles(tuning, T, H):
@@ -610,17 +629,17 @@ def attention_backward(do, q, k, v, o, lse, state: ForwardState, block_size, sca
     if state.union is not None:
         return tile_backward(do, q, k, v, o, lse, state.union, block_size, scale, q_offset, tuning, state.docs)
     return sparse_backward(do, q, k, v, o, lse, state.idx, block_size, scale, q_offset, state.index, tuning,
-                           state.docs, teacher, out)
+                           state.docs, teacher, out, state.fp8)
 
 
 class SparseAttentionTriton(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, block_idx, block_size, scale, q_offset, tuning, doc_start):
+    def forward(ctx, q, k, v, block_idx, block_size, scale, q_offset, tuning, doc_start, fp8):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         # the hybrid's index of every entry is built by the backward: a forward without one (no
         # grad, or the first pass of a recomputed layer) builds none and none is held in between
         o, lse, ctx.state = attention_forward(q, k, v, block_idx, block_size, scale, q_offset, tuning, doc_start,
-                                              with_index=False)
+                                              with_index=False, fp8=fp8)
         # tensors go through save_for_backward (so activation checkpointing manages them)
         ctx.save_for_backward(q, k, v, o, lse, ctx.state.idx, ctx.state.doc_start)
         ctx.state.idx = ctx.state.doc_start = None
@@ -633,12 +652,13 @@ class SparseAttentionTriton(torch.autograd.Function):
         q, k, v, o, lse, ctx.state.idx, ctx.state.doc_start = ctx.saved_tensors
         dq, dk, dv = attention_backward(do, q, k, v, o, lse, ctx.state, *ctx.args)
         ctx.state = None
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor | None,
                             block_size: int, scale: float, q_offset: int = 0, tuning: Tuning | None = None,
-                            doc_start: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                            doc_start: torch.Tensor | None = None, fp8_probs: bool = False
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused sparse (or, with block_idx None, dense causal) attention.
 
     q [B, T, Hq, D], k/v [B, TK, Hkv, D] in bf16 or fp16 (fp32 only under Triton's interpreter);
@@ -647,7 +667,9 @@ def sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b
     (not differentiable). Inputs are made contiguous. `tuning` (default `DEFAULT_TUNING`) sets
     the launch shapes and the partial buffers' budget. doc_start int [B, T] (packed documents:
     each query reads its own document, block ids count from its start) costs one host
-    synchronisation in the sparse path, which sizes the documents' block table.
+    synchronisation in the sparse path, which sizes the documents' block table. fp8_probs: the
+    output from probabilities rounded to float8 e4m3 (sparse only; the gather path), gradients
+    straight through (triton_sparse.py).
     """
     if k.shape[1] != q_offset + q.shape[1]:
         raise ValueError(f"keys cover {k.shape[1]} tokens; q_offset + T = {q_offset + q.shape[1]}")
@@ -659,4 +681,4 @@ def sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b
         raise TypeError("the Triton sparse_attention does not take fp32 on GPUs; cast q, k, v to bf16/fp16 "
                         "or use backend='reference'")
     return SparseAttentionTriton.apply(q, k, v, block_idx, block_size, scale, int(q_offset),
-                                       DEFAULT_TUNING if tuning is None else tuning, doc_start)
+                                       DEFAULT_TUNING if tuning is None else tuning, doc_start, bool(fp8_probs))

@@ -19,6 +19,11 @@ triple id ((b*C + c)*G + g)*K + slot, c = t - t0.
 With packed documents (DOCS) a bucket's block n is an entry of the document block table: its
 keys are BSTART[b, n] .. BEND[b, n] - 1 (see ops/inverse_index.py); without, n*BS .. TK - 1
 capped at BS keys.
+FP8 (fp8_probs): a tile's probabilities relative to its row's block max, exp(s - m) <= 1, are
+rounded to float8 e4m3 of their value x 448 before they multiply V (the output and dV); the
+partial lse, the softmax's gradient and the KL teacher's rows use the exact ones (straight
+through). The backward's correction term is then the exact softmax's, sum_j p_j dp_j, not
+rowsum(dO * O): `sparse_fp8_delta_kernel` adds the difference.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import triton
 import triton.language as tl
 
 from ..inverse_index import decode_bucket
-from ..triton_utils import INTERPRET, LN2, LOG2E, mm
+from ..triton_utils import E4M3_MAX, INTERPRET, LN2, LOG2E, e4m3_round, mm
 
 
 @triton.jit
@@ -78,7 +83,7 @@ def _tile_rows(ENTRY, start, i0, count, b, T, C, t0, HKV: tl.constexpr, SLOTS: t
 @triton.jit
 def _fwd_tile(Q, PO, PLSE, ENTRY, kt, vt, j, b, g, start, i0, count, T, C, t0, QOFF, qk_scale,
               HQ: tl.constexpr, HKV: tl.constexpr, SLOTS: tl.constexpr, H: tl.constexpr, HP: tl.constexpr,
-              QT: tl.constexpr, D: tl.constexpr):
+              QT: tl.constexpr, D: tl.constexpr, FP8: tl.constexpr):
     """QT entries of one bucket against its whole key block: one softmax, no rescaling."""
     hh, row_ok, trip, t = _tile_rows(ENTRY, start, i0, count, b, T, C, t0, HKV, SLOTS, H, HP, QT)
     d = tl.arange(0, D)
@@ -97,7 +102,11 @@ def _fwd_tile(Q, PO, PLSE, ENTRY, kt, vt, j, b, g, start, i0, count, T, C, t0, Q
     p = tl.exp2(s - m_safe[:, None])
     l = tl.sum(p, 1)
     l_safe = tl.where(l == 0.0, 1.0, l)
-    o = mm(p.to(vt.dtype), vt) * (1.0 / l_safe)[:, None]
+    if FP8:
+        # e4m3 values are exact in bf16/fp16: the 1/448 goes with the normaliser
+        o = mm(e4m3_round(p * E4M3_MAX).to(vt.dtype), vt) * (1.0 / (l_safe * E4M3_MAX))[:, None]
+    else:
+        o = mm(p.to(vt.dtype), vt) * (1.0 / l_safe)[:, None]
     part = trip * H + hh
     tl.store(PO + part[:, None] * D + d[None, :], o.to(PO.dtype.element_ty), mask=row_ok[:, None])
     tl.store(PLSE + part, (m + tl.log2(l_safe)) * LN2, mask=row_ok)
@@ -107,7 +116,8 @@ def _fwd_tile(Q, PO, PLSE, ENTRY, kt, vt, j, b, g, start, i0, count, T, C, t0, Q
 def sparse_fwd_kernel(Q, K, V, PO, PLSE, ENTRY, ITEM_BUCKET, ITEM_START, ITEM_COUNT, BSTART, BEND,
                       T, TK, C, t0, QOFF, NBLK, qk_scale,
                       HQ: tl.constexpr, HKV: tl.constexpr, SLOTS: tl.constexpr, H: tl.constexpr,
-                      HP: tl.constexpr, QT: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, DOCS: tl.constexpr):
+                      HP: tl.constexpr, QT: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, DOCS: tl.constexpr,
+                      FP8: tl.constexpr = False):
     """One work item (a run of tiles of one bucket; the key/value block is loaded once): partial o
     (normalised, PO [E, H, D]) and lse (PLSE [E, H], natural log) of each entry."""
     pid = tl.program_id(0)
@@ -122,12 +132,12 @@ def sparse_fwd_kernel(Q, K, V, PO, PLSE, ENTRY, ITEM_BUCKET, ITEM_START, ITEM_CO
     if not INTERPRET:
         for i0 in range(0, count, QT):
             _fwd_tile(Q, PO, PLSE, ENTRY, kt, vt, j, b, g, start, i0, count, T, C, t0, QOFF, qk_scale,
-                      HQ, HKV, SLOTS, H, HP, QT, D)
+                      HQ, HKV, SLOTS, H, HP, QT, D, FP8)
     else:
         i0 = count * 0
         while i0 < count:
             _fwd_tile(Q, PO, PLSE, ENTRY, kt, vt, j, b, g, start, i0, count, T, C, t0, QOFF, qk_scale,
-                      HQ, HKV, SLOTS, H, HP, QT, D)
+                      HQ, HKV, SLOTS, H, HP, QT, D, FP8)
             i0 += QT
 
 
@@ -179,8 +189,9 @@ def sparse_fwd_combine_kernel(PO, PLSE, IDX, O, LSE, ROWSEL, T, C, t0,
 def _bwd_tile(Q, DO, LSE, DELTA, DQP, ENTRY, PBAR, kt, vt, dk, dv, j, b, g, start, i0, count, T, C, t0,
               QOFF, qk_scale, sm_scale, HQ: tl.constexpr, HKV: tl.constexpr, SLOTS: tl.constexpr, H: tl.constexpr,
               HP: tl.constexpr, QT: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, TEACHER: tl.constexpr,
-              QTC: tl.constexpr):
+              QTC: tl.constexpr, FP8: tl.constexpr):
     """QT entries of one bucket: dK/dV accumulate into dk, dv [BS, D]; dQ partials are stored.
+    FP8: dV from the fp8 probabilities the forward used (`_fp8_probs`), the rest from P.
 
     Score tiles are computed transposed, [keys, rows] (S^T = K Q^T, ...): the block's keys are the
     products' M dimension, so a small tile of rows keeps them small in registers (faster than rows
@@ -207,13 +218,60 @@ def _bwd_tile(Q, DO, LSE, DELTA, DQP, ENTRY, PBAR, kt, vt, dk, dv, j, b, g, star
     pt16 = pt.to(do.dtype)
     if TEACHER:
         _teacher_rows(PBAR, ENTRY, pt16, start, i0, count, H, HP, QT, BS, QTC)
-    dv += mm(pt16, do)
+    if FP8:
+        dv += mm(_fp8_probs(st, vis, lse2).to(do.dtype), do)
+    else:
+        dv += mm(pt16, do)
     dst = pt * (mm(vt, tl.trans(do)) - delta[None, :])
     dk += mm(dst.to(q.dtype), q)
     dq = mm(tl.trans(dst.to(kt.dtype)), kt) * sm_scale
     part = trip * H + hh
     tl.store(DQP + part[:, None] * D + d[None, :], dq.to(DQP.dtype.element_ty), mask=row_ok[:, None])
     return dk, dv
+
+
+@triton.jit
+def _fp8_probs(st, vis, lse2):
+    """The forward's fp8 probabilities of a transposed tile [keys, rows] (scores st in log2 units,
+    vis the support, lse2 [rows] the log2 normaliser): e4m3 of exp2(st - m) x 448, m each row's
+    max over the block, times exp2(m - lse2) / 448; zero off the support."""
+    m = tl.max(tl.where(vis, st, float("-inf")), 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    pq = tl.where(vis, e4m3_round(tl.exp2(st - m_safe[None, :]) * E4M3_MAX), 0.0)
+    return pq * (tl.exp2(m_safe - lse2) * (1.0 / E4M3_MAX))[None, :]
+
+
+@triton.jit
+def sparse_fp8_delta_kernel(Q, K, V, DO, LSE, CORR, ENTRY, ITEM_BUCKET, ITEM_START, ITEM_COUNT, BSTART, BEND,
+                            T, TK, C, t0, QOFF, NBLK, qk_scale,
+                            HQ: tl.constexpr, HKV: tl.constexpr, SLOTS: tl.constexpr, H: tl.constexpr,
+                            HP: tl.constexpr, QT: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
+                            DOCS: tl.constexpr):
+    """fp8_probs' backward needs each row's sum_j p_j dp_j with p the exact softmax (straight
+    through the rounding), while rowsum(dO * O) gives it with the fp8 probabilities that made O:
+    per entry and head the difference over the block, sum_j (p_j - pq_j) dp_j, to CORR [E, H]
+    (the caller sums each row's slots). One work item per program, as the backward."""
+    pid = tl.program_id(0)
+    bucket = tl.load(ITEM_BUCKET + pid)
+    if bucket < 0:
+        return
+    start = tl.load(ITEM_START + pid)
+    count = tl.load(ITEM_COUNT + pid)
+    b, g, j, kt, vt = _kv_block(K, V, bucket, TK, NBLK, BSTART, BEND, HKV, BS, D, DOCS)
+    i0 = count * 0
+    while i0 < count:
+        hh, row_ok, trip, t = _tile_rows(ENTRY, start, i0, count, b, T, C, t0, HKV, SLOTS, H, HP, QT)
+        d = tl.arange(0, D)
+        row = (b * T + t) * HQ + g * H + hh
+        q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+        do = tl.load(DO + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+        lse2 = tl.load(LSE + row, mask=row_ok, other=0.0) * LOG2E
+        st = mm(kt, tl.trans(q)) * qk_scale
+        vis = (j[:, None] <= QOFF + t[None, :]) & row_ok[None, :]
+        pt = tl.where(vis, tl.exp2(st - lse2[None, :]), 0.0)
+        corr = tl.sum((pt - _fp8_probs(st, vis, lse2)) * mm(vt, tl.trans(do)), 0)
+        tl.store(CORR + trip * H + hh, corr, mask=row_ok)
+        i0 += QT
 
 
 @triton.jit
@@ -234,7 +292,7 @@ def sparse_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQP, DKP, DVP, ENTRY, ITEM_BUCKET
                       BSTART, BEND, PBAR, T, TK, C, t0, QOFF, NBLK, qk_scale, sm_scale,
                       HQ: tl.constexpr, HKV: tl.constexpr, SLOTS: tl.constexpr, H: tl.constexpr,
                       HP: tl.constexpr, QT: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, DOCS: tl.constexpr,
-                      TEACHER: tl.constexpr, QTC: tl.constexpr):
+                      TEACHER: tl.constexpr, QTC: tl.constexpr, FP8: tl.constexpr = False):
     """One work item (a run of tiles of one bucket): dK/dV partials [items, BS, D] (fp32), dQ partials
     per entry (DQP [E, H, D], input dtype, scaled); with TEACHER also the KL teacher's rows (`_bwd_tile`)."""
     pid = tl.program_id(0)
@@ -249,12 +307,14 @@ def sparse_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQP, DKP, DVP, ENTRY, ITEM_BUCKET
     if not INTERPRET:  # pipelined; the interpreter takes the while loop
         for i0 in range(0, count, QT):
             dk, dv = _bwd_tile(Q, DO, LSE, DELTA, DQP, ENTRY, PBAR, kt, vt, dk, dv, j, b, g, start, i0, count,
-                               T, C, t0, QOFF, qk_scale, sm_scale, HQ, HKV, SLOTS, H, HP, QT, BS, D, TEACHER, QTC)
+                               T, C, t0, QOFF, qk_scale, sm_scale, HQ, HKV, SLOTS, H, HP, QT, BS, D, TEACHER, QTC,
+                               FP8)
     else:
         i0 = count * 0
         while i0 < count:
             dk, dv = _bwd_tile(Q, DO, LSE, DELTA, DQP, ENTRY, PBAR, kt, vt, dk, dv, j, b, g, start, i0, count,
-                               T, C, t0, QOFF, qk_scale, sm_scale, HQ, HKV, SLOTS, H, HP, QT, BS, D, TEACHER, QTC)
+                               T, C, t0, QOFF, qk_scale, sm_scale, HQ, HKV, SLOTS, H, HP, QT, BS, D, TEACHER, QTC,
+                               FP8)
             i0 += QT
     d = tl.arange(0, D)
     out = pid.to(tl.int64) * BS * D + tl.arange(0, BS)[:, None] * D + d[None, :]

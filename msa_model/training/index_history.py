@@ -1,0 +1,102 @@
+"""The index branch's history travels with the checkpoint: whether it was trained.
+
+Each checkpoint records it: a training checkpoint in its indexer warmup state
+(`callbacks.indexer_warmup.index_trained`: the run finished its warmup, or started from a trained
+index branch), a conversion in its record (`conversion.index_trained`, also in conversion.json:
+true when the source checkpoint carried index weights, e.g. MiniMax-M3; false when the branch was
+derived or drawn for a dense source). A model without MSA layers has no index branch to train.
+
+What it is for: continuing a model whose indexer already knows what to select (MiniMax-M3, or
+one of our MSA runs) needs no dense warmup. A recipe with `trainer.indexer_warmup_from_init`
+(`cpt`, `msa_109b_cpt`) starts sparse (warmup 0) from such an `init_from`, and says so, unless
+`trainer.indexer_warmup_tokens` is given on the command line.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+WARMUP_KEY = "trainer.indexer_warmup_tokens"
+
+
+def _step_dir(path: str | Path) -> Path | None:
+    from msa_model.training.checkpoint import LATEST, latest_checkpoint
+    from msa_model.training.checkpoint_checks import CheckpointError
+
+    path = Path(path)
+    try:
+        if (path / LATEST).is_file():
+            path = latest_checkpoint(path)
+    except CheckpointError:
+        return None
+    return path if path is not None and path.is_dir() else None
+
+
+def index_branch_trained(path: str | Path) -> bool | None:
+    """Whether the checkpoint at `path` (a checkpoint root with `latest`, or a step directory)
+    records a trained index branch; None when it records nothing (an older checkpoint) or cannot
+    be read (the load that follows names the problem)."""
+    step = _step_dir(path)
+    if step is None:
+        return None
+    try:
+        from megatron.core import dist_checkpointing
+
+        with warnings.catch_warnings():
+            # a read before (or without) a process group: nothing for the user
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+            common = dist_checkpointing.load_common_state_dict(str(step))
+    except Exception:  # unreadable here: init_from's own load reports it with its cause
+        return None
+    model = common.get("model_config") or {}
+    if model and model.get("attention") == "dense":
+        return False
+    conversion = common.get("conversion")
+    if conversion is not None:
+        if "index_trained" in conversion:
+            return bool(conversion["index_trained"])
+        # conversions before the field: the index came from the source, or was made up
+        return conversion.get("index_init") == "from checkpoint"
+    warmup = (common.get("callbacks") or {}).get("indexer_warmup")
+    if warmup is None:
+        return None
+    if "index_trained" in warmup:
+        return bool(warmup["index_trained"])
+    return warmup.get("switched_at_step") is not None or None
+
+
+def given_on_command_line(key: str) -> bool:
+    """Whether `key` was set on the command line (a Hydra override, `+`/`++` included)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        if not HydraConfig.initialized():
+            return False
+        overrides = HydraConfig.get().overrides.task
+    except (ImportError, ValueError):
+        return False
+    return any(o.lstrip("+").split("=", 1)[0] == key for o in overrides)
+
+
+def plan_indexer_warmup(cfg, warmup_given: bool) -> str | None:
+    """Apply the index branch's history to the run's indexer warmup (`cfg.trainer.
+    indexer_warmup_tokens`, set in place) and return the line that says what was decided, or
+    None when the history does not apply (no `trainer.indexer_warmup_from_init`, no
+    `init_from`, a model without MSA layers). A relaunch decides again from the same
+    `init_from` and command line, so a resumed run keeps the same warmup. `warmup_given`: the
+    warmup was set on the command line, which wins."""
+    t = cfg.trainer
+    if not t.indexer_warmup_from_init or not cfg.init_from or cfg.model.attention != "msa":
+        return None
+    trained = index_branch_trained(cfg.init_from)
+    if not trained:
+        state = "untrained (derived from a dense model)" if trained is False else "of unknown history"
+        return f"indexer warmup: {t.indexer_warmup_tokens:,} tokens: init_from's index branch is {state}"
+    if warmup_given:
+        return (f"indexer warmup: {t.indexer_warmup_tokens:,} tokens, as {WARMUP_KEY} says on the command line, "
+                "though init_from's index branch is trained")
+    recipe_tokens = t.indexer_warmup_tokens
+    t.indexer_warmup_tokens = 0
+    return (f"indexer warmup: none, sparse attention from the first step: init_from's index branch is trained "
+            f"(the recipe's {recipe_tokens:,} warmup tokens skipped; set {WARMUP_KEY} to warm up anyway)")
