@@ -102,7 +102,7 @@ def test_every_path_is_each_document_alone(path, mix):
 
 def test_the_plan_covers_every_row_once_and_buckets_by_length():
     doc = starts(300, (5, 6, 100, 250), (1,), ())
-    plan = build_plan(doc, 0, "cpu")
+    plan = build_plan(doc, 0, "cpu", segments=True)
     assert plan.path == "segments"
     B, C = doc.shape
     assert sorted(plan.src.tolist()) == list(range(B * C))
@@ -121,14 +121,17 @@ def test_the_plan_covers_every_row_once_and_buckets_by_length():
     assert [bucket_count(n, 512) for n in (1, 3, 5)] == [1, 4, 8] and bucket_count(3, 2048) == 3
 
 
-@pytest.mark.parametrize("cuts, q_offset, fused, want", [
-    (((), ()), 0, True, "causal"),
-    (((40,), ()), 0, True, "segments"),
-    (((), ()), 16, True, "kernel"),  # a later query chunk (context parallelism)
-    (((40,), ()), 0, False, "kernel"),  # no fused causal kernel for these inputs
+@pytest.mark.parametrize("C, cuts, q_offset, fused, want", [
+    (64, ((), ()), 0, True, "causal"),
+    (64, ((40,), ()), 0, True, "kernel"),  # 3 documents of 43 rows on average: short ones
+    (8192, ((4096,), ()), 0, True, "segments"),  # of 5461 rows
+    (8192, ((1000, 2000, 3000), ()), 0, True, "segments"),  # 5 documents of 3277 rows
+    (8192, (range(900, 8192, 900), range(900, 8192, 900)), 0, True, "kernel"),  # 20 of 819 rows
+    (64, ((), ()), 16, True, "kernel"),  # a later query chunk (context parallelism)
+    (8192, ((4096,), ()), 0, False, "kernel"),  # no fused causal kernel for these inputs
 ])
-def test_the_dispatch_rule(cuts, q_offset, fused, want):
-    assert build_plan(starts(64, *cuts) + 0, q_offset, "cpu", fused).path == want
+def test_the_dispatch_rule(C, cuts, q_offset, fused, want):
+    assert build_plan(starts(C, *cuts) + 0, q_offset, "cpu", fused).path == want
 
 
 def test_fused_kernels_only_where_torch_has_them():
@@ -161,7 +164,7 @@ def test_the_warmup_kl_takes_its_teacher_from_this_lse(path):
     gen = torch.Generator().manual_seed(6)
     iq = torch.randn(B, C, G, Di, generator=gen).to(DEV, DTYPE).requires_grad_()
     ik = torch.randn(B, C, Di, generator=gen).to(DEV, DTYPE).requires_grad_()
-    plan = build_plan(doc.cpu(), 0, DEV, fused=path == "segments")
+    plan = build_plan(doc.cpu(), 0, DEV, fused=path == "segments", segments=path == "segments")
     assert plan.path == path
     leaves = [q, k, v, iq, ik]
     backend = "triton" if path == "kernel" or CUDA else "reference"

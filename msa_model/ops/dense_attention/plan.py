@@ -6,12 +6,14 @@ one batch row), L = a bucket's padded segment length, R = packed rows (sum over 
 
 Paths (README.md, "The dispatch rule"):
 - "causal": every row holds one document and q_offset = 0: plain causal attention on [B, C].
-- "segments": q_offset = 0 and some row holds several documents: each document is cut out of its
+- "segments": q_offset = 0, some row holds several documents, and they are long (SEGMENTS_MIN_MEAN
+  rows on average): each document is cut out of its
   row and padded at its end to its bucket's length; one causal call per bucket length, on all of
   that bucket's documents as a batch. Padded rows come after a document's last query, so its
   queries never read them, and their outputs are dropped.
 - "kernel": the ops' dense path with the starts (the Triton dense kernels, or the reference),
-  which takes any q_offset (context parallelism's later query chunks) and any head dim.
+  which takes any q_offset (context parallelism's later query chunks), any head dim, and short
+  documents, whose many small calls would cost more than the kernel's skipped blocks.
 """
 
 from __future__ import annotations
@@ -29,6 +31,12 @@ import torch
 # length, where attention costs).
 MIN_LENGTH = 128
 SHORT = 1024
+# below this mean document length (query rows per document of the call) the Triton dense kernel,
+# which skips the key blocks before each document's start, beats one cuDNN call per bucket:
+# measured on an H200 (bench/bench_dense_documents.py, Hq 64, Hkv 4, D 128, fwd+bwd): 8K rows of 10
+# documents 3.69 vs 5.03 ms, of 100 1.54 vs 5.62; 32K of 10 documents (3.3K each) 46.6 vs 36.2,
+# of 100 9.4 vs 24.1
+SEGMENTS_MIN_MEAN = 2048
 STEPS_PER_OCTAVE = 8
 # the attribute of a doc_start tensor that holds its host copy and its plans (one tensor per
 # micro-batch, handed to every layer: one host copy, and one plan per query chunk, per step)
@@ -107,7 +115,7 @@ def build_plan(doc_BC: torch.Tensor | np.ndarray, q_offset: int, device: torch.d
                fused: bool = True, segments: bool = False) -> DocumentPlan:
     """The plan of a call whose queries have starts doc_BC [B, C] (host values) at positions
     q_offset ..; `fused`: torch's fused causal kernels take these inputs (else "kernel");
-    `segments`: cut rows of one document into segments too (the path's tests). Host work only,
+    `segments`: the segments path whatever the documents (the path's tests). Host work only,
     plus the index copies to `device`."""
     doc = doc_BC.numpy() if torch.is_tensor(doc_BC) else np.asarray(doc_BC)
     B, C = doc.shape
@@ -116,6 +124,8 @@ def build_plan(doc_BC: torch.Tensor | np.ndarray, q_offset: int, device: torch.d
     segs = segments_of(doc)
     if len(segs) == B and not segments:
         return DocumentPlan("causal", B, C, 0, lengths=[n for _, _, n in segs])
+    if B * C < SEGMENTS_MIN_MEAN * len(segs) and not segments:
+        return DocumentPlan("kernel", B, C, 0)
     by_length: dict[int, list[tuple[int, int, int]]] = {}
     for seg in segs:
         by_length.setdefault(bucket_length(seg[2]), []).append(seg)
