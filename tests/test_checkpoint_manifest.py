@@ -70,7 +70,7 @@ def _copy(saved_run, tmp_path):
 def test_every_file_of_a_real_checkpoint_is_covered(saved_run):
     latest = saved_run / "checkpoints" / "step_00000004"
     files = json.loads((latest / MANIFEST).read_text())["files"]
-    on_disk = sorted(p.name for p in latest.iterdir() if p.name != MANIFEST)
+    on_disk = sorted(p.relative_to(latest).as_posix() for p in latest.rglob("*") if p.is_file() and p.name != MANIFEST)
     assert sorted(files) == on_disk and len(on_disk) >= 3
     assert check_manifest(latest) == (True, [])
 
@@ -78,7 +78,7 @@ def test_every_file_of_a_real_checkpoint_is_covered(saved_run):
 def test_a_flipped_byte_in_latest_is_refused_at_resume_naming_the_file(saved_run, tmp_path, data_cache):
     run_dir = _copy(saved_run, tmp_path)
     latest = run_dir / "checkpoints" / "step_00000004"
-    files = sorted(p.name for p in latest.iterdir() if p.name != MANIFEST)
+    files = sorted(p.relative_to(latest).as_posix() for p in latest.rglob("*") if p.is_file() and p.name != MANIFEST)
     # every file of latest, through the check resume makes
     for name in files:
         original = (latest / name).read_bytes()

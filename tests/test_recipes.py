@@ -76,9 +76,12 @@ def test_109b_preset_counts_on_the_meta_device(pt_109b_dry_run):
 RUNS_109B = {"dense": (3e12, 0, 3e-4), "pt": (3e12, 40e9, 3e-4), "cpt": (400e9, 40e9, 1.5e-4)}
 
 
+BLEND_109B = "data.blend=[[0.7,/data/web],[0.3,/data/code]]"  # the recipes name no corpus: the user's blend
+
+
 def _compose_109b(recipe: str):
     init = ["init_from=/ckpt-msa"] if recipe == "cpt" else []
-    return _compose(f"recipe=msa_109b_{recipe}", *init)
+    return _compose(f"recipe=msa_109b_{recipe}", *init, BLEND_109B)
 
 
 @pytest.mark.parametrize("recipe", sorted(RUNS_109B))
@@ -120,7 +123,7 @@ def test_109b_script_submits_the_recipe(recipe, tmp_path):
         (tmp_path / "dense-msa").mkdir()
         args = [str(tmp_path / "dense")]
     env = {**_env(), "PYTHON": sys.executable, "DRY_RUN": "1", "PARTITION": "gpu", "TIME": "12:00:00"}
-    proc = subprocess.run(["bash", "recipes/msa_109b.sh", recipe, *args, f"run_dir={tmp_path / 'run'}"], cwd=REPO,
+    proc = subprocess.run(["bash", "recipes/msa_109b.sh", recipe, *args, BLEND_109B, f"run_dir={tmp_path / 'run'}"], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for line in (f"#SBATCH --job-name=msa109b-{recipe}", "#SBATCH --nodes=64", "#SBATCH --gpus-per-node=8",
@@ -128,8 +131,8 @@ def test_109b_script_submits_the_recipe(recipe, tmp_path):
         assert line in proc.stdout, line
     train_args = re.search(r"^TRAIN_ARGS=\((.*)\)$", proc.stdout, re.M).group(1)
     init = f" init_from={tmp_path / 'dense-msa'}" if recipe == "cpt" else ""
-    assert train_args == f"recipe=msa_109b_{recipe}{init} launch.partition=gpu launch.time_min=720 " \
-                         f"run_dir={tmp_path / 'run'}"
+    assert train_args == f"recipe=msa_109b_{recipe}{init} '{BLEND_109B}' launch.partition=gpu " \
+                         f"launch.time_min=720 run_dir={tmp_path / 'run'}"
     assert not (tmp_path / "run").exists()
 
 
