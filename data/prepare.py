@@ -327,17 +327,18 @@ class _Stats:
         self.examples: list[tuple[str, str]] = []
         self.per_source = [0] * sources  # documents
         self.skipped_per_source = [Counter() for _ in range(sources)]
-        self._records_before: dict[str, int] = {}  # records of a file in its chunks so far
+        self._file, self._records_before = None, 0  # records of the current file in its chunks so far
         self._checked = 0
 
     def add(self, chunk: Chunk, result: Result, strict: bool) -> None:
-        before = self._records_before.get(chunk.path, 0)
+        # chunks come file after file, in order
+        before = self._records_before if (chunk.source, chunk.path) == self._file else 0
         for index, reason in result.bad:
             if strict:
                 raise InputError(f"{chunk.location(index, before)}: {reason} (--strict stops at the first bad record)")
             if len(self.examples) < _EXAMPLES:
                 self.examples.append((chunk.location(index, before), reason))
-        self._records_before[chunk.path] = before + result.count
+        self._file, self._records_before = (chunk.source, chunk.path), before + result.count
         self.skipped.update(result.skipped)
         self.documents += len(result.lengths)
         self.tokens += len(result.tokens)

@@ -122,9 +122,8 @@ def _source(given: str, glob: str | None, column: str) -> Source:
     if path.is_dir():
         if (path / "dataset_dict.json").is_file():
             splits = sorted(p.name for p in path.iterdir() if p.is_dir())
-            raise InputError(f"{given}: a Hugging Face DatasetDict (splits {', '.join(splits)}); give one split's "
-                             f"directory, e.g. {Path(given) / splits[0]}" if splits else
-                             f"{given}: a Hugging Face DatasetDict without splits")
+            hint = f"give one split's directory, e.g. {Path(given) / splits[0]}" if splits else "it holds no split"
+            raise InputError(f"{given}: a Hugging Face DatasetDict (splits: {', '.join(splits) or 'none'}); {hint}")
         if (path / "state.json").is_file() or (path / "dataset_info.json").is_file():
             files = _arrow_files(path, given)
             kind = "arrow"

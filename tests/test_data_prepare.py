@@ -21,15 +21,15 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
+from tokenizer_fixtures import make_bpe_tokenizer
 
-pa = pytest.importorskip("pyarrow")
-import pyarrow.parquet as pq  # noqa: E402
-
-from data import prepare, prepare_inputs  # noqa: E402
-from data.prepared import check_prefix, read_metadata  # noqa: E402
-from data.tokenizer import build_tokenizer  # noqa: E402
-from tokenizer_fixtures import make_bpe_tokenizer  # noqa: E402
+from data import prepare, prepare_inputs
+from data.prepared import check_prefix, read_metadata
+from data.tokenizer import build_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 UNICODE = "naïve café — 日本語のテキスト ✓ \U0001f600\n"
@@ -258,7 +258,6 @@ def _work_in_progress(out_dir: Path, proc, timeout: float = 240.0) -> None:
 
 @pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
 def test_interrupted_run_leaves_nothing(tmp_path, tok_dir, texts, how):
-    psutil = pytest.importorskip("psutil")
     # ~15 MB: minutes of tokenizing here, interrupted after the first chunks are written
     data = write_jsonl(tmp_path / "big.jsonl", [{"text": d} for d in texts * 100])
     out_dir = tmp_path / "out"
