@@ -11,10 +11,10 @@ record: [BOS] ids EOD, in input order, in the smallest dtype that holds the voca
 megatron's DType.optimal_dtype chooses) and PREFIX.json (data/prepared.py), written last.
 
 How it runs: the main process cuts the inputs into chunks of about 1 MB and hands them to worker
-processes, at most two per worker in flight; each worker reads its chunk, tokenizes it (one
-thread each) and returns the ids; the main process writes the results in chunk order, so the
-bytes do not depend on the number of workers, and memory stays bounded whatever the input size
-(the index keeps 12 bytes per document until it is written). Everything is written in a
+processes, up to about 8 MB of input per worker in flight; each worker reads its chunk, tokenizes
+it (one thread each) and returns the ids; the main process writes the results in chunk order, so
+the bytes do not depend on the number of workers, and memory stays bounded whatever the input
+size (the index keeps 12 bytes per document until it is written). Everything is written in a
 temporary directory beside PREFIX and moved into place at the end; an interrupted or failed run
 removes it. `--describe` writes PREFIX.json for a .bin/.idx made elsewhere (Megatron-LM's
 preprocess_data.py), after checking the index and that every id fits the tokenizer.
@@ -44,6 +44,8 @@ import numpy as np
 from .prepare_inputs import EMPTY, NO_FIELD, NOT_UTF8, Chunk, InputError, iter_chunks, list_sources, read_records
 
 _PLAIN_PROGRESS_SECONDS = 30.0
+# chunks in flight per worker: bytes of input and a count (memory: results wait in input order)
+_AHEAD_BYTES, _AHEAD_CHUNKS = 8 << 20, 16
 _EXAMPLES = 5  # bad records named in the summary
 
 
@@ -85,14 +87,18 @@ def _parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("inputs", nargs="*", metavar="INPUT",
                    help="text directory, .jsonl/.json(.gz), .parquet, .arrow, .txt, or a datasets directory")
-    p.add_argument("--tokenizer", required=True, help="a local Hugging Face tokenizer directory, or `byte`")
-    p.add_argument("--output-prefix", help="write PREFIX.bin, PREFIX.idx and PREFIX.json")
-    p.add_argument("--workers", type=int, default=_cores(), help="worker processes (default: all cores)")
-    p.add_argument("--field", default="text", help="the JSON field that holds a document (default: text)")
-    p.add_argument("--column", default="text", help="the parquet/arrow column that holds a document (default: text)")
-    p.add_argument("--glob", help="the files of a text directory (default: every file, hidden ones left out)")
+    p.add_argument("--tokenizer", required=True, metavar="DIR|byte",
+                   help="a local Hugging Face tokenizer directory, or `byte`")
+    p.add_argument("--output-prefix", metavar="PREFIX", help="write PREFIX.bin, PREFIX.idx and PREFIX.json")
+    p.add_argument("--workers", type=int, metavar="N", default=_cores(), help="worker processes (default: all cores)")
+    p.add_argument("--field", default="text", metavar="NAME",
+                   help="the JSON field that holds a document (default: text)")
+    p.add_argument("--column", default="text", metavar="NAME",
+                   help="the parquet/arrow column that holds a document (default: text)")
+    p.add_argument("--glob", metavar="PATTERN",
+                   help="the files of a text directory (default: every file, hidden ones left out)")
     p.add_argument("--add-bos", action="store_true", help="start every document with the tokenizer's BOS id")
-    p.add_argument("--eod-token", help="the token that ends a document (default: the tokenizer's EOS)")
+    p.add_argument("--eod-token", metavar="TOKEN", help="the token that ends a document (default: the tokenizer's EOS)")
     p.add_argument("--shard-size", type=_size, metavar="SIZE",
                    help="write shards of about SIZE bytes of tokens (e.g. 500M, 20G), merged at the end")
     p.add_argument("--strict", action="store_true", help="stop at the first bad record instead of skipping it")
@@ -139,7 +145,7 @@ def prepare(args, started: float) -> int:
     try:
         output.start()
         pool = _pool(args, dtype)
-        for chunk, result in _in_order(pool, iter_chunks(sources, args.column), depth=2 * args.workers):
+        for chunk, result in _in_order(pool, iter_chunks(sources, args.column), args.workers):
             # after the workers have started: tqdm's thread is not forked
             progress = progress or _Progress(sum(s.nbytes for s in sources))
             stats.add(chunk, result, args.strict)
@@ -212,7 +218,8 @@ def _tokenizer(spec: str, eod_token: str | None):
         return build_tokenizer(spec, eod_token)
     except TokenizerError as e:
         # the tokenizer module speaks of the trainer's config keys; here they are options
-        raise InputError(str(e).replace("data.tokenizer:", "--tokenizer").replace("data.eod_token", "--eod-token")) from e
+        message = str(e).replace("data.tokenizer:", "--tokenizer").replace("data.eod_token", "--eod-token")
+        raise InputError(message) from e
 
 
 def _tokenizer_path(spec: str) -> str:
@@ -303,13 +310,18 @@ def _pool(args, dtype):
                                initargs=(args.tokenizer, args.eod_token, args.field, args.column, args.add_bos, dtype))
 
 
-def _in_order(pool, chunks, depth: int):
-    """(chunk, result) in chunk order, with at most `depth` chunks submitted and not yet taken."""
-    pending = deque()
+def _in_order(pool, chunks, workers: int):
+    """(chunk, result) in chunk order. Chunks are submitted ahead of the oldest one not yet taken
+    so that a long chunk (one large document) does not leave the other workers idle: up to
+    _AHEAD_BYTES of input per worker (and _AHEAD_CHUNKS chunks), at least two chunks per worker."""
+    pending, ahead = deque(), 0
     for chunk in chunks:
         pending.append((chunk, pool.submit(_work, chunk)))
-        if len(pending) >= depth:
+        ahead += chunk.nbytes
+        while len(pending) >= 2 * workers and (ahead >= _AHEAD_BYTES * workers
+                                               or len(pending) >= _AHEAD_CHUNKS * workers):
             chunk, future = pending.popleft()
+            ahead -= chunk.nbytes
             yield chunk, future.result()
     while pending:
         chunk, future = pending.popleft()
