@@ -162,8 +162,8 @@ def _text_files(root: Path, given: str, glob: str) -> tuple[Path, ...]:
     records = [p for p in files if p.name.lower().endswith(_RECORD_FILES)]
     if records:
         raise InputError(f"{given}: a directory is read as text files, one document each, but it holds "
-                         f"{records[0].relative_to(root)}: give record files themselves (e.g. {Path(given) / '*.jsonl'}), "
-                         "or --glob to pick the text files")
+                         f"{records[0].relative_to(root)}: give record files themselves "
+                         f"(e.g. {Path(given) / '*.jsonl'}), or --glob to pick the text files")
     return tuple(files)
 
 
