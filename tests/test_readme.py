@@ -59,8 +59,8 @@ def classify(command: str) -> str:
     if words[:2] == ["make", "test"]:
         return "skip"
     if words[:2] == ["python", "train.py"]:
-        if any(w.startswith("model=qwen3") for w in words):
-            return "skip"  # the model entry a conversion of your Hugging Face checkpoint writes
+        if any(w.startswith(("model=qwen3", "init_from=runs/qwen3")) for w in words):
+            return "skip"  # a conversion of your Hugging Face checkpoint
         if "-m" in words or any(w.startswith(("model=small", "model=msa_109b", "recipe=msa_109b")) for w in words):
             # the 109B dry runs are run by tests/test_recipes.py
             return "validate"
