@@ -128,8 +128,9 @@ def take_model_from_checkpoint(cfg: DictConfig, overrides: list[str], config_nam
         if found is not None:
             if found != recorded:
                 # the run directory stays where the checkpoint was found (its default names the model)
-                pinned = [f"run_dir={OmegaConf.to_container(out, resolve=True)['run_dir']}"]
-                out = _compose(config_name, [*overrides, *extra, *pinned], _known_fields(found)[0], f"resume: {step}")
+                run_dir = OmegaConf.to_container(out, resolve=True)["run_dir"]
+                out = _compose(config_name, [*overrides, *extra], _known_fields(found)[0], f"resume: {step}")
+                out.run_dir = run_dir
             source, recorded = f"the checkpoint it resumes ({step})", found
     if recorded is None:
         return cfg, None
