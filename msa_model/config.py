@@ -37,6 +37,48 @@ def config_problems(error: ConfigError) -> list[str]:
 PRODUCTION_BLOCK_SIZE = 128  # Bk
 PRODUCTION_TOPK = 16  # k
 
+# (block size, top-k) from the production geometry down, tried in this order by sparse_geometry:
+# fewer blocks first (down to 8), then smaller blocks (down to 16 tokens, the Triton kernels' least),
+# then fewer again
+_GEOMETRIES = ((128, 16), (128, 8), (64, 8), (32, 8), (16, 8), (16, 4), (16, 2))
+# the share of a context the sparse phase reads at most: the production 2048 keys of 8K or more
+SPARSE_SHARE = 4
+
+
+def sparse_geometry(seq_length: int, block_size: Optional[int] = None, topk: Optional[int] = None,
+                    local_blocks: int = 1) -> Optional[tuple[int, int]]:
+    """(block_size, topk) whose keys per query, topk * block_size, are at most a quarter of
+    `seq_length` (SPARSE_SHARE) with blocks that divide it and more than `local_blocks` of them:
+    the production 128 x 16 from 8K tokens on, fewer and smaller blocks below. A given
+    `block_size` or `topk` is kept. None: nothing fits."""
+    for b, k in _GEOMETRIES:
+        if block_size is not None and topk is None:
+            # the largest top-k for the given block
+            b, k = block_size, max(1, min(PRODUCTION_TOPK, seq_length // SPARSE_SHARE // block_size))
+        elif topk is not None and block_size is None:
+            k = topk
+        elif block_size is not None and topk is not None:
+            b, k = block_size, topk
+        # at least one block chosen beyond the forced local ones
+        if k > local_blocks and b * k * SPARSE_SHARE <= seq_length and seq_length % b == 0:
+            return b, k
+    return None
+
+
+def fitting_geometry_hint(seq_length: int, block_size: int, topk: int, local_blocks: int = 1) -> str:
+    """Overrides that make a sparse phase select something at this context, for error messages."""
+    options = []
+    keep_block = sparse_geometry(seq_length, block_size=block_size, local_blocks=local_blocks)
+    if keep_block is not None:
+        options.append(f"model.msa.topk={keep_block[1]}")
+    other = sparse_geometry(seq_length, local_blocks=local_blocks)
+    if other is not None and other != keep_block:
+        options.append(f"model.msa.block_size={other[0]} model.msa.topk={other[1]}")
+    longer = SPARSE_SHARE * topk * block_size
+    options.append(f"model.seq_length={longer} (anything above {topk * block_size} that is a multiple of "
+                   f"{block_size} runs)")
+    return "overrides that fit: " + "; ".join(options)
+
 
 # what select_blocks' products may run in (msa_model/ops/select_blocks/fp8.py)
 INDEX_PRECISIONS = ("input", "fp8")
@@ -304,6 +346,9 @@ class LaunchConfig:
     nodes: int = 1
     ranks_per_node: int = 1  # training processes per node: one per GPU
     gpus_per_node: Optional[int] = None  # None or 0: CPU ranks (gloo)
+    # memory of one GPU the job runs on, GiB: the dry run warns when its per-GPU estimate exceeds it.
+    # None: this machine's GPU, else 80 (H100 80GB; an H200 has 141)
+    gpu_memory_gib: Optional[float] = None
     cpus_per_task: Optional[int] = None
     time_min: int = 60  # SLURM time limit in minutes
     partition: Optional[str] = None
@@ -494,6 +539,8 @@ def _check_launch(errors: list[str], launch) -> None:
         value = getattr(launch, name)
         _check(errors, value > 0, f"launch.{name} must be positive, got {value}")
     _check(errors, launch.mode in ("torchrun", "srun"), f"launch.mode must be torchrun or srun, got {launch.mode!r}")
+    _check(errors, launch.gpu_memory_gib is None or launch.gpu_memory_gib > 0,
+           f"launch.gpu_memory_gib must be positive (or null), got {launch.gpu_memory_gib}")
     # the warning must come after the job starts, and leave it time to save
     _check(errors, 0 <= launch.signal_seconds < launch.time_min * 60,
            f"launch.signal_seconds ({launch.signal_seconds}) must be in [0, launch.time_min * 60 = "
@@ -588,7 +635,8 @@ def validate(cfg, world_size: Optional[int] = None, gpu: Optional[bool] = None) 
         _check(errors, not sparse_steps_exist or msa.topk * msa.block_size < m.seq_length,
                f"model.msa.topk * model.msa.block_size ({msa.topk} * {msa.block_size} = "
                f"{msa.topk * msa.block_size}) must be < model.seq_length ({m.seq_length}) "
-               "for the sparse phase to select anything")
+               "for the sparse phase to select anything; "
+               + fitting_geometry_hint(m.seq_length, msa.block_size, msa.topk, msa.local_blocks))
         run_tokens = t.max_steps * p.global_batch_size * m.seq_length
         _check(errors, t.indexer_warmup_tokens < run_tokens,
                f"trainer.indexer_warmup_tokens ({t.indexer_warmup_tokens:,}) must be < the run's tokens "

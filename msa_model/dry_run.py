@@ -9,6 +9,7 @@ memory estimate.
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -89,5 +90,90 @@ def dry_run_report(cfg: DictConfig, world_size: int) -> str:
                  f"{tokens_per_step * cfg.trainer.max_steps:,} tokens)")
     lines.append(document_mask_line(cfg))
     lines.append("# per-GPU memory estimate (GiB, most loaded pipeline stage; msa_model/estimate.py)")
-    lines += format_estimate(memory_estimate(cfg, vocab, layout_world))
+    estimate = memory_estimate(cfg, vocab, layout_world)
+    lines += format_estimate(estimate)
+    advice = memory_advice(cfg, vocab, estimate["total"])
+    if advice:
+        lines.append(advice)
     return "\n".join(lines)
+
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+# the target GPU when neither launch.gpu_memory_gib nor a local GPU says: an H100 80GB
+DEFAULT_GPU_MEMORY_GIB = 80.0
+
+
+def target_gpu_memory(cfg) -> tuple[float, str]:
+    """(GiB of one GPU the launch targets, where that number comes from)."""
+    if cfg.launch.gpu_memory_gib:
+        return float(cfg.launch.gpu_memory_gib), "launch.gpu_memory_gib"
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        return props.total_memory / 2**30, f"this machine's {props.name}; launch.gpu_memory_gib sets another"
+    return DEFAULT_GPU_MEMORY_GIB, "an H100 80GB by default; launch.gpu_memory_gib=141 for an H200"
+
+
+def _with_layout(cfg: DictConfig, path: Path) -> DictConfig | None:
+    """`cfg` with the parallel preset at `path` applied as `parallel=<name>` would, or None when the
+    preset also changes the model (a layout for another context length)."""
+    text = path.read_text()
+    node = OmegaConf.create(text)
+    if not text.lstrip().startswith("# @package _global_"):
+        node = OmegaConf.create({"parallel": node})
+    candidate = OmegaConf.merge(cfg, node)
+    if OmegaConf.to_container(candidate.model, resolve=True) != OmegaConf.to_container(cfg.model, resolve=True):
+        return None
+    return candidate
+
+
+def _recipes_with(model: str, layout: str) -> list[str]:
+    """The recipes that run `model` on the parallel preset `layout` (their defaults override both)."""
+    out = []
+    for path in sorted((CONFIGS / "recipe").glob("*.yaml")):
+        entries = OmegaConf.load(path).get("defaults") or []
+        chosen = {k: v for e in entries if OmegaConf.is_dict(e) for k, v in e.items()}
+        if chosen.get("override /model") == model and chosen.get("override /parallel") == layout:
+            out.append(path.stem)
+    return out
+
+
+def smallest_fitting_layout(cfg: DictConfig, vocab: int, gpu_gib: float) -> tuple[str, DictConfig, dict] | None:
+    """(name, config, estimate) of the parallel preset in configs/parallel/ on the fewest GPUs
+    whose estimate for this model fits in `gpu_gib` and whose layout validates; None if none."""
+    from msa_model.config import ConfigError, validate
+
+    best = None
+    for path in sorted((CONFIGS / "parallel").glob("*.yaml")):
+        candidate = _with_layout(cfg, path)
+        if candidate is None:
+            continue
+        world = candidate.launch.nodes * candidate.launch.ranks_per_node
+        try:
+            validate(candidate, world, gpu=True)
+        except ConfigError:
+            continue
+        est = memory_estimate(candidate, vocab, world)
+        if est["total"] <= gpu_gib and (best is None or world < best[2]["world"]):
+            best = (path.stem, candidate, est)
+    return best
+
+
+def memory_advice(cfg: DictConfig, vocab: int, total_gib: float) -> str | None:
+    """One warning line when the per-GPU estimate exceeds the target GPU's memory: what the target
+    is and the smallest shipped layout of this model that fits (and the recipes that use it)."""
+    gpu_gib, source = target_gpu_memory(cfg)
+    if total_gib <= gpu_gib:
+        return None
+    head = (f"warning: memory_per_gpu_gib={total_gib:.1f} exceeds the {gpu_gib:.0f} GiB of the target GPU ({source})"
+            f" on this layout")
+    found = smallest_fitting_layout(cfg, vocab, gpu_gib)
+    if found is None:
+        return (f"{head}; no layout in configs/parallel/ fits this model: raise parallel.tp/pp/ep/cp (with "
+                "launch.nodes x launch.ranks_per_node GPUs), set model.recompute=full or lower "
+                "parallel.micro_batch_size")
+    name, c, est = found
+    p = c.parallel
+    recipes = _recipes_with(cfg.model.name, name)
+    carried = f", as recipe={'|'.join(recipes)} run it" if recipes else ""
+    return (f"{head}; it fits with parallel={name} ({est['world']} GPUs: tp {p.tp}, pp {p.pp}, ep {p.ep}, cp {p.cp}, "
+            f"dp {est['dp']}; {est['total']:.1f} GiB per GPU){carried}")

@@ -75,8 +75,30 @@ def test_resume_refuses_another_architecture(base, tmp_path, data_cache):
     proc = run_train(run_dir, *COMMON, "model.num_layers=1", data_cache=data_cache, check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     line = _last_line(proc)
-    assert line.startswith("error: resume: ") and "model.num_layers: 2 in the checkpoint, 1 now" in line, line
+    # refused before anything is written, with the relaunch that works
+    assert line.startswith("  - resume: ") and "model.num_layers: 2 in the checkpoint, 1 now" in line, line
+    assert "drop model.num_layers=1 to train the checkpoint's model" in line, line
     assert _latest(run_dir) == "step_00000004" and not (run_dir / "checkpoints" / "step_00000006").exists()
+
+
+def test_a_resume_takes_the_model_its_checkpoint_records(base):
+    """Without model= on the command line a relaunch trains the checkpoint's model (the 2-layer
+    one the run was started with, not the preset's 4 layers); model= chooses the preset."""
+    from hydra import compose, initialize_config_dir
+
+    from msa_model.config import register_configs
+    from msa_model.training.model_source import take_model_from_checkpoint
+    from skeleton_helpers import REPO
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
+        overrides = [f"run_dir={base}"]
+        cfg, note = take_model_from_checkpoint(compose("train", overrides=overrides), overrides)
+        assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.model.seq_length) == (2, 128, 256)
+        assert note.startswith(f"model tiny as recorded by the checkpoint it resumes ({base / 'checkpoints'}"), note
+        overrides += ["model=tiny"]
+        cfg, note = take_model_from_checkpoint(compose("train", overrides=overrides), overrides)
+        assert cfg.model.num_layers == 4 and note is None
 
 
 def test_init_from_refuses_a_larger_model_unless_partial(base, tmp_path, data_cache):

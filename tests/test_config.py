@@ -100,3 +100,32 @@ def test_world_size_checks_name_the_batch_fields():
     validate(cfg, world_size=1)
     with pytest.raises(ConfigError, match=r"micro_batch_size \* dp"):
         validate(cfg, world_size=2)
+
+
+def test_sparse_geometry_reads_at_most_a_quarter_of_the_context():
+    from msa_model.config import fitting_geometry_hint, sparse_geometry
+
+    # the production 128 x 16 from 8K on; fewer blocks, then smaller ones, below
+    assert [sparse_geometry(n) for n in (131072, 8192, 4096, 2048, 1024, 512, 256, 128)] == \
+        [(128, 16), (128, 16), (128, 8), (64, 8), (32, 8), (16, 8), (16, 4), (16, 2)]
+    assert sparse_geometry(64) is None and sparse_geometry(1000) is None  # too short; no block divides it
+    assert sparse_geometry(1024, block_size=64) == (64, 4) and sparse_geometry(1024, topk=4) == (64, 4)
+    # more than the forced local blocks
+    assert sparse_geometry(256, local_blocks=4) is None and sparse_geometry(512, local_blocks=4) == (16, 8)
+    for n in (131072, 4096, 1536, 256):
+        b, k = sparse_geometry(n)
+        assert n % b == 0 and 4 * b * k <= n
+    hint = fitting_geometry_hint(1024, 128, 16)
+    assert hint == ("overrides that fit: model.msa.topk=2; model.msa.block_size=32 model.msa.topk=8; "
+                    "model.seq_length=8192 (anything above 2048 that is a multiple of 128 runs)")
+    # each suggestion validates
+    for fix in (["model.msa.topk=2"], ["model.msa.block_size=32", "model.msa.topk=8"]):
+        validate(_compose("model.seq_length=1024", "model.msa.block_size=128", "model.msa.topk=16", *fix,
+                          "trainer.indexer_warmup_tokens=0"), world_size=1)
+
+
+def test_a_short_context_error_names_the_overrides_that_fit():
+    cfg = _compose("model.seq_length=128", "trainer.indexer_warmup_tokens=0")
+    with pytest.raises(ConfigError, match=r"must be < model.seq_length \(128\) for the sparse phase to select "
+                                          r"anything; overrides that fit: model.msa.block_size=16 model.msa.topk=2"):
+        validate(cfg, world_size=1)

@@ -15,12 +15,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 # run as the worker script, import this checkout's msa_model (not whichever the virtualenv points at)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from msa_model.convert.fixtures import TINY, save_tiny_hf, tiny_hf_model  # noqa: E402
 from msa_model.convert.hf_io import HFCheckpoint, load_all  # noqa: E402
+from skeleton_helpers import REPO, _env  # noqa: E402
 
 FAMILIES = sorted(TINY)
 # the MSA geometry of the converted tiny models: 64-token batches hold 4 blocks, 2 selected
@@ -55,6 +57,8 @@ def _worker(root: Path) -> dict:
     results["llama-mha"] = {"msa": verify(str(root / "llama-mha" / "hf"), str(root / "llama-mha" / "msa"))}
     # an exported MSA model converts back with its index branch (no re-initialisation)
     hf_to_msa(str(root / "qwen3_moe" / "hf_back"), str(root / "qwen3_moe" / "msa_again"), **GEOMETRY)
+    # with the defaults: the source's context (max_position_embeddings 256) and a geometry for it
+    hf_to_msa(str(root / "llama" / "hf"), str(root / "llama" / "msa_defaults"))
     return results
 
 
@@ -69,6 +73,7 @@ def converted(tmp_path_factory):
     out = root / "results.json"
     proc = subprocess.run([sys.executable, __file__, str(root), str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    (root / "worker.log").write_text(proc.stdout + proc.stderr)
     return root, json.loads(out.read_text())
 
 
@@ -167,6 +172,96 @@ def test_cpt_from_a_converted_llama_keeps_the_warmup(converted):
                    "from a dense model)"
 
 
+def test_conversions_print_no_library_notices(converted):
+    """megatron's TE/Apex warnings and its GPTModel banner, DeepSpeed's accelerator line: handled,
+    so not shown (msa_model/quiet.py)."""
+    root, _ = converted
+    out = (root / "worker.log").read_text()
+    for noise in ("UserWarning", "FutureWarning", "GPTModel IS DEPRECATED", "Setting accelerator to CPU",
+                  "Transformer Engine and Apex are not installed. Falling back"):
+        assert noise not in out, (noise, out[-3000:])
+
+
+def test_defaults_fit_the_source(converted):
+    """No --seq-length: the source's max_position_embeddings; a geometry that is sparse there."""
+    root, _ = converted
+    out = root / "llama" / "msa_defaults"
+    model = OmegaConf.load(out / "model" / "llama-converted.yaml")
+    assert (model.seq_length, model.msa.block_size, model.msa.topk) == (256, 16, 4)
+    header = (out / "model" / "llama-converted.yaml").read_text()
+    assert f"use: python train.py recipe=cpt init_from={out.resolve()}" in header
+    assert "context 256 tokens (the source's max_position_embeddings); MSA blocks of 16 tokens, top-4 = 64 keys " \
+           "per query, 1/4 of the context" in (root / "worker.log").read_text()
+
+
+def test_cpt_from_a_conversion_with_defaults(converted, tmp_path, data_cache):
+    """`python train.py recipe=cpt init_from=DIR`: the model comes from the checkpoint; 2 steps (a
+    stop after step 2 of the recipe's schedule) at the source's context."""
+    root, _ = converted
+    ckpt = root / "llama" / "msa_defaults"
+    run_dir = tmp_path / "cpt"
+    proc = subprocess.run([sys.executable, "train.py", "recipe=cpt", f"init_from={ckpt}", "trainer.stop_at_step=2",
+                           f"run_dir={run_dir}", f"data.cache_dir={data_cache}", "logging.wandb_mode=disabled",
+                           "logging.tensorboard=false"], cwd=REPO, env=_env(), capture_output=True, text=True,
+                          timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert f"model llama-converted as recorded by init_from={ckpt}" in out
+    assert f"initialised model weights from {ckpt / 'step_00000000'}" in out
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 2 and rows[-1]["phase"] == "warmup"
+    trained = OmegaConf.load(run_dir / "config.yaml").model
+    recorded = OmegaConf.load(ckpt / "model" / "llama-converted.yaml")
+    assert trained == recorded and trained.seq_length == 256
+
+
+def _compose_on_checkpoint(ckpt: Path, *overrides: str):
+    """The config train.py runs for these overrides (the model taken from the checkpoint)."""
+    from hydra import compose, initialize_config_dir
+
+    from msa_model.config import register_configs
+    from msa_model.training.model_source import take_model_from_checkpoint
+
+    register_configs()
+    overrides = ("recipe=cpt", f"init_from={ckpt}", *overrides)
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
+        cfg, _ = take_model_from_checkpoint(compose("train", overrides=list(overrides)), list(overrides))
+    OmegaConf.resolve(cfg)
+    return cfg, list(overrides)
+
+
+def test_a_shorter_context_names_the_overrides_that_fit(converted):
+    from msa_model.config import ConfigError, validate
+
+    cfg, _ = _compose_on_checkpoint(converted[0] / "llama" / "msa_defaults", "model.seq_length=64",
+                                    "trainer.indexer_warmup_tokens=1024")
+    with pytest.raises(ConfigError, match=r"must be < model.seq_length \(64\).*overrides that fit: "
+                                          r"model.seq_length=256"):
+        validate(cfg, world_size=1)
+    cfg, _ = _compose_on_checkpoint(converted[0] / "llama" / "msa_defaults", "model.seq_length=128",
+                                    "trainer.indexer_warmup_tokens=1024")
+    validate(cfg, world_size=1)  # 64 of 128 keys: still selects
+
+
+def test_model_overrides_are_checked_against_the_checkpoint(converted):
+    from msa_model.inputs import check_inputs
+
+    ckpt = converted[0] / "llama" / "msa_defaults"
+    cfg, overrides = _compose_on_checkpoint(ckpt, "model.num_layers=3", "model.num_experts=4")
+    (line,) = check_inputs(cfg, overrides)
+    assert line.startswith(f"init_from={ckpt}: the checkpoint holds another model (model.num_layers: 2 in the "
+                           "checkpoint, 3 now; model.num_experts: 0 (no MoE) in the checkpoint, 4 now"), line
+    assert f"drop model.num_layers=3 model.num_experts=4 to train the checkpoint's model: `python train.py " \
+           f"recipe=cpt init_from={ckpt}`" in line and "init_from_partial=true" in line
+    # a setting that keeps the tensors' shapes may change
+    cfg, overrides = _compose_on_checkpoint(ckpt, "model.recompute=full", "model.rotary_base=20000")
+    assert check_inputs(cfg, overrides) == []
+
+
 if __name__ == "__main__":
+    import logging
+
+    # the converter's own lines, as `python -m msa_model.convert` prints them
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     root_dir, out_file = Path(sys.argv[1]), Path(sys.argv[2])
     out_file.write_text(json.dumps(_worker(root_dir), indent=2))

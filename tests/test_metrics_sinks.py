@@ -74,3 +74,42 @@ def test_each_record_carries_the_phase_it_is_given():
                            phase=lambda: "sparse" if len(records) >= 2 else "warmup")
     _run(logger, [1.0, 2.0, 3.0])
     assert [r["phase"] for r in records] == ["warmup", "warmup", "sparse"]
+
+
+def test_every_record_has_its_time_and_mean_step_time(monkeypatch):
+    """`time` (UNIX seconds) and `step_ms`, the interval's mean step on the host clock (no device
+    synchronisation); a measured per-step value (logging.time_modules) is kept as it is."""
+    import msa_model.training.metrics as metrics
+
+    clock = {"t": 100.0}
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: clock["t"])
+    monkeypatch.setattr(metrics.time, "time", lambda: 1.7e9 + clock["t"])
+    records = []
+    sink = MetricsSink()
+    sink.write = records.append
+    logger = MetricsLogger([sink], log_interval=2, max_steps=4)
+    trainer = SimpleNamespace(state=TrainState(), device=torch.device("cpu"))
+    logger.on_train_start(trainer)
+    for step_s in (0.25, 0.75, 2.0, 2.0):
+        clock["t"] += step_s
+        trainer.state.step += 1
+        logger.on_step_end(trainer, {"lm_loss": 1.0, "step_tokens": 8})
+    assert [(r["step"], r["step_ms"], r["time"]) for r in records] == [(2, 500.0, 1.7e9 + 101.0),
+                                                                       (4, 2000.0, 1.7e9 + 105.0)]
+    assert metrics._numeric(records[0])["train/step_ms"] == 500.0  # TensorBoard and wandb get it too
+
+    timed = MetricsLogger([], log_interval=1, max_steps=1)
+    trainer = SimpleNamespace(state=TrainState(), device=torch.device("cpu"))
+    timed.on_train_start(trainer)
+    trainer.state.step = 1
+    timed.on_step_end(trainer, {"lm_loss": 1.0, "step_tokens": 8, "step_ms": 12.5})
+    assert timed.last_record["step_ms"] == 12.5
+
+
+def test_flop_rate_in_a_unit_that_shows_it():
+    from msa_model.training.metrics import flop_rate
+
+    assert flop_rate(412.34) == "412.3 TFLOP/s"
+    assert flop_rate(0.0015) == "1.5 GFLOP/s"
+    assert flop_rate(2e-6) == "2.0 MFLOP/s"
+    assert flop_rate(None) == "- FLOP/s"

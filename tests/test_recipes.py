@@ -150,11 +150,39 @@ def test_109b_layouts_fit_on_80gb(layout, seq):
     assert 5 < est["total"] < 0.85 * 80e9 / 2**30, est
 
 
-def test_dry_run_prints_the_layout_estimate():
-    out = _dry_run("model=msa_109b", "parallel=msa_109b_128k", "recipe=dense", "data.document_mask=false")
-    assert _field(out, "world_size") == 512 and _field(out, "cp") == 16
-    assert 0 < _field(out, "memory_per_gpu_gib") < 68
+def test_dry_run_of_a_layout_that_cannot_run_says_which_one_can():
+    """The 109B model on the one rank of the default layout: the estimate, a warning that it exceeds
+    an 80 GB GPU and the smallest shipped layout that fits (the recipes' 8K layout)."""
+    out = _dry_run("model=msa_109b", "data.document_mask=false")
+    assert _field(out, "world_size") == 1 and _field(out, "memory_per_gpu_gib") > 1000
     assert "\ndocuments: not masked (data.document_mask=false)" in out
+    (warning,) = [line for line in out.splitlines() if line.startswith("warning: ")]
+    assert warning.startswith("warning: memory_per_gpu_gib=1975.5 exceeds the 80 GiB of the target GPU (an H100 "
+                              "80GB by default; launch.gpu_memory_gib=141 for an H200)"), warning
+    assert "it fits with parallel=msa_109b_8k (512 GPUs: tp 2, pp 4, ep 32, cp 1, dp 64; 45.8 GiB per GPU), as " \
+           "recipe=msa_109b_cpt|msa_109b_dense|msa_109b_pt run it" in warning, warning
+
+
+def test_memory_advice_follows_the_target_gpu():
+    from msa_model.dry_run import memory_advice, smallest_fitting_layout
+    from msa_model.estimate import memory_estimate
+
+    def advice(*overrides):
+        cfg = _compose(*overrides)
+        return memory_advice(cfg, 257, memory_estimate(cfg, 257, 1)["total"])
+
+    assert advice("model=small") is None  # 17.6 GiB on one GPU
+    assert "exceeds the 10 GiB of the target GPU (launch.gpu_memory_gib)" in advice("model=small",
+                                                                                     "launch.gpu_memory_gib=10")
+    # a layout that also changes the model (the 128K one sets the context) is not offered for 8K
+    cfg = _compose("model=msa_109b")
+    name, layout, est = smallest_fitting_layout(cfg, 257, 80.0)
+    assert name == "msa_109b_8k" and layout.model == cfg.model and est["total"] < 80
+    assert smallest_fitting_layout(cfg, 257, 20.0) is None
+    assert "no layout in configs/parallel/ fits this model" in advice("model=msa_109b", "launch.gpu_memory_gib=20")
+    # the 128K layout carries its context: at 128K it is the one that fits
+    assert smallest_fitting_layout(_compose("model=msa_109b", "model.seq_length=131072"), 257, 80.0)[0] == \
+        "msa_109b_128k"
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -284,15 +312,17 @@ def test_init_from_survives_the_first_bf16_step(tmp_path, data_cache):
     assert all(rows[s]["lm_loss"] < fresh - 0.3 for s in (1, 2, 3)), (fresh, rows)
 
 
-def test_init_from_another_model_names_the_missing_parameters(tmp_path, data_cache):
-    """Only index-branch tensors may be absent from an init_from checkpoint: a 1-layer checkpoint
-    under the 2-layer model is refused, naming the missing layer, before any step."""
+def test_init_from_another_model_names_the_fields_and_the_command_that_works(tmp_path, data_cache):
+    """The model comes from the init_from checkpoint; a model.* override that changes its shapes (a
+    1-layer checkpoint under 2 layers) is refused before anything is written, naming the field and
+    the command without the override."""
     small = tmp_path / "small"
     run_train(small, "recipe=dense", "model.num_layers=1", "trainer.max_steps=2", data_cache=data_cache)
     cpt = tmp_path / "cpt"
     proc = run_train(cpt, "recipe=cpt", f"init_from={small / 'checkpoints'}", "trainer.max_steps=2",
                      "trainer.indexer_warmup_tokens=1024", data_cache=data_cache, check=False)
-    assert proc.returncode != 0
-    err = proc.stdout + proc.stderr
-    assert "model.num_layers: 1 in the checkpoint, 2 now" in err and "decoder.layers.1." in err, err[-3000:]
-    assert not (cpt / "metrics.jsonl").exists() or not (cpt / "metrics.jsonl").read_text().strip()
+    assert proc.returncode == 2
+    line = proc.stderr.strip().splitlines()[-1]
+    assert "model.num_layers: 1 in the checkpoint, 2 now" in line and "drop model.num_layers=2 to train the " \
+           "checkpoint's model: `python train.py " in line and "init_from_partial=true" in line, line
+    assert not cpt.exists()

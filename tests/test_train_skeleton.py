@@ -3,6 +3,8 @@ and run files appear; the dense baseline trains; a dense checkpoint initialises 
 
 from __future__ import annotations
 
+import re
+import time
 
 import pytest
 
@@ -38,6 +40,19 @@ def test_loss_falls_and_phases_follow_the_token_schedule(short_run):
     assert all(m[s]["tflops_per_gpu"] > 0 for s in m)
     assert all(0 < m[s]["attention_ms"] and 0 < m[s]["moe_ms"] for s in m)
     assert all(m[s]["attention_ms"] + m[s]["moe_ms"] < m[s]["step_ms"] for s in m)
+
+
+def test_the_output_has_no_library_notices(short_run):
+    """Warnings the project has handled are filtered where they are raised, with one line instead;
+    no 0.0 TFLOP/s on CPU (the achieved FLOP/s in a unit that shows it)."""
+    _, proc = short_run
+    lines = (proc.stdout + proc.stderr).splitlines()
+    for noise in ("UserWarning", "FutureWarning", "warnings.warn", "GPTModel IS DEPRECATED", "Falling back to",
+                  "Setting accelerator to CPU", "0.0 TFLOP/s"):
+        assert not [line for line in lines if noise in line], (noise, lines[:30])
+    assert len([line for line in lines if "Transformer Engine and Apex are not installed (not needed)" in line]) == 1
+    rates = [line for line in lines if "FLOP/s" in line]
+    assert rates and all(re.search(r" \| [0-9.]+ [GM]FLOP/s \| ", line) for line in rates), rates
 
 
 def test_checkpoints_latest_and_run_files(short_run):
@@ -90,3 +105,5 @@ def test_an_msa_model_of_full_attention_layers_only_logs_the_dense_phase(tmp_pat
               "trainer.indexer_warmup_tokens=1024", data_cache=data_cache)
     for r in metrics(run_dir).values():
         assert r["phase"] == "dense" and "kl_loss" not in r, r
+        # every row: when (UNIX seconds) and the mean step time, here without logging.time_modules
+        assert abs(r["time"] - time.time()) < 3600 and r["step_ms"] > 0 and "attention_ms" not in r, r

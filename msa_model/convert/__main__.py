@@ -18,6 +18,7 @@ import logging
 import sys
 
 from msa_model.config import PRODUCTION_BLOCK_SIZE, PRODUCTION_TOPK
+from msa_model.convert import MAX_SEQ_LENGTH
 from msa_model.convert.hf_families import FAMILIES
 from msa_model.convert.hf_io import ConversionError
 from msa_model.convert.index_init import DEFAULT, INIT_CHOICES
@@ -32,8 +33,9 @@ def _parser() -> argparse.ArgumentParser:
         q.add_argument("--index-init", choices=INIT_CHOICES, default=DEFAULT,
                        help=f"index projection initialisation (default {DEFAULT})")
         keep = (" (default: the model config's)" if defaults_from_model
-                else f" (default: the checkpoint's for MiniMax-M3, else block {PRODUCTION_BLOCK_SIZE}, "
-                     f"top-{PRODUCTION_TOPK}, Di = head dim)")
+                else f" (default: the checkpoint's for MiniMax-M3, else chosen for the context: block "
+                     f"{PRODUCTION_BLOCK_SIZE} and top-{PRODUCTION_TOPK} from 8K tokens on, smaller below; "
+                     "Di = head dim)")
         q.add_argument("--block-size", type=int, default=None, help="MSA key block size" + keep)
         q.add_argument("--topk", type=int, default=None, help="MSA blocks per query" + keep)
         q.add_argument("--index-head-dim", type=int, default=None, help="Di" + keep)
@@ -43,7 +45,11 @@ def _parser() -> argparse.ArgumentParser:
 
     def hf_args(q):
         q.add_argument("--attention", choices=("msa", "dense"), default="msa")
-        q.add_argument("--seq-length", type=int, default=4096, help="training context written to the model config")
+        q.add_argument("--seq-length", type=int, default=None,
+                       help="training context written to the model config (default: the source's "
+                       "max_position_embeddings, at most --max-seq-length)")
+        q.add_argument("--max-seq-length", type=int, default=MAX_SEQ_LENGTH,
+                       help=f"cap of the default --seq-length (default {MAX_SEQ_LENGTH})")
         q.add_argument("--tokenizer", default=None, help="directory of the model's Hugging Face tokenizer, copied "
                        "into the checkpoint (default: the source directory; --hf-config's for deepspeed-to-msa)")
         for flag in ("--tp", "--pp", "--ep"):
@@ -98,13 +104,18 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("megatron").setLevel(logging.WARNING)
     from msa_model.convert import commands
+    from msa_model.quiet import backend_note
+
+    if args.command != "verify" and backend_note():
+        logging.getLogger(__name__).info("%s", backend_note())
     from msa_model.convert.verify import verify
 
     try:
         geometry = {k: getattr(args, k, None) for k in ("block_size", "topk", "index_head_dim", "local_blocks")}
         if args.command in ("hf-to-msa", "deepspeed-to-msa"):
             kw = dict(attention=args.attention, index_init=args.index_init, tp=args.tp, pp=args.pp, ep=args.ep,
-                      seq_length=args.seq_length, name=args.name, seed=args.seed, tokenizer=args.tokenizer, **geometry)
+                      seq_length=args.seq_length, max_seq_length=args.max_seq_length, name=args.name, seed=args.seed,
+                      tokenizer=args.tokenizer, **geometry)
             if args.command == "hf-to-msa":
                 commands.hf_to_msa(args.src, args.out, **kw)
             else:

@@ -14,7 +14,9 @@ from pathlib import Path
 import torch
 
 from data.tokenizer import HFTokenizer, build_tokenizer
-from msa_model.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig, msa_layers_of, validate
+from msa_model.config import (SPARSE_SHARE, ConfigError, ModelConfig, ParallelConfig, TrainConfig, msa_layers_of,
+                              sparse_geometry, validate)
+from msa_model.convert import DEFAULT_SEQ_LENGTH, MAX_SEQ_LENGTH
 from msa_model.convert import megatron_io as mio
 from msa_model.convert import minimax_m3 as m3
 from msa_model.convert.minimax_m3 import M3Checkpoint
@@ -70,38 +72,79 @@ def _metadata(**kw) -> dict:
 
 
 def hf_to_msa(src: str, out: str, *, attention: str = "msa", index_init: str = DEFAULT, tp: int = 1, pp: int = 1,
-              ep: int = 1, seq_length: int = 4096, block_size: int | None = None, topk: int | None = None,
-              index_head_dim: int | None = None, local_blocks: int | None = None, name: str | None = None,
-              seed: int = 0, tokenizer: str | None = None) -> Path:
+              ep: int = 1, seq_length: int | None = None, max_seq_length: int = MAX_SEQ_LENGTH,
+              block_size: int | None = None, topk: int | None = None, index_head_dim: int | None = None,
+              local_blocks: int | None = None, name: str | None = None, seed: int = 0,
+              tokenizer: str | None = None) -> Path:
     """A Hugging Face checkpoint directory -> our checkpoint + model config in `out`. Returns `out`.
 
-    The MSA geometry comes from the checkpoint when it has one (MiniMax-M3), else the production
-    block size and top-k (msa_model.config.PRODUCTION_BLOCK_SIZE, PRODUCTION_TOPK) with
-    Di = D; the keyword arguments override it. The tokenizer files of `tokenizer` (default: `src`)
-    are copied into the checkpoint, which training then takes as its tokenizer."""
+    The training context (`seq_length`) defaults to the source's max_position_embeddings, at most
+    `max_seq_length`. The MSA geometry comes from the checkpoint when it has one (MiniMax-M3, an
+    exported MSA model), else it is chosen for that context (msa_model.config.sparse_geometry: the
+    production block size and top-k from 8K tokens on) with Di = D; the keyword arguments override
+    it. The tokenizer files of `tokenizer` (default: `src`) are copied into the checkpoint, which
+    training then takes as its tokenizer."""
     hf_cfg = read_config(src)
     return convert_hf_tensors(HFCheckpoint(src), hf_cfg, out, source=str(Path(src).resolve()), tokenizer=tokenizer or src,
                               where=str(Path(src) / CONFIG_FILE), kind="hf-to-msa", attention=attention,
-                              index_init=index_init, tp=tp, pp=pp, ep=ep, seq_length=seq_length, block_size=block_size,
-                              topk=topk, index_head_dim=index_head_dim, local_blocks=local_blocks, name=name, seed=seed)
+                              index_init=index_init, tp=tp, pp=pp, ep=ep, seq_length=seq_length,
+                              max_seq_length=max_seq_length, block_size=block_size, topk=topk,
+                              index_head_dim=index_head_dim, local_blocks=local_blocks, name=name, seed=seed)
+
+
+def _context(hf_cfg: dict, seq_length: int | None, max_seq_length: int) -> tuple[int, str]:
+    """(training context, why that one) for a source config.json."""
+    if seq_length is not None:
+        return seq_length, "--seq-length"
+    source = m3.text_config(hf_cfg).get("max_position_embeddings")
+    if source is None:
+        return min(DEFAULT_SEQ_LENGTH, max_seq_length), "the source's config.json names no max_position_embeddings"
+    if int(source) > max_seq_length:
+        return max_seq_length, f"the source's max_position_embeddings {int(source)}, capped by --max-seq-length"
+    return int(source), "the source's max_position_embeddings"
+
+
+def _geometry(model: ModelConfig, hf_cfg: dict, fam, where: str, block_size: int | None, topk: int | None,
+              local_blocks: int | None) -> tuple[int, int, str]:
+    """(block size, top-k, where they come from) of the converted model."""
+    s = model.msa
+    local = local_blocks or s.local_blocks
+    if fam.name == "minimax_m3" or hf_cfg.get("msa"):
+        return block_size or s.block_size, topk or s.topk, "the checkpoint's own" + (
+            " with --block-size/--topk" if block_size or topk else "")
+    if block_size and topk:
+        return block_size, topk, "--block-size and --topk"
+    chosen = sparse_geometry(model.seq_length, block_size, topk, local)
+    if chosen is None:
+        raise ConversionError(
+            f"{where}: no MSA geometry reads at most 1/{SPARSE_SHARE} of a {model.seq_length}-token context with "
+            f"blocks that divide it{' (--block-size ' + str(block_size) + ')' if block_size else ''}"
+            f"{' (--topk ' + str(topk) + ')' if topk else ''}; pass --block-size and --topk (top-k x block size "
+            "below --seq-length), a longer --seq-length, or --attention dense")
+    given = "--block-size" if block_size else "--topk" if topk else ""
+    return chosen[0], chosen[1], f"chosen for this context{' with ' + given if given else ''}"
 
 
 def convert_hf_tensors(ckpt, hf_cfg: dict, out: str, *, source: str, where: str, kind: str, attention: str = "msa",
-                       index_init: str = DEFAULT, tp: int = 1, pp: int = 1, ep: int = 1, seq_length: int = 4096,
-                       block_size: int | None = None, topk: int | None = None, index_head_dim: int | None = None,
-                       local_blocks: int | None = None, name: str | None = None, seed: int = 0,
-                       tokenizer: str | None = None) -> Path:
+                       index_init: str = DEFAULT, tp: int = 1, pp: int = 1, ep: int = 1, seq_length: int | None = None,
+                       max_seq_length: int = MAX_SEQ_LENGTH, block_size: int | None = None, topk: int | None = None,
+                       index_head_dim: int | None = None, local_blocks: int | None = None, name: str | None = None,
+                       seed: int = 0, tokenizer: str | None = None) -> Path:
     """Tensors in a Hugging Face family's names (an HFCheckpoint, or a TensorDict of a DeepSpeed
     checkpoint) + that model's config.json -> our checkpoint in `out`, with the Hugging Face
     tokenizer of the directory `tokenizer` when it holds one. Everything is checked (config,
     names, shapes, layout, tokenizer) before the model is built and anything is written."""
-    fam, model = model_config_from_hf(hf_cfg, attention=attention, seq_length=seq_length, name=name, where=where)
+    context, why = _context(hf_cfg, seq_length, max_seq_length)
+    fam, model = model_config_from_hf(hf_cfg, attention=attention, seq_length=context, name=name, where=where)
     hf_tokenizer = source_tokenizer(tokenizer, model.vocab_size)
+    block, k, origin = _geometry(model, hf_cfg, fam, where, block_size, topk, local_blocks)
     s = model.msa
-    model.msa = dataclasses.replace(s, block_size=block_size or s.block_size, topk=topk or s.topk,
-                                    index_head_dim=index_head_dim or s.index_head_dim,
+    model.msa = dataclasses.replace(s, block_size=block, topk=k, index_head_dim=index_head_dim or s.index_head_dim,
                                     local_blocks=local_blocks or s.local_blocks)
     check_layout(model, tp, pp, ep)
+    log.info("context %d tokens (%s); MSA blocks of %d tokens, top-%d = %d keys per query, 1/%d of the context (%s; "
+             "--seq-length, --block-size and --topk change them)", context, why, block, k, block * k,
+             context // (block * k), origin)
     skipped = {}
     if fam.name == "minimax_m3":
         ckpt = M3Checkpoint(ckpt)
@@ -169,9 +212,11 @@ def source_tokenizer(directory: str | None, vocab_size: int | None):
 
 def _write(megatron_model, model: ModelConfig, out: str, record: dict, header: str, tokenizer=None) -> None:
     out = Path(out)
-    mio.save(megatron_model, out, {k: v for k, v in record.items() if k != "hf_config"}, tokenizer=tokenizer)
-    yaml = mio.write_model_yaml(model, out, header=header + "\nuse: python train.py hydra.searchpath=[file://"
-                                f"{out.resolve()}] model={model.name} init_from={out.resolve()}")
+    mio.save(megatron_model, out, {k: v for k, v in record.items() if k != "hf_config"}, tokenizer=tokenizer,
+             model_config=dataclasses.asdict(model))
+    use = f"use: python train.py recipe=cpt init_from={out.resolve()}"
+    yaml = mio.write_model_yaml(model, out, header=f"{header}\n{use}\n(the checkpoint records this model: "
+                                "model.* overrides apply on top of it)")
     (out / mio.CONVERSION_FILE).write_text(json.dumps(record, indent=2) + "\n")
     log.info("wrote %s and %s", mio.checkpoint_step_dir(out), yaml)
 

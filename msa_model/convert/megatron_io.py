@@ -7,7 +7,7 @@ converted directory OUT:
 
     OUT/latest              names the step directory (as in a training run's checkpoints/)
     OUT/step_00000000/      dist_checkpointing directory: "model" (sharded) + common metadata
-    OUT/model/<name>.yaml   the Hydra model config: train.py hydra.searchpath=[file://OUT] model=<name>
+    OUT/model/<name>.yaml   the Hydra model config (also recorded in the checkpoint: init_from=OUT takes it)
     OUT/conversion.json     source, family, source config.json, index init
 """
 
@@ -84,9 +84,11 @@ def full_state_dict(model) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in model.state_dict().items() if torch.is_tensor(v)}
 
 
-def save(model, out: str | Path, metadata: dict, tokenizer=None) -> Path:
+def save(model, out: str | Path, metadata: dict, tokenizer=None, model_config: dict | None = None) -> Path:
     """Write `model` as OUT/step_00000000 with a `latest` pointer (the trainer's layout); with
-    `tokenizer` (data/tokenizer.py), its step directory records it as a training checkpoint does."""
+    `tokenizer` (data/tokenizer.py), its step directory records it as a training checkpoint does,
+    and `model_config` (the ModelConfig as a dict) as a training checkpoint records it:
+    `init_from=OUT` trains this model without naming it."""
     from megatron.core import dist_checkpointing
 
     from msa_model.training.checkpoint import publish_save, step_dir_name
@@ -100,6 +102,8 @@ def save(model, out: str | Path, metadata: dict, tokenizer=None) -> Path:
         tmp.mkdir(parents=True)
     dist.barrier()
     state = {"model": model.sharded_state_dict(), "world_size": dist.get_world_size(), "conversion": metadata}
+    if model_config is not None:
+        state["model_config"] = model_config
     dist_checkpointing.save(state, str(tmp))
     if tokenizer is not None and dist.get_rank() == 0:
         from msa_model.training.data_setup import write_checkpoint_tokenizer

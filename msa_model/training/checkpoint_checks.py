@@ -63,8 +63,12 @@ def architecture_diff(saved: dict, current: dict, fields: tuple[str, ...]) -> li
             continue
         a, b = _get(saved, name), _get(current, name)
         if a != b:
-            out.append(f"model.{name}: {a} in the checkpoint, {b} now")
+            out.append(f"model.{name}: {_shown(name, a)} in the checkpoint, {_shown(name, b)} now")
     return out
+
+
+def _shown(name: str, value):
+    return "0 (no MoE)" if name == "num_experts" and value == 0 else value
 
 
 def _sharded_tensors(value) -> list:
@@ -145,8 +149,8 @@ def check_init_architecture(module, step_dir: Path, saved: dict | None, current:
     if problems:
         raise CheckpointError(
             f"init_from {step_dir}: the checkpoint's model differs from this one ({'; '.join(problems)}). "
-            "Set the model fields to the checkpoint's, or init_from_partial=true to load only the tensors "
-            "whose name and shape match")
+            "Leave model= and those model.* overrides off the command line to train the checkpoint's model, or "
+            "init_from_partial=true to load only the tensors whose name and shape match")
     if saved is not None and current is not None:
         changed = architecture_diff(saved, current, FUNCTION_FIELDS)
         if changed:

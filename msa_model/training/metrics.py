@@ -78,6 +78,16 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def flop_rate(tflops: float | None) -> str:
+    """Achieved model FLOP/s per GPU in a unit that shows it (a CPU does GFLOP/s, not 0.0 TFLOP/s)."""
+    if tflops is None:
+        return "- FLOP/s"
+    for unit, scale in (("TFLOP/s", 1.0), ("GFLOP/s", 1e-3)):
+        if tflops >= scale:
+            return f"{tflops / scale:.1f} {unit}"
+    return f"{tflops * 1e6:.1f} MFLOP/s"
+
+
 class MetricsSink:
     """Where the records go. `step` is called after every step with that step's own values, and
     with the interval's record at the steps that have one (None otherwise)."""
@@ -119,6 +129,7 @@ class MetricsLogger(Callback):
         self._sums: dict[str, float] = {}
         self._counts: dict[str, int] = {}
         self._interval_tokens = 0
+        self._interval_steps = 0
         self._t0 = time.perf_counter()
         self.last_record: dict | None = None
 
@@ -129,6 +140,7 @@ class MetricsLogger(Callback):
 
     def on_step_end(self, trainer, metrics: dict) -> None:
         self._interval_tokens += metrics.pop("step_tokens")
+        self._interval_steps += 1
         for key, value in metrics.items():
             self._sums[key] = self._sums.get(key, 0.0) + value
             self._counts[key] = self._counts.get(key, 0) + 1
@@ -143,7 +155,12 @@ class MetricsLogger(Callback):
         elapsed = time.perf_counter() - self._t0
         scalars = {k: self._sums[k] / self._counts[k] for k in self._sums}
         scalars["tokens_per_s"] = self._interval_tokens / max(elapsed, 1e-9)
-        self._sums, self._counts, self._interval_tokens, self._t0 = {}, {}, 0, time.perf_counter()
+        # the interval's mean step time on the host clock, callbacks included: no device
+        # synchronisation (the step's own losses already waited for the device). The module timer
+        # (logging.time_modules) measures each step instead, synchronised
+        scalars.setdefault("step_ms", elapsed * 1e3 / max(self._interval_steps, 1))
+        self._sums, self._counts, self._interval_tokens, self._interval_steps = {}, {}, 0, 0
+        self._t0 = time.perf_counter()
         s, phase = trainer.state, self.phase()
         if self.flops_per_token is not None:
             flops = self.flops_per_token(scalars.get("keys_per_query"), phase != "warmup")
@@ -153,7 +170,8 @@ class MetricsLogger(Callback):
             scalars["peak_mem_gib"] = torch.cuda.max_memory_allocated(trainer.device) / 2**30
             torch.cuda.reset_peak_memory_stats(trainer.device)
         # namespaced scalars ("msa/...", from the diagnostics) pass through as they are
-        self.last_record = {"step": s.step, "tokens": s.tokens, "phase": phase,
+        # time: when the record was made, UNIX seconds (UTC), to line a run up with other logs
+        self.last_record = {"step": s.step, "tokens": s.tokens, "time": round(time.time(), 3), "phase": phase,
                             **{k: scalars[k] for k in self.SCALARS if k in scalars},
                             **{k: v for k, v in scalars.items() if "/" in k}}
         return self.last_record
@@ -218,11 +236,11 @@ class ConsoleLine(MetricsSink):
     def write(self, r: dict) -> None:
         self._t0 = self._last_line = time.perf_counter()
         self._steps = 0
-        log.info("step %*d/%d | tokens %s | lm %s | kl %s | aux %s | lr %s | gnorm %s | %s tok/s | %s TFLOP/s%s | "
+        log.info("step %*d/%d | tokens %s | lm %s | kl %s | aux %s | lr %s | gnorm %s | %s tok/s | %s%s | "
                  "%s | keys/q %s", len(str(self.max_steps)), r["step"], self.max_steps, f"{r['tokens']:,}",
                  _fmt(r.get("lm_loss"), ".4f"), _fmt(r.get("kl_loss"), ".4f"), _fmt(r.get("moe_aux_loss"), ".4f"),
                  _fmt(r.get("lr"), ".2e"), _fmt(r.get("grad_norm"), ".3f"), f"{r['tokens_per_s']:,.0f}",
-                 _fmt(r.get("tflops_per_gpu"), ".1f"),
+                 flop_rate(r.get("tflops_per_gpu")),
                  f" | mem {r['peak_mem_gib']:.1f} GiB" if "peak_mem_gib" in r else "", r["phase"],
                  _fmt(r.get("keys_per_query"), ".1f"))
         if f"{VALID}lm_loss" in r:

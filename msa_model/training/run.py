@@ -2,34 +2,20 @@
 
 from __future__ import annotations
 
-import warnings
+import logging
+import os
+import sys
+import time
+from pathlib import Path
 
-# megatron warns at import time that TE/apex are absent; the local modules are what we use
-warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\..*")
-# deprecation notices about torch.distributed names megatron still calls
-warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed\..*")
-# megatron reads .grad of non-leaf tensors while collecting params; harmless and noisy
-warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
-# torch.distributed.checkpoint on megatron's calls: metadata read outside a process group, its own
-# API changes, ShardedTensor deprecation
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-warnings.filterwarnings("ignore", message="The argument order of load has been changed")
-warnings.filterwarnings("ignore", message="Please use DTensor instead and we are deprecating ShardedTensor")
+from omegaconf import DictConfig, OmegaConf
 
-import logging  # noqa: E402
-import os  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-from omegaconf import DictConfig, OmegaConf  # noqa: E402
-
-from data.cache_check import DataCacheError  # noqa: E402
-from msa_model.compat import warn_untested_versions  # noqa: E402
-from msa_model.config import ConfigError, config_problems, msa_layers_of, validate  # noqa: E402
-from msa_model.training.checkpoint_checks import CheckpointError  # noqa: E402
-from msa_model.training.distributed import launch_env, parallel_layout  # noqa: E402
-from msa_model.training.run_dir import RunDirBusy, lock_run_dir, setup_logging, write_run_files  # noqa: E402
+from data.cache_check import DataCacheError
+from msa_model.compat import warn_untested_versions
+from msa_model.config import ConfigError, config_problems, msa_layers_of, validate
+from msa_model.training.checkpoint_checks import CheckpointError
+from msa_model.training.distributed import launch_env, parallel_layout
+from msa_model.training.run_dir import RunDirBusy, lock_run_dir, setup_logging, write_run_files
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +146,32 @@ def _start_fresh(cfg, trainer, model_chunks, optimizer, scheduler, model_config)
                  optimizer.param_groups[0]["lr"])
 
 
-def run(cfg: DictConfig) -> None:
+def check_configuration(cfg, world_size: int) -> list[str]:
+    """Every problem of the configuration (msa_model.config.validate) and of the corpus and
+    checkpoints it names (msa_model.inputs.check_inputs), one line each. Nothing is written; the
+    tokenizer and prepared datasets are `_tokenizer`'s."""
+    from msa_model.inputs import check_inputs
+
+    problems = []
+    try:
+        validate(cfg, world_size)
+    except ConfigError as e:
+        problems += config_problems(e)
+    return problems + check_inputs(cfg)
+
+
+def _tokenizer(cfg):
+    """(tokenizer or None, where it came from, problem lines) of the run (data_setup.py)."""
+    from msa_model.training.data_setup import step_dir_of, tokenizer_problems
+
+    ckpt_root = Path(cfg.checkpoint.dir or Path(cfg.run_dir) / "checkpoints")
+    resume_dir = step_dir_of(ckpt_root) if cfg.resume != "never" else None
+    return tokenizer_problems(cfg, resume_dir, step_dir_of(cfg.init_from))
+
+
+def run(cfg: DictConfig, notes: list[str] | tuple[str, ...] = ()) -> None:
+    """`notes`: lines about how the config was made (e.g. the model taken from a checkpoint), logged
+    once the console log is set up."""
     from msa_model.training.index_history import WARMUP_KEY, given_on_command_line, plan_indexer_warmup
 
     OmegaConf.resolve(cfg)
@@ -174,24 +185,21 @@ def run(cfg: DictConfig) -> None:
         validate(cfg, layout_world)
         if rank == 0:
             from msa_model.dry_run import dry_run_report
+            from msa_model.inputs import check_inputs
 
-            print(dry_run_report(cfg, layout_world), flush=True)
-            if warmup_note:
-                print(warmup_note, flush=True)
+            # inputs a launch from here would stop at (a dry run may be made away from the data)
+            input_warnings = [f"warning: {p}" for p in check_inputs(cfg) + _tokenizer(cfg)[2]]
+            report = dry_run_report(cfg, layout_world)
+            print("\n".join([*(f"# {n}" for n in notes), report, *([warmup_note] if warmup_note else []),
+                             *input_warnings]), flush=True)
         return
     started = time.monotonic()
-    from msa_model.training.data_setup import step_dir_of, tokenizer_problems
-
-    try:
-        validate(cfg, world_size)
-        problems = []
-    except ConfigError as e:
-        problems = config_problems(e)
-    # the tokenizer against the model, the checkpoints and the prepared datasets, before anything
-    # is written (a wrong one would train the embedding rows of another vocabulary)
+    # before anything is written (run directory, data cache, lock): every problem at once
+    problems = check_configuration(cfg, world_size)
+    # the tokenizer against the model, the checkpoints and the prepared datasets (a wrong one would
+    # train the embedding rows of another vocabulary)
     ckpt_root = Path(cfg.checkpoint.dir or Path(cfg.run_dir) / "checkpoints")
-    resume_dir = step_dir_of(ckpt_root) if cfg.resume != "never" else None
-    tokenizer, tokenizer_source, more = tokenizer_problems(cfg, resume_dir, step_dir_of(cfg.init_from))
+    tokenizer, tokenizer_source, more = _tokenizer(cfg)
     if problems or more:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems + more))
 
@@ -213,9 +221,15 @@ def run(cfg: DictConfig) -> None:
     # the console only: train.log is the run's, written once the run dir's lock is ours
     setup_logging(None, rank == 0)
     if rank == 0:
+        from msa_model.quiet import backend_note
+
+        for line in [backend_note(), *notes]:
+            if line:
+                log.info("%s", line)
         warn_untested_versions()
     latest = ckpt.latest_checkpoint(ckpt_root)
     if cfg.resume == "never" and latest is not None:
+        # (found by check_inputs already, unless a checkpoint appeared since)
         raise ConfigError(f"resume=never but {ckpt_root} already holds checkpoints; choose another run_dir")
 
     determinism = []
