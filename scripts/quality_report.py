@@ -47,6 +47,9 @@ def run_summary(study, run) -> dict:
     out = {"seed": run.seed, "done": study.done(run), "step": recs[-1]["step"] if recs else 0, "steps": run.steps,
            "final_lm_loss": mean_of("lm_loss", last) if study.done(run) else None,
            "final_kl": mean_of("kl_loss", last) if study.done(run) else None,
+           # held-out text (data.split / data.valid_blend with trainer.eval_interval): the last evaluation
+           "final_valid_loss": next((r["valid/lm_loss"] for r in reversed(recs) if "valid/lm_loss" in r), None)
+           if study.done(run) else None,
            "recall": sparse[-1]["msa/recall"] if sparse else None,
            "tokens_per_s": statistics.median([r["tokens_per_s"] for r in recs[1:]]) if len(recs) > 1 else None,
            "peak_mem_gib": max((r["peak_mem_gib"] for r in recs if "peak_mem_gib" in r), default=None)}
@@ -68,7 +71,7 @@ def summarize(study) -> dict:
         losses = [v["final_lm_loss"] for v in runs.values() if v["final_lm_loss"] is not None]
         entry = {"base": arm.base, "ref": arm.ref, "overrides": arm.overrides, "runs": runs, "n": len(losses),
                  "mean": _mean(losses), "std": _std(losses)}
-        for key in ("final_kl", "recall", "tokens_per_s"):
+        for key in ("final_kl", "recall", "tokens_per_s", "final_valid_loss"):
             entry[key] = _mean([v[key] for v in runs.values() if v[key] is not None])
         entry["peak_mem_gib"] = max((v["peak_mem_gib"] for v in runs.values() if v["peak_mem_gib"]), default=None)
         arms[name] = entry
@@ -85,6 +88,10 @@ def summarize(study) -> dict:
             p["rel_pct"] = 100 * p["mean"] / _mean([b for _, b in pairs])
         if diffs and ref["std"] is not None:
             p["exceeds_2_seed_std"] = abs(p["mean"]) > 2 * ref["std"]
+        valid = [v["final_valid_loss"] - ref["runs"][seed]["final_valid_loss"] for seed, v in entry["runs"].items()
+                 if v["final_valid_loss"] is not None and seed in ref["runs"]
+                 and ref["runs"][seed]["final_valid_loss"] is not None]
+        p["valid_mean"], p["valid_n"] = _mean(valid), len(valid)
         entry["paired"] = p
     return {"preset": study.args.preset, "steps": study.steps, "mid": study.mid, "step_tokens": study.step_tokens,
             "tokens_per_run": study.steps * study.step_tokens, "warmup_tokens": study.warmup_tokens,
@@ -109,8 +116,8 @@ def markdown(summary: dict, study, call: dict) -> str:
              f"{study.args.final_window or study.preset['final_window']} logged intervals. Paired: the arm's final loss "
              "minus its reference's, same seed.", "",
              "| arm | base | vs | runs done | final lm loss (mean ± std) | paired diff (mean ± std, n) | rel | "
-             "> 2 x ref seed std | final KL | recall@k | tok/s per run | peak GiB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "> 2 x ref seed std | valid loss (paired diff) | final KL | recall@k | tok/s per run | peak GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, a in s["arms"].items():
         p = a.get("paired") or {}
         exceeds = p.get("exceeds_2_seed_std")
@@ -118,7 +125,8 @@ def markdown(summary: dict, study, call: dict) -> str:
             f"| {name} | {a['base']} | {a['ref'] or '-'} | {a['n']}/{len(a['runs'])} | {_fmt(a['mean'], '.4f')} ± "
             f"{_fmt(a['std'], '.4f')} | {_fmt(p.get('mean'), '.4f', True)} ± {_fmt(p.get('std'), '.4f')} "
             f"({p.get('n', '-')}) | {_fmt(p.get('rel_pct'), '.2f', True)}{'%' if p.get('rel_pct') is not None else ''}"
-            f" | {'-' if exceeds is None else ('yes' if exceeds else 'no')} | {_fmt(a['final_kl'])} | "
+            f" | {'-' if exceeds is None else ('yes' if exceeds else 'no')} | {_fmt(a['final_valid_loss'], '.4f')} "
+            f"({_fmt(p.get('valid_mean'), '.4f', True)}) | {_fmt(a['final_kl'])} | "
             f"{_fmt(a['recall'])} | {_fmt(a['tokens_per_s'], ',.0f')} | {_fmt(a['peak_mem_gib'], '.1f')} |")
     seeds = sorted({seed for a in s["arms"].values() for seed in a["runs"]})
     lines += ["", "Per seed (final lm loss; `at N` = not finished, at step N):", "",
