@@ -113,9 +113,8 @@ def test_cpt_trains_on_the_converted_models_token_ids(converted, tmp_path):
     root, prefix, _ = converted
     msa = root / "llama" / "msa"
     run = tmp_path / "run"
-    # the converted model as it is (not the test model of run_train)
-    cmd = [sys.executable, "train.py", "recipe=cpt", f"init_from={msa}", f"hydra.searchpath=[file://{msa}]",
-           "model=llama-converted", f"data.blend=[{prefix}]", "data.document_mask=false", f"run_dir={run}",
+    # the converted model as its checkpoint records it (not the test model of run_train)
+    cmd = [sys.executable, "train.py", "recipe=cpt", f"init_from={msa}", f"data.blend=[{prefix}]", "data.document_mask=false", f"run_dir={run}",
            f"data.cache_dir={tmp_path / 'cache'}", "trainer.max_steps=2", "trainer.indexer_warmup_tokens=256",
            "parallel.micro_batch_size=2", "parallel.global_batch_size=4", "optim.warmup_steps=1",
            "logging.log_interval=1", "logging.wandb_mode=disabled", "logging.tensorboard=false",

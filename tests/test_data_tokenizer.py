@@ -140,3 +140,35 @@ def test_blend_entries_and_tokenizers_are_checked_together(tmp_path, bpe):
     assert check_blends(cfg, hf.identity) == []
     cfg.tokenizer_mismatch = "allow"
     assert check_blends(cfg, byte.identity) == []
+
+
+def test_train_tokenizer_writes_a_tokenizer_the_trainer_and_prepare_read(tmp_path):
+    """`python -m data.train_tokenizer` on a text directory: a BPE of the asked size whose EOS ends
+    documents, that encodes any text (bytes it never saw too) and round-trips; bad input is one line."""
+    from data.prepare import main as prepare
+    from data.prepared import read_metadata
+    from data.tokenizer import build_tokenizer
+    from data.train_tokenizer import BOS, EOS
+    from data.train_tokenizer import main as train_tokenizer
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i, text in enumerate(stdlib_texts(12)):
+        (corpus / f"{i:02d}.py").write_text(text)
+    (corpus / "notes.md").write_text("not a .py file")
+    out = tmp_path / "tok"
+    assert train_tokenizer([str(corpus), "--glob", "*.py", "--vocab-size", "400", "--output", str(out)]) == 0
+    tok = build_tokenizer(str(out))
+    assert tok.vocab_size == 400 and tok.detokenize([tok.eod]) == EOS and tok.detokenize([tok.bos]) == BOS
+    unseen = "λx → 𝔼[x] 漢字 " + TEXT
+    seen = stdlib_texts(1)[0]
+    assert tok.detokenize(tok.tokenize(unseen)) == unseen and len(tok.tokenize(seen)) < len(seen.encode()) / 1.5  # merges learned
+
+    assert prepare([str(corpus), "--glob", "*.py", "--tokenizer", str(out), "--output-prefix",
+                    str(tmp_path / "ds"), "--workers", "1"]) == 0
+    meta = read_metadata(tmp_path / "ds")
+    assert meta["documents"] == 12 and meta["tokenizer"]["sha256"] == tok.identity["sha256"]
+
+    assert train_tokenizer([str(corpus), "--vocab-size", "400", "--output", str(out)]) == 2  # exists, not empty
+    assert train_tokenizer([str(corpus), "--vocab-size", "100", "--output", str(tmp_path / "t2")]) == 2
+    assert train_tokenizer([str(tmp_path / "missing"), "--vocab-size", "400", "--output", str(tmp_path / "t3")]) == 2

@@ -69,6 +69,8 @@ def classify(command: str) -> str:
         return "run"
     if words[:3] == ["python", "-m", "launch.slurm"]:
         return "run" if "--dry-run" in words else "validate"
+    if words[:3] in (["python", "-m", "data.prepare"], ["python", "-m", "data.train_tokenizer"]):
+        return "skip"  # your corpus (tests/test_data_prepare.py, test_data_tokenizer.py run both on small ones)
     if words[:3] == ["python", "-m", "msa_model.convert"]:
         # hf-to-msa and verify need your Hugging Face checkpoint, and msa-to-hf writes to /tmp/export,
         # outside the test's directory (tests/test_convert_hf.py runs all three on tiny models)
