@@ -109,7 +109,10 @@ def composition_error(error: BaseException, overrides: list[str]) -> str:
     full_key = getattr(cause, "full_key", None)
     if isinstance(error, MissingConfigException):
         match = re.search(r"Could not find '([^']+)'", text)
-        options = re.findall(r"^\t(\S+)$", text, re.M)
+        from msa_model.training.model_source import CHECKPOINT_OPTION
+
+        # (a checkpoint's recorded model, stored in-process by model_source, is no preset to offer)
+        options = [o for o in re.findall(r"^\t(\S+)$", text, re.M) if o != CHECKPOINT_OPTION]
         if match and "/" in match.group(1):
             group, option = match.group(1).rsplit("/", 1)
             given = override_for(group, overrides) or f"{group}={option}"

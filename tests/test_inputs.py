@@ -92,6 +92,12 @@ def _composition_error(*overrides: str) -> str:
 
 
 def test_composition_errors_in_one_line():
+    from hydra.core.config_store import ConfigStore
+
+    from msa_model.training.model_source import CHECKPOINT_OPTION
+
+    # what a run that took its model from a checkpoint leaves in this process is not offered
+    ConfigStore.instance().store(group="model", name=CHECKPOINT_OPTION, node={"name": "recorded"})
     assert _composition_error("model.hiden_size=64") == \
         "model.hiden_size=64: unknown key model.hiden_size (did you mean model.hidden_size?)"
     assert _composition_error("model=tinny") == \
