@@ -1,5 +1,6 @@
 """msa_model.compat: the private APIs' version check."""
 
+import os
 import logging
 from importlib import metadata
 
@@ -26,3 +27,25 @@ def test_a_version_prefix_matches_its_patch_releases(monkeypatch):
     assert compat.untested_versions() == []
     monkeypatch.setattr(compat, "CHECKED_WITH", {"torch": ("2.1",)})
     assert compat.untested_versions() == ["torch 2.11.0+cu130 (checked with 2.1)"]
+
+
+def test_megatron_imports_without_torch_compile_on_cpu():
+    """msa_model/jit_off.py: on CPU megatron's fusions are plain functions and importing megatron
+    does not pull in dynamo and inductor (what makes every process start seconds slower)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, msa_model, megatron.core, torch\n"
+            "from megatron.core import jit\n"
+            "from megatron.core.fusions.fused_bias_geglu import bias_geglu\n"
+            "from megatron.core.transformer.moe.router import InferenceTopKRouter\n"
+            "assert not torch.cuda.is_available()\n"
+            "assert jit.jit_fuser is jit.noop_decorator, jit.jit_fuser\n"
+            "assert type(bias_geglu).__name__ == 'function', type(bias_geglu)\n"
+            "assert type(InferenceTopKRouter.__dict__['_compiled_topk_routing'].__func__).__name__ == 'function'\n"
+            "assert torch.compile.__module__ == 'torch', torch.compile\n"
+            "assert 'torch._inductor.compile_fx' not in sys.modules\n"
+            "print('ok')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.stdout.strip() == "ok", proc.stdout + proc.stderr[-3000:]
