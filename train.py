@@ -38,6 +38,7 @@ def main(cfg: DictConfig) -> None:
         failures.fail("invalid configuration:\n  - " + "\n  - ".join(unknown), 2)
 
     from msa_model.training.model_source import take_model_from_checkpoint
+    from msa_model.training.distributed import ProcessGroupError
     from msa_model.training.run import INPUT_ERRORS, run
 
     # a fatal error is said once, by the rank that has it (msa_model/training/failures.py)
@@ -47,6 +48,9 @@ def main(cfg: DictConfig) -> None:
         # init_from / resume without model=: the model the checkpoint records
         cfg, note = take_model_from_checkpoint(cfg, overrides, hydra_cfg.job.config_name, searchpath)
         run(cfg, notes=[note] if note else [])
+    except ProcessGroupError as e:
+        # one rank's own trouble (a port in use), before the job's store exists to tell the others
+        failures.fail(str(e), 2, this_rank=True)
     except INPUT_ERRORS as e:
         # the message names the field, file or holder and the cause; a traceback would bury it
         failures.fail(str(e), 2)

@@ -21,5 +21,9 @@ class ExportTorchDistributedEnv(Callback):
             return
         from submitit.helpers import TorchDistributedEnvironment
 
+        # submitit draws the port at random from 20000-60000, which overlaps Linux's ephemeral range
+        # (32768+): the job's port is chosen as launch/submit.sbatch.in chooses it
+        job, attempt = int(os.environ["SLURM_JOB_ID"].split("_")[0]), int(os.environ.get("SLURM_RESTART_COUNT", 0))
+        os.environ["MASTER_PORT"] = str(20000 + (job * 16 + attempt) % 12768)
         # overwrite: a job submitted from inside another job inherits that job's variables
         TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)

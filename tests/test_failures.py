@@ -125,3 +125,23 @@ def test_a_bad_input_only_rank_1_sees_reaches_the_log_once(tmp_path, data_cache)
     log = (run_dir / "train.log").read_text().splitlines()
     assert error in log[-2] and log[-1].endswith(stop), log[-3:]
     assert "failed (exitcode: 2)" in out  # torchrun's own report: the job failed as its rank 1 did
+
+
+def test_a_port_in_use_is_said_by_the_rank_that_meets_it(tmp_path, data_cache):
+    """Rank 0 of a two-rank job whose MASTER_PORT another process holds (under Hydra's submitit
+    launcher such an error was kept in the job's result and the rank said nothing): one line with
+    its rank and host, the address, exit code 2, nothing trained."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        env = {**_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "2",
+               "LOCAL_RANK": "0", "SLURMD_NODENAME": "node1", "MSA_DATA_CACHE_DIR": str(data_cache)}
+        proc = subprocess.run([sys.executable, "train.py", *TINY_TEST, "trainer.max_steps=2",
+                               "trainer.indexer_warmup_tokens=1024", f"run_dir={tmp_path / 'run'}"], cwd=REPO,
+                              env=env, capture_output=True, text=True, timeout=300)
+    err = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert len(err) == 1 and err[0].startswith("error: [rank 0 on node1] rank 0 of 2 could not start the process "
+                                               f"group at 127.0.0.1:{port} ("), err
+    assert "Traceback" not in proc.stderr and not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -141,3 +142,24 @@ def test_launch_sh_of_a_slurm_run_resubmits_its_script(tmp_path, monkeypatch):
     assert cmd.startswith(f"{sys.executable} -m torch.distributed.run --nnodes=2 --nproc-per-node=8 "
                           "--rdzv-backend=c10d --rdzv-endpoint=gpu01:29400 train.py model=small")
     assert cmd.endswith(f"run_dir={tmp_path}")
+
+
+def test_submitit_jobs_take_a_port_below_the_ephemeral_range(monkeypatch):
+    """launch/submitit_env.py: the job's MASTER_PORT by the rule of launch/submit.sbatch.in, not
+    submitit's random one (up to 60000, where the node's outgoing connections may hold it)."""
+    from launch.submitit_env import ExportTorchDistributedEnv
+
+    slurm = {"SLURM_JOB_ID": "4711", "SLURM_RESTART_COUNT": "1", "SUBMITIT_EXECUTOR": "slurm",
+             "SLURM_JOB_NODELIST": "node1", "SLURM_NODELIST": "node1", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+             "SLURM_NTASKS": "1", "SLURM_NNODES": "1", "SLURM_NODEID": "0", "SLURM_STEP_NODELIST": "node1",
+             "SLURM_STEP_TASKS_PER_NODE": "1", "SLURM_TASKS_PER_NODE": "1", "SLURM_JOB_NUM_NODES": "1"}
+    for key, value in slurm.items():
+        monkeypatch.setenv(key, value)
+    # what the callback exports is put back after the test (setenv records the original values)
+    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
+    ExportTorchDistributedEnv().on_job_start()
+    assert os.environ["MASTER_PORT"] == str(20000 + (4711 * 16 + 1) % 12768)
+    rule = (REPO / "launch" / "submit.sbatch.in").read_text()
+    assert "export MASTER_PORT=$(( 20000 + (SLURM_JOB_ID * 16 + ${SLURM_RESTART_COUNT:-0}) % 12768 ))" in rule

@@ -55,6 +55,10 @@ def pick_device(preference: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+class ProcessGroupError(RuntimeError):
+    """The default process group could not be started (rendezvous address or port)."""
+
+
 def init_distributed(parallel_cfg, device_preference: str, seed: int) -> DistEnv:
     """Create the default process group and megatron's tp/pp/ep/cp/dp groups, and seed RNGs."""
     rank, world_size, local_rank = launch_env()
@@ -66,7 +70,13 @@ def init_distributed(parallel_cfg, device_preference: str, seed: int) -> DistEnv
         if world_size == 1 and "MASTER_ADDR" not in os.environ:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         else:
-            dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size)
+            try:
+                dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size)
+            except dist.DistNetworkError as e:
+                # e.g. the port held by another process: said here, not swallowed by a launcher
+                where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+                raise ProcessGroupError(f"rank {rank} of {world_size} could not start the process group at {where} "
+                                        f"({str(e).splitlines()[0]}); is another job using that port?") from e
 
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed

@@ -174,14 +174,20 @@ def _stop_for(channel: _Channel, first: dict) -> NoReturn:
         _exit(first["code"])
 
 
-def fail(message: str, code: int, every_rank: bool = False) -> NoReturn:
+def fail(message: str, code: int, every_rank: bool = False, this_rank: bool = False) -> NoReturn:
     """This rank's fatal error (`message`, one line unless it is a traceback): said once in the
-    job, then exit with `code`. `every_rank`: every rank has the same error (Ctrl-C): rank 0 says it."""
+    job, then exit with `code`. `every_rank`: every rank has the same error (Ctrl-C): rank 0 says it.
+    `this_rank`: before the job's store exists, an error of this rank alone (the process group
+    could not start): said by this rank, with its rank and host."""
     channel = _channel
     if channel is not None:
         _hold_signals()
+    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+    if channel is None and this_rank:
+        print(f"error: [rank {rank} on {host()}] {message}", file=sys.stderr, flush=True)
+        sys.exit(code)
     if channel is None or every_rank:
-        if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0:
+        if rank == 0:
             print(f"error: {message}", file=sys.stderr, flush=True)
         if channel is None:
             sys.exit(code)

@@ -14,13 +14,13 @@ from data.cache_check import DataCacheError
 from msa_model.compat import warn_untested_versions
 from msa_model.config import ConfigError, config_problems, msa_layers_of, validate
 from msa_model.training.checkpoint_checks import CheckpointError
-from msa_model.training.distributed import launch_env, parallel_layout
+from msa_model.training.distributed import ProcessGroupError, launch_env, parallel_layout
 from msa_model.training.run_dir import RunDirBusy, lock_run_dir, setup_logging, write_run_files
 
 log = logging.getLogger(__name__)
 
 # bad input, each named in its message: train.py prints these in one line, without a traceback
-INPUT_ERRORS = (ConfigError, CheckpointError, DataCacheError, RunDirBusy)
+INPUT_ERRORS = (ConfigError, CheckpointError, DataCacheError, RunDirBusy, ProcessGroupError)
 
 
 def _build_optimizer(cfg, model_chunks):
