@@ -33,24 +33,11 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+from msa_model.lock_files import create_lock, pid_state, read_lock
+
 from .cache_check import DataCacheError, problem, record, unrecorded
 
 log = logging.getLogger(__name__)
-
-
-def _pid_state(pid: int) -> tuple[bool, str | None]:
-    """(alive, start time in clock ticks since boot) of a process of this host; a zombie has exited."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        try:
-            os.kill(pid, 0)  # no /proc: alive if it exists
-        except ProcessLookupError:
-            return False, None
-        except PermissionError:
-            pass
-        return True, None
-    return fields[0] not in ("Z", "X"), fields[19]
 
 
 class BuildLock:
@@ -67,7 +54,7 @@ class BuildLock:
         self.path = path.with_name(f"{path.name}.lock")
         self.what, self.timeout_s = what, timeout_s
         self.stale_after_s, self.heartbeat_s, self.poll_s = stale_after_s, heartbeat_s, poll_s
-        self.info = {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": _pid_state(os.getpid())[1],
+        self.info = {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": pid_state(os.getpid())[1],
                      "slurm_job_id": os.environ.get("SLURM_JOB_ID"), "rank": os.environ.get("RANK"),
                      "started": time.strftime("%Y-%m-%d %H:%M:%S")}
         self.held = False
@@ -82,35 +69,11 @@ class BuildLock:
         self.release()
 
     def _read(self, path: Path) -> tuple[dict | None, float | None]:
-        """(holder or None if unreadable, mtime); (None, None) if there is no such file."""
-        try:
-            mtime = path.stat().st_mtime
-            return json.loads(path.read_text()), mtime
-        except FileNotFoundError:
-            return None, None
-        except (OSError, ValueError):
-            return None, mtime
+        return read_lock(path)
 
     def _try_create(self) -> bool:
         tmp = self.path.with_name(f".{self.path.name}.{self.info['host']}.{self.info['pid']}")
-        tmp.write_text(json.dumps(self.info) + "\n")
-        try:
-            os.link(tmp, self.path)
-            return True
-        except FileExistsError:
-            return False
-        except OSError:
-            # a file system without hard links: exclusive creation (a reader may find it empty for
-            # an instant, which reads as a live holder)
-            try:
-                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileExistsError:
-                return False
-            with os.fdopen(fd, "w") as f:
-                f.write(tmp.read_text())
-            return True
-        finally:
-            tmp.unlink(missing_ok=True)
+        return create_lock(self.path, tmp, json.dumps(self.info) + "\n")
 
     def _gone(self, holder: dict, mtime: float, unchanged_s: float) -> str | None:
         """Why the holder is gone, or None while it may be alive."""
@@ -118,7 +81,7 @@ class BuildLock:
             pid = holder.get("pid")
             if not isinstance(pid, int) or pid <= 0:
                 return "it names no process"
-            alive, start = _pid_state(pid)
+            alive, start = pid_state(pid)
             if not alive or (holder.get("pid_start") and start and start != holder["pid_start"]):
                 return f"process {pid} on {holder['host']} is no longer running"
             if pid == self.info["pid"]:

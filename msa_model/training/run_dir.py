@@ -22,6 +22,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from msa_model.lock_files import create_lock, pid_state, read_lock
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 log = logging.getLogger(__name__)
 
@@ -144,33 +146,6 @@ class RunDirBusy(RuntimeError):
     """Another live process trains in this run directory."""
 
 
-def _proc_stat(pid: int) -> list[str] | None:
-    """Fields 3.. of /proc/<pid>/stat (Linux): [0] the state, [19] the start time in clock ticks
-    since boot (tells a reused pid apart)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # the command name (field 2) may contain spaces; the fields after it are plain words
-    return stat.rsplit(")", 1)[1].split()
-
-
-def _process_start(pid: int) -> str | None:
-    fields = _proc_stat(pid)
-    return fields[19] if fields else None
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # it exists, owned by someone else
-    fields = _proc_stat(pid)
-    return not (fields and fields[0] in ("Z", "X"))  # a zombie has exited, only not been reaped
-
-
 class RunDirLock:
     """`<run_dir>/run.lock`: one training process (rank 0 of the job) per run directory.
 
@@ -187,7 +162,7 @@ class RunDirLock:
     def __init__(self, run_dir: str | Path, stale_after_s: float = 300.0, heartbeat_s: float = 30.0):
         self.run_dir, self.path = Path(run_dir), Path(run_dir) / self.NAME
         self.stale_after_s, self.heartbeat_s = stale_after_s, heartbeat_s
-        self.info = {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": _process_start(os.getpid()),
+        self.info = {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": pid_state(os.getpid())[1],
                      "started": time.strftime("%Y-%m-%d %H:%M:%S"), "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
                      "slurm_restart_count": os.environ.get("SLURM_RESTART_COUNT", "0"),
                      "command": " ".join(sys.argv)[:500]}
@@ -197,14 +172,7 @@ class RunDirLock:
     # -- reading and judging a lock ---------------------------------------------------------------
 
     def _read(self, path: Path) -> tuple[dict | None, float | None]:
-        """(holder info or None if unreadable, mtime); (None, None) if the file is gone."""
-        try:
-            mtime = path.stat().st_mtime
-            return json.loads(path.read_text()), mtime
-        except FileNotFoundError:
-            return None, None
-        except (OSError, ValueError):
-            return None, mtime
+        return read_lock(path)
 
     def _stale_reason(self, info: dict, mtime: float) -> str | None:
         """Why the holder is gone, or None if it may be alive."""
@@ -213,9 +181,9 @@ class RunDirLock:
             pid = info.get("pid")
             if not isinstance(pid, int) or pid <= 0:
                 return "it names no process"
-            if not _pid_alive(pid):
+            alive, start = pid_state(pid)
+            if not alive:
                 return f"process {pid} on {me['host']} is no longer running"
-            start = _process_start(pid)
             if info.get("pid_start") and start and start != info["pid_start"]:
                 return f"process {pid} on {me['host']} has exited (the pid now belongs to another process)"
             if pid == me["pid"]:
@@ -239,24 +207,7 @@ class RunDirLock:
 
     def _try_create(self) -> bool:
         tmp = self.path.with_name(f".{self.NAME}.{self.info['host']}.{self.info['pid']}")
-        tmp.write_text(json.dumps(self.info, indent=1) + "\n")
-        try:
-            os.link(tmp, self.path)
-            return True
-        except FileExistsError:
-            return False
-        except OSError:
-            # a file system without hard links: exclusive creation (a reader may see it empty
-            # for an instant, which counts as busy below)
-            try:
-                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileExistsError:
-                return False
-            with os.fdopen(fd, "w") as f:
-                f.write(tmp.read_text())
-            return True
-        finally:
-            tmp.unlink(missing_ok=True)
+        return create_lock(self.path, tmp, json.dumps(self.info, indent=1) + "\n")
 
     def acquire(self, attempts: int = 8) -> None:
         """Take the lock, taking over a stale one with a warning; raise RunDirBusy naming a live
