@@ -25,7 +25,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-import msa_model  # noqa: E402,F401  (before megatron: msa_model/jit_off.py)
+import msa_model  # noqa: E402,F401  (before megatron: msa_model/megatron_imports.py)
 from parallel_main import _compose  # noqa: E402
 
 

@@ -30,8 +30,9 @@ def test_a_version_prefix_matches_its_patch_releases(monkeypatch):
 
 
 def test_megatron_imports_without_torch_compile_on_cpu():
-    """msa_model/jit_off.py: on CPU megatron's fusions are plain functions and importing megatron
-    does not pull in dynamo and inductor (what makes every process start seconds slower)."""
+    """msa_model/megatron_imports.py: on CPU megatron's fusions are plain functions and importing
+    megatron pulls in neither dynamo and inductor nor wandb (seconds of every process start); wandb
+    still imports for the runs that log to it."""
     import subprocess
     import sys
 
@@ -45,6 +46,10 @@ def test_megatron_imports_without_torch_compile_on_cpu():
             "assert type(InferenceTopKRouter.__dict__['_compiled_topk_routing'].__func__).__name__ == 'function'\n"
             "assert torch.compile.__module__ == 'torch', torch.compile\n"
             "assert 'torch._inductor.compile_fx' not in sys.modules\n"
+            "from megatron.core import timers\n"
+            "assert timers.wandb is None and 'wandb' not in sys.modules\n"
+            "import wandb\n"
+            "assert hasattr(wandb, 'init')\n"
             "print('ok')")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
