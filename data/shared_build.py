@@ -33,7 +33,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-from msa_model.lock_files import create_lock, pid_state, read_lock
+from msa_model.lock_files import create_lock, pid_state, read_lock, remove_stale
 
 from .cache_check import DataCacheError, problem, record, unrecorded
 
@@ -141,23 +141,10 @@ class BuildLock:
         self._thread.start()
 
     def _take_over(self, holder: dict | None, reason: str) -> None:
-        # moved aside first, then checked: another waiter may have taken over in between, and its
-        # fresh lock goes back
         aside = self.path.with_name(f".{self.path.name}.stale.{self.info['host']}.{self.info['pid']}")
-        try:
-            os.rename(self.path, aside)
-        except FileNotFoundError:
-            return
-        moved, _ = self._read(aside)
-        if moved != holder:
-            try:
-                os.link(aside, self.path)
-            except OSError:
-                pass
-        else:
+        if remove_stale(self.path, aside, holder):
             log.warning("%s: taking over the build from %s: %s", self.what,
                         self._describe(holder) if holder else "an unknown builder", reason)
-        aside.unlink(missing_ok=True)
 
     def _owned(self) -> bool:
         return self._read(self.path)[0] == self.info

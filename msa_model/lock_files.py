@@ -61,3 +61,22 @@ def pid_state(pid: int) -> tuple[bool, str | None]:
             pass
         return True, None
     return fields[0] not in ("Z", "X"), fields[19]
+
+
+def remove_stale(path: Path, aside: Path, judged: dict | None) -> bool:
+    """Remove the lock file at `path` whose holder was judged gone (`judged`: what it held then,
+    None if unreadable). The file is moved aside first and checked: another process may have taken
+    over in between, and its fresh lock is put back. Whether the judged lock was removed."""
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return False
+    moved, _ = read_lock(aside)
+    removed = (moved or {}) == (judged or {})
+    if not removed:
+        try:
+            os.link(aside, path)
+        except OSError:
+            pass
+    aside.unlink(missing_ok=True)
+    return removed

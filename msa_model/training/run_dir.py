@@ -22,7 +22,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from msa_model.lock_files import create_lock, pid_state, read_lock
+from msa_model.lock_files import create_lock, pid_state, read_lock, remove_stale
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 log = logging.getLogger(__name__)
@@ -232,24 +232,10 @@ class RunDirLock:
                         f"run_dir {self.run_dir} is in use by {self._describe(info, mtime)}: wait for that run to "
                         f"end, stop it, or pass another run_dir=. If it is gone, {self.path} goes stale after "
                         f"{self.stale_after_s:.0f} s without heartbeat; you may also delete it.")
-            # move it aside, then check that what moved is what we judged: another launch may have
-            # taken over in between, and its fresh lock must be put back
             aside = self.path.with_name(f".{self.NAME}.stale.{self.info['host']}.{self.info['pid']}")
-            try:
-                os.rename(self.path, aside)
-            except FileNotFoundError:
-                continue
-            moved, _ = self._read(aside)
-            if (moved or {}) != info:
-                try:
-                    os.link(aside, self.path)
-                except OSError:
-                    pass
-                aside.unlink(missing_ok=True)
-                continue
-            aside.unlink(missing_ok=True)
-            log.warning("taking over the lock of run_dir %s from %s: %s", self.run_dir,
-                        f"pid {info.get('pid')} on {info.get('host')}" if info else "an unknown holder", reason)
+            if remove_stale(self.path, aside, info):
+                log.warning("taking over the lock of run_dir %s from %s: %s", self.run_dir,
+                            f"pid {info.get('pid')} on {info.get('host')}" if info else "an unknown holder", reason)
         raise RunDirBusy(f"could not lock run_dir {self.run_dir}: other launches keep racing for {self.path}")
 
     def _owned(self) -> bool:
