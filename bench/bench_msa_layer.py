@@ -312,7 +312,7 @@ def tune(T: int, res: dict) -> None:
     best = None
     # teacher dot rows (M = 16 entries x heads) of the key-major kernels, pipeline stages of the
     # sparse forward and the dense kernels, tiles of the dense forward's second pass (results of
-    # earlier runs: bench/RESULTS.md, round 4)
+    # earlier runs: bench/HISTORY.md, Round 4)
     variants = [dict(rows=r, fwd_stages=st, dense_stages=st) for r, st in ((128, 2), (128, 1), (256, 2), (64, 2))]
     variants += [dict(dense_rows=256), dict(dense_warps=4), dict(dense_fwd_j=64)]
     # KL_VARIANTS: a JSON list of Tuning overrides replacing the ones above

@@ -1,7 +1,7 @@
 """select_blocks on the GPU: correctness at long context and timings against PyTorch paths.
 
 Run from the repo root: PYTHONPATH=. python bench/bench_select_blocks.py [--out DIR] [--lengths 8192,...]
-[--append bench/RESULTS.md]
+[--append FILE]
 Default geometry: Hkv=4, Di=128, block 128, top-16, B=1, bf16 inputs. Prints a markdown table last.
 
 Columns: ours = select_blocks(backend="triton") (one fused kernel); torch = chunked PyTorch path
@@ -112,7 +112,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--lengths", default="8192,32768,131072,524288")
     ap.add_argument("--tune", default="128:8:3,128:4:2,256:8:2")
-    ap.add_argument("--append", default=None, help="also append the table to this file (bench/RESULTS.md)")
+    ap.add_argument("--append", default=None, help="also append the table to this file")
     args = ap.parse_args()
     dev = torch.device("cuda")
     log = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,

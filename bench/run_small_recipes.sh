@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The `small` preset (12 layers, 16 experts, GQA 16q/4kv, 8K context, 16 x 128-token blocks) with
 # each recipe on one GPU: dense baseline, MSA-PT, and MSA-CPT from the converted dense run.
-# Prints each run's log lines; bench/RESULTS.md holds what it measured.
+# Prints each run's log lines; bench/HISTORY.md holds what it measured.
 #   bash bench/run_small_recipes.sh OUT_DIR [STEPS]
 set -euo pipefail
 out=${1:?usage: bench/run_small_recipes.sh OUT_DIR [STEPS]}

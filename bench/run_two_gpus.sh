@@ -4,7 +4,7 @@
 #   bash bench/run_two_gpus.sh OUT_DIR
 # Parity: every run starts from the same weights (one optimizer step of a one-GPU run, saved and
 # loaded with init_from, which reshards them) and reads the same samples, so the first steps'
-# losses must agree within bf16 noise. Prints each run's step lines; bench/RESULTS.md holds them.
+# losses must agree within bf16 noise. Prints each run's step lines; bench/HISTORY.md holds them.
 set -euo pipefail
 out=${1:?usage: bench/run_two_gpus.sh OUT_DIR}
 py=${PYTHON:-python3}

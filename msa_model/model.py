@@ -41,8 +41,8 @@ class TorchRMSNorm(torch.nn.RMSNorm):
     finalize_model_grads sums its gradient over the tensor-parallel ranks that each saw a slice
     of the sequence. The weight (an fp32 parameter, as in the wrapper) is applied in the input's
     dtype, so that bf16 inputs take torch's fused kernel (fp32 inside, one rounding); with an
-    fp32 weight torch falls back to its composite of about seven passes, some in fp32 (the q norm
-    over 64 heads was several percent of a 128K step: bench/RESULTS.md, round 11).
+    fp32 weight torch falls back to its composite of about seven passes, some in fp32 (for the q
+    norm over 64 heads, several percent of a 128K step).
     The weight's gradient is then rounded to bf16 once per call before it reaches the fp32
     parameter (as with any bf16 parameter). Zero-centred weights stay in fp32 (1 + w would round
     w away in bf16)."""
