@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from msa_model.convert.fixtures import save_tiny_hf
+from convert_fixtures import save_tiny_hf
 from msa_model.convert.hf_io import load_all
 
 REPO = Path(__file__).resolve().parents[1]

@@ -9,7 +9,7 @@ import pytest
 
 from msa_model.convert import minimax_m3 as m3
 from msa_model.convert.config_keys import Key, read_keys, write_keys
-from msa_model.convert.fixtures import _COMMON, M3_TINY, TINY
+from convert_fixtures import _COMMON, M3_TINY, TINY
 from msa_model.convert.hf_families import FAMILIES, MSA_KEYS, hf_config_from_model, model_config_from_hf
 from msa_model.convert.hf_io import ConversionError
 

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from msa_model.convert.commands import hf_to_msa
-from msa_model.convert.fixtures import save_tiny_hf
+from convert_fixtures import save_tiny_hf
 from msa_model.convert.hf_families import FAMILIES, check_exportable, model_config_from_hf
 from msa_model.convert.hf_io import ConversionError
 

@@ -1,6 +1,6 @@
 """MiniMax-M3 <-> MSA, checked against transformers' M3 implementation running sparse attention.
 
-The tiny M3 (msa_model.convert.fixtures.M3_TINY) uses every option the mapping covers: MSA and
+The tiny M3 (tests/convert_fixtures.py, M3_TINY) uses every option the mapping covers: MSA and
 full-attention layers mixed, MoE and dense MLPs out of leading order, 2 forced local blocks in a
 top-3 of 16-token blocks, a wider index head, partial RoPE, the clamped quick-GELU GLU with a
 clamp that bites, a sigmoid router with a non-zero expert bias, routed scaling, a shared expert,
@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 # run as the worker script, import this checkout's msa_model (not whichever the virtualenv points at)
 sys.path.insert(0, str(REPO))
 
-from msa_model.convert.fixtures import M3_TINY, save_tiny_m3  # noqa: E402
+from convert_fixtures import M3_TINY, save_tiny_m3  # noqa: E402
 from msa_model.convert.hf_io import load_all  # noqa: E402
 PARITY_MAX_ABS = 1e-4
 SEQ = 128
