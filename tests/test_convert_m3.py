@@ -305,7 +305,7 @@ def test_tied_block_scores():
 
 def test_config_refusals():
     """What M3 allows but our MSA (or megatron's router) cannot run the same way is refused by name."""
-    from msa_model.convert.hf_families import model_config_from_hf
+    from msa_model.convert.families import model_config_from_hf
     from msa_model.convert.hf_io import ConversionError
 
     base = {**M3_TINY, "architectures": ["MiniMaxM3VLForCausalLM"], "model_type": "minimax_m3_vl_text"}
@@ -330,17 +330,17 @@ def test_config_refusals():
 
 def test_export_refuses_what_m3_cannot_express():
     from msa_model.config import ModelConfig
-    from msa_model.convert.hf_families import FAMILIES, check_exportable
+    from msa_model.convert.families import FAMILIES
     from msa_model.convert.hf_io import ConversionError
 
     with pytest.raises(ConversionError, match=r"cannot export as minimax_m3: norm_zero_centered=false .*"
                                               r"activation=swiglu .*moe_router_score_function=softmax"):
-        check_exportable(ModelConfig(), FAMILIES["minimax_m3"])
+        FAMILIES["minimax_m3"].check_exportable(ModelConfig())
     m3_like = ModelConfig(norm_zero_centered=True, activation="quick_geglu", glu_linear_offset=1.0,
                           activation_clamp=7.0, moe_router_score_function="sigmoid", moe_shared_expert_size=64)
-    check_exportable(m3_like, FAMILIES["minimax_m3"])
+    FAMILIES["minimax_m3"].check_exportable(m3_like)
     with pytest.raises(ConversionError, match=r"cannot export as llama: .*norm_zero_centered=true"):
-        check_exportable(m3_like, FAMILIES["llama"])
+        FAMILIES["llama"].check_exportable(m3_like)
 
 
 if __name__ == "__main__":
