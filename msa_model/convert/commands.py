@@ -43,12 +43,24 @@ def check_layout(model: ModelConfig, tp: int, pp: int, ep: int) -> None:
                               f"invalid): {e}") from e
 
 
-def _index_tensors(model: ModelConfig, method: str, layer_qk, seed: int) -> dict:
+def _index_tensors(model: ModelConfig, method: str, tensors: dict, seed: int) -> dict:
     """Index-branch tensors (megatron names -> zero-argument functions computing them) of every
-    MSA layer. layer_qk(i) = (q [Hq*D, H], k [Hkv*D, H], q_norm, k_norm) of layer i. Each layer is
-    computed once, when first asked for, from its own seeded generator (so the result does not
-    depend on the order of the calls)."""
+    MSA layer, from its QKV weight and QK norms in `tensors` (megatron names -> tensors, or
+    zero-argument functions computing them). Each layer is computed once, when first asked for,
+    from its own seeded generator (so the result does not depend on the order of the calls)."""
     cache: dict[int, dict[str, torch.Tensor]] = {}
+    qkv = Rule("", ("q", "k", "v"), "qkv")
+
+    def value(name: str) -> torch.Tensor:
+        return tensors[name]() if callable(tensors[name]) else tensors[name]
+
+    def layer_qk(i: int) -> tuple:
+        """(q [Hq*D, H], k [Hkv*D, H], q_norm [D], k_norm [D]) of layer i; norms None without QK norm."""
+        sa = f"decoder.layers.{i}.self_attention"
+        q, k, _ = split(qkv, value(f"{sa}.linear_qkv.weight"), model)
+        norms = ((value(f"{sa}.q_layernorm.weight"), value(f"{sa}.k_layernorm.weight"))
+                 if model.qk_layernorm else (None, None))
+        return q, k, *norms
 
     def layer(i: int) -> dict[str, torch.Tensor]:
         if i not in cache:
@@ -165,12 +177,7 @@ def convert_hf_tensors(ckpt, hf_cfg: dict, out: str, *, source: str, where: str,
     tensors = {rule.mcore: lambda rule=rule: fuse(rule, [ckpt.get(n) for n in rule.hf], model)
                for rule in fam.rules(model, with_index=has_index)}
     if msa and not has_index:
-        def layer_qk(i):
-            attn = f"model.layers.{i}.self_attn"
-            norms = (ckpt.get(f"{attn}.q_norm.weight"), ckpt.get(f"{attn}.k_norm.weight")) if model.qk_layernorm else (None, None)
-            return ckpt.get(f"{attn}.q_proj.weight"), ckpt.get(f"{attn}.k_proj.weight"), *norms
-
-        tensors.update(_index_tensors(model, index_init, layer_qk, seed))
+        tensors.update(_index_tensors(model, index_init, tensors, seed))
 
     parallel = mio.init_megatron()
     megatron_model = mio.build(model, parallel)
@@ -251,16 +258,7 @@ def dense_to_msa(src: str, out: str, *, model_config: str | None = None, index_i
     msa_cfg = dataclasses.replace(cfg, attention="msa", msa=geometry, name=name or f"{cfg.name}-msa")
     check_method(msa_cfg, index_init)
     tensors = mio.full_state_dict(dense)
-    qkv_rule = Rule("", ("q", "k", "v"), "qkv")
-
-    def layer_qk(i):
-        sa = f"decoder.layers.{i}.self_attention"
-        q, k, _ = split(qkv_rule, tensors[f"{sa}.linear_qkv.weight"], cfg)
-        norms = ((tensors[f"{sa}.q_layernorm.weight"], tensors[f"{sa}.k_layernorm.weight"])
-                 if cfg.qk_layernorm else (None, None))
-        return q, k, *norms
-
-    tensors.update(_index_tensors(msa_cfg, index_init, layer_qk, seed))
+    tensors.update(_index_tensors(msa_cfg, index_init, tensors, seed))
 
     msa_model = mio.build(dataclasses.replace(msa_cfg, vocab_size=build_cfg.vocab_size), ParallelConfig())
     mio.assign(msa_model, tensors, str(src))
