@@ -16,6 +16,7 @@ D = head dim, F = MLP hidden size.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -27,6 +28,26 @@ class Rule:
     mcore: str
     hf: tuple[str, ...]
     kind: str = "copy"  # copy | qkv | glu
+
+
+def decoder_rules(model, attention: Callable[[int, str, str], list[Rule]],
+                  mlp: Callable[[int, str, str], list[Rule]]) -> list[Rule]:
+    """The rules of a decoder whose Hugging Face names are `model.layers.N...`, in a fixed order: the
+    embedding; per layer its input norm, `attention(i, hf, ours)` (the prefixes
+    `model.layers.i.self_attn` and `decoder.layers.i.self_attention`), its pre-MLP norm and
+    `mlp(i, hf, ours)` (`model.layers.i`, `decoder.layers.i`); the final norm and, untied, the
+    output layer."""
+    out = [Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",))]
+    for i in range(model.num_layers):
+        hf, mc = f"model.layers.{i}", f"decoder.layers.{i}"
+        out.append(Rule(f"{mc}.input_layernorm.weight", (f"{hf}.input_layernorm.weight",)))
+        out += attention(i, f"{hf}.self_attn", f"{mc}.self_attention")
+        out.append(Rule(f"{mc}.pre_mlp_layernorm.weight", (f"{hf}.post_attention_layernorm.weight",)))
+        out += mlp(i, hf, mc)
+    out.append(Rule("decoder.final_layernorm.weight", ("model.norm.weight",)))
+    if not model.tie_embeddings:
+        out.append(Rule("output_layer.weight", ("lm_head.weight",)))
+    return out
 
 
 def fuse(rule: Rule, tensors: list[torch.Tensor], model) -> torch.Tensor:

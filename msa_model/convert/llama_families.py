@@ -31,7 +31,7 @@ from msa_model.config import PRODUCTION_BLOCK_SIZE, PRODUCTION_TOPK, ModelConfig
 from msa_model.convert.config_keys import Key, lookup, read_keys, rope_from_hf, rope_to_hf, write_keys
 from msa_model.convert.family import Family
 from msa_model.convert.hf_io import ConversionError
-from msa_model.convert.hf_mapping import Rule
+from msa_model.convert.hf_mapping import Rule, decoder_rules
 
 # config.json key <-> ModelConfig field, read by hf-to-msa and written by msa-to-hf
 # (msa_model.convert.config_keys); the rest of the translation is code below
@@ -199,12 +199,9 @@ class LlamaFamily(Family):
 
     def rules(self, model: ModelConfig, with_index: bool) -> list[Rule]:
         moe, msa = moe_layers(model), msa_layers_of(model)
-        out = [Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",))]
-        for i in range(model.num_layers):
-            hf, mc = f"model.layers.{i}", f"decoder.layers.{i}"
-            attn, sa = f"{hf}.self_attn", f"{mc}.self_attention"
-            out.append(Rule(f"{mc}.input_layernorm.weight", (f"{hf}.input_layernorm.weight",)))
-            out.append(Rule(f"{sa}.linear_qkv.weight", tuple(f"{attn}.{p}_proj.weight" for p in "qkv"), "qkv"))
+
+        def attention(i: int, attn: str, sa: str) -> list[Rule]:
+            out = [Rule(f"{sa}.linear_qkv.weight", tuple(f"{attn}.{p}_proj.weight" for p in "qkv"), "qkv")]
             if model.qkv_bias:
                 out.append(Rule(f"{sa}.linear_qkv.bias", tuple(f"{attn}.{p}_proj.bias" for p in "qkv"), "qkv"))
             if model.qk_layernorm:
@@ -212,27 +209,25 @@ class LlamaFamily(Family):
                 out.append(Rule(f"{sa}.k_layernorm.weight", (f"{attn}.k_norm.weight",)))
             out.append(Rule(f"{sa}.linear_proj.weight", (f"{attn}.o_proj.weight",)))
             if with_index and msa[i]:
-                for mname, hname in INDEX_TENSORS.items():
-                    if "layernorm" in mname and not model.qk_layernorm:
-                        continue
-                    out.append(Rule(f"{sa}.{mname}", (f"{attn}.{hname}",)))
-            out.append(Rule(f"{mc}.pre_mlp_layernorm.weight", (f"{hf}.post_attention_layernorm.weight",)))
-            if moe[i]:
-                block = f"{hf}.{self.moe_module}"
-                gate, up, down = self.expert_names
-                out.append(Rule(f"{mc}.mlp.router.weight", (f"{block}.gate.weight",)))
-                for e in range(model.num_experts):
-                    ex, mx = f"{block}.experts.{e}", f"{mc}.mlp.experts.local_experts.{e}"
-                    out.append(Rule(f"{mx}.linear_fc1.weight", (f"{ex}.{gate}.weight", f"{ex}.{up}.weight"), "glu"))
-                    out.append(Rule(f"{mx}.linear_fc2.weight", (f"{ex}.{down}.weight",)))
-            else:
-                out.append(Rule(f"{mc}.mlp.linear_fc1.weight",
-                                (f"{hf}.mlp.gate_proj.weight", f"{hf}.mlp.up_proj.weight"), "glu"))
-                out.append(Rule(f"{mc}.mlp.linear_fc2.weight", (f"{hf}.mlp.down_proj.weight",)))
-        out.append(Rule("decoder.final_layernorm.weight", ("model.norm.weight",)))
-        if not model.tie_embeddings:
-            out.append(Rule("output_layer.weight", ("lm_head.weight",)))
-        return out
+                out += [Rule(f"{sa}.{mname}", (f"{attn}.{hname}",)) for mname, hname in INDEX_TENSORS.items()
+                        if model.qk_layernorm or "layernorm" not in mname]
+            return out
+
+        def mlp(i: int, hf: str, mc: str) -> list[Rule]:
+            if not moe[i]:
+                return [Rule(f"{mc}.mlp.linear_fc1.weight",
+                             (f"{hf}.mlp.gate_proj.weight", f"{hf}.mlp.up_proj.weight"), "glu"),
+                        Rule(f"{mc}.mlp.linear_fc2.weight", (f"{hf}.mlp.down_proj.weight",))]
+            block = f"{hf}.{self.moe_module}"
+            gate, up, down = self.expert_names
+            out = [Rule(f"{mc}.mlp.router.weight", (f"{block}.gate.weight",))]
+            for e in range(model.num_experts):
+                ex, mx = f"{block}.experts.{e}", f"{mc}.mlp.experts.local_experts.{e}"
+                out.append(Rule(f"{mx}.linear_fc1.weight", (f"{ex}.{gate}.weight", f"{ex}.{up}.weight"), "glu"))
+                out.append(Rule(f"{mx}.linear_fc2.weight", (f"{ex}.{down}.weight",)))
+            return out
+
+        return decoder_rules(model, attention, mlp)
 
     def hf_shapes(self, model: ModelConfig, with_index: bool) -> dict[str, tuple[int, ...]]:
         m = model

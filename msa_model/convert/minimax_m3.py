@@ -49,7 +49,7 @@ from msa_model.config import PRODUCTION_BLOCK_SIZE, PRODUCTION_TOPK, ModelConfig
 from msa_model.convert.config_keys import Key, lookup, read_keys, rope_from_hf, rope_to_hf, text_config, write_keys
 from msa_model.convert.family import Family
 from msa_model.convert.hf_io import ConversionError
-from msa_model.convert.hf_mapping import Rule
+from msa_model.convert.hf_mapping import Rule, decoder_rules
 
 log = logging.getLogger(__name__)
 
@@ -344,38 +344,34 @@ class MiniMaxM3(Family):
     def rules(self, model: ModelConfig, with_index: bool) -> list[Rule]:
         """In the canonical naming (see the module's docstring)."""
         msa, moe = msa_layers_of(model), moe_layers(model)
-        out = [Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",))]
-        for i in range(model.num_layers):
-            hf, mc = f"model.layers.{i}", f"decoder.layers.{i}"
-            attn, sa = f"{hf}.self_attn", f"{mc}.self_attention"
-            out += [Rule(f"{mc}.input_layernorm.weight", (f"{hf}.input_layernorm.weight",)),
-                    Rule(f"{sa}.linear_qkv.weight", tuple(f"{attn}.{p}_proj.weight" for p in "qkv"), "qkv"),
-                    Rule(f"{sa}.q_layernorm.weight", (f"{attn}.q_norm.weight",)),
-                    Rule(f"{sa}.k_layernorm.weight", (f"{attn}.k_norm.weight",)),
-                    Rule(f"{sa}.linear_proj.weight", (f"{attn}.o_proj.weight",))]
+
+        def attention(i: int, attn: str, sa: str) -> list[Rule]:
+            out = [Rule(f"{sa}.linear_qkv.weight", tuple(f"{attn}.{p}_proj.weight" for p in "qkv"), "qkv"),
+                   Rule(f"{sa}.q_layernorm.weight", (f"{attn}.q_norm.weight",)),
+                   Rule(f"{sa}.k_layernorm.weight", (f"{attn}.k_norm.weight",)),
+                   Rule(f"{sa}.linear_proj.weight", (f"{attn}.o_proj.weight",))]
             if with_index and msa[i]:
                 out += [Rule(f"{sa}.index_{p}_proj.weight", (f"{attn}.indexer.{p}_proj.weight",)) for p in "qk"]
                 out += [Rule(f"{sa}.index_{p}_layernorm.weight", (f"{attn}.indexer.{p}_norm.weight",)) for p in "qk"]
-            out.append(Rule(f"{mc}.pre_mlp_layernorm.weight", (f"{hf}.post_attention_layernorm.weight",)))
-            if moe[i]:
-                out.append(Rule(f"{mc}.mlp.router.weight", (f"{hf}.mlp.gate.weight",)))
-                if model.moe_router_expert_bias:
-                    out.append(Rule(f"{mc}.mlp.router.expert_bias", (f"{hf}.mlp.gate.e_score_correction_bias",)))
-                for e in range(model.num_experts):
-                    ex, mx = f"{hf}.mlp.experts.{e}", f"{mc}.mlp.experts.local_experts.{e}"
-                    out += [Rule(f"{mx}.linear_fc1.weight", (f"{ex}.gate_up_proj",)),
-                            Rule(f"{mx}.linear_fc2.weight", (f"{ex}.down_proj",))]
-                if model.moe_shared_expert_size:
-                    out += [Rule(f"{mc}.mlp.shared_experts.linear_fc{n}.weight",
-                                 (f"{hf}.mlp.shared_experts.{p}.weight",))
-                            for n, p in ((1, "gate_up_proj"), (2, "down_proj"))]
-            else:
-                out += [Rule(f"{mc}.mlp.linear_fc{n}.weight", (f"{hf}.mlp.{p}.weight",))
+            return out
+
+        def mlp(i: int, hf: str, mc: str) -> list[Rule]:
+            if not moe[i]:
+                return [Rule(f"{mc}.mlp.linear_fc{n}.weight", (f"{hf}.mlp.{p}.weight",))
                         for n, p in ((1, "gate_up_proj"), (2, "down_proj"))]
-        out.append(Rule("decoder.final_layernorm.weight", ("model.norm.weight",)))
-        if not model.tie_embeddings:
-            out.append(Rule("output_layer.weight", ("lm_head.weight",)))
-        return out
+            out = [Rule(f"{mc}.mlp.router.weight", (f"{hf}.mlp.gate.weight",))]
+            if model.moe_router_expert_bias:
+                out.append(Rule(f"{mc}.mlp.router.expert_bias", (f"{hf}.mlp.gate.e_score_correction_bias",)))
+            for e in range(model.num_experts):
+                ex, mx = f"{hf}.mlp.experts.{e}", f"{mc}.mlp.experts.local_experts.{e}"
+                out += [Rule(f"{mx}.linear_fc1.weight", (f"{ex}.gate_up_proj",)),
+                        Rule(f"{mx}.linear_fc2.weight", (f"{ex}.down_proj",))]
+            if model.moe_shared_expert_size:
+                out += [Rule(f"{mc}.mlp.shared_experts.linear_fc{n}.weight", (f"{hf}.mlp.shared_experts.{p}.weight",))
+                        for n, p in ((1, "gate_up_proj"), (2, "down_proj"))]
+            return out
+
+        return decoder_rules(model, attention, mlp)
 
     def hf_shapes(self, model: ModelConfig, with_index: bool) -> dict[str, tuple[int, ...]]:
         m = model
