@@ -11,7 +11,8 @@ verify) ask the family and never test its name.
 Adding a family is adding one object to msa_model.convert.families.FAMILIES: a `LlamaFamily`
 (msa_model.convert.llama_families) for a model of the Llama layout with its own config keys, biases,
 norms or expert names, or a subclass of `Family` of its own for another layout (as MiniMax-M3's,
-msa_model.convert.minimax_m3).
+msa_model.convert.minimax_m3; hf_mapping.decoder_rules gives the `model.layers.N` skeleton, the
+family its attention's and MLP's tensors).
 
 Imports go one way: the helpers (hf_io, config_keys, hf_mapping) <- this base <- the families
 (llama_families, minimax_m3) <- the registry (families) <- the commands (commands, verify).
