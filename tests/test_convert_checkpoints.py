@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from msa_model.convert.fixtures import save_tiny_hf
 from msa_model.convert.hf_io import load_all
+
+from convert_fixtures import save_tiny_hf
 
 REPO = Path(__file__).resolve().parents[1]
 GEOMETRY = ["--seq-length", "128", "--block-size", "16", "--topk", "2"]

@@ -9,9 +9,11 @@ import pytest
 
 from msa_model.convert import minimax_m3 as m3
 from msa_model.convert.config_keys import Key, read_keys, write_keys
-from msa_model.convert.fixtures import _COMMON, M3_TINY, TINY
-from msa_model.convert.hf_families import FAMILIES, MSA_KEYS, hf_config_from_model, model_config_from_hf
+from msa_model.convert.families import FAMILIES, model_config_from_hf
 from msa_model.convert.hf_io import ConversionError
+from msa_model.convert.llama_families import MSA_KEYS
+
+from convert_fixtures import _COMMON, M3_TINY, TINY
 
 
 def _config(family: str) -> dict:
@@ -31,7 +33,7 @@ def _rows(family: str, model) -> list[tuple[Key, object]]:
 @pytest.mark.parametrize("family", [*TINY, "minimax_m3"])
 def test_every_row_survives_export_and_import(family):
     fam, model = model_config_from_hf(_config(family))
-    exported = hf_config_from_model(model, fam)
+    exported = fam.hf_config(model)
     _, again = model_config_from_hf(exported)
     assert dataclasses.asdict(again) == dataclasses.asdict(model)
     # what is exported under each key reads back as its field's value (msa.local_blocks = 1 is

@@ -19,7 +19,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from msa_model.convert.fixtures import save_tiny_hf  # noqa: E402
+from convert_fixtures import save_tiny_hf  # noqa: E402
 
 STAGES = (2, 3)
 GEOMETRY = dict(seq_length=128, block_size=16, topk=2)

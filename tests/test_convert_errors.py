@@ -15,9 +15,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from msa_model.convert.commands import hf_to_msa
-from msa_model.convert.fixtures import save_tiny_hf
-from msa_model.convert.hf_families import FAMILIES, check_exportable, model_config_from_hf
+from msa_model.convert.families import FAMILIES, model_config_from_hf
 from msa_model.convert.hf_io import ConversionError
+
+from convert_fixtures import save_tiny_hf
 
 
 @pytest.fixture
@@ -115,9 +116,26 @@ def test_export_family_must_match():
            "intermediate_size": 96, "vocab_size": 300, "num_hidden_layers": 2}
     _, model = model_config_from_hf(cfg)
     with pytest.raises(ConversionError, match="cannot export as llama: qkv_bias=True"):
-        check_exportable(model, FAMILIES["llama"])
+        FAMILIES["llama"].check_exportable(model)
     with pytest.raises(ConversionError, match="cannot export as mixtral:.*is an MoE family"):
-        check_exportable(model, FAMILIES["mixtral"])
+        FAMILIES["mixtral"].check_exportable(model)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_a_deep_moe_model_maps_every_layer(family):
+    """48 layers, as Qwen3-30B-A3B: more than the characters of a layer's tensor name, which a
+    name once overwriting the per-layer MoE flags could index past."""
+    cfg = {"architectures": [FAMILIES[family].architecture], "hidden_size": 64, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "intermediate_size": 96, "moe_intermediate_size": 32, "vocab_size": 300,
+           "num_hidden_layers": 48, "num_experts": 4, "num_local_experts": 4, "num_experts_per_tok": 2,
+           "mlp_only_layers": [0]}
+    fam, model = model_config_from_hf(cfg)
+    rules = fam.rules(model, with_index=True)
+    routers = [r.mcore for r in rules if r.mcore.endswith(".mlp.router.weight")]
+    dense = 1 if family == "qwen3_moe" else 0
+    assert routers == [f"decoder.layers.{i}.mlp.router.weight" for i in range(dense, 48)]
+    assert sum(".local_experts." in r.mcore for r in rules) == 2 * 4 * (48 - dense)
+    assert set(fam.hf_shapes(model, with_index=True)) == {n for r in rules for n in r.hf}
 
 
 def test_cli_reports_error_and_exit_code(llama, tmp_path):

@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 # run as the worker script, import this checkout's msa_model (not whichever the virtualenv points at)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from msa_model.convert.fixtures import TINY, save_tiny_hf, tiny_hf_model  # noqa: E402
+from convert_fixtures import TINY, save_tiny_hf, tiny_hf_model  # noqa: E402
 from msa_model.convert.hf_io import HFCheckpoint, load_all  # noqa: E402
 from skeleton_helpers import REPO, _env  # noqa: E402
 

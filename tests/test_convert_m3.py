@@ -1,6 +1,6 @@
 """MiniMax-M3 <-> MSA, checked against transformers' M3 implementation running sparse attention.
 
-The tiny M3 (msa_model.convert.fixtures.M3_TINY) uses every option the mapping covers: MSA and
+The tiny M3 (tests/convert_fixtures.py, M3_TINY) uses every option the mapping covers: MSA and
 full-attention layers mixed, MoE and dense MLPs out of leading order, 2 forced local blocks in a
 top-3 of 16-token blocks, a wider index head, partial RoPE, the clamped quick-GELU GLU with a
 clamp that bites, a sigmoid router with a non-zero expert bias, routed scaling, a shared expert,
@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 # run as the worker script, import this checkout's msa_model (not whichever the virtualenv points at)
 sys.path.insert(0, str(REPO))
 
-from msa_model.convert.fixtures import M3_TINY, save_tiny_m3  # noqa: E402
+from convert_fixtures import M3_TINY, save_tiny_m3  # noqa: E402
 from msa_model.convert.hf_io import load_all  # noqa: E402
 PARITY_MAX_ABS = 1e-4
 SEQ = 128
@@ -305,7 +305,7 @@ def test_tied_block_scores():
 
 def test_config_refusals():
     """What M3 allows but our MSA (or megatron's router) cannot run the same way is refused by name."""
-    from msa_model.convert.hf_families import model_config_from_hf
+    from msa_model.convert.families import model_config_from_hf
     from msa_model.convert.hf_io import ConversionError
 
     base = {**M3_TINY, "architectures": ["MiniMaxM3VLForCausalLM"], "model_type": "minimax_m3_vl_text"}
@@ -330,17 +330,17 @@ def test_config_refusals():
 
 def test_export_refuses_what_m3_cannot_express():
     from msa_model.config import ModelConfig
-    from msa_model.convert.hf_families import FAMILIES, check_exportable
+    from msa_model.convert.families import FAMILIES
     from msa_model.convert.hf_io import ConversionError
 
     with pytest.raises(ConversionError, match=r"cannot export as minimax_m3: norm_zero_centered=false .*"
                                               r"activation=swiglu .*moe_router_score_function=softmax"):
-        check_exportable(ModelConfig(), FAMILIES["minimax_m3"])
+        FAMILIES["minimax_m3"].check_exportable(ModelConfig())
     m3_like = ModelConfig(norm_zero_centered=True, activation="quick_geglu", glu_linear_offset=1.0,
                           activation_clamp=7.0, moe_router_score_function="sigmoid", moe_shared_expert_size=64)
-    check_exportable(m3_like, FAMILIES["minimax_m3"])
+    FAMILIES["minimax_m3"].check_exportable(m3_like)
     with pytest.raises(ConversionError, match=r"cannot export as llama: .*norm_zero_centered=true"):
-        check_exportable(m3_like, FAMILIES["llama"])
+        FAMILIES["llama"].check_exportable(m3_like)
 
 
 if __name__ == "__main__":

@@ -84,7 +84,7 @@ def _worker(*args: str) -> str:
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    from msa_model.convert.fixtures import save_tiny_hf
+    from convert_fixtures import save_tiny_hf
 
     from data.tokenizer import build_tokenizer, copy_tokenizer_files
 

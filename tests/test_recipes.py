@@ -164,7 +164,7 @@ def test_dry_run_of_a_layout_that_cannot_run_says_which_one_can():
 
 
 def test_memory_advice_follows_the_target_gpu():
-    from msa_model.dry_run import memory_advice, smallest_fitting_layout
+    from msa_model.training.dry_run import memory_advice, smallest_fitting_layout
     from msa_model.estimate import memory_estimate
 
     def advice(*overrides):

@@ -19,7 +19,7 @@ import sys
 
 from msa_model.config import PRODUCTION_BLOCK_SIZE, PRODUCTION_TOPK
 from msa_model.convert import MAX_SEQ_LENGTH
-from msa_model.convert.hf_families import FAMILIES
+from msa_model.convert.families import FAMILIES
 from msa_model.convert.hf_io import ConversionError
 from msa_model.convert.index_init import DEFAULT, INIT_CHOICES
 

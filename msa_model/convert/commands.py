@@ -18,11 +18,10 @@ from msa_model.config import (SPARSE_SHARE, ConfigError, ModelConfig, ParallelCo
                               sparse_geometry, validate)
 from msa_model.convert import DEFAULT_SEQ_LENGTH, MAX_SEQ_LENGTH
 from msa_model.convert import megatron_io as mio
-from msa_model.convert import minimax_m3 as m3
-from msa_model.convert.minimax_m3 import M3Checkpoint
-from msa_model.convert.hf_families import FAMILIES, check_exportable, hf_config_from_model, model_config_from_hf
+from msa_model.convert.config_keys import text_config
+from msa_model.convert.families import FAMILIES, model_config_from_hf
 from msa_model.convert.hf_io import CONFIG_FILE, ConversionError, HFCheckpoint, read_config, save_safetensors
-from msa_model.convert.hf_mapping import Rule, check_hf_shapes, fuse, hf_shapes, rules, split
+from msa_model.convert.hf_mapping import Rule, check_hf_shapes, fuse, split
 from msa_model.convert.index_init import DEFAULT, check_method, index_weight_names, index_weights
 
 log = logging.getLogger(__name__)
@@ -44,12 +43,24 @@ def check_layout(model: ModelConfig, tp: int, pp: int, ep: int) -> None:
                               f"invalid): {e}") from e
 
 
-def _index_tensors(model: ModelConfig, method: str, layer_qk, seed: int) -> dict:
+def _index_tensors(model: ModelConfig, method: str, tensors: dict, seed: int) -> dict:
     """Index-branch tensors (megatron names -> zero-argument functions computing them) of every
-    MSA layer. layer_qk(i) = (q [Hq*D, H], k [Hkv*D, H], q_norm, k_norm) of layer i. Each layer is
-    computed once, when first asked for, from its own seeded generator (so the result does not
-    depend on the order of the calls)."""
+    MSA layer, from its QKV weight and QK norms in `tensors` (megatron names -> tensors, or
+    zero-argument functions computing them). Each layer is computed once, when first asked for,
+    from its own seeded generator (so the result does not depend on the order of the calls)."""
     cache: dict[int, dict[str, torch.Tensor]] = {}
+    qkv = Rule("", ("q", "k", "v"), "qkv")
+
+    def value(name: str) -> torch.Tensor:
+        return tensors[name]() if callable(tensors[name]) else tensors[name]
+
+    def layer_qk(i: int) -> tuple:
+        """(q [Hq*D, H], k [Hkv*D, H], q_norm [D], k_norm [D]) of layer i; norms None without QK norm."""
+        sa = f"decoder.layers.{i}.self_attention"
+        q, k, _ = split(qkv, value(f"{sa}.linear_qkv.weight"), model)
+        norms = ((value(f"{sa}.q_layernorm.weight"), value(f"{sa}.k_layernorm.weight"))
+                 if model.qk_layernorm else (None, None))
+        return q, k, *norms
 
     def layer(i: int) -> dict[str, torch.Tensor]:
         if i not in cache:
@@ -96,7 +107,7 @@ def _context(hf_cfg: dict, seq_length: int | None, max_seq_length: int) -> tuple
     """(training context, why that one) for a source config.json."""
     if seq_length is not None:
         return seq_length, "--seq-length"
-    source = m3.text_config(hf_cfg).get("max_position_embeddings")
+    source = text_config(hf_cfg).get("max_position_embeddings")
     if source is None:
         return min(DEFAULT_SEQ_LENGTH, max_seq_length), "the source's config.json names no max_position_embeddings"
     if int(source) > max_seq_length:
@@ -109,7 +120,7 @@ def _geometry(model: ModelConfig, hf_cfg: dict, fam, where: str, block_size: int
     """(block size, top-k, where they come from) of the converted model."""
     s = model.msa
     local = local_blocks or s.local_blocks
-    if fam.name == "minimax_m3" or hf_cfg.get("msa"):
+    if fam.has_msa_geometry(hf_cfg):
         return block_size or s.block_size, topk or s.topk, "the checkpoint's own" + (
             " with --block-size/--topk" if block_size or topk else "")
     if block_size and topk:
@@ -145,19 +156,16 @@ def convert_hf_tensors(ckpt, hf_cfg: dict, out: str, *, source: str, where: str,
     log.info("context %d tokens (%s); MSA blocks of %d tokens, top-%d = %d keys per query, 1/%d of the context (%s; "
              "--seq-length, --block-size and --topk change them)", context, why, block, k, block * k,
              context // (block * k), origin)
-    skipped = {}
-    if fam.name == "minimax_m3":
-        ckpt = M3Checkpoint(ckpt)
-        skipped = dict(ckpt.skipped)
-        for part, count in sorted(skipped.items()):
-            log.info("%s: skipping %d tensor(s) of %s (not part of the text model)", source, count, part)
+    ckpt, skipped = fam.open(ckpt)
+    for part, count in sorted(skipped.items()):
+        log.info("%s: skipping %d tensor(s) of %s (not part of the text model)", source, count, part)
 
     msa = model.attention == "msa"
-    index_names = set(hf_shapes(model, fam, with_index=True)) - set(hf_shapes(model, fam, with_index=False))
+    index_names = set(fam.hf_shapes(model, with_index=True)) - set(fam.hf_shapes(model, with_index=False))
     has_index = msa and bool(index_names) and all(n in ckpt for n in index_names)
     if msa and not has_index:
         check_method(model, index_init)
-    expected = hf_shapes(model, fam, with_index=has_index)
+    expected = fam.hf_shapes(model, with_index=has_index)
     check_hf_shapes(ckpt, expected, source)
     unexpected = [n for n in ckpt.names if n not in expected and n not in index_names and not n.endswith(_IGNORED_HF_SUFFIXES)]
     if unexpected:
@@ -167,14 +175,9 @@ def convert_hf_tensors(ckpt, hf_cfg: dict, out: str, *, source: str, where: str,
 
     # tensors are read and fused one at a time, as the model asks for them: memory stays at one model
     tensors = {rule.mcore: lambda rule=rule: fuse(rule, [ckpt.get(n) for n in rule.hf], model)
-               for rule in rules(model, fam, with_index=has_index)}
+               for rule in fam.rules(model, with_index=has_index)}
     if msa and not has_index:
-        def layer_qk(i):
-            attn = f"model.layers.{i}.self_attn"
-            norms = (ckpt.get(f"{attn}.q_norm.weight"), ckpt.get(f"{attn}.k_norm.weight")) if model.qk_layernorm else (None, None)
-            return ckpt.get(f"{attn}.q_proj.weight"), ckpt.get(f"{attn}.k_proj.weight"), *norms
-
-        tensors.update(_index_tensors(model, index_init, layer_qk, seed))
+        tensors.update(_index_tensors(model, index_init, tensors, seed))
 
     parallel = mio.init_megatron()
     megatron_model = mio.build(model, parallel)
@@ -255,16 +258,7 @@ def dense_to_msa(src: str, out: str, *, model_config: str | None = None, index_i
     msa_cfg = dataclasses.replace(cfg, attention="msa", msa=geometry, name=name or f"{cfg.name}-msa")
     check_method(msa_cfg, index_init)
     tensors = mio.full_state_dict(dense)
-    qkv_rule = Rule("", ("q", "k", "v"), "qkv")
-
-    def layer_qk(i):
-        sa = f"decoder.layers.{i}.self_attention"
-        q, k, _ = split(qkv_rule, tensors[f"{sa}.linear_qkv.weight"], cfg)
-        norms = ((tensors[f"{sa}.q_layernorm.weight"], tensors[f"{sa}.k_layernorm.weight"])
-                 if cfg.qk_layernorm else (None, None))
-        return q, k, *norms
-
-    tensors.update(_index_tensors(msa_cfg, index_init, layer_qk, seed))
+    tensors.update(_index_tensors(msa_cfg, index_init, tensors, seed))
 
     msa_model = mio.build(dataclasses.replace(msa_cfg, vocab_size=build_cfg.vocab_size), ParallelConfig())
     mio.assign(msa_model, tensors, str(src))
@@ -299,21 +293,20 @@ def msa_to_hf(src: str, out: str, *, family: str | None = None, model_config: st
         raise ConversionError(f"--family {family!r} is not supported; choose from {', '.join(FAMILIES)}")
     fam = FAMILIES[family]
     cfg, build_cfg, model = _load_source(src, model_config)
-    check_exportable(cfg, fam)
+    fam.check_exportable(cfg)
     dtype = dtype or record.get("source_dtype") or ("bfloat16" if cfg.params_dtype == "bf16" else "float32")
     state = mio.full_state_dict(model)
     vocab = build_cfg.vocab_size
     tensors = {}
-    for rule in rules(build_cfg, fam, with_index=cfg.attention == "msa"):
+    for rule in fam.rules(build_cfg, with_index=cfg.attention == "msa"):
         parts = split(rule, state[rule.mcore], build_cfg)
         for hf_name, t in zip(rule.hf, parts):
             if hf_name in ("model.embed_tokens.weight", "lm_head.weight"):
                 t = t[:vocab]
             tensors[hf_name] = t.to(_DTYPES[dtype]).contiguous()
-    if fam.name == "minimax_m3":
-        tensors = m3.export_layout(tensors, build_cfg)
+    tensors = fam.export_layout(tensors, build_cfg)
     files = save_safetensors(tensors, out, max_shard_bytes=max_shard_size)
-    hf_cfg = hf_config_from_model(build_cfg, fam, record.get("hf_config"))
+    hf_cfg = fam.hf_config(build_cfg, record.get("hf_config"))
     hf_cfg["dtype"] = dtype
     (Path(out) / CONFIG_FILE).write_text(json.dumps(hf_cfg, indent=2, sort_keys=True) + "\n")
     tokenizer = _checkpoint_tokenizer(src)

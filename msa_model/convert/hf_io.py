@@ -94,14 +94,18 @@ class HFCheckpoint:
             self._handles[file] = open_safetensors(self.root / file)
         return self._handles[file]
 
-    def _slice(self, name: str):
+    def _read(self, name: str, how: str):
+        """safe_open's `how` ("get_slice" or "get_tensor") of tensor `name`; errors name the file."""
         if name not in self._weight_map:
             raise ConversionError(f"{self.root}: tensor {name!r} not found in the checkpoint")
         file = self._weight_map[name]
         try:
-            return self._handle(file).get_slice(name)
+            return getattr(self._handle(file), how)(name)
         except SafetensorError as e:
             raise ConversionError(f"{self.root / file}: cannot read tensor {name!r}: {e}") from e
+
+    def _slice(self, name: str):
+        return self._read(name, "get_slice")
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._slice(name).get_shape())
@@ -111,13 +115,7 @@ class HFCheckpoint:
         return self._slice(name).get_dtype()
 
     def get(self, name: str) -> torch.Tensor:
-        if name not in self._weight_map:
-            raise ConversionError(f"{self.root}: tensor {name!r} not found in the checkpoint")
-        file = self._weight_map[name]
-        try:
-            return self._handle(file).get_tensor(name)
-        except SafetensorError as e:
-            raise ConversionError(f"{self.root / file}: cannot read tensor {name!r}: {e}") from e
+        return self._read(name, "get_tensor")
 
     def get_row(self, name: str, i: int) -> torch.Tensor:
         """`get(name)[i]`, reading only that row (one expert of a stacked expert tensor)."""

@@ -29,6 +29,8 @@ Two on-disk layouts are read:
 AutoModelForCausalLM). Both map through one canonical naming: the text layout with the stacked
 expert tensors split per expert (`mlp.experts.E.{gate_up_proj,down_proj}`), so every conversion
 is a copy, a concatenation or a row of a stacked tensor, and a round trip is bit-exact.
+`MiniMaxM3` is the family (msa_model.convert.family): its `open` reads either layout under the
+canonical names (`M3Checkpoint`), its `export_layout` writes the second.
 
 Legend: H = hidden, F = expert MLP width, E = experts, Hkv = kv heads, D = head dim, Di = index head dim.
 """
@@ -39,12 +41,15 @@ import logging
 import math
 import re
 from collections import Counter
+from dataclasses import dataclass
 
 import torch
 
 from msa_model.config import PRODUCTION_BLOCK_SIZE, PRODUCTION_TOPK, ModelConfig, MSAConfig, moe_layers, msa_layers_of
-from msa_model.convert.config_keys import Key, lookup, read_keys, write_keys
+from msa_model.convert.config_keys import Key, lookup, read_keys, rope_from_hf, rope_to_hf, text_config, write_keys
+from msa_model.convert.family import Family
 from msa_model.convert.hf_io import ConversionError
+from msa_model.convert.hf_mapping import Rule, decoder_rules
 
 log = logging.getLogger(__name__)
 
@@ -106,16 +111,6 @@ _RELEASE_RULES = [
     (re.compile(r"(.*)\.self_attn\.index_(q|k)_(proj|norm)\.weight$"), r"\1.self_attn.indexer.\2_\3.weight", None),
 ]
 _STACKED = re.compile(r"(.*)\.mlp\.experts\.(gate_up_proj|down_proj)$")
-
-
-def is_m3(hf_config: dict) -> bool:
-    return (bool(set(hf_config.get("architectures") or ()) & set(ARCHITECTURES))
-            or hf_config.get("model_type") in MODEL_TYPES)
-
-
-def text_config(hf_config: dict) -> dict:
-    """The text model's config: `text_config` of a vision-language config.json, else the config."""
-    return hf_config.get("text_config") or hf_config
 
 
 class M3Checkpoint:
@@ -233,81 +228,138 @@ def _types(c: dict, key: str, table: dict, layers: int, default: str, where: str
     return [table[v] for v in values]
 
 
-def model_config_from_m3(hf_config: dict, *, attention: str = "msa", seq_length: int = 4096, name: str | None = None,
-                         where: str = "config.json") -> ModelConfig:
-    """The ModelConfig of an M3 config.json (text model; a vision-language config's text_config)."""
-    from msa_model.convert.hf_families import rope_from_hf
+@dataclass(frozen=True)
+class MiniMaxM3(Family):
+    name: str = "minimax_m3"
+    architecture: str = EXPORT_ARCHITECTURE
+    model_type: str = EXPORT_MODEL_TYPE
+    keys: tuple[Key, ...] = CONFIG_KEYS
+    aliases: tuple[str, ...] = ARCHITECTURES + MODEL_TYPES
+    runs_msa: bool = True
 
-    c = text_config(hf_config)
-    if c is not hf_config:
-        where = f"{where} (text_config)"
-    fields = read_keys(CONFIG_KEYS, c, where)
-    layers, heads, kv_heads = fields["num_layers"], fields["num_attention_heads"], fields["num_query_groups"]
-    head_dim = fields["head_dim"]
-    if heads % kv_heads:
-        raise ConversionError(f"{where}: num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv_heads})")
-    attn_types = _types(c, "layer_types", _ATTENTION, layers, "full_attention", where)
-    mlp_types = _types(c, "mlp_layer_types", _MLP, layers, "sparse", where)
-    has_msa = "msa" in attn_types and attention == "msa"
-    index_heads = int(lookup(c, "index_n_heads", default=kv_heads))
-    if has_msa and index_heads != kv_heads:
-        raise ConversionError(f"{where}: index_n_heads ({index_heads}) != num_key_value_heads ({kv_heads}); MSA has "
-                              "one index head per GQA group")
-    msa = MSAConfig(**read_keys(MSA_KEYS, c, where, head_dim=head_dim))
-    if has_msa and not 1 <= msa.local_blocks <= msa.topk:
-        raise ConversionError(f"{where}: index_local_blocks ({msa.local_blocks}) must be in [1, index_topk_blocks="
-                              f"{msa.topk}] (with more forced blocks than slots the kept ones are arbitrary)")
-    rotary_dim = _rotary_dim(c, head_dim, where)
-    if has_msa and rotary_dim > msa.index_head_dim:
-        raise ConversionError(f"{where}: {rotary_dim} rotated channels do not fit index_head_dim={msa.index_head_dim}")
-    theta, scaling = rope_from_hf(c, where)
-    experts = int(lookup(c, "num_local_experts", "num_experts", default=0)) if "moe" in mlp_types else 0
-    moe_kw = {}
-    if experts:
-        moe_kw = dict(num_experts=experts, **read_keys(MOE_KEYS, c, where), moe_router_score_function="sigmoid",
-                      moe_router_expert_bias=True)
-        if moe_kw["moe_router_topk"] < 2:
-            raise ConversionError(f"{where}: num_experts_per_tok={moe_kw['moe_router_topk']}: M3 renormalises the "
-                                  "chosen experts' weights to sum to 1, which for one expert our sigmoid router "
-                                  "(megatron's) does not")
-    leading = next((i for i, t in enumerate(mlp_types) if t == "moe"), layers)
-    dtype = str(lookup(c, "dtype", "torch_dtype", default=lookup(hf_config, "dtype", "torch_dtype", default="float32")))
-    return ModelConfig(
-        name=name or "minimax_m3-converted",
-        attention="msa" if has_msa else "dense",
-        attention_types=attn_types if has_msa and set(attn_types) != {"msa"} else [],
-        **fields, qk_layernorm=True, norm_zero_centered=True, seq_length=seq_length,
-        rotary_base=theta, rotary_dim=rotary_dim, rope_scaling=scaling,
-        activation="quick_geglu", glu_linear_offset=1.0,
-        first_dense_layers=leading if all(t == "moe" for t in mlp_types[leading:]) else 0,
-        mlp_types=[] if all(t == "moe" for t in mlp_types[leading:]) or not experts else mlp_types,
-        tie_embeddings=bool(lookup(c, "tie_word_embeddings", default=hf_config.get("tie_word_embeddings", False))),
-        make_vocab_size_divisible_by=math.gcd(fields["vocab_size"], 128),
-        params_dtype="bf16" if dtype.replace("torch.", "") == "bfloat16" else "fp32",
-        msa=msa, **moe_kw,
-    )
+    def model_config(self, hf_config: dict, *, attention: str = "msa", seq_length: int = 4096, name: str | None = None,
+                     where: str = "config.json") -> ModelConfig:
+        """The text model's (a vision-language config's text_config)."""
+        c = text_config(hf_config)
+        if c is not hf_config:
+            where = f"{where} (text_config)"
+        fields = read_keys(CONFIG_KEYS, c, where)
+        layers, heads, kv_heads = fields["num_layers"], fields["num_attention_heads"], fields["num_query_groups"]
+        head_dim = fields["head_dim"]
+        if heads % kv_heads:
+            raise ConversionError(f"{where}: num_attention_heads ({heads}) is not a multiple of num_key_value_heads "
+                                  f"({kv_heads})")
+        attn_types = _types(c, "layer_types", _ATTENTION, layers, "full_attention", where)
+        mlp_types = _types(c, "mlp_layer_types", _MLP, layers, "sparse", where)
+        has_msa = "msa" in attn_types and attention == "msa"
+        index_heads = int(lookup(c, "index_n_heads", default=kv_heads))
+        if has_msa and index_heads != kv_heads:
+            raise ConversionError(f"{where}: index_n_heads ({index_heads}) != num_key_value_heads ({kv_heads}); MSA "
+                                  "has one index head per GQA group")
+        msa = MSAConfig(**read_keys(MSA_KEYS, c, where, head_dim=head_dim))
+        if has_msa and not 1 <= msa.local_blocks <= msa.topk:
+            raise ConversionError(f"{where}: index_local_blocks ({msa.local_blocks}) must be in [1, index_topk_blocks="
+                                  f"{msa.topk}] (with more forced blocks than slots the kept ones are arbitrary)")
+        rotary_dim = _rotary_dim(c, head_dim, where)
+        if has_msa and rotary_dim > msa.index_head_dim:
+            raise ConversionError(f"{where}: {rotary_dim} rotated channels do not fit "
+                                  f"index_head_dim={msa.index_head_dim}")
+        theta, scaling = rope_from_hf(c, where)
+        experts = int(lookup(c, "num_local_experts", "num_experts", default=0)) if "moe" in mlp_types else 0
+        moe_kw = {}
+        if experts:
+            moe_kw = dict(num_experts=experts, **read_keys(MOE_KEYS, c, where), moe_router_score_function="sigmoid",
+                          moe_router_expert_bias=True)
+            if moe_kw["moe_router_topk"] < 2:
+                raise ConversionError(f"{where}: num_experts_per_tok={moe_kw['moe_router_topk']}: M3 renormalises the "
+                                      "chosen experts' weights to sum to 1, which for one expert our sigmoid router "
+                                      "(megatron's) does not")
+        leading = next((i for i, t in enumerate(mlp_types) if t == "moe"), layers)
+        dtype = str(lookup(c, "dtype", "torch_dtype",
+                           default=lookup(hf_config, "dtype", "torch_dtype", default="float32")))
+        return ModelConfig(
+            name=name or "minimax_m3-converted",
+            attention="msa" if has_msa else "dense",
+            attention_types=attn_types if has_msa and set(attn_types) != {"msa"} else [],
+            **fields, qk_layernorm=True, norm_zero_centered=True, seq_length=seq_length,
+            rotary_base=theta, rotary_dim=rotary_dim, rope_scaling=scaling,
+            activation="quick_geglu", glu_linear_offset=1.0,
+            first_dense_layers=leading if all(t == "moe" for t in mlp_types[leading:]) else 0,
+            mlp_types=[] if all(t == "moe" for t in mlp_types[leading:]) or not experts else mlp_types,
+            tie_embeddings=bool(lookup(c, "tie_word_embeddings", default=hf_config.get("tie_word_embeddings", False))),
+            make_vocab_size_divisible_by=math.gcd(fields["vocab_size"], 128),
+            params_dtype="bf16" if dtype.replace("torch.", "") == "bfloat16" else "fp32",
+            msa=msa, **moe_kw,
+        )
 
+    def has_msa_geometry(self, hf_config: dict) -> bool:
+        # index_block_size and index_topk_blocks (M3's defaults where absent)
+        return True
 
-def rules(model, with_index: bool) -> list:
-    """Every megatron tensor of `model` and the canonical M3 tensors it is made of."""
-    from msa_model.convert.hf_mapping import Rule
+    def hf_config(self, model: ModelConfig, source: dict | None = None) -> dict:
+        """The exported text model's; kept keys come from the source's text config."""
+        m = model
+        dropped = ("rope_theta", "rope_scaling", "torch_dtype", "sparse_attention_config", "moe_layer_freq")
+        cfg = {k: v for k, v in text_config(source or {}).items() if k not in dropped}
+        rotary = m.rotary_dim or m.head_dim
+        rope = rope_to_hf(m.rotary_base, m.rope_scaling)
+        if rotary != m.head_dim:
+            rope["partial_rotary_factor"] = rotary / m.head_dim
+        msa, moe = msa_layers_of(m), moe_layers(m)
+        cfg.update(
+            architectures=[self.architecture], model_type=self.model_type, **write_keys(CONFIG_KEYS, m),
+            hidden_act="silu", rope_parameters=rope, rotary_dim=rotary, tie_word_embeddings=m.tie_embeddings,
+            num_local_experts=max(1, m.num_experts), **write_keys(MOE_KEYS, m),
+            layer_types=["minimax_m3_sparse" if x else "full_attention" for x in msa],
+            mlp_layer_types=["sparse" if x else "dense" for x in moe],
+            index_n_heads=m.num_query_groups, **write_keys(MSA_KEYS, m.msa),
+            dtype="bfloat16" if m.params_dtype == "bf16" else cfg.get("dtype", "float32"),
+        )
+        return cfg
 
-    msa, moe = msa_layers_of(model), moe_layers(model)
-    out = [Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",))]
-    for i in range(model.num_layers):
-        hf, mc = f"model.layers.{i}", f"decoder.layers.{i}"
-        attn, sa = f"{hf}.self_attn", f"{mc}.self_attention"
-        out += [Rule(f"{mc}.input_layernorm.weight", (f"{hf}.input_layernorm.weight",)),
-                Rule(f"{sa}.linear_qkv.weight", tuple(f"{attn}.{p}_proj.weight" for p in "qkv"), "qkv"),
-                Rule(f"{sa}.q_layernorm.weight", (f"{attn}.q_norm.weight",)),
-                Rule(f"{sa}.k_layernorm.weight", (f"{attn}.k_norm.weight",)),
-                Rule(f"{sa}.linear_proj.weight", (f"{attn}.o_proj.weight",))]
-        if with_index and msa[i]:
-            out += [Rule(f"{sa}.index_{p}_proj.weight", (f"{attn}.indexer.{p}_proj.weight",)) for p in "qk"]
-            out += [Rule(f"{sa}.index_{p}_layernorm.weight", (f"{attn}.indexer.{p}_norm.weight",)) for p in "qk"]
-        out.append(Rule(f"{mc}.pre_mlp_layernorm.weight", (f"{hf}.post_attention_layernorm.weight",)))
-        if moe[i]:
-            out.append(Rule(f"{mc}.mlp.router.weight", (f"{hf}.mlp.gate.weight",)))
+    def check_exportable(self, model: ModelConfig) -> None:
+        """Every option that M3 cannot express exactly."""
+        m = model
+        problems = [text for bad, text in (
+            (not m.qk_layernorm, "qk_layernorm=false (M3 always has QK norms)"),
+            (not m.norm_zero_centered, "norm_zero_centered=false (M3's norms scale by 1 + w; w - 1 is not exact)"),
+            (m.qkv_bias, "qkv_bias=true"),
+            (m.activation != "quick_geglu", f"activation={m.activation} (M3 uses quick_geglu)"),
+            (m.glu_linear_offset != 1.0, f"glu_linear_offset={m.glu_linear_offset} (M3 multiplies by up + 1)"),
+            (m.activation_clamp is None, "activation_clamp unset (M3 always clamps at swiglu_limit)"),
+            (m.num_experts > 0 and m.moe_router_score_function != "sigmoid",
+             f"moe_router_score_function={m.moe_router_score_function} (M3 routes by sigmoid scores)"),
+            (m.num_experts > 0 and m.moe_router_topk < 2, "moe_router_topk=1 (M3 renormalises one weight to 1)"),
+            (m.num_experts > 0 and not m.moe_shared_expert_size, "moe_shared_expert_size=0 (M3 has a shared expert)"),
+            (m.attention == "msa" and m.msa.force_sink, "msa.force_sink=true (M3 forces no sink block)"),
+            (m.attention == "msa" and (m.rotary_dim or m.head_dim) > m.msa.index_head_dim,
+             "the rotated channels do not fit msa.index_head_dim"),
+            (m.attention == "msa" and m.rotary_dim is None and m.msa.index_head_dim != m.head_dim,
+             "index_head_dim != head_dim without rotary_dim (our index branch then has its own RoPE table; M3 "
+             "rotates the index q/k with the main one)"),
+        ) if bad]
+        if problems:
+            raise ConversionError("cannot export as minimax_m3: " + "; ".join(problems))
+
+    def rules(self, model: ModelConfig, with_index: bool) -> list[Rule]:
+        """In the canonical naming (see the module's docstring)."""
+        msa, moe = msa_layers_of(model), moe_layers(model)
+
+        def attention(i: int, attn: str, sa: str) -> list[Rule]:
+            out = [Rule(f"{sa}.linear_qkv.weight", tuple(f"{attn}.{p}_proj.weight" for p in "qkv"), "qkv"),
+                   Rule(f"{sa}.q_layernorm.weight", (f"{attn}.q_norm.weight",)),
+                   Rule(f"{sa}.k_layernorm.weight", (f"{attn}.k_norm.weight",)),
+                   Rule(f"{sa}.linear_proj.weight", (f"{attn}.o_proj.weight",))]
+            if with_index and msa[i]:
+                out += [Rule(f"{sa}.index_{p}_proj.weight", (f"{attn}.indexer.{p}_proj.weight",)) for p in "qk"]
+                out += [Rule(f"{sa}.index_{p}_layernorm.weight", (f"{attn}.indexer.{p}_norm.weight",)) for p in "qk"]
+            return out
+
+        def mlp(i: int, hf: str, mc: str) -> list[Rule]:
+            if not moe[i]:
+                return [Rule(f"{mc}.mlp.linear_fc{n}.weight", (f"{hf}.mlp.{p}.weight",))
+                        for n, p in ((1, "gate_up_proj"), (2, "down_proj"))]
+            out = [Rule(f"{mc}.mlp.router.weight", (f"{hf}.mlp.gate.weight",))]
             if model.moe_router_expert_bias:
                 out.append(Rule(f"{mc}.mlp.router.expert_bias", (f"{hf}.mlp.gate.e_score_correction_bias",)))
             for e in range(model.num_experts):
@@ -317,109 +369,56 @@ def rules(model, with_index: bool) -> list:
             if model.moe_shared_expert_size:
                 out += [Rule(f"{mc}.mlp.shared_experts.linear_fc{n}.weight", (f"{hf}.mlp.shared_experts.{p}.weight",))
                         for n, p in ((1, "gate_up_proj"), (2, "down_proj"))]
-        else:
-            out += [Rule(f"{mc}.mlp.linear_fc{n}.weight", (f"{hf}.mlp.{p}.weight",))
-                    for n, p in ((1, "gate_up_proj"), (2, "down_proj"))]
-    out.append(Rule("decoder.final_layernorm.weight", ("model.norm.weight",)))
-    if not model.tie_embeddings:
-        out.append(Rule("output_layer.weight", ("lm_head.weight",)))
-    return out
+            return out
 
+        return decoder_rules(model, attention, mlp)
 
-def shapes(model, with_index: bool) -> dict[str, tuple[int, ...]]:
-    """The shape every canonical M3 tensor must have for `model` (unpadded vocab)."""
-    m = model
-    h, d, hq, g, di = m.hidden_size, m.head_dim, m.num_attention_heads, m.num_query_groups, m.msa.index_head_dim
-    by_leaf = {"q_proj.weight": (hq * d, h), "k_proj.weight": (g * d, h), "v_proj.weight": (g * d, h),
-               "o_proj.weight": (h, hq * d), "q_norm.weight": (d,), "k_norm.weight": (d,),
-               "gate.weight": (m.num_experts, h), "gate.e_score_correction_bias": (m.num_experts,)}
-    out = {}
-    for rule in rules(model, with_index):
-        for name in rule.hf:
-            leaf = ".".join(name.split(".")[-2:])
-            if name in ("model.embed_tokens.weight", "lm_head.weight"):
-                shape = (m.vocab_size, h)
-            elif ".indexer." in name:
-                shape = {"q_proj.weight": (g * di, h), "k_proj.weight": (di, h)}.get(leaf, (di,))
-            elif ".experts." in name:
-                f = m.moe_ffn_hidden_size
-                shape = (2 * f, h) if name.endswith("gate_up_proj") else (h, f)
-            elif ".mlp." in name and leaf not in by_leaf:
-                f = m.moe_shared_expert_size if ".shared_experts." in name else m.ffn_hidden_size
-                shape = (2 * f, h) if leaf == "gate_up_proj.weight" else (h, f)
-            else:
-                shape = by_leaf.get(leaf, (h,))
-            out[name] = shape
-    return out
+    def hf_shapes(self, model: ModelConfig, with_index: bool) -> dict[str, tuple[int, ...]]:
+        m = model
+        h, d, hq, g, di = m.hidden_size, m.head_dim, m.num_attention_heads, m.num_query_groups, m.msa.index_head_dim
+        by_leaf = {"q_proj.weight": (hq * d, h), "k_proj.weight": (g * d, h), "v_proj.weight": (g * d, h),
+                   "o_proj.weight": (h, hq * d), "q_norm.weight": (d,), "k_norm.weight": (d,),
+                   "gate.weight": (m.num_experts, h), "gate.e_score_correction_bias": (m.num_experts,)}
+        out = {}
+        for rule in self.rules(model, with_index):
+            for name in rule.hf:
+                leaf = ".".join(name.split(".")[-2:])
+                if name in ("model.embed_tokens.weight", "lm_head.weight"):
+                    shape = (m.vocab_size, h)
+                elif ".indexer." in name:
+                    shape = {"q_proj.weight": (g * di, h), "k_proj.weight": (di, h)}.get(leaf, (di,))
+                elif ".experts." in name:
+                    f = m.moe_ffn_hidden_size
+                    shape = (2 * f, h) if name.endswith("gate_up_proj") else (h, f)
+                elif ".mlp." in name and leaf not in by_leaf:
+                    f = m.moe_shared_expert_size if ".shared_experts." in name else m.ffn_hidden_size
+                    shape = (2 * f, h) if leaf == "gate_up_proj.weight" else (h, f)
+                else:
+                    shape = by_leaf.get(leaf, (h,))
+                out[name] = shape
+        return out
 
+    def open(self, ckpt) -> tuple[M3Checkpoint, dict[str, int]]:
+        view = M3Checkpoint(ckpt)
+        return view, dict(view.skipped)
 
-def check_exportable(model) -> None:
-    """Raise ConversionError naming every option that M3 cannot express exactly."""
-    m = model
-    problems = [text for bad, text in (
-        (not m.qk_layernorm, "qk_layernorm=false (M3 always has QK norms)"),
-        (not m.norm_zero_centered, "norm_zero_centered=false (M3's norms scale by 1 + w; w - 1 is not exact)"),
-        (m.qkv_bias, "qkv_bias=true"),
-        (m.activation != "quick_geglu", f"activation={m.activation} (M3 uses quick_geglu)"),
-        (m.glu_linear_offset != 1.0, f"glu_linear_offset={m.glu_linear_offset} (M3 multiplies by up + 1)"),
-        (m.activation_clamp is None, "activation_clamp unset (M3 always clamps at swiglu_limit)"),
-        (m.num_experts > 0 and m.moe_router_score_function != "sigmoid",
-         f"moe_router_score_function={m.moe_router_score_function} (M3 routes by sigmoid scores)"),
-        (m.num_experts > 0 and m.moe_router_topk < 2, "moe_router_topk=1 (M3 renormalises one weight to 1)"),
-        (m.num_experts > 0 and not m.moe_shared_expert_size, "moe_shared_expert_size=0 (M3 has a shared expert)"),
-        (m.attention == "msa" and m.msa.force_sink, "msa.force_sink=true (M3 forces no sink block)"),
-        (m.attention == "msa" and (m.rotary_dim or m.head_dim) > m.msa.index_head_dim,
-         "the rotated channels do not fit msa.index_head_dim"),
-        (m.attention == "msa" and m.rotary_dim is None and m.msa.index_head_dim != m.head_dim,
-         "index_head_dim != head_dim without rotary_dim (our index branch then has its own RoPE table; M3 "
-         "rotates the index q/k with the main one)"),
-    ) if bad]
-    if problems:
-        raise ConversionError("cannot export as minimax_m3: " + "; ".join(problems))
-
-
-def export_layout(tensors: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
-    """Canonical tensors -> transformers' text layout: per-expert tensors stacked into
-    `mlp.experts.{gate_up_proj,down_proj}`, a zero `e_score_correction_bias` where the model has
-    no expert bias (the same routing)."""
-    out = {}
-    moe = moe_layers(model)
-    for name, t in tensors.items():
-        if ".mlp.experts." not in name:
-            out[name] = t
-    for i, is_moe in enumerate(moe):
-        if not is_moe:
-            continue
-        mlp = f"model.layers.{i}.mlp"
-        for part in ("gate_up_proj", "down_proj"):
-            out[f"{mlp}.experts.{part}"] = torch.stack([tensors[f"{mlp}.experts.{e}.{part}"]
-                                                        for e in range(model.num_experts)])
-        bias = f"{mlp}.gate.e_score_correction_bias"
-        if bias not in out:
-            out[bias] = torch.zeros(model.num_experts, dtype=tensors[f"{mlp}.gate.weight"].dtype)
-    return out
-
-
-def hf_config_from_model(model, source: dict | None = None) -> dict:
-    """config.json of the exported text model; keys of the source's (text) config that do not
-    describe the architecture (token ids, ...) are kept."""
-    from msa_model.convert.hf_families import rope_to_hf
-
-    m = model
-    cfg = {k: v for k, v in text_config(source or {}).items() if k not in ("rope_theta", "rope_scaling", "torch_dtype",
-                                                                          "sparse_attention_config", "moe_layer_freq")}
-    rotary = m.rotary_dim or m.head_dim
-    rope = rope_to_hf(m.rotary_base, m.rope_scaling)
-    if rotary != m.head_dim:
-        rope["partial_rotary_factor"] = rotary / m.head_dim
-    msa, moe = msa_layers_of(m), moe_layers(m)
-    cfg.update(
-        architectures=[EXPORT_ARCHITECTURE], model_type=EXPORT_MODEL_TYPE, **write_keys(CONFIG_KEYS, m),
-        hidden_act="silu", rope_parameters=rope, rotary_dim=rotary, tie_word_embeddings=m.tie_embeddings,
-        num_local_experts=max(1, m.num_experts), **write_keys(MOE_KEYS, m),
-        layer_types=["minimax_m3_sparse" if x else "full_attention" for x in msa],
-        mlp_layer_types=["sparse" if x else "dense" for x in moe],
-        index_n_heads=m.num_query_groups, **write_keys(MSA_KEYS, m.msa),
-        dtype="bfloat16" if m.params_dtype == "bf16" else cfg.get("dtype", "float32"),
-    )
-    return cfg
+    def export_layout(self, tensors: dict[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:
+        """Canonical tensors -> transformers' text layout: per-expert tensors stacked into
+        `mlp.experts.{gate_up_proj,down_proj}`, a zero `e_score_correction_bias` where the model has
+        no expert bias (the same routing)."""
+        out = {}
+        moe = moe_layers(model)
+        for name, t in tensors.items():
+            if ".mlp.experts." not in name:
+                out[name] = t
+        for i, is_moe in enumerate(moe):
+            if not is_moe:
+                continue
+            mlp = f"model.layers.{i}.mlp"
+            for part in ("gate_up_proj", "down_proj"):
+                out[f"{mlp}.experts.{part}"] = torch.stack([tensors[f"{mlp}.experts.{e}.{part}"]
+                                                            for e in range(model.num_experts)])
+            bias = f"{mlp}.gate.e_score_correction_bias"
+            if bias not in out:
+                out[bias] = torch.zeros(model.num_experts, dtype=tensors[f"{mlp}.gate.weight"].dtype)
+        return out

@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from msa_model.convert import megatron_io as mio
-from msa_model.convert.hf_families import detect_family
+from msa_model.convert.config_keys import text_config
+from msa_model.convert.families import detect_family
 from msa_model.convert.hf_io import read_config
-from msa_model.convert.minimax_m3 import text_config
 
 
 def random_tokens(vocab_size: int, batches: int, seq_length: int, seed: int) -> torch.Tensor:
@@ -88,7 +88,7 @@ def verify(hf_dir: str, src: str, *, batches: int = 2, seq_length: int = 64, see
     the indexer-warmup phase (top-k for MiniMax-M3, which transformers runs sparse).
     `save_logits` also stores {tokens, logits, sparse_logits}."""
     cfg = read_config(hf_dir)
-    sparse = detect_family(cfg).name == "minimax_m3"
+    sparse = detect_family(cfg).runs_msa
     tokens = random_tokens(int(text_config(cfg)["vocab_size"]), batches, seq_length, seed)
     ours = our_logits(src, tokens, tp=tp, ep=ep, model_config=model_config, both_phases=True)
     result = {"tp": tp, "ep": ep, "phase": "sparse (top-k)" if sparse else "dense (indexer warmup)",

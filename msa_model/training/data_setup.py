@@ -119,6 +119,16 @@ def tokenizer_problems(cfg, resume_dir: Path | None, init_dir: Path | None):
     return tokenizer, source, problems
 
 
+def document_mask_line(cfg) -> str:
+    """One line saying whether packed documents are masked (data.document_mask), for the dry run
+    and the run's first log line."""
+    if cfg.data.document_mask:
+        return ("documents: masked (data.document_mask=true): each packed document, ended by its "
+                "end-of-document token, attends, selects blocks and trains the indexer KL within itself")
+    return ("documents: not masked (data.document_mask=false): tokens attend to the documents packed "
+            "before theirs in a sequence")
+
+
 def build_data(cfg, tokenizer, start_samples=lambda: 0):
     """(train, valid or None): this data-parallel rank's micro-batch streams (data.datasets.TrainData),
     the datasets built at their first use. valid exists when trainer.eval_interval > 0. The train

@@ -184,7 +184,7 @@ def run(cfg: DictConfig, notes: list[str] | tuple[str, ...] = ()) -> None:
         layout_world = max(world_size, cfg.launch.nodes * cfg.launch.ranks_per_node)
         validate(cfg, layout_world)
         if rank == 0:
-            from msa_model.dry_run import dry_run_report
+            from msa_model.training.dry_run import dry_run_report
             from msa_model.inputs import check_inputs
 
             # inputs a launch from here would stop at (a dry run may be made away from the data)
@@ -246,7 +246,7 @@ def run(cfg: DictConfig, notes: list[str] | tuple[str, ...] = ()) -> None:
         # one's save in progress and interleave its metrics
         lock = lock_run_dir(run_dir, env.is_main)
         if env.is_main:
-            from msa_model.dry_run import document_mask_line
+            from msa_model.training.data_setup import document_mask_line
 
             setup_logging(run_dir, True)
             write_run_files(cfg, run_dir)

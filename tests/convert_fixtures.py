@@ -1,11 +1,11 @@
 """Tiny random Hugging Face models of every supported family, built with transformers' own classes.
 
-For tests and smoke runs of the converter without downloads. Each exercises its family's
-particulars: Llama with tied embeddings and Llama-3 RoPE scaling, Qwen2 with q/k/v biases,
-Qwen3 with QK norm and a head dim unlike hidden/heads, Qwen3-MoE with a leading dense layer and
-`norm_topk_prob=false`, Mixtral with renormalised top-k routing, Mistral without a sliding
-window, and MiniMax-M3 (M3_TINY) with every option of msa_model.convert.minimax_m3. Norm weights and biases are
-perturbed away from their 1/0 initialisation so that a dropped or swapped tensor shows.
+For the converter's tests, without downloads. Each exercises its family's particulars: Llama with
+tied embeddings and Llama-3 RoPE scaling, Qwen2 with q/k/v biases, Qwen3 with QK norm and a head dim
+unlike hidden/heads, Qwen3-MoE with a leading dense layer and `norm_topk_prob=false`, Mixtral with
+renormalised top-k routing, Mistral without a sliding window, and MiniMax-M3 (M3_TINY) with every
+option of msa_model.convert.minimax_m3. Norm weights and biases are perturbed away from their 1/0
+initialisation so that a dropped or swapped tensor shows.
 """
 
 from __future__ import annotations

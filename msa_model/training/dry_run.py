@@ -53,23 +53,13 @@ def built_parameter_counts(cfg: DictConfig, vocab_size: int) -> dict[str, int]:
     return {"total": total, "active": active}
 
 
-def document_mask_line(cfg) -> str:
-    """One line saying whether packed documents are masked (data.document_mask), for the dry run
-    and the run's first log line."""
-    if cfg.data.document_mask:
-        return ("documents: masked (data.document_mask=true): each packed document, ended by its "
-                "end-of-document token, attends, selects blocks and trains the indexer KL within itself")
-    return ("documents: not masked (data.document_mask=false): tokens attend to the documents packed "
-            "before theirs in a sequence")
-
-
 def _human(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
 
 def dry_run_report(cfg: DictConfig, world_size: int) -> str:
     """What dry_run=true prints: config, `total_params=`/`active_params=`, layout, memory."""
-    from msa_model.training.data_setup import checkpoint_run_tokenizer, step_dir_of
+    from msa_model.training.data_setup import checkpoint_run_tokenizer, document_mask_line, step_dir_of
     from msa_model.training.distributed import parallel_layout
 
     vocab = checkpoint_run_tokenizer(cfg, step_dir_of(cfg.init_from)).vocab_size
@@ -98,7 +88,7 @@ def dry_run_report(cfg: DictConfig, world_size: int) -> str:
     return "\n".join(lines)
 
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 # the target GPU when neither launch.gpu_memory_gib nor a local GPU says: an H100 80GB
 DEFAULT_GPU_MEMORY_GIB = 80.0
 
