@@ -82,7 +82,7 @@ def fitting_geometry_hint(seq_length: int, block_size: int, topk: int, local_blo
 
 # what select_blocks' products may run in (msa_model/ops/select_blocks/fp8.py)
 INDEX_PRECISIONS = ("input", "fp8")
-# where the indexer KL's teacher is computed (msa_model/ops/late_teacher.py)
+# where the indexer KL's teacher is computed (msa_model/ops/msa_attention/late_teacher.py)
 KL_TEACHERS = ("forward", "backward")
 
 

@@ -11,8 +11,8 @@ of the dequantized values. The scores the selection ranks are therefore
 
 exactly what `select_blocks_reference` computes with `precision="fp8"`, and what the kernel
 computes up to the summation order. Only the ranking changes against the input precision: e4m3
-keeps 3 mantissa bits, so blocks whose scores differ by a few percent can swap (bench/RESULTS.md,
-round 6, measures how often and how much the swapped blocks weigh).
+keeps 3 mantissa bits, so blocks whose scores differ by a few percent can swap
+(bench/bench_index_precision.py measures how often and how much the swapped blocks weigh).
 """
 
 from __future__ import annotations

@@ -81,7 +81,7 @@ def _insert(topv_RK, topi_RK, low_R, x_R, n_R, slot_K, TRACK: tl.constexpr = Fal
     updating only if one does. Far into a long row few candidates win (after n blocks a random
     one enters a row's top-k with probability about k / n), so the update is mostly skipped; in
     shorter rows the question (a reduction over the program) costs more than it saves, and a
-    kernel that tracks the minimum runs slower (bench/RESULTS.md, round 6): only fp8-score
+    kernel that tracks the minimum runs slower: only fp8-score
     kernels over more than `Tuning.skip_from` blocks track it (`_skips`)."""
     if TRACK:
         if SKIP:
@@ -416,7 +416,7 @@ class Tuning:
     topk_rows: int = 32
     topk_stages: int = 2
     # fp8 scores: blocks after which a key tile's top-k update runs only if some row of the program
-    # takes a candidate (`_insert`, `_skips`); chosen on an H200 (bench/RESULTS.md, round 6)
+    # takes a candidate (`_insert`, `_skips`); where the skips began to pay on an H200
     skip_from: int = 1024
 
 
