@@ -41,8 +41,8 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from ..sparse_attention.inverse_index import (DocumentBlocks, InverseIndex, build_inverse_index, clean_block_idx, document_blocks,
-                             query_ends, schedule)
+from ..sparse_attention.inverse_index import (DocumentBlocks, InverseIndex, build_inverse_index, clean_block_idx,
+                                              document_blocks, query_ends, schedule)
 from ..triton_utils import LOG2E
 from .triton_kernels import (kl_bwd_kernel, kl_dense_keys_kernel, kl_dik_reduce_kernel, kl_sparse_fwd_kernel,
                              kl_stored_bwd_kernel, kl_student_lse_kernel, kl_teacher_sums_kernel)

@@ -7,14 +7,17 @@ from typing import Callable
 import torch
 
 from msa_model.compat import causal_attention_with_lse
-from msa_model.config import KL_TEACHERS, PRODUCTION_BLOCK_SIZE, PRODUCTION_TOPK
 
-from ..common import (check_doc_start, check_index, check_qkv, check_temperature, default_scale, resolve_backend,
-                      trim_keys)
+from ..common import (PRODUCTION_BLOCK_SIZE, PRODUCTION_TOPK, check_doc_start, check_index, check_qkv,
+                      check_temperature, default_scale, resolve_backend, trim_keys)
 from ..dense_attention import DocumentPlan, document_attention
 from ..indexer_kl import indexer_kl_loss
 from ..select_blocks import select_blocks
 from ..sparse_attention import sparse_attention
+
+# where the indexer KL's teacher is computed: by the KL's own kernels in the forward, or from the
+# sparse attention's backward (late_teacher.py)
+KL_TEACHERS = ("forward", "backward")
 
 
 def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iq: torch.Tensor, ik: torch.Tensor,

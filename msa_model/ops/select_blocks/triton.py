@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import num_blocks
+from ..common import check_block_size, num_blocks
 from ..triton_utils import INTERPRET, dot, interpreting
 from .fp8 import check_precision, quantize_index
 
@@ -429,11 +429,6 @@ def default_tuning(device: torch.device) -> Tuning:
     return Tuning() if device.type == "cuda" else INTERPRETER_TUNING
 
 
-def _check(block_size: int, di: int | None = None) -> None:
-    if block_size & (block_size - 1) or not 16 <= block_size <= 128:
-        raise ValueError(f"the Triton select_blocks needs a power-of-two block_size in [16, 128], got {block_size}")
-
-
 def _skips(mode, precision, doc_start, n_blocks, cfg) -> bool:
     """Whether the kernel tracks each row's minimum and skips top-k updates no row wins (`_insert`):
     for fp8 scores over more than `cfg.skip_from` blocks. With products in the input precision
@@ -445,7 +440,7 @@ def _launch_fused(iq_BTGI, ik_BTI, out, block_size, topk, force_sink, mode, tuni
                   local_blocks=1, precision="input"):
     B, T, G, Di = iq_BTGI.shape
     TK = ik_BTI.shape[1]
-    _check(block_size)
+    check_block_size(block_size, triton="select_blocks")
     check_precision(precision, iq_BTGI.device)
     ik_scale = None
     if precision == "fp8":
@@ -525,7 +520,7 @@ def topk_blocks_triton(block_scores_BTGN: torch.Tensor, block_size: int, topk: i
     n <= t // block_size considered, -1 padding); blocks past the causal horizon are never read.
     """
     B, T, G, N = block_scores_BTGN.shape
-    _check(block_size)
+    check_block_size(block_size, triton="select_blocks")
     if N != num_blocks(T, block_size):
         raise ValueError(f"block scores have {N} blocks; T={T} with block_size={block_size} needs "
                          f"{num_blocks(T, block_size)}")

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..common import check_block_size
 from .inverse_index import DocumentBlocks, InverseIndex, build_inverse_index, decode_bucket
 from .tuning import Tuning
 
@@ -37,8 +38,7 @@ def geometry(q, k, block_size):
     HP = triton.next_power_of_2(H)
     if D not in (16, 32, 64, 128, 256):
         raise ValueError(f"the Triton sparse_attention supports head dims 16..256 (powers of two), got {D}")
-    if block_size < 16 or block_size & (block_size - 1):
-        raise ValueError(f"the Triton sparse_attention needs a power-of-two block_size >= 16, got {block_size}")
+    check_block_size(block_size, triton="sparse_attention")
     return B, T, Hq, G, H, HP, D
 
 
@@ -60,11 +60,12 @@ def sparse_index(idx, H, D, itemsize, n_blocks, tuning: Tuning, docs: DocumentBl
     dtype and an fp32 lse per entry and head) fit the budget; the backward's dq partials are smaller.
 
     The budget is `tuning.partial_q_ratio` times the bytes of q, at most `tuning.partial_bytes`:
-    at long context the layer's peak memory then stays under dense attention's. Below `tuning.partial_min_bytes` the budget is not cut: the partials live only
-    within the call, so at short context, where a training step's peak is the layers' saved
-    activations, a few GiB of them leave the step's peak where it was, while every further chunk
-    costs launches and splits the kernels' grids (the 8K production layer's partials, 2.0 GiB, in
-    one chunk instead of five: fwd+bwd 1.13x faster)."""
+    at long context the layer's peak memory then stays under dense attention's. Below
+    `tuning.partial_min_bytes` the budget is not cut: the partials live only within the call, so at
+    short context, where a training step's peak is the layers' saved activations, a few GiB of them
+    leave the step's peak where it was, while every further chunk costs launches and splits the
+    kernels' grids (the 8K production layer's partials, 2.0 GiB, in one chunk instead of five:
+    fwd+bwd 1.13x faster)."""
     return build_inverse_index(idx, n_blocks, index_chunk(idx.shape, H, D, itemsize, tuning),
                                None if docs is None else docs.base)
 

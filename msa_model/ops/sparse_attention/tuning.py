@@ -38,14 +38,15 @@ class Tuning:
     # heads (0: the gather path only). It is taken by calls of at least `tile_min_queries` queries
     # whose groups have at least `tile_min_heads` heads (fewer heads: the gather path was as fast
     # or faster, since a tile of 128 rows then holds 32 queries, whose union is larger; from 8K
-    # queries the hybrid is level with it on random selections and faster on shared ones), and there, in the forward, by each tile
-    # whose union holds at most `tile_union_max` x K blocks (the others' queries are gathered). tile_keys:
-    # the forward's keys per step; tile_warps: the query-outer kernels' warps; tile_stages,
-    # tile_masked_stages: the forward's pipeline stages over the blocks every row reads whole and
-    # over the others (two loops, each pipelined, beat a branch per step in one loop). The backward is the gather path's unless
-    # `tile_backward` (then, for heads up to 128 wide, every tile takes the tile path both ways,
-    # with `tile_dkdv_tiles` tiles per dK/dV work item, and `tile_dq_keys` keys a step in
-    # `tile_dq_stages` in the dQ kernel).
+    # queries the hybrid is level with it on random selections and faster on shared ones), and
+    # there, in the forward, by each tile whose union holds at most `tile_union_max` x K blocks (the
+    # others' queries are gathered). tile_keys: the forward's keys per step; tile_warps: the
+    # query-outer kernels' warps; tile_stages, tile_masked_stages: the forward's pipeline stages
+    # over the blocks every row reads whole and over the others (two loops, each pipelined, beat a
+    # branch per step in one loop). The backward is the gather path's unless `tile_backward` (then,
+    # for heads up to 128 wide, every tile takes the tile path both ways, with `tile_dkdv_tiles`
+    # tiles per dK/dV work item, and `tile_dq_keys` keys a step in `tile_dq_stages` in the dQ
+    # kernel).
     tile_rows: int = 128
     tile_min_heads: int = 8
     tile_min_queries: int = 8192
