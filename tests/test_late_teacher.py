@@ -179,16 +179,16 @@ def test_the_backward_writes_every_teacher_row_the_loss_reads():
     from msa_model.ops import select_blocks
     from msa_model.ops.indexer_kl import triton as kl_triton
     from msa_model.ops.sparse_attention.inverse_index import clean_block_idx
-    from msa_model.ops.sparse_attention import triton as sa_triton
+    from msa_model.ops.sparse_attention import gather
 
     B, T, Hq, G, D, Di, bs, topk = 2, 75, 4, 2, 16, 16, 16, 4
     q, k, v, iq, ik = (x.detach() for x in inputs(B, T, Hq, G, D, Di, seed=9))
     block_idx = select_blocks(iq, ik, bs, topk, backend="reference")
     idx = clean_block_idx(block_idx, bs)
     assert (idx < 0).any()  # early queries have fewer blocks than slots
-    o, lse, index = sa_triton.sparse_forward(q, k, v, idx, bs, D ** -0.5)
-    pbar = torch.full((B * T * G * topk, bs), float("nan"), dtype=kl_triton._teacher_dtype(q), device=DEV)
-    sa_triton.sparse_backward(torch.randn_like(o), q, k, v, o, lse, idx, bs, D ** -0.5, index=index, teacher=pbar)
+    o, lse, index = gather.sparse_forward(q, k, v, idx, bs, D ** -0.5)
+    pbar = torch.full((B * T * G * topk, bs), float("nan"), dtype=kl_triton.teacher_dtype(q), device=DEV)
+    gather.sparse_backward(torch.randn_like(o), q, k, v, o, lse, idx, bs, D ** -0.5, index=index, teacher=pbar)
     written = ~pbar.isnan().any(-1)
     assert torch.equal(written, (idx >= 0).flatten())
     kl_index = index.whole()  # the attention's index serves the KL
