@@ -25,7 +25,8 @@ import time
 import torch
 
 from msa_model.ops.select_blocks.fp8 import quantize_index
-from msa_model.ops.select_blocks.triton import score_only_triton, select_blocks_triton
+from msa_model.ops.select_blocks.triton import select_blocks_triton
+from select_blocks_stages import score_only_triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_msa_layer import timed  # noqa: E402  (back-to-back CUDA-event medians)

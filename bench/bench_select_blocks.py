@@ -25,8 +25,8 @@ import torch
 import triton
 
 from msa_model.ops import select_blocks
-from msa_model.ops.select_blocks.triton import (Tuning, block_scores_triton, score_only_triton,
-                                                select_blocks_triton, topk_blocks_triton)
+from msa_model.ops.select_blocks.triton import Tuning, select_blocks_triton
+from select_blocks_stages import block_scores_triton, score_only_triton, topk_blocks_triton
 
 G, DI, BK, K = 4, 128, 128, 16
 

@@ -24,7 +24,10 @@ import torch
 import torch.nn.functional as F
 
 from msa_model.ops.sparse_attention import sparse_attention
+from msa_model.ops.sparse_attention import shared as sa_shared
+from msa_model.ops.sparse_attention import tiles as sa_tiles
 from msa_model.ops.sparse_attention import triton as sa_triton
+from msa_model.ops.sparse_attention.inverse_index import clean_block_idx
 from msa_model.ops.sparse_attention.reference import sparse_attention_reference
 
 HQ, HKV, D, BS, TOPK = 64, 4, 128, 128, 16
@@ -334,7 +337,7 @@ def profile(T, pat, forward_only=False):
 
 
 def _regs(name):
-    k = sa_triton.COMPILED.get(name)
+    k = sa_shared.COMPILED.get(name)
     return f"{getattr(k, 'n_regs', '?')} regs / {getattr(k, 'n_spills', '?')} spills"
 
 
@@ -416,7 +419,7 @@ def tiles(Ts, patterns, sets_dir, variants, layers, with_flex):
             log(f"tiles check T={T} {pat} {_label(var)}: ours/torch-bf16 {msg}")
     del q, k, v, do
     rows = []
-    qts = sorted({sa_triton._tile_queries(dataclasses.replace(base, **var), HQ // HKV) for var in variants
+    qts = sorted({sa_tiles.tile_queries(dataclasses.replace(base, **var), HQ // HKV) for var in variants
                   if var.get("tile_rows", base.tile_rows)})
     for T in Ts:
         q, k, v, do = inputs(T)
@@ -425,10 +428,10 @@ def tiles(Ts, patterns, sets_dir, variants, layers, with_flex):
         if sets_dir:
             sets.update(trained_sets(sets_dir, T, layers))
         for name, idx in sets.items():
-            clean = sa_triton.clean_block_idx(idx, BS)
+            clean = clean_block_idx(idx, BS)
             r = {"T": T, "sets": name}
             for qt in qts:
-                r[f"union{qt}"] = round(float(sa_triton.tile_union(clean, qt).count.float().mean()) / TOPK, 3)
+                r[f"union{qt}"] = round(float(sa_tiles.tile_union(clean, qt).count.float().mean()) / TOPK, 3)
             for label, var in [("gather", {"tile_rows": 0})] + [(_label(v), v) for v in variants]:
                 TUNING["sparse_attention"] = dataclasses.replace(base, **var)
                 try:

@@ -39,7 +39,7 @@ VARIANTS = {  # name -> recipe overrides
     # the sparse phase with the block selection's scores on the fp8 tensor cores
     "pt_fp8": ["recipe=pt", "trainer.indexer_warmup_tokens=0", "model.msa.index_precision=fp8"],
     # the sparse phase with the KL's teacher computed by its own forward kernels (the default takes
-    # it from the attention's backward: msa_model/ops/late_teacher.py)
+    # it from the attention's backward: msa_model/ops/msa_attention/late_teacher.py)
     "pt_kl_forward": ["recipe=pt", "trainer.indexer_warmup_tokens=0", "model.msa.kl_teacher=forward"],
     "warmup": ["recipe=pt"],  # every step inside the indexer warmup (set per job below)
 }

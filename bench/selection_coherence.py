@@ -1,7 +1,7 @@
 """How coherent a trained indexer's selections are: the distinct blocks a tile of consecutive
 queries selects, per layer, against the K blocks each query reads (1.0 = every query of the tile
 selected the same blocks). The tile-union path of sparse_attention costs that ratio times the
-exact FLOPs (msa_model/ops/sparse_attention/triton_tiles.py).
+exact FLOPs (msa_model/ops/sparse_attention/tiles.py).
 
     PYTHONPATH=. python bench/selection_coherence.py --checkpoint runs/small-pt --T 32768,131072 --save $OUT/sets
 
@@ -35,8 +35,8 @@ def main():
 
     from msa_model.attention import set_msa_phase
     from msa_model.eval.runner import _heldout_docs, build_model, load_config, resolve_checkpoint
-    from msa_model.ops.sparse_attention.triton import tile_union
-    from msa_model.ops.inverse_index import clean_block_idx
+    from msa_model.ops.sparse_attention.tiles import tile_union
+    from msa_model.ops.sparse_attention.inverse_index import clean_block_idx
     from msa_model.training.data_setup import checkpoint_run_tokenizer
 
     step_dir, config_path = resolve_checkpoint(a.checkpoint)

@@ -17,6 +17,13 @@ from typing import Any, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+# the ops own their geometry's limits and their options' values: PRODUCTION_* (MiniMax's block
+# size and top-k, the ops' defaults), INDEX_PRECISIONS (select_blocks' products), KL_TEACHERS
+# (where the indexer KL's teacher is computed)
+from msa_model.ops.common import PRODUCTION_BLOCK_SIZE, PRODUCTION_TOPK, block_size_problem, keys_per_query
+from msa_model.ops.msa_attention import KL_TEACHERS
+from msa_model.ops.select_blocks.fp8 import INDEX_PRECISIONS
+
 
 class ConfigError(ValueError):
     """A configuration that cannot run; the message names the fields involved."""
@@ -31,11 +38,6 @@ def config_problems(error: ConfigError) -> list[str]:
     return text[len(_PROBLEMS):].split("\n  - ") if text.startswith(_PROBLEMS) else [text]
 
 
-# the production geometry of docs/msa.md ("Defaults"), which MiniMax's kernels hard-code: the ops'
-# defaults, and what checkpoint conversion uses when the source model has no MSA of its own
-# (Di is then the source's head dim, 128 in production)
-PRODUCTION_BLOCK_SIZE = 128  # Bk
-PRODUCTION_TOPK = 16  # k
 
 # (block size, top-k) from the production geometry down, tried in this order by sparse_geometry:
 # fewer blocks first (down to 8), then smaller blocks (down to 16 tokens, the Triton kernels' least),
@@ -60,7 +62,7 @@ def sparse_geometry(seq_length: int, block_size: Optional[int] = None, topk: Opt
         elif block_size is not None and topk is not None:
             b, k = block_size, topk
         # at least one block chosen beyond the forced local ones
-        if k > local_blocks and b * k * SPARSE_SHARE <= seq_length and seq_length % b == 0:
+        if k > local_blocks and keys_per_query(b, k) * SPARSE_SHARE <= seq_length and seq_length % b == 0:
             return b, k
     return None
 
@@ -74,16 +76,10 @@ def fitting_geometry_hint(seq_length: int, block_size: int, topk: int, local_blo
     other = sparse_geometry(seq_length, local_blocks=local_blocks)
     if other is not None and other != keep_block:
         options.append(f"model.msa.block_size={other[0]} model.msa.topk={other[1]}")
-    longer = SPARSE_SHARE * topk * block_size
-    options.append(f"model.seq_length={longer} (anything above {topk * block_size} that is a multiple of "
+    keys = keys_per_query(block_size, topk)
+    options.append(f"model.seq_length={SPARSE_SHARE * keys} (anything above {keys} that is a multiple of "
                    f"{block_size} runs)")
     return "overrides that fit: " + "; ".join(options)
-
-
-# what select_blocks' products may run in (msa_model/ops/select_blocks/fp8.py)
-INDEX_PRECISIONS = ("input", "fp8")
-# where the indexer KL's teacher is computed (msa_model/ops/late_teacher.py)
-KL_TEACHERS = ("forward", "backward")
 
 
 @dataclass
@@ -458,8 +454,8 @@ def _check_kernel_shapes(errors: list[str], cfg, gpu: Optional[bool]) -> None:
            f"model.head_dim ({m.head_dim}) must be a power of two in [16, 256] {where}")
     _check(errors, _is_pow2(msa.index_head_dim) and msa.index_head_dim >= 16,
            f"model.msa.index_head_dim ({msa.index_head_dim}) must be a power of two >= 16 {where}")
-    _check(errors, _is_pow2(msa.block_size) and 16 <= msa.block_size <= 128,
-           f"model.msa.block_size ({msa.block_size}) must be a power of two in [16, 128] {where}")
+    problem = block_size_problem(msa.block_size, triton=True)
+    _check(errors, problem is None, f"model.msa.block_size ({msa.block_size}) {problem} {where}")
 
 
 def _check_m3_options(errors: list[str], m) -> None:
@@ -632,9 +628,10 @@ def validate(cfg, world_size: Optional[int] = None, gpu: Optional[bool] = None) 
         _check(errors, msa.block_size > 0 and msa.topk > 0, "model.msa.block_size and model.msa.topk must be positive")
         # a sparse phase whose top-k covers the whole context is dense attention in disguise
         sparse_steps_exist = t.indexer_warmup_tokens < t.max_steps * p.global_batch_size * m.seq_length
-        _check(errors, not sparse_steps_exist or msa.topk * msa.block_size < m.seq_length,
+        keys = keys_per_query(msa.block_size, msa.topk)
+        _check(errors, not sparse_steps_exist or keys < m.seq_length,
                f"model.msa.topk * model.msa.block_size ({msa.topk} * {msa.block_size} = "
-               f"{msa.topk * msa.block_size}) must be < model.seq_length ({m.seq_length}) "
+               f"{keys}) must be < model.seq_length ({m.seq_length}) "
                "for the sparse phase to select anything; "
                + fitting_geometry_hint(m.seq_length, msa.block_size, msa.topk, msa.local_blocks))
         run_tokens = t.max_steps * p.global_batch_size * m.seq_length

@@ -18,6 +18,7 @@ Activation recomputation is not counted (model FLOPs, not hardware FLOPs), as in
 from __future__ import annotations
 
 from msa_model.model import model_vocab_size, padded_vocab_size
+from msa_model.ops.common import keys_per_query as selected_keys
 
 
 def _linear_weights_per_token(m, vocab: int) -> int:
@@ -45,7 +46,7 @@ def flops_per_token(m, tokenizer_vocab: int, keys_per_query: float | None = None
         return total + m.num_layers * 12.0 * hq * d * causal
     di = m.msa.index_head_dim
     if sparse:
-        n = keys_per_query if keys_per_query is not None else min(causal, m.msa.topk * m.msa.block_size)
+        n = keys_per_query if keys_per_query is not None else min(causal, selected_keys(m.msa.block_size, m.msa.topk))
         select = 2.0 * g * di * causal
     else:
         n, select = causal, 0.0

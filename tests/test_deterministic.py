@@ -90,7 +90,7 @@ def test_deterministic_kl_backward_matches_the_reference(teacher, doc_cut, monke
 
 
 def test_deterministic_late_teacher_matches_the_reference(monkeypatch):
-    """The KL's teacher from the attention's backward (ops/late_teacher.py) sums its loss (bz)
+    """The KL's teacher from the attention's backward (ops/msa_attention/late_teacher.py) sums its loss (bz)
     and gradients in the same fixed order; against the float64 reference ops on its selection."""
     B, T, Hq, G, D, Di, bs, topk = 1, 70, 4, 2, 16, 16, 16, 3
     gen = torch.Generator().manual_seed(8)

@@ -99,7 +99,7 @@ def test_triton_kernels_take_the_temperature(dense, teacher):
 @pytest.mark.parametrize("kl_teacher", ["forward", "backward"])
 def test_msa_attention_passes_the_temperature_to_every_teacher_path(kl_teacher):
     """The layer core on the Triton path: kl_teacher="backward" takes the teacher rows from the
-    attention's backward (ops/late_teacher.py), "forward" runs the KL's own kernels; both against
+    attention's backward (ops/msa_attention/late_teacher.py), "forward" runs the KL's own kernels; both against
     the float64 reference ops on the same selection at the same temperature, and the selection
     is the one at temperature 1."""
     B, T, Hq, G, D, Di, bs, topk = 1, 70, 4, 2, 16, 16, 16, 3

@@ -1,4 +1,4 @@
-"""msa_attention with kl_teacher="backward" (ops/late_teacher.py): the KL's teacher rows come from
+"""msa_attention with kl_teacher="backward" (ops/msa_attention/late_teacher.py): the KL's teacher rows come from
 the attention's backward, the KL's value is filled in there. Against the float64 reference ops on
 the same selection (value and every gradient) and against kl_teacher="forward"; on CPU the
 kernels run in Triton's interpreter, so shapes are small."""
@@ -68,7 +68,8 @@ def test_late_teacher_after_the_hybrid_forward(case):
     backward and its teacher rows on the gather path."""
     import dataclasses
 
-    from msa_model.ops.inverse_index import clean_block_idx, document_blocks
+    from msa_model.ops.sparse_attention import tiles
+    from msa_model.ops.sparse_attention.inverse_index import clean_block_idx, document_blocks
     from msa_model.ops.sparse_attention import triton as sa_triton
 
     # tiles of 4 queries of 2 heads; a tile whose union passes topk blocks is gathered
@@ -81,7 +82,7 @@ def test_late_teacher_after_the_hybrid_forward(case):
         return
     B, T, Hq, G, D, Di, bs, topk, off, cut = case
     doc = None if cut is None else starts(B, T, off, cut).to(torch.int32)
-    union = sa_triton.tile_union(clean_block_idx(block_idx, bs, off, doc), sa_triton._tile_queries(hybrid, Hq // G),
+    union = tiles.tile_union(clean_block_idx(block_idx, bs, off, doc), tiles.tile_queries(hybrid, Hq // G),
                                  None if doc is None else document_blocks(doc, bs, off))
     over = int((union.count > topk).sum())
     assert 0 < over < union.count.numel()
@@ -177,17 +178,17 @@ def test_the_backward_writes_every_teacher_row_the_loss_reads():
     rows left NaN elsewhere (as an uninitialised buffer may hold) do not reach the loss."""
     from msa_model.ops import select_blocks
     from msa_model.ops.indexer_kl import triton as kl_triton
-    from msa_model.ops.inverse_index import clean_block_idx
-    from msa_model.ops.sparse_attention import triton as sa_triton
+    from msa_model.ops.sparse_attention.inverse_index import clean_block_idx
+    from msa_model.ops.sparse_attention import gather
 
     B, T, Hq, G, D, Di, bs, topk = 2, 75, 4, 2, 16, 16, 16, 4
     q, k, v, iq, ik = (x.detach() for x in inputs(B, T, Hq, G, D, Di, seed=9))
     block_idx = select_blocks(iq, ik, bs, topk, backend="reference")
     idx = clean_block_idx(block_idx, bs)
     assert (idx < 0).any()  # early queries have fewer blocks than slots
-    o, lse, index = sa_triton.sparse_forward(q, k, v, idx, bs, D ** -0.5)
-    pbar = torch.full((B * T * G * topk, bs), float("nan"), dtype=kl_triton._teacher_dtype(q), device=DEV)
-    sa_triton.sparse_backward(torch.randn_like(o), q, k, v, o, lse, idx, bs, D ** -0.5, index=index, teacher=pbar)
+    o, lse, index = gather.sparse_forward(q, k, v, idx, bs, D ** -0.5)
+    pbar = torch.full((B * T * G * topk, bs), float("nan"), dtype=kl_triton.teacher_dtype(q), device=DEV)
+    gather.sparse_backward(torch.randn_like(o), q, k, v, o, lse, idx, bs, D ** -0.5, index=index, teacher=pbar)
     written = ~pbar.isnan().any(-1)
     assert torch.equal(written, (idx >= 0).flatten())
     kl_index = index.whole()  # the attention's index serves the KL
@@ -216,8 +217,8 @@ def test_calls_over_the_row_budget_run_as_query_chunks(B, cut, monkeypatch):
     (here three, of 24, 24 and 22 queries), with the same output, KL and gradients as one call;
     the KL is NaN until the backward has run and is then reported once."""
     from msa_model.ops.indexer_kl.triton import Tuning as KLTuning
-    from msa_model.ops import late_teacher
-    from msa_model.ops.late_teacher import query_chunk, teacher_bytes
+    from msa_model.ops.msa_attention import late_teacher
+    from msa_model.ops.msa_attention.late_teacher import query_chunk, teacher_bytes
 
     calls = []  # the queries of each attention forward the late path runs
     forward = late_teacher.sa_triton.attention_forward

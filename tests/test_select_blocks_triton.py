@@ -12,7 +12,9 @@ import torch
 from msa_model.ops import select_blocks
 from msa_model.ops.select_blocks import select_blocks_reference
 from msa_model.ops.select_blocks.fp8 import key_scales, quantize_index
-from msa_model.ops.select_blocks.triton import Tuning, block_scores_triton, topk_blocks_triton
+from msa_model.ops.select_blocks.triton import Tuning
+
+from bench.select_blocks_stages import block_scores_triton, topk_blocks_triton
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from msa_model.ops.sparse_attention import sparse_attention
-from msa_model.ops import inverse_index
 from msa_model.ops.triton_utils import interpreting
+from msa_model.ops.sparse_attention import hybrid, inverse_index, reference, shared, tiles
 from msa_model.ops.sparse_attention import triton as sa_triton
 from msa_model.ops.sparse_attention.reference import sparse_attention_reference
 
@@ -147,7 +147,7 @@ def test_query_chunks():
     B, T, Hq, G, K, bs = 2, 90, 4, 2, 4, 16
     per_query = B * G * K * (Hq // G) * (16 * 4 + 4)  # fp32 partial o and lse of one query (D = 16)
     tuning = dataclasses.replace(sa_triton.DEFAULT_TUNING, partial_bytes=7 * per_query)
-    assert sa_triton._chunk(T, per_query, tuning.partial_bytes) == 7
+    assert shared.equal_chunks(T, per_query, tuning.partial_bytes) == 7
     run_case(B, T, Hq, G, 16, bs, K, torch.float32 if DEVICE == "cpu" else torch.bfloat16, tuning=tuning)
 
 
@@ -163,9 +163,9 @@ def test_default_partial_budget(T, heads, groups, chunks):
     step's saved activations; bounded by q's bytes and 4 GiB at long context."""
     tuning, D, K = sa_triton.DEFAULT_TUNING, 128, 16
     per_query = groups * K * (heads // groups) * (D * 2 + 4)
-    budget = sa_triton.partial_budget(tuning, T * heads * D * 2)
+    budget = shared.partial_budget(tuning, T * heads * D * 2)
     assert budget == max(3 << 30, min(4 << 30, 4 * T * heads * D))
-    assert -(-T // sa_triton._chunk(T, per_query, budget)) == chunks
+    assert -(-T // shared.equal_chunks(T, per_query, budget)) == chunks
 
 
 @pytest.mark.parametrize("chunk", [0, 5, 23])
@@ -231,7 +231,7 @@ def test_schedule_kernel_equals_the_definition(chunk, per):
     chunked = inverse_index.build_inverse_index(idx, N, chunk)
     # and the unchunked view of a chunked index (the KL's), whose bounds are strided views
     for index in (chunked, chunked.whole()):
-        want = inverse_index.schedule_reference(index, per)
+        want = reference.schedule_reference(index, per)
         got = inverse_index.schedule_triton(index, per)
         for g, w in zip(got, want):
             assert g.shape == w.shape and g.dtype == w.dtype == torch.int32
@@ -340,7 +340,7 @@ def test_hybrid_forward_splits_tiles_by_their_union(chunked):
     for shape in ((B, T, Hq, D), (B, T, G, D), (B, T, G, D), (B, T, Hq, D)):
         torch.randn(*shape, generator=gen)
     idx = inverse_index.clean_block_idx(random_block_idx(B, T, G, K, bs, gen), bs)
-    count = sa_triton.tile_union(idx, QT).count
+    count = tiles.tile_union(idx, QT).count
     limit = 1.0
     assert (count <= limit * K).any() and (count > limit * K).any()
     # a chunk's forward partials: 20 queries of G*K entries of H heads (D values and an fp32 lse each)
@@ -364,7 +364,7 @@ def test_hybrid_forward_keeps_the_index_of_every_entry(with_index):
     if not with_index:
         assert state.index is None
         return
-    fresh = sa_triton.sparse_index(state.idx, Hq // G, D, q.element_size(), 3, tuning)
+    fresh = shared.sparse_index(state.idx, Hq // G, D, q.element_size(), 3, tuning)
     for name in ("entry", "start", "count", "block_start", "block_count"):
         assert torch.equal(getattr(state.index, name), getattr(fresh, name)), name
 
@@ -379,13 +379,13 @@ def test_hybrid_forward_on_two_streams():
     gen = torch.Generator().manual_seed(2)
     idx = torch.cat([shared_block_idx(B, T // 2, G, K, bs), random_block_idx(B, T, G, K, bs, gen)[:, T // 2:]], 1)
     tuning = dataclasses.replace(sa_triton.DEFAULT_TUNING, tile_min_queries=0)
-    union = sa_triton.tile_union(inverse_index.clean_block_idx(idx.cuda(), bs), sa_triton._tile_queries(tuning, 16))
+    union = tiles.tile_union(inverse_index.clean_block_idx(idx.cuda(), bs), tiles.tile_queries(tuning, 16))
     over = union.count > tuning.tile_union_max * K
     assert 0.3 < over.float().mean() < 0.7
-    sa_triton._SIDE.clear()
+    hybrid.SIDE_STREAMS.clear()
     for seed in range(3):
         run_case(B, T, Hq, G, D, bs, K, torch.bfloat16, seed=seed, tuning=tuning, block_idx=idx)
-    assert sa_triton._SIDE, "the gather pass took no second stream"
+    assert hybrid.SIDE_STREAMS, "the gather pass took no second stream"
 
 
 @pytest.mark.parametrize("queries", [2, 8])
@@ -421,7 +421,7 @@ def test_tile_path_reads_whole_blocks_unmasked(rows):
     run here, and the result is the reference's."""
     B, T, Hq, G, D, bs, K = 2, 150, 4, 2, 16, 32, 5  # 16 keys a step: two per block
     idx = shared_block_idx(B, T, G, K, bs)
-    union = sa_triton.tile_union(inverse_index.clean_block_idx(idx, bs), rows // 2)
+    union = tiles.tile_union(inverse_index.clean_block_idx(idx, bs), rows // 2)
     assert (union.full > 0).float().mean() > 0.5 and (union.full < union.count).any()
     run_case(B, T, Hq, G, D, bs, K, torch.float32 if DEVICE == "cpu" else torch.bfloat16,
              tuning=_tiles(rows, tile_backward=False, tile_union_max=float(rows)), block_idx=idx)
@@ -457,7 +457,7 @@ def test_tile_union_lists_each_tiles_distinct_blocks(impl):
     gen = torch.Generator().manual_seed(3)
     idx = torch.randint(-1, N, (B, T, G, K), generator=gen, dtype=torch.int32)
     idx = inverse_index.clean_block_idx(idx, 1, q_offset=N).to(DEVICE)
-    union = getattr(sa_triton, f"tile_union_{impl}")(idx, QT)
+    union = {"reference": reference.tile_union_reference, "triton": tiles.tile_union_triton}[impl](idx, QT)
     assert union.blocks.shape == (B, G, -(-T // QT), QT * K)
     for b in range(B):
         for g in range(G):
@@ -496,8 +496,8 @@ def test_tile_union_kernel_equals_reference(B, T, G, K, QT):
             ds = None if ds is None else ds.to(DEVICE)
             clean = inverse_index.clean_block_idx(idx.to(DEVICE), bs, 0, ds)
             docs = None if ds is None else inverse_index.document_blocks(ds, bs)
-            got = sa_triton.tile_union_triton(clean, QT, docs)
-            want = sa_triton.tile_union_reference(clean, QT, docs)
+            got = tiles.tile_union_triton(clean, QT, docs)
+            want = reference.tile_union_reference(clean, QT, docs)
             for name in ("ids", "blocks", "count", "full"):
                 assert torch.equal(getattr(got, name), getattr(want, name)), name
             some_full |= bool((want.full > 0).any())
@@ -522,7 +522,7 @@ def test_clean_block_idx_kernel_equals_reference(K):
         for ds in (None, doc_start):
             got = inverse_index.clean_block_idx_triton(idx.to(DEVICE), bs, q_offset,
                                                        None if ds is None else ds.to(DEVICE))
-            want = inverse_index.clean_block_idx_reference(idx, bs, q_offset, ds)
+            want = reference.clean_block_idx_reference(idx, bs, q_offset, ds)
             assert got.dtype == torch.int32 and torch.equal(got.cpu(), want)
             assert (want >= 0).any() and (want < 0).any()
 

@@ -18,6 +18,8 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
+from msa_model.ops.common import keys_per_query
+
 log = logging.getLogger("msa_model.eval")
 
 
@@ -253,7 +255,7 @@ def run_eval(args) -> dict:
         results = {
             "label": label, "checkpoint": str(step_dir), "model": cfg.model.name, "attention": cfg.model.attention,
             "phase": args.phase if msa else "dense", "context": context,
-            "key_budget": cfg.model.msa.topk * cfg.model.msa.block_size if msa and msa_layers(model) else None,
+            "key_budget": keys_per_query(cfg.model.msa.block_size, cfg.model.msa.topk) if msa and msa_layers(model) else None,
             "seed": args.seed, "samples": args.samples, "lengths": lengths, "depths": args.depths, "tasks": retrieval,
             "accuracy_by_length": {str(n): sum(retrieval[t][str(n)]["accuracy"] for t in tasks) / len(tasks)
                                    for n in lengths},

@@ -14,6 +14,15 @@ import torch
 
 BACKENDS = ("auto", "reference", "triton")
 
+# the production geometry of docs/msa.md ("Defaults"), which MiniMax's kernels hard-code: the ops'
+# defaults, and what checkpoint conversion uses when the source model has no MSA of its own
+# (Di is then the source's head dim, 128 in production)
+PRODUCTION_BLOCK_SIZE = 128  # Bk
+PRODUCTION_TOPK = 16  # k
+# the key blocks the Triton kernels take: a block is a tile dimension of their products (at least
+# 16, a power of two), and at most 128 keys keep a block's fp32 accumulators in registers
+TRITON_BLOCK_SIZES = (16, 32, 64, 128)
+
 
 def resolve_backend(backend: str, *tensors: torch.Tensor) -> str:
     """"auto" picks the fused Triton kernels when every input is on CUDA, the reference otherwise."""
@@ -36,9 +45,28 @@ def num_blocks(T: int, block_size: int) -> int:
     return (T + block_size - 1) // block_size
 
 
-def check_block_size(block_size: int, topk: int | None = None) -> None:
+def keys_per_query(block_size: int, topk: int) -> int:
+    """The most keys a query of the sparse phase reads: its topk blocks of block_size keys."""
+    return topk * block_size
+
+
+def block_size_problem(block_size: int, triton: bool = False) -> str | None:
+    """What is wrong with `block_size` (None: nothing), as the end of a sentence naming it: the
+    reference takes any positive int, the Triton kernels one of TRITON_BLOCK_SIZES."""
     if not isinstance(block_size, int) or block_size <= 0:
-        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        return "must be a positive int"
+    if triton and block_size not in TRITON_BLOCK_SIZES:
+        return "must be a power of two in [16, 128]"
+    return None
+
+
+def check_block_size(block_size: int, topk: int | None = None, triton: str | None = None) -> None:
+    """Raise ValueError for a block_size (and topk) the ops cannot take; `triton`: the name of the op
+    whose Triton kernels will run, which take only TRITON_BLOCK_SIZES (`block_size_problem`)."""
+    problem = block_size_problem(block_size, triton=triton is not None)
+    if problem is not None:
+        who = "block_size" if triton is None or problem.endswith("int") else f"the Triton {triton}'s block_size"
+        raise ValueError(f"{who} {problem}, got {block_size!r}")
     if topk is not None and (not isinstance(topk, int) or topk <= 0):
         raise ValueError(f"topk must be a positive int, got {topk!r}")
 

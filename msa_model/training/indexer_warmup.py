@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 
 from msa_model.attention import msa_layers, set_msa_phase
+from msa_model.ops.common import keys_per_query
 from msa_model.training.callbacks import Callback
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,8 @@ class IndexerWarmup(Callback):
             c = self.msa_cfg
             log.info("indexer warmup done after step %d (%s tokens >= %s): switching to sparse attention, "
                      "top-%d of %d-token blocks (<= %d keys per query)", trainer.state.step,
-                     f"{tokens:,}", f"{self.warmup_tokens:,}", c.topk, c.block_size, c.topk * c.block_size)
+                     f"{tokens:,}", f"{self.warmup_tokens:,}", c.topk, c.block_size,
+                     keys_per_query(c.block_size, c.topk))
         self.sparse = sparse
         set_msa_phase(trainer.model_chunks, sparse)
 

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from msa_model.config import PRODUCTION_BLOCK_SIZE
-
-from ..common import (check_block_idx, check_block_size, check_doc_start, check_index, check_qkv,
+from ..common import (PRODUCTION_BLOCK_SIZE, check_block_idx, check_block_size, check_doc_start, check_index, check_qkv,
                       check_temperature, default_scale, load_triton, resolve_backend, trim_keys)
 from .reference import indexer_kl_loss_reference
 

@@ -19,7 +19,7 @@ lse_z kept online. Its gradient in z is dz = exp(z - lse_z) - p/s_sum (times gra
   (the student alone, 1/H of the work); the second, knowing lse_z, needs no online softmax and
   so runs on key-major tiles (keys are the products' long side, as in the backward), summing
   the loss terms and d iq = sum_j dz_j ik_j per query: faster than one online pass on row-major
-  tiles (bench/RESULTS.md, round 4). The backward is key-outer for d ik. Memory O(T).
+  tiles. The backward is key-outer for d ik. Memory O(T).
 - sparse: every selection differs per query, so query-outer would re-read a key block (k and ik,
   J*(D+Di) values) for each (t, g, slot) while key-outer reads q's G*D values: key-outer it is, on
   an inverse index (for each (b, g, n): the entries that selected block n). The forward writes the
@@ -41,8 +41,8 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from ..inverse_index import (DocumentBlocks, InverseIndex, build_inverse_index, clean_block_idx, document_blocks,
-                             query_ends, schedule)
+from ..sparse_attention.inverse_index import (DocumentBlocks, InverseIndex, build_inverse_index, clean_block_idx,
+                                              document_blocks, query_ends, schedule)
 from ..triton_utils import LOG2E
 from .triton_kernels import (kl_bwd_kernel, kl_dense_keys_kernel, kl_dik_reduce_kernel, kl_sparse_fwd_kernel,
                              kl_stored_bwd_kernel, kl_student_lse_kernel, kl_teacher_sums_kernel)
@@ -199,7 +199,7 @@ def _sparse_forward(q, k, lse, iq, ik, index, K, block_size, scale, index_scale,
     part = torch.zeros(5, E, dtype=torch.float32, device=q.device)
     part[0].fill_(float("-inf"))
     # only the entries of the inverse index are written, and only they are read back
-    pbar = torch.empty(E, J, dtype=_teacher_dtype(q), device=q.device) if store else None
+    pbar = torch.empty(E, J, dtype=teacher_dtype(q), device=q.device) if store else None
     tb, ts, tc = _programs(index, cfg.fwd_per_program)
     bstart, bend, docs_on = _tables(docs, index.entry)
     kl_sparse_fwd_kernel[(tb.numel(),)](
@@ -250,7 +250,9 @@ def teacher_backward(iq, ik, pbar, idx, lse_z, index, K, block_size, index_scale
     return kl, dik, diq
 
 
-def _teacher_dtype(q) -> torch.dtype:
+def teacher_dtype(q) -> torch.dtype:
+    """The dtype of the teacher rows for queries q (fp16, fp32 for fp32 inputs), also of those the
+    attention's backward writes for msa_attention(kl_teacher="backward")."""
     return torch.float32 if q.dtype == torch.float32 else torch.float16
 
 
@@ -259,7 +261,7 @@ def _store_teacher(q, G, K, block_size, cfg, needs_grad: bool, keep: bool | None
     budgets; True: when they fit `teacher_bytes` (the caller recomputes the forward right before
     the backward, so they are short-lived); False: never."""
     B, T = q.shape[:2]
-    nbytes = B * T * G * K * triton.next_power_of_2(block_size) * _teacher_dtype(q).itemsize
+    nbytes = B * T * G * K * triton.next_power_of_2(block_size) * teacher_dtype(q).itemsize
     fits = nbytes <= cfg.teacher_bytes and (keep or nbytes <= cfg.teacher_q_ratio * q.numel() * q.element_size())
     return needs_grad and keep is not False and fits
 

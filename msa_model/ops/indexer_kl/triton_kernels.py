@@ -6,7 +6,7 @@ N = key blocks, E = B*T*G*K (query, group, slot) entries, M = queries in a tile,
 rows (HS heads of each query), J = keys in a tile.
 
 Packed documents (DOCS): in sparse mode a bucket's block n is an entry of the document block
-table, keys BSTART[b, n] .. BEND[b, n] - 1 (ops/inverse_index.py); its keys all belong to the
+table, keys BSTART[b, n] .. BEND[b, n] - 1 (ops/sparse_attention/inverse_index.py); its keys all belong to the
 document of the queries that selected it, so no other mask is needed. In dense mode DOC [B, T]
 holds each query's document start s and query t reads keys s .. QOFF + t: query-outer kernels
 start at their first row's s, the key-outer backward stops at QEND [B, N], the first query whose
@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..inverse_index import decode_bucket
+from ..sparse_attention.inverse_index import decode_bucket
 from ..triton_utils import FP32_TINY, INTERPRET, LOG2E, dot, row_documents
 
 
@@ -49,7 +49,7 @@ def _block_range(b, n, TK, N, bstart_ptr, bend_ptr, BLOCK: tl.constexpr, DOCS: t
 @triton.jit
 def _work_item(tb_ptr, ts_ptr, tc_ptr, TK, N, bstart_ptr, bend_ptr, G: tl.constexpr, BLOCK: tl.constexpr,
                DOCS: tl.constexpr):
-    """This program's run of a bucket's entries (see ops/inverse_index.py): whether it has one
+    """This program's run of a bucket's entries (see ops/sparse_attention/inverse_index.py): whether it has one
     (spare programs do not), the bucket's b, g and block n, the entries lo .. hi - 1 (none when
     spare) and the block's keys j0 .. j_end - 1."""
     pid = tl.program_id(0)

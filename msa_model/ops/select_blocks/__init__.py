@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from msa_model.config import PRODUCTION_BLOCK_SIZE, PRODUCTION_TOPK
-
-from ..common import check_block_size, check_doc_start, check_index, load_triton, resolve_backend, trim_keys
-from .fp8 import PRECISIONS, check_precision
+from ..common import (PRODUCTION_BLOCK_SIZE, PRODUCTION_TOPK, check_block_size, check_doc_start, check_index, load_triton,
+                      resolve_backend, trim_keys)
+from .fp8 import INDEX_PRECISIONS, check_precision
 from .reference import select_blocks_reference
 
 
@@ -50,4 +49,4 @@ def select_blocks(iq: torch.Tensor, ik: torch.Tensor, block_size: int = PRODUCTI
     return select_blocks_reference(iq, ik, block_size, topk, force_sink, q_offset, doc_start, local_blocks, precision)
 
 
-__all__ = ["PRECISIONS", "select_blocks", "select_blocks_reference"]
+__all__ = ["INDEX_PRECISIONS", "select_blocks", "select_blocks_reference"]

@@ -11,23 +11,25 @@ of the dequantized values. The scores the selection ranks are therefore
 
 exactly what `select_blocks_reference` computes with `precision="fp8"`, and what the kernel
 computes up to the summation order. Only the ranking changes against the input precision: e4m3
-keeps 3 mantissa bits, so blocks whose scores differ by a few percent can swap (bench/RESULTS.md,
-round 6, measures how often and how much the swapped blocks weigh).
+keeps 3 mantissa bits, so blocks whose scores differ by a few percent can swap
+(bench/bench_index_precision.py measures how often and how much the swapped blocks weigh).
 """
 
 from __future__ import annotations
 
 import torch
 
-from msa_model.config import INDEX_PRECISIONS as PRECISIONS
+
+# what select_blocks' score products may run in: the index q/k's own dtype, or float8 e4m3
+INDEX_PRECISIONS = ("input", "fp8")
 E4M3_MAX = 448.0
 _TINY = torch.finfo(torch.float32).tiny
 
 
 def check_precision(precision: str, device: torch.device) -> None:
-    """`precision` is one of PRECISIONS; fp8 products on a GPU need fp8 tensor cores (sm89+)."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    """`precision` is one of INDEX_PRECISIONS; fp8 products on a GPU need fp8 tensor cores (sm89+)."""
+    if precision not in INDEX_PRECISIONS:
+        raise ValueError(f"precision must be one of {INDEX_PRECISIONS}, got {precision!r}")
     if precision == "fp8" and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         raise ValueError(f"precision='fp8' needs fp8 tensor cores (compute capability 8.9 or newer); "
                          f"{torch.cuda.get_device_name(device)} has "

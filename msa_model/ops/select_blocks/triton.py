@@ -24,29 +24,30 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import num_blocks
-from ..triton_utils import INTERPRET, dot, interpreting
+from ..common import check_block_size, num_blocks
+from ..triton_utils import INTERPRET, dot
 from .fp8 import check_precision, quantize_index
 
-# what the fused kernel emits: the selection, the raw block scores (stage one of a two-stage
-# path, used to time the top-k stage alone), or only a max of block scores (to time scoring)
-_SELECT, _SCORES, _BARE = 0, 1, 2
+# what the fused kernel emits (MODE): the selection, the raw block scores (stage one of a
+# two-stage path, used to time the top-k stage alone), or only a max of block scores (to time
+# scoring); bench/select_blocks_stages.py launches the last two
+SELECT, SCORES, BARE = 0, 1, 2
 
 
 @triton.jit
-def _leaving(topv_KR, topi_KR, low_R, slot_K, KP: tl.constexpr, AXIS: tl.constexpr):
-    """The slot a better candidate replaces, as its key (`_slot_keys`): of the slots holding the
+def leaving_slot(topv_KR, topi_KR, low_R, slot_K, KP: tl.constexpr, AXIS: tl.constexpr):
+    """The slot a better candidate replaces, as its key (`slot_keys`): of the slots holding the
     minimum, the one with the largest block id, so that equal scores keep the lowest ids whatever
     order the blocks come in; of empty slots (id -1), the first, so that slots fill in order.
     AXIS: the slot axis."""
     if AXIS == 1:
-        return tl.max(tl.where(topv_KR == low_R[:, None], _slot_keys(topi_KR, slot_K, KP, 1), -2147483647), axis=1)
+        return tl.max(tl.where(topv_KR == low_R[:, None], slot_keys(topi_KR, slot_K, KP, 1), -2147483647), axis=1)
     else:
-        return tl.max(tl.where(topv_KR == low_R[None, :], _slot_keys(topi_KR, slot_K, KP, 0), -2147483647), axis=0)
+        return tl.max(tl.where(topv_KR == low_R[None, :], slot_keys(topi_KR, slot_K, KP, 0), -2147483647), axis=0)
 
 
 @triton.jit
-def _slot_keys(topi_KR, slot_K, KP: tl.constexpr, AXIS: tl.constexpr):
+def slot_keys(topi_KR, slot_K, KP: tl.constexpr, AXIS: tl.constexpr):
     """id*KP + (KP - 1 - slot) per slot: unique (kept ids are distinct, empty slots hold -1 and
     differ by slot), ordered by id, then by slot reversed."""
     if AXIS == 1:
@@ -56,7 +57,7 @@ def _slot_keys(topi_KR, slot_K, KP: tl.constexpr, AXIS: tl.constexpr):
 
 
 @triton.jit
-def _takes(x_R, n_R, low_R, out_R, KP: tl.constexpr):
+def takes_candidate(x_R, n_R, low_R, out_R, KP: tl.constexpr):
     """Whether candidate (x, n) enters: a larger score than the minimum, or an equal one and a
     lower block id than the leaving slot's (n < id iff n*KP + KP - 1 < its key id*KP + r, r < KP)."""
     return (x_R > low_R) | ((x_R == low_R) & (n_R * KP + (KP - 1) < out_R))
@@ -65,8 +66,8 @@ def _takes(x_R, n_R, low_R, out_R, KP: tl.constexpr):
 @triton.jit
 def _update(topv_RK, topi_RK, low_R, x_R, n_R, slot_K):
     KP: tl.constexpr = slot_K.shape[0]
-    out_R = _leaving(topv_RK, topi_RK, low_R, slot_K, KP, 1)
-    take_RK = (_slot_keys(topi_RK, slot_K, KP, 1) == out_R[:, None]) & _takes(x_R, n_R, low_R, out_R, KP)[:, None]
+    out_R = leaving_slot(topv_RK, topi_RK, low_R, slot_K, KP, 1)
+    take_RK = (slot_keys(topi_RK, slot_K, KP, 1) == out_R[:, None]) & takes_candidate(x_R, n_R, low_R, out_R, KP)[:, None]
     topv_RK = tl.where(take_RK, x_R[:, None], topv_RK)
     topi_RK = tl.where(take_RK, n_R[:, None], topi_RK)
     return topv_RK, topi_RK, tl.min(topv_RK, axis=1)
@@ -81,7 +82,7 @@ def _insert(topv_RK, topi_RK, low_R, x_R, n_R, slot_K, TRACK: tl.constexpr = Fal
     updating only if one does. Far into a long row few candidates win (after n blocks a random
     one enters a row's top-k with probability about k / n), so the update is mostly skipped; in
     shorter rows the question (a reduction over the program) costs more than it saves, and a
-    kernel that tracks the minimum runs slower (bench/RESULTS.md, round 6): only fp8-score
+    kernel that tracks the minimum runs slower: only fp8-score
     kernels over more than `Tuning.skip_from` blocks track it (`_skips`)."""
     if TRACK:
         if SKIP:
@@ -163,10 +164,11 @@ def _score_tile(q_RD, ik_base, ks_base, s_ik_t, kt, p_R, TK, N, R: tl.constexpr,
 
 
 @triton.jit
-def _consume(bm_RN, kt, topv_RK, topi_RK, low_R, seen_R, slot_K, nloc_R, out_ptr, b, t_R, g_R, valid_R, N,
-             s_out_b, s_out_t, s_out_g, R: tl.constexpr, NB: tl.constexpr, SINK: tl.constexpr,
+def _consume(bm_RN, kt, topv_RK, topi_RK, low_R, seen_R, slot_K, nloc_R, out_ptr, row_R, valid_R, N,
+             R: tl.constexpr, NB: tl.constexpr, SINK: tl.constexpr,
              MODE: tl.constexpr, LOCAL: tl.constexpr, TRACK: tl.constexpr, SKIP: tl.constexpr):
-    """Fold one tile's block maxima into the running top-k (or store them, or only keep a max)."""
+    """Fold one tile's block maxima into the running top-k (or store them at the rows' offsets
+    row_R of out_ptr, or only keep a max)."""
     if MODE == 0:
         for jb in tl.static_range(NB):
             if NB == 1:
@@ -183,7 +185,6 @@ def _consume(bm_RN, kt, topv_RK, topi_RK, low_R, seen_R, slot_K, nloc_R, out_ptr
                                               TRACK, SKIP)
     elif MODE == 1:
         n_N = kt * NB + tl.arange(0, NB)
-        row_R = b * s_out_b + t_R.to(tl.int64) * s_out_t + g_R * s_out_g
         tl.store(out_ptr + row_R[:, None] + n_N[None, :], bm_RN, mask=valid_R[:, None] & (n_N[None, :] < N))
     else:
         seen_R = tl.maximum(seen_R, tl.max(bm_RN, axis=1))
@@ -191,15 +192,31 @@ def _consume(bm_RN, kt, topv_RK, topi_RK, low_R, seen_R, slot_K, nloc_R, out_ptr
 
 
 @triton.jit
-def _tile(q_RD, ik_base, ks_base, s_ik_t, kt, p_R, TK, N, topv_RK, topi_RK, low_R, seen_R, slot_K, nloc_R, out_ptr,
-          b, t_R, g_R, valid_R, s_out_b, s_out_t, s_out_g, R: tl.constexpr, C: tl.constexpr, DI: tl.constexpr,
-          DP: tl.constexpr, BLOCK: tl.constexpr, SINK: tl.constexpr, MODE: tl.constexpr, LOCAL: tl.constexpr,
-          PREC: tl.constexpr, KSCALE: tl.constexpr, CAUSAL: tl.constexpr, TRACK: tl.constexpr, SKIP: tl.constexpr):
-    """One key tile of a program whose rows are one document each: its block maxima folded into the
-    state (CAUSAL: the tile reaches a row's position; TRACK, SKIP: see `_insert`)."""
-    bm_RN = _score_tile(q_RD, ik_base, ks_base, s_ik_t, kt, p_R, TK, N, R, C, DI, DP, BLOCK, CAUSAL, PREC, KSCALE)
-    return _consume(bm_RN, kt, topv_RK, topi_RK, low_R, seen_R, slot_K, nloc_R, out_ptr, b, t_R, g_R, valid_R, N,
-                    s_out_b, s_out_t, s_out_g, R, C // BLOCK, SINK, MODE, LOCAL, TRACK, SKIP)
+def _tiles(kt0, kt1, q_RD, ik_base, ks_base, s_ik_t, p_R, TK, N, topv_RK, topi_RK, low_R, seen_R, slot_K, nloc_R,
+           out_ptr, row_R, valid_R, R: tl.constexpr, C: tl.constexpr, DI: tl.constexpr, DP: tl.constexpr,
+           BLOCK: tl.constexpr, SINK: tl.constexpr, MODE: tl.constexpr, LOCAL: tl.constexpr, PREC: tl.constexpr,
+           KSCALE: tl.constexpr, CAUSAL: tl.constexpr, TRACK: tl.constexpr, SKIP: tl.constexpr):
+    """Key tiles kt0 .. kt1 - 1 of a program whose rows are one document each: each tile's block
+    maxima folded into the state (CAUSAL: the tiles reach a row's position; TRACK, SKIP: see
+    `_insert`). The compiler software-pipelines the for loop; the interpreter takes the while loop
+    (triton_utils)."""
+    if INTERPRET:
+        kt = kt1 * 0 + kt0
+        while kt < kt1:
+            bm_RN = _score_tile(q_RD, ik_base, ks_base, s_ik_t, kt, p_R, TK, N, R, C, DI, DP, BLOCK, CAUSAL, PREC,
+                                KSCALE)
+            topv_RK, topi_RK, low_R, seen_R = _consume(bm_RN, kt, topv_RK, topi_RK, low_R, seen_R, slot_K, nloc_R,
+                                                       out_ptr, row_R, valid_R, N, R, C // BLOCK, SINK, MODE, LOCAL,
+                                                       TRACK, SKIP)
+            kt += 1
+    else:
+        for kt in range(kt0, kt1):
+            bm_RN = _score_tile(q_RD, ik_base, ks_base, s_ik_t, kt, p_R, TK, N, R, C, DI, DP, BLOCK, CAUSAL, PREC,
+                                KSCALE)
+            topv_RK, topi_RK, low_R, seen_R = _consume(bm_RN, kt, topv_RK, topi_RK, low_R, seen_R, slot_K, nloc_R,
+                                                       out_ptr, row_R, valid_R, N, R, C // BLOCK, SINK, MODE, LOCAL,
+                                                       TRACK, SKIP)
+    return topv_RK, topi_RK, low_R, seen_R
 
 
 @triton.jit
@@ -257,6 +274,8 @@ def _fused_kernel(iq_ptr, ik_ptr, ks_ptr, out_ptr, doc_ptr, T, TK, QOFF, N, skip
     t_R = t0 + r_R // GP
     g_R = r_R % GP
     valid_R = (t_R < T) & (g_R < G)
+    # the rows' offsets in the output (MODE 0 and 1)
+    row_R = b * s_out_b + t_R.to(tl.int64) * s_out_t + g_R * s_out_g
     d_D = tl.arange(0, DP)
     q_RD = tl.load(iq_ptr + b * s_iq_b + t_R[:, None].to(tl.int64) * s_iq_t + g_R[:, None] * s_iq_g + d_D[None, :],
                    mask=valid_R[:, None] & (d_D[None, :] < DI), other=0.0)
@@ -297,105 +316,28 @@ def _fused_kernel(iq_ptr, ik_ptr, ks_ptr, out_ptr, doc_ptr, T, TK, QOFF, N, skip
                     carry_n_R, carry_x_R, C, DI, DP, BLOCK, SINK, PREC, LOCAL, KSCALE)
         # the last block in progress (a row's local block, which is forced: offered for completeness)
         topv_RK, topi_RK, low_R = _offer(topv_RK, topi_RK, low_R, carry_x_R, carry_n_R, nloc_R, slot_K, SINK, LOCAL)
-    elif INTERPRET:
-        # every tile causally masked; with SKIP, tiles from skip_tile on ask before updating
-        kt = n_full * 0
-        while kt < n_tiles:
-            if SKIP and kt >= skip_tile:
-                topv_RK, topi_RK, low_R, seen_R = _tile(
-                    q_RD, ik_base, ks_base, s_ik_t, kt, p_R, TK, N, topv_RK, topi_RK, low_R, seen_R, slot_K,
-                    nloc_R, out_ptr, b, t_R, g_R, valid_R, s_out_b, s_out_t, s_out_g, R, C, DI, DP, BLOCK, SINK,
-                    MODE, LOCAL, PREC, KSCALE, True, True, True)
-            else:
-                topv_RK, topi_RK, low_R, seen_R = _tile(
-                    q_RD, ik_base, ks_base, s_ik_t, kt, p_R, TK, N, topv_RK, topi_RK, low_R, seen_R, slot_K,
-                    nloc_R, out_ptr, b, t_R, g_R, valid_R, s_out_b, s_out_t, s_out_g, R, C, DI, DP, BLOCK, SINK,
-                    MODE, LOCAL, PREC, KSCALE, True, SKIP, False)
-            kt += 1
     else:
         # tiles before the diagonal need no causal mask; with SKIP, those from skip_tile on update
         # the top-k only when some row wins (the diagonal tiles, a row's most recent blocks, always)
+        n_plain = n_full
         if SKIP:
             n_plain = tl.minimum(n_full, skip_tile)
-            for kt in range(0, n_plain):
-                topv_RK, topi_RK, low_R, seen_R = _tile(
-                    q_RD, ik_base, ks_base, s_ik_t, kt, p_R, TK, N, topv_RK, topi_RK, low_R, seen_R, slot_K,
-                    nloc_R, out_ptr, b, t_R, g_R, valid_R, s_out_b, s_out_t, s_out_g, R, C, DI, DP, BLOCK, SINK,
-                    MODE, LOCAL, PREC, KSCALE, False, True, False)
-            for kt in range(n_plain, n_full):
-                topv_RK, topi_RK, low_R, seen_R = _tile(
-                    q_RD, ik_base, ks_base, s_ik_t, kt, p_R, TK, N, topv_RK, topi_RK, low_R, seen_R, slot_K,
-                    nloc_R, out_ptr, b, t_R, g_R, valid_R, s_out_b, s_out_t, s_out_g, R, C, DI, DP, BLOCK, SINK,
-                    MODE, LOCAL, PREC, KSCALE, False, True, True)
-        else:
-            for kt in range(0, n_full):
-                topv_RK, topi_RK, low_R, seen_R = _tile(
-                    q_RD, ik_base, ks_base, s_ik_t, kt, p_R, TK, N, topv_RK, topi_RK, low_R, seen_R, slot_K,
-                    nloc_R, out_ptr, b, t_R, g_R, valid_R, s_out_b, s_out_t, s_out_g, R, C, DI, DP, BLOCK, SINK,
-                    MODE, LOCAL, PREC, KSCALE, False, False, False)
-        for kt in range(n_full, n_tiles):
-            topv_RK, topi_RK, low_R, seen_R = _tile(
-                q_RD, ik_base, ks_base, s_ik_t, kt, p_R, TK, N, topv_RK, topi_RK, low_R, seen_R, slot_K,
-                nloc_R, out_ptr, b, t_R, g_R, valid_R, s_out_b, s_out_t, s_out_g, R, C, DI, DP, BLOCK, SINK,
-                MODE, LOCAL, PREC, KSCALE, True, SKIP, False)
+        topv_RK, topi_RK, low_R, seen_R = _tiles(
+            0, n_plain, q_RD, ik_base, ks_base, s_ik_t, p_R, TK, N, topv_RK, topi_RK, low_R, seen_R, slot_K, nloc_R,
+            out_ptr, row_R, valid_R, R, C, DI, DP, BLOCK, SINK, MODE, LOCAL, PREC, KSCALE, False, SKIP, False)
+        if SKIP:
+            topv_RK, topi_RK, low_R, seen_R = _tiles(
+                n_plain, n_full, q_RD, ik_base, ks_base, s_ik_t, p_R, TK, N, topv_RK, topi_RK, low_R, seen_R, slot_K,
+                nloc_R, out_ptr, row_R, valid_R, R, C, DI, DP, BLOCK, SINK, MODE, LOCAL, PREC, KSCALE, False, True,
+                True)
+        topv_RK, topi_RK, low_R, seen_R = _tiles(
+            n_full, n_tiles, q_RD, ik_base, ks_base, s_ik_t, p_R, TK, N, topv_RK, topi_RK, low_R, seen_R, slot_K,
+            nloc_R, out_ptr, row_R, valid_R, R, C, DI, DP, BLOCK, SINK, MODE, LOCAL, PREC, KSCALE, True, SKIP, False)
 
     if MODE == 0:
-        row_R = b * s_out_b + t_R.to(tl.int64) * s_out_t + g_R * s_out_g
         _store_topk(out_ptr, topi_RK, slot_K, row_R, valid_R, K)
     elif MODE == 2:
         tl.store(out_ptr + b * s_out_b + t_R.to(tl.int64) * GP + g_R, seen_R, mask=valid_R)
-
-
-@triton.jit
-def _topk_kernel(bs_ptr, out_ptr, T, N, s_bs_b, s_bs_t, s_bs_g, s_out_b, s_out_t, s_out_g,
-                 G: tl.constexpr, GP: tl.constexpr, BLOCK: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
-                 BM: tl.constexpr, SINK: tl.constexpr):
-    """One warp per program, one row per lane: the running top-k is kept transposed, [KP, R], so its
-    slots sit in one thread and the min/argmin of an insertion need no cross-lane shuffles."""
-    R: tl.constexpr = BM * GP
-    qt = tl.cdiv(T, BM) - 1 - tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
-    t0 = qt * BM
-    r_R = tl.arange(0, R)
-    t_R = t0 + r_R // GP
-    g_R = r_R % GP
-    valid_R = (t_R < T) & (g_R < G)
-    nloc_R = t_R // BLOCK
-    slot_K = tl.arange(0, KP)
-    topv_KR = tl.where(slot_K[:, None] < K, float("-inf"), float("inf")) + tl.zeros([KP, R], tl.float32)
-    topv_KR = tl.where(slot_K[:, None] == 0, float("inf"), topv_KR)
-    topi_KR = tl.where(slot_K[:, None] == 0, nloc_R[None, :], -1)
-    if SINK:
-        if K > 1:
-            sink_KR = (slot_K[:, None] == 1) & (nloc_R[None, :] != 0)
-            topv_KR = tl.where(sink_KR, float("inf"), topv_KR)
-            topi_KR = tl.where(sink_KR, 0, topi_KR)
-    row_R = b * s_bs_b + t_R.to(tl.int64) * s_bs_t + g_R * s_bs_g
-    n_vis = tl.minimum((tl.minimum(t0 + BM, T) - 1) // BLOCK + 1, N)
-    c_C = tl.arange(0, 4)
-    # a while loop: the interpreter cannot take a program-dependent bound in range()
-    c0 = n_vis * 0
-    while c0 < n_vis:
-        n_C = c0 + c_C
-        # only causally visible blocks are read: later ones hold no visible key
-        vis_CR = valid_R[None, :] & (n_C[:, None] <= nloc_R[None, :]) & (n_C[:, None] < N)
-        x_CR = tl.load(bs_ptr + row_R[None, :] + n_C[:, None], mask=vis_CR, other=float("-inf"))
-        drop_CR = n_C[:, None] == nloc_R[None, :]
-        if SINK:
-            drop_CR = drop_CR | (n_C[:, None] == 0)
-        x_CR = tl.where(drop_CR, float("-inf"), x_CR)
-        for jc in tl.static_range(4):
-            x_R = tl.max(tl.where(c_C[:, None] == jc, x_CR, float("-inf")), axis=0)
-            low_R = tl.min(topv_KR, axis=0)
-            out_R = _leaving(topv_KR, topi_KR, low_R, slot_K, KP, 0)
-            n_R = tl.zeros_like(out_R) + c0 + jc
-            take_R = _takes(x_R, n_R, low_R, out_R, KP)
-            take_KR = (_slot_keys(topi_KR, slot_K, KP, 0) == out_R[None, :]) & take_R[None, :]
-            topv_KR = tl.where(take_KR, x_R[None, :], topv_KR)
-            topi_KR = tl.where(take_KR, n_R[None, :], topi_KR)
-        c0 += 4
-    out_R = b * s_out_b + t_R.to(tl.int64) * s_out_t + g_R * s_out_g
-    tl.store(out_ptr + out_R[None, :] + slot_K[:, None], topi_KR, mask=valid_R[None, :] & (slot_K[:, None] < K))
 
 
 def _next_pow2(x: int) -> int:
@@ -416,7 +358,7 @@ class Tuning:
     topk_rows: int = 32
     topk_stages: int = 2
     # fp8 scores: blocks after which a key tile's top-k update runs only if some row of the program
-    # takes a candidate (`_insert`, `_skips`); chosen on an H200 (bench/RESULTS.md, round 6)
+    # takes a candidate (`_insert`, `_skips`); where the skips began to pay on an H200
     skip_from: int = 1024
 
 
@@ -429,23 +371,21 @@ def default_tuning(device: torch.device) -> Tuning:
     return Tuning() if device.type == "cuda" else INTERPRETER_TUNING
 
 
-def _check(block_size: int, di: int | None = None) -> None:
-    if block_size & (block_size - 1) or not 16 <= block_size <= 128:
-        raise ValueError(f"the Triton select_blocks needs a power-of-two block_size in [16, 128], got {block_size}")
-
-
 def _skips(mode, precision, doc_start, n_blocks, cfg) -> bool:
     """Whether the kernel tracks each row's minimum and skips top-k updates no row wins (`_insert`):
     for fp8 scores over more than `cfg.skip_from` blocks. With products in the input precision
     the tracking costs more than the skips save at every length measured, up to 1M keys."""
-    return mode == _SELECT and precision == "fp8" and doc_start is None and n_blocks > cfg.skip_from
+    return mode == SELECT and precision == "fp8" and doc_start is None and n_blocks > cfg.skip_from
 
 
-def _launch_fused(iq_BTGI, ik_BTI, out, block_size, topk, force_sink, mode, tuning, q_offset=0, doc_start=None,
+def launch_fused(iq_BTGI, ik_BTI, out, block_size, topk, force_sink, mode, tuning, q_offset=0, doc_start=None,
                   local_blocks=1, precision="input"):
+    """Launch the fused kernel over iq [B, T, G, Di] and ik [B, TK, Di] into `out`, which `mode` says
+    what to write to: SELECT the top-k ids (int32 [B, T, G, topk]), SCORES the block scores (fp32
+    [B, T, G, N]), BARE each row's best block score (fp32 [B, T * GP])."""
     B, T, G, Di = iq_BTGI.shape
     TK = ik_BTI.shape[1]
-    _check(block_size)
+    check_block_size(block_size, triton="select_blocks")
     check_precision(precision, iq_BTGI.device)
     ik_scale = None
     if precision == "fp8":
@@ -459,7 +399,7 @@ def _launch_fused(iq_BTGI, ik_BTI, out, block_size, topk, force_sink, mode, tuni
     iq_BTGI = iq_BTGI.contiguous()
     ik_BTI = ik_BTI.contiguous()
     grid = (triton.cdiv(T, BM), B)
-    s_out = out.stride()[:3] if mode != _BARE else (T * GP, 0, 0)
+    s_out = out.stride()[:3] if mode != BARE else (T * GP, 0, 0)
     if doc_start is not None:
         doc_start = doc_start.to(torch.int32).contiguous()
     _fused_kernel[grid](
@@ -499,59 +439,7 @@ def select_blocks_triton(iq_BTGI: torch.Tensor, ik_BTI: torch.Tensor, block_size
     out = torch.empty((B, T, G, topk), dtype=torch.int32, device=iq_BTGI.device)
     if T == 0:
         return out
-    return _launch_fused(iq_BTGI, ik_BTI, out, block_size, topk, force_sink, _SELECT, tuning, int(q_offset),
+    return launch_fused(iq_BTGI, ik_BTI, out, block_size, topk, force_sink, SELECT, tuning, int(q_offset),
                          doc_start, local_blocks, precision)
 
 
-def block_scores_triton(iq_BTGI: torch.Tensor, ik_BTI: torch.Tensor, block_size: int,
-                        tuning: Tuning | None = None) -> torch.Tensor:
-    """float32 [B, T, G, N] block scores max_{visible j in n} iq[t,g].ik[j]; -inf where no key is visible.
-
-    Materializes B*T*G*N floats: for timing the top-k stage and for short sequences only.
-    """
-    B, T, G, _ = iq_BTGI.shape
-    out = torch.full((B, T, G, num_blocks(T, block_size)), float("-inf"), dtype=torch.float32,
-                     device=iq_BTGI.device)
-    if T == 0:
-        return out
-    return _launch_fused(iq_BTGI, ik_BTI, out, block_size, 1, False, _SCORES, tuning)
-
-
-def topk_blocks_triton(block_scores_BTGN: torch.Tensor, block_size: int, topk: int, force_sink: bool = False,
-                       tuning: Tuning | None = None) -> torch.Tensor:
-    """The selection stage alone: int32 [B, T, G, topk] from float32 block scores [B, T, G, N].
-
-    Same rules as select_blocks (local block forced, block 0 too if `force_sink`, only blocks
-    n <= t // block_size considered, -1 padding); blocks past the causal horizon are never read.
-    """
-    B, T, G, N = block_scores_BTGN.shape
-    _check(block_size)
-    if N != num_blocks(T, block_size):
-        raise ValueError(f"block scores have {N} blocks; T={T} with block_size={block_size} needs "
-                         f"{num_blocks(T, block_size)}")
-    bs = block_scores_BTGN.float()
-    if bs.stride(-1) != 1:
-        bs = bs.contiguous()
-    out = torch.empty((B, T, G, topk), dtype=torch.int32, device=bs.device)
-    if T == 0:
-        return out
-    cfg = tuning or default_tuning(bs.device)
-    GP = _next_pow2(G)
-    BM = max(1, cfg.topk_rows // GP)
-    _topk_kernel[(triton.cdiv(T, BM), B)](
-        bs, out, T, N, bs.stride(0), bs.stride(1), bs.stride(2), *out.stride()[:3],
-        G=G, GP=GP, BLOCK=block_size, K=topk, KP=_next_pow2(topk), BM=BM, SINK=bool(force_sink),
-        num_warps=1, num_stages=cfg.topk_stages,
-    )
-    return out
-
-
-def score_only_triton(iq_BTGI: torch.Tensor, ik_BTI: torch.Tensor, block_size: int,
-                      tuning: Tuning | None = None, precision: str = "input") -> torch.Tensor:
-    """The scoring and block-max work of select_blocks without the top-k: for timing breakdowns only.
-
-    Returns float32 [B, T * GP] (GP = G rounded up to a power of two) of each row's best block score.
-    """
-    B, T, G, _ = iq_BTGI.shape
-    out = torch.empty((B, T * _next_pow2(G)), dtype=torch.float32, device=iq_BTGI.device)
-    return _launch_fused(iq_BTGI, ik_BTI, out, block_size, 1, False, _BARE, tuning, precision=precision)

@@ -6,14 +6,24 @@ does) instead of keeping them.
 
 B = batch, T = tokens, C = queries in a chunk, G = groups (Hkv), H = heads per group, D = head
 dim, J = keys of the chunk's causal range, K = top-k blocks.
+
+Also the definitions of the index pieces the Triton paths build on the device: the cleaned block
+ids (`clean_block_idx_reference`), the schedule of the inverse index (`schedule_reference`) and
+each query tile's union of blocks (`tile_union_reference`); their kernels compute the same.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..common import query_chunk
 from ..support import support_mask
+
+if TYPE_CHECKING:
+    from .inverse_index import DocumentBlocks, InverseIndex
 
 
 def _chunks(T: int, heads: int, q_offset: int = 0):
@@ -164,3 +174,103 @@ def sparse_attention_reference(q, k, v, block_idx, block_size, scale, upcast=Tru
     gradients straight through them (`sparse_attention_backward`)."""
     return SparseAttentionReference.apply(q, k, v, block_idx, block_size, scale, upcast, q_offset, doc_start,
                                           fp8_probs)
+
+
+@dataclass
+class TileUnion:
+    """Each query tile's union of selected blocks (the tile path, tiles.py).
+
+    ids: int32 [B, T, G, K] the cleaned block ids, table ids with packed documents (-1 unused).
+    blocks: int32 [B, G, NT, U] each tile's distinct ids: first those every query of the tile
+    selected (ascending), then the others (ascending), then -1 (U = QT*K).
+    count: int32 [B, G, NT] how many; full: int32 [B, G, NT] how many of them every query
+    selected; queries: QT, queries per tile.
+    """
+
+    ids: torch.Tensor
+    blocks: torch.Tensor
+    count: torch.Tensor
+    full: torch.Tensor
+    queries: int
+
+
+def table_ids(idx: torch.Tensor, docs: DocumentBlocks | None) -> torch.Tensor:
+    """int32 [B, T, G, K] contiguous: the cleaned ids, with packed documents as table ids."""
+    ids = idx if docs is None else torch.where(idx >= 0, idx + docs.base[:, :, None, None], -1)
+    return ids.to(torch.int32).contiguous()
+
+
+def tile_union_reference(idx: torch.Tensor, queries: int, docs: DocumentBlocks | None = None) -> TileUnion:
+    """The union of each tile of `queries` consecutive queries' blocks, per (b, g), the blocks
+    every query selected first (the definition, in torch: one segmented sort of [B, G, NT, QT*K]
+    and a compaction by prefix sums; `tile_union_triton` is its kernel)."""
+    B, T, G, K = idx.shape
+    ids = table_ids(idx, docs)
+    NT = -(-T // queries)
+    L = queries * K
+    padded = torch.nn.functional.pad(ids, (0, 0, 0, 0, 0, NT * queries - T), value=-1)
+    u = padded.view(B, NT, queries, G, K).permute(0, 3, 1, 2, 4).reshape(B, G, NT, L)
+    u = u.sort(-1).values
+    first = u >= 0
+    first[..., 1:] &= u[..., 1:] != u[..., :-1]
+    # a query names a block at most once, so a block every query selected appears `queries`
+    # times in a row of the sorted ids: its first copy equals the one queries - 1 places on
+    every = torch.zeros_like(first)
+    every[..., :L - queries + 1] = first[..., :L - queries + 1] & (u[..., :L - queries + 1] == u[..., queries - 1:])
+    rest = first & ~every
+    full = every.sum(-1, keepdim=True, dtype=torch.int32)
+    # each distinct id's place: the every-query ones from 0, the others after them, both in
+    # ascending order; repeats and -1 go to a spare last column
+    place = torch.where(every, every.cumsum(-1) - 1, full + rest.cumsum(-1) - 1)
+    place = torch.where(first, place, L)
+    blocks = torch.full((B, G, NT, L + 1), -1, dtype=torch.int32, device=idx.device)
+    blocks.scatter_(-1, place, u)
+    count = first.sum(-1, dtype=torch.int32)
+    return TileUnion(ids, blocks[..., :L].contiguous(), count, full[..., 0].contiguous(), queries)
+
+
+def clean_block_idx_reference(block_idx_BTGK: torch.Tensor, block_size: int, q_offset: int = 0,
+                              doc_start_BT: torch.Tensor | None = None) -> torch.Tensor:
+    """int32 [B, T, G, K] with set semantics made explicit: slots that repeat a block, name a block
+    after the query's own (no causal key) or hold -1 become -1; the rest are sorted ascending
+    (a row is sorted, then each repeat of the previous slot becomes -1).
+    Query t sits at position q_offset + t; with doc_start its blocks count from its document's start.
+    The definition; `clean_block_idx_triton` computes the same with one Triton kernel."""
+    B, T = block_idx_BTGK.shape[:2]
+    idx = block_idx_BTGK.to(torch.int32)
+    pos_T = torch.arange(q_offset, q_offset + T, device=idx.device, dtype=torch.int32)
+    if doc_start_BT is None:
+        local_T = (pos_T // block_size)[None, :, None, None]
+    else:
+        local_T = ((pos_T[None, :] - doc_start_BT.to(torch.int32)) // block_size)[:, :, None, None]
+    idx = torch.where((idx < 0) | (idx > local_T), -1, idx)
+    idx, _ = idx.sort(dim=-1)
+    dup = torch.zeros_like(idx, dtype=torch.bool)
+    dup[..., 1:] = idx[..., 1:] == idx[..., :-1]
+    return torch.where(dup, -1, idx).contiguous()
+
+
+def schedule_reference(index: InverseIndex, per_program: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split every bucket into runs of at most `per_program` entries, one per program.
+
+    Returns int32 (bucket, start, count), each [n_chunks, P]: row c holds chunk c's programs, P an
+    upper bound (no host synchronisation), bucket the chunk's own bucket id (b*G + g)*N + n, or -1
+    for spare programs. Runs of one bucket are consecutive. The definition (29 torch kernels);
+    `schedule_triton` computes the same in one kernel.
+    """
+    S = index.n_chunks
+    nb = index.count.numel()
+    per_chunk = nb // S
+    runs = (index.count + per_program - 1) // per_program
+    ends = torch.cumsum(runs, 0)
+    P = -(-max(index.chunk_entries, 1) // per_program) + per_chunk
+    first = (ends - runs).view(S, per_chunk)[:, :1]  # the chunk's first run, over all chunks
+    last = ends.view(S, per_chunk)[:, -1:]
+    run = first + torch.arange(P, device=runs.device)[None, :]
+    ok = run < last
+    bucket = torch.searchsorted(ends, run.flatten(), right=True).view(S, P).clamp(max=nb - 1)
+    within = run - (ends[bucket] - runs[bucket])
+    start = index.start[bucket] + within * per_program
+    count = (index.count[bucket] - within * per_program).clamp(0, per_program)
+    local = bucket - torch.arange(S, device=runs.device)[:, None] * per_chunk
+    return (torch.where(ok, local, -1).to(torch.int32), start.to(torch.int32), count.to(torch.int32))

@@ -1,4 +1,5 @@
-"""Triton kernels of dense causal attention (block_idx=None, the indexer warmup), query-tile outer.
+"""The dense path of sparse attention (block_idx=None, the indexer warmup): dense causal kernels,
+query-tile outer, and their launchers (`dense_forward`, `dense_backward`).
 
 Forward: one program per (query tile of BM, query head), online softmax over key tiles of BN.
 Backward: dK/dV shares per (key tile, query head), looping over the query tiles at or after the key
@@ -16,10 +17,14 @@ whose document starts after the tile's last key). Every such tile is masked.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-from ..triton_utils import INTERPRET, LN2, LOG2E, mm, row_documents
+from ..triton_utils import INTERPRET, LN2, LOG2E, interpreting, mm, row_documents
+from .inverse_index import query_ends
+from .shared import geometry, softmax_delta
+from .tuning import DEFAULT_TUNING, Tuning
 
 
 @triton.jit
@@ -220,3 +225,44 @@ def dense_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DOC, T, TK, QOFF, qk_scale,
             dq = _dq_step(K, V, q, do, lse2, delta, dq, b, g, k0, pos, start, qmask, TK, qk_scale, HKV, BN, D, DOCS)
             k0 += BN
     tl.store(DQ + row[:, None] * D + d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty), mask=qmask[:, None])
+
+
+def _dense_tiles(D: int) -> tuple[int, int]:
+    if interpreting():
+        return 32, 16
+    return 128, 64
+
+
+def dense_forward(q, k, v, scale, q_offset=0, doc_start=None):
+    """Dense causal attention: o [B, T, Hq, D], lse fp32 [B, T, Hq]; with doc_start (int32
+    [B, T], contiguous) each query reads its own document only."""
+    B, T, Hq, G, H, _, D = geometry(q, k, 16)
+    o = torch.empty_like(q)
+    lse = torch.empty(B, T, Hq, dtype=torch.float32, device=q.device)
+    BM, BN = _dense_tiles(D)
+    dense_fwd_kernel[(triton.cdiv(T, BM), B * Hq)](
+        q, k, v, o, lse, lse if doc_start is None else doc_start, T, k.shape[1], q_offset, scale * LOG2E.value,
+        HQ=Hq, HKV=G, H=H, BM=BM, BN=BN, D=D, DOCS=doc_start is not None, num_warps=8, num_stages=3)
+    return o, lse
+
+
+def dense_backward(do, q, k, v, o, lse, scale, q_offset=0, tuning: Tuning = DEFAULT_TUNING, doc_start=None):
+    B, T, Hq, G, H, _, D = geometry(q, k, 16)
+    TK = k.shape[1]
+    delta = softmax_delta(do, o)
+    dq = torch.empty_like(q)
+    BM, BN, warps, stages = (16, 32, 4, 1) if interpreting() else tuning.dense_dkdv
+    dkp = torch.empty(B, TK, Hq, D, dtype=torch.float32, device=q.device)
+    dvp = torch.empty_like(dkp)
+    docs = lse if doc_start is None else doc_start
+    qend = lse if doc_start is None else query_ends(doc_start, TK, BN)
+    dense_bwd_dkdv_kernel[(triton.cdiv(TK, BN), B * Hq)](
+        q, k, v, do, lse, delta, dkp, dvp, docs, qend, T, TK, q_offset, scale * LOG2E.value, scale,
+        HQ=Hq, HKV=G, H=H, BM=BM, BN=BN, D=D, DOCS=doc_start is not None, num_warps=warps, num_stages=stages)
+    dk = dkp.view(B, TK, G, H, D).sum(3).to(k.dtype)
+    dv = dvp.view(B, TK, G, H, D).sum(3).to(v.dtype)
+    BM, BN = (32, 16) if interpreting() else (128, 32)
+    dense_bwd_dq_kernel[(triton.cdiv(T, BM), B * Hq)](
+        q, k, v, do, lse, delta, dq, docs, T, TK, q_offset, scale * LOG2E.value, scale,
+        HQ=Hq, HKV=G, H=H, BM=BM, BN=BN, D=D, DOCS=doc_start is not None, num_warps=8, num_stages=2)
+    return dq, dk, dv

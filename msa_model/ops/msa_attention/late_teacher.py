@@ -4,7 +4,7 @@ The KL's teacher, p[j] = mean over the group's heads of exp(q_h . k_j * scale - 
 attention's own probabilities P averaged over heads. The attention's backward recomputes P with
 the final lse anyway, so there the teacher costs one small product per tile; computing it in the
 forward instead costs q . k over every head of the support again (a third of the layer's
-forward at the default geometry, bench/RESULTS.md round 7). So this path's forward runs the
+forward at the default geometry). So this path's forward runs the
 attention and only the student's normaliser lse_z; its backward runs the attention's backward,
 which writes each entry's teacher row, and then the KL's backward on those rows, which also
 gives the loss's value.
@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import torch
 
-from .indexer_kl import triton as kl_triton
-from .sparse_attention import triton as sa_triton
+from ..indexer_kl import triton as kl_triton
+from ..sparse_attention import triton as sa_triton
+from ..sparse_attention.shared import equal_chunks
 
 
 def teacher_bytes(q: torch.Tensor, n_groups: int, topk: int, block_size: int, queries: int | None = None) -> int:
@@ -41,7 +42,7 @@ def query_chunk(q: torch.Tensor, n_groups: int, topk: int, block_size: int, budg
     """Queries per late-teacher call whose rows fit `budget` bytes, the chunks of about equal
     size (0: not even one query's rows fit)."""
     one = teacher_bytes(q, n_groups, topk, block_size, 1)
-    return 0 if one > budget else sa_triton._chunk(q.shape[1], one, budget)
+    return 0 if one > budget else equal_chunks(q.shape[1], one, budget)
 
 
 def _rows(x, t0, t1):
@@ -120,7 +121,7 @@ class LateTeacherMSA(torch.autograd.Function):
             state.idx, state.doc_start = _rows(idx, t0, t1), _rows(doc_start, t0, t1)
             q_c, k_c, ik_c = _rows(q, t0, t1), k[:, :keys].contiguous(), ik[:, :keys].contiguous()
             # only the rows of selected slots are written, and only they are read
-            pbar = torch.empty(B * (t1 - t0) * G * K, block_size, dtype=kl_triton._teacher_dtype(q), device=q.device)
+            pbar = torch.empty(B * (t1 - t0) * G * K, block_size, dtype=kl_triton.teacher_dtype(q), device=q.device)
             # with batch 1 the chunk's dq and its keys' dk, dv accumulate in place; else in
             # buffers of the chunk's own (dk, dv in fp32, so no chunk's share is rounded twice)
             views = None if whole else _views(dq[:, t0:t1], dk[:, :keys], dv[:, :keys])

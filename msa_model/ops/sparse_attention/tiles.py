@@ -1,4 +1,5 @@
-"""Triton kernels of sparse attention over the union of a query tile's blocks (query-outer).
+"""The tile path of sparse attention: kernels over the union of a query tile's blocks
+(query-outer) and their launchers (`tile_union`, `tile_forward`, `tile_backward`).
 
 Neighbouring queries of a trained indexer select mostly the same key blocks. A *tile* is QT
 consecutive queries of one (b, g); its *union* is the distinct blocks its queries selected. A
@@ -7,7 +8,7 @@ union once, masking per row the blocks that row's query did not select (and, as 
 causal future). So every key/value block is loaded once per tile rather than once per query, and
 the forward needs no per-entry partials nor a combine, at the price of the masked share of each
 product: (union size) / (blocks per query) times the exact FLOPs. Where queries' selections
-differ (random sets) the gather kernels of triton_sparse.py are faster; the launcher chooses.
+differ (random sets) the gather kernels of gather.py are faster; the hybrid forward (hybrid.py) chooses per tile.
 
 The backward is FlashAttention-2's split: dQ query-outer over the union (as the forward), dK/dV
 key-outer over the tiles whose union holds a block (the inverse index of the unions, with the
@@ -17,19 +18,25 @@ B = batch, T = queries (query t at position QOFF + t; TK = QOFF + T), G = groups
 per group (HP: next power of two), K = slots (KP: next power of two), NT = tiles, U = union slots
 per tile (QT*K, the largest union), BS = block size, D = head dim, R = QT*HP rows.
 Block ids are the cleaned block_idx's, or with packed documents the table ids of
-ops/inverse_index.py (`base + n`), in IDS [B, T, G, K]; UNION [B, G, NT, U] lists each tile's
+inverse_index.py (`base + n`), in IDS [B, T, G, K]; UNION [B, G, NT, U] lists each tile's
 distinct ids, those every query of the tile selected first (UFULL [B, G, NT] of them), each part
 ascending, then -1; UCOUNT [B, G, NT] their number.
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..inverse_index import decode_bucket
-from ..triton_utils import INTERPRET, LN2, LOG2E, mm
-from .triton_sparse import _kv_block
+from ..triton_utils import INTERPRET, LN2, LOG2E, interpreting, mm
+from .gather import sparse_bwd_reduce_kernel
+from .inverse_index import DocumentBlocks, build_inverse_index, decode_bucket, schedule
+from .reference import TileUnion, table_ids, tile_union_reference
+from .shared import (COMPILED, block_tables, bucket_items, equal_chunks, geometry, kv_block, partial_budget,
+                     softmax_delta)
+from .tuning import DEFAULT_TUNING, Tuning
 
 
 @triton.jit
@@ -114,7 +121,7 @@ def _kv_step(KD, VD, b, g, n, part, TK, NBLK, BSTART, BS: tl.constexpr, KB: tl.c
     scores. Their values enter as p = 0 times the value, as do a block's values for the rows of
     the tile that did not select it: the tile path takes finite keys and values (an infinite
     value makes those rows NaN; zeroing the rows past a block's end in the masked loop was 3-7%
-    slower, bench/RESULTS.md round 10)."""
+    slower)."""
     if DOCS:
         start = tl.load(BSTART + b * NBLK + n)
     else:
@@ -292,7 +299,7 @@ def tile_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DKP, DVP, IDS, ENTRY, ITEM_BUCKET,
                      HP: tl.constexpr, QT: tl.constexpr, U: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
                      DOCS: tl.constexpr):
     """One work item (a run of the tiles whose union holds one block): dK/dV partials [items, BS, D]
-    (fp32), reduced per bucket by triton_sparse's `sparse_bwd_reduce_kernel`. The union index's
+    (fp32), reduced per bucket by gather.py's `sparse_bwd_reduce_kernel`. The union index's
     entries are ((b*NT + tile)*G + g)*U + slot."""
     pid = tl.program_id(0)
     bucket = tl.load(ITEM_BUCKET + pid)
@@ -300,7 +307,7 @@ def tile_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DKP, DVP, IDS, ENTRY, ITEM_BUCKET,
         return
     start = tl.load(ITEM_START + pid)
     count = tl.load(ITEM_COUNT + pid)
-    b, g, j, kt, vt = _kv_block(K, V, bucket, TK, NBLK, BSTART, BEND, HKV, BS, D, DOCS)
+    b, g, j, kt, vt = kv_block(K, V, bucket, TK, NBLK, BSTART, BEND, HKV, BS, D, DOCS)
     _, _, n = decode_bucket(bucket, NBLK, HKV)
     dk = tl.zeros([BS, D], tl.float32)
     dv = tl.zeros([BS, D], tl.float32)
@@ -318,3 +325,120 @@ def tile_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DKP, DVP, IDS, ENTRY, ITEM_BUCKET,
     out = pid.to(tl.int64) * BS * D + tl.arange(0, BS)[:, None] * D + d[None, :]
     tl.store(DKP + out, dk * sm_scale)
     tl.store(DVP + out, dv)
+
+
+def tile_union_triton(idx: torch.Tensor, queries: int, docs: DocumentBlocks | None = None) -> TileUnion:
+    """`tile_union_reference` in one kernel (`tile_union_kernel`), a program per tile."""
+    B, T, G, K = idx.shape
+    ids = table_ids(idx, docs)
+    NT = triton.cdiv(T, queries)
+    U = queries * K
+    blocks = torch.empty(B, G, NT, U, dtype=torch.int32, device=idx.device)
+    count = torch.empty(B, G, NT, dtype=torch.int32, device=idx.device)
+    full = torch.empty_like(count)
+    if B * G * NT:
+        tile_union_kernel[(NT, B * G)](ids, blocks, count, full, T, NT, HKV=G, SLOTS=K, QT=queries, U=U,
+                                       LP=triton.next_power_of_2(U), num_warps=4)
+    return TileUnion(ids, blocks, count, full, queries)
+
+
+def tile_union(idx: torch.Tensor, queries: int, docs: DocumentBlocks | None = None) -> TileUnion:
+    """Each tile's union (`tile_union_reference`), with no host synchronisation: the kernel on GPU
+    tensors, the reference elsewhere (the kernel's sort takes the interpreter about 0.1 s a tile,
+    so CPU tests run the kernel on a few tiles only)."""
+    return (tile_union_triton if idx.is_cuda else tile_union_reference)(idx, queries, docs)
+
+
+def tile_queries(tuning: Tuning, H: int) -> int:
+    """Queries per tile: `tuning.tile_rows` rows of the group's HP heads each, at least 16 rows on a
+    GPU (a matrix product's least inner dimension, which the dK/dV kernel's products over rows need)."""
+    HP = triton.next_power_of_2(H)
+    return max(1, tuning.tile_rows // HP, 1 if interpreting() else triton.cdiv(16, HP))
+
+
+def _stages(stages: int, D: int) -> int:
+    """Pipeline stages of a tile kernel: each holds a key and a value step ([KB, D] each) in shared
+    memory, so heads wider than 128 take one (two of D = 256 would not fit in an H200's 227 KiB
+    with the tile's other buffers)."""
+    return stages if D <= 128 else 1
+
+
+def _tile_keys(keys: int, block_size: int, D: int) -> int:
+    """Keys a step of a tile kernel: at most a block, and for heads wider than 128 at most 32 (the
+    forward's two loops each keep a key and a value step in shared memory beside the tile's
+    [rows, D] queries)."""
+    return min(keys, block_size, 32 if D > 128 else keys)
+
+
+def _tile_args(q, k, union: TileUnion, block_size, docs):
+    B, T, Hq, G, H, HP, D = geometry(q, k, block_size)
+    TK = k.shape[1]
+    K = union.ids.shape[-1]
+    N, bstart, bend, DOCS = block_tables(docs, TK, block_size, union.ids)
+    NT, U = union.blocks.shape[2:]
+    return (B, T, TK, G, N, NT, bstart, bend,
+            dict(HQ=Hq, HKV=G, SLOTS=K, KP=triton.next_power_of_2(K), H=H, HP=HP, QT=union.queries, U=U,
+                 BS=block_size, D=D, DOCS=DOCS))
+
+
+def _rows_descriptor(x: torch.Tensor, rows: int) -> TensorDescriptor:
+    """A TMA descriptor of contiguous x [B, TK, G, D] viewed as [B*TK, G*D], loading [rows, D]
+    (a TMA copy needs a 16-byte aligned start: an unaligned view is copied first)."""
+    B, TK, G, D = x.shape
+    if x.data_ptr() % 16:
+        x = x.clone()
+    return TensorDescriptor.from_tensor(x.view(B * TK, G * D), [rows, D])
+
+
+def tile_forward(q, k, v, union: TileUnion, block_size, scale, q_offset=0, tuning: Tuning = DEFAULT_TUNING,
+                 docs: DocumentBlocks | None = None, limit: int | None = None, out=None):
+    """o [B, T, Hq, D] and lse fp32 [B, T, Hq] of the tile path, one program per (tile, b, g). Only
+    tiles whose union holds at most `limit` blocks (None: all) are written, into `out` (o, lse)
+    when given."""
+    B, T, TK, G, N, NT, bstart, bend, meta = _tile_args(q, k, union, block_size, docs)
+    o, lse = out if out is not None else (torch.empty_like(q),
+                                          torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device))
+    KB = _tile_keys(tuning.tile_keys, block_size, meta["D"])
+    COMPILED["tile_fwd"] = tile_fwd_kernel[(NT, B * G)](
+        q, _rows_descriptor(k, KB), _rows_descriptor(v, KB), o, lse, union.ids, union.blocks, union.count,
+        union.full, bstart, T, TK, q_offset, N, NT, meta["U"] if limit is None else limit, scale * LOG2E.value,
+        **meta, KB=KB, UP=triton.next_power_of_2(meta["U"]),
+        STAGES=_stages(tuning.tile_stages, meta["D"]),
+        MASKED_STAGES=_stages(tuning.tile_masked_stages, meta["D"]), num_warps=tuning.tile_warps)
+    return o, lse
+
+
+def tile_backward(do, q, k, v, o, lse, union: TileUnion, block_size, scale, q_offset=0,
+                  tuning: Tuning = DEFAULT_TUNING, docs: DocumentBlocks | None = None):
+    """(dq, dk, dv) of `tile_forward`: dQ per tile over its union; dK/dV per block over the tiles
+    whose union holds it (an inverse index of the unions, chunked over tiles so that the work
+    items' fp32 partials stay under the gather path's partial budget), reduced in order."""
+    B, T, TK, G, N, NT, bstart, bend, meta = _tile_args(q, k, union, block_size, docs)
+    delta = softmax_delta(do, o)
+    dq = torch.empty_like(q)
+    COMPILED["tile_dq"] = tile_dq_kernel[(NT, B * G)](
+        q, k, v, do, lse, delta, dq, union.ids, union.blocks, union.count, bstart, bend, T, TK, q_offset, N, NT,
+        scale * LOG2E.value, scale, **meta, KB=_tile_keys(tuning.tile_dq_keys, block_size, meta["D"]),
+        num_warps=tuning.tile_warps, num_stages=_stages(tuning.tile_dq_stages, meta["D"]))
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    per_item = tuning.tile_dkdv_tiles
+    U, D = meta["U"], meta["D"]
+    item_bytes = 2 * block_size * D * 4
+    budget = partial_budget(tuning, q.numel() * q.element_size())
+    chunk = equal_chunks(NT, triton.cdiv(B * G * U, per_item) * item_bytes, budget)
+    index = build_inverse_index(union.blocks.permute(0, 2, 1, 3).contiguous(), N, chunk)
+    ib, istart, icount = schedule(index, per_item)
+    first, runs = bucket_items(index, per_item)
+    dkp = torch.empty(ib.shape[1], block_size, D, dtype=torch.float32, device=q.device)
+    dvp = torch.empty_like(dkp)
+    rb = min(32, block_size)
+    for c in range(index.n_chunks):
+        COMPILED["tile_dkdv"] = tile_dkdv_kernel[(ib.shape[1],)](
+            q, k, v, do, lse, delta, dkp, dvp, union.ids, index.entry, ib[c], istart[c], icount[c], bstart, bend,
+            T, TK, q_offset, N, NT, scale * LOG2E.value, scale, **meta,
+            num_warps=tuning.tile_dkdv_warps, num_stages=1)
+        sparse_bwd_reduce_kernel[(runs.shape[1], block_size // rb)](
+            dkp, dvp, dk, dv, first[c], runs[c], bstart, bend, TK, N,
+            HKV=G, BS=block_size, RB=rb, D=D, DOCS=meta["DOCS"], num_warps=4)
+    return dq, dk.to(k.dtype), dv.to(v.dtype)

@@ -26,26 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-def clean_block_idx_reference(block_idx_BTGK: torch.Tensor, block_size: int, q_offset: int = 0,
-                              doc_start_BT: torch.Tensor | None = None) -> torch.Tensor:
-    """int32 [B, T, G, K] with set semantics made explicit: slots that repeat a block, name a block
-    after the query's own (no causal key) or hold -1 become -1; the rest are sorted ascending
-    (a row is sorted, then each repeat of the previous slot becomes -1).
-    Query t sits at position q_offset + t; with doc_start its blocks count from its document's start.
-    The definition; `clean_block_idx_triton` computes the same with one Triton kernel."""
-    B, T = block_idx_BTGK.shape[:2]
-    idx = block_idx_BTGK.to(torch.int32)
-    pos_T = torch.arange(q_offset, q_offset + T, device=idx.device, dtype=torch.int32)
-    if doc_start_BT is None:
-        local_T = (pos_T // block_size)[None, :, None, None]
-    else:
-        local_T = ((pos_T[None, :] - doc_start_BT.to(torch.int32)) // block_size)[:, :, None, None]
-    idx = torch.where((idx < 0) | (idx > local_T), -1, idx)
-    idx, _ = idx.sort(dim=-1)
-    dup = torch.zeros_like(idx, dtype=torch.bool)
-    dup[..., 1:] = idx[..., 1:] == idx[..., :-1]
-    return torch.where(dup, -1, idx).contiguous()
+from .reference import clean_block_idx_reference, schedule_reference
 
 
 @triton.jit
@@ -76,7 +57,7 @@ def clean_block_idx_triton(block_idx_BTGK: torch.Tensor, block_size: int, q_offs
     idx = block_idx_BTGK.contiguous()
     out = torch.empty(B, T, G, K, dtype=torch.int32, device=idx.device)
     rows = B * T * G
-    RB = 32  # rows a program (bench/RESULTS.md, round 10)
+    RB = 32  # rows a program: the fastest of those tried on an H200
     if rows:
         doc = idx if doc_start_BT is None else doc_start_BT.contiguous()
         clean_kernel[(triton.cdiv(rows, RB),)](idx, out, doc, rows, T, q_offset, HKV=G, SLOTS=K,
@@ -198,12 +179,13 @@ def build_inverse_index(idx_BTGK: torch.Tensor, n_blocks: int, chunk_size: int =
     # stable sort orders entries by block, then chunk, then query (a block's runs of all chunks
     # are one run), and the bounds are one binary search (no key derived after the sort); empty
     # slots take the key after every bucket. The narrowest keys that hold them: the radix sort's
-    # passes go with the key's bits (bench/RESULTS.md, round 10); 16-bit keys count from -32768.
+    # passes go with the key's bits (8M keys: 0.27 ms at 16 bits, 0.44 at 32, 0.85 at 64); 16-bit
+    # keys count from -32768.
     n_keys = nb * S + 1
     wide = torch.int32 if n_keys < 2**31 else torch.int64
     narrow, low = (torch.int16, -(2**15)) if n_keys <= 2**16 else (wide, 0)
     # the key of block 0 of (b, t's chunk, g), [B, 1 or T, G, 1]; few launches: short calls are
-    # bound by issuing them (bench/RESULTS.md, round 12)
+    # bound by issuing them
     first = torch.arange(B * G, device=dev, dtype=wide).view(B, 1, G, 1) * (n_blocks * S) + low
     if base_BT is not None:
         first = first + base_BT[:, :, None, None].to(wide) * S
@@ -226,36 +208,10 @@ def schedule(index: InverseIndex, per_program: int) -> tuple[torch.Tensor, torch
     """Split every bucket into runs of at most `per_program` entries, one per program: int32
     (bucket, start, count), each [n_chunks, P] (`schedule_reference` defines them). CUDA tensors
     take one kernel for what the definition issues as 29 small torch kernels (host time:
-    short calls are bound by it, bench/RESULTS.md round 12), CPU tensors the definition."""
+    short calls are bound by it), CPU tensors the definition."""
     if index.count.is_cuda:
         return schedule_triton(index, per_program)
     return schedule_reference(index, per_program)
-
-
-def schedule_reference(index: InverseIndex, per_program: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Split every bucket into runs of at most `per_program` entries, one per program.
-
-    Returns int32 (bucket, start, count), each [n_chunks, P]: row c holds chunk c's programs, P an
-    upper bound (no host synchronisation), bucket the chunk's own bucket id (b*G + g)*N + n, or -1
-    for spare programs. Runs of one bucket are consecutive. The definition (29 torch kernels);
-    `schedule_triton` computes the same in one kernel.
-    """
-    S = index.n_chunks
-    nb = index.count.numel()
-    per_chunk = nb // S
-    runs = (index.count + per_program - 1) // per_program
-    ends = torch.cumsum(runs, 0)
-    P = triton.cdiv(max(index.chunk_entries, 1), per_program) + per_chunk
-    first = (ends - runs).view(S, per_chunk)[:, :1]  # the chunk's first run, over all chunks
-    last = ends.view(S, per_chunk)[:, -1:]
-    run = first + torch.arange(P, device=runs.device)[None, :]
-    ok = run < last
-    bucket = torch.searchsorted(ends, run.flatten(), right=True).view(S, P).clamp(max=nb - 1)
-    within = run - (ends[bucket] - runs[bucket])
-    start = index.start[bucket] + within * per_program
-    count = (index.count[bucket] - within * per_program).clamp(0, per_program)
-    local = bucket - torch.arange(S, device=runs.device)[:, None] * per_chunk
-    return (torch.where(ok, local, -1).to(torch.int32), start.to(torch.int32), count.to(torch.int32))
 
 
 @triton.jit

@@ -7,14 +7,17 @@ from typing import Callable
 import torch
 
 from msa_model.compat import causal_attention_with_lse
-from msa_model.config import KL_TEACHERS, PRODUCTION_BLOCK_SIZE, PRODUCTION_TOPK
 
-from .common import (check_doc_start, check_index, check_qkv, check_temperature, default_scale, resolve_backend,
-                     trim_keys)
-from .dense_attention import DocumentPlan, document_attention
-from .indexer_kl import indexer_kl_loss
-from .select_blocks import select_blocks
-from .sparse_attention import sparse_attention
+from ..common import (PRODUCTION_BLOCK_SIZE, PRODUCTION_TOPK, check_doc_start, check_index, check_qkv,
+                      check_temperature, default_scale, resolve_backend, trim_keys)
+from ..dense_attention import DocumentPlan, document_attention
+from ..indexer_kl import indexer_kl_loss
+from ..select_blocks import select_blocks
+from ..sparse_attention import sparse_attention
+
+# where the indexer KL's teacher is computed: by the KL's own kernels in the forward, or from the
+# sparse attention's backward (late_teacher.py)
+KL_TEACHERS = ("forward", "backward")
 
 
 def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iq: torch.Tensor, ik: torch.Tensor,
@@ -49,7 +52,7 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, iq: torch.T
     keep the inputs' precision either way.
     `kl_teacher`: where the KL's teacher is computed. "forward": by the KL's own kernels, and kl
     holds its value on return. "backward": from the attention's backward, which recomputes the
-    probabilities anyway (ops/late_teacher.py); the forward is then cheaper by the teacher's
+    probabilities anyway (late_teacher.py); the forward is then cheaper by the teacher's
     q.k over all heads, and kl holds NaN until the backward has run and filled it in. Taken on
     the Triton sparse path with gradients enabled; elsewhere "forward" is used. Calls whose
     teacher rows would pass the KL tuning's `teacher_bytes` run as query chunks that fit.
@@ -127,9 +130,9 @@ def late_teacher_applies(q, k, v, iq, ik, block_size: int, topk: int, dense: boo
         return False
     if backend == "auto" and q.dtype not in (torch.float16, torch.bfloat16):
         return False
-    from .indexer_kl.triton import DEFAULT_TUNING as KL_DEFAULT
+    from ..indexer_kl.triton import DEFAULT_TUNING as KL_DEFAULT
+    from ..sparse_attention.triton import DEFAULT_TUNING as SA_DEFAULT, takes_tile_backward
     from .late_teacher import teacher_bytes
-    from .sparse_attention.triton import DEFAULT_TUNING as SA_DEFAULT, takes_tile_backward
 
     # the tile backward writes no teacher rows: calls that take it keep the teacher in the forward
     # (chunks of a late call are shorter than the call, so none of them takes it if the call does not)

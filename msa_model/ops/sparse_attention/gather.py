@@ -1,8 +1,9 @@
-"""Triton kernels of sparse attention over selected key blocks, KV-outer with query gathering.
+"""The gather path of sparse attention: kernels over selected key blocks, KV-outer with query
+gathering, and their launchers (`sparse_forward`, `sparse_backward`).
 
 Every (query, group, slot) triple that names a key block is one *entry*. Entries are sorted by
 (query chunk, batch, group, block) into *buckets* (the inverse block -> queries index of
-ops/inverse_index.py). One program takes a run of tiles of one bucket (a *work item*): it loads
+inverse_index.py). One program takes a run of tiles of one bucket (a *work item*): it loads
 the key/value block once and multiplies it against each tile of QT gathered queries x H heads =
 R matrix rows. Forward programs write a normalised partial output and a partial lse per entry,
 and a combine kernel merges each query's K partials (no atomics, any block popularity). The
@@ -17,7 +18,7 @@ The inverse index lists entries by their id over all queries, ((b*T + t)*G + g)*
 flat index into block_idx [B, T, G, K]); a chunk's partial buffers are indexed by its own
 triple id ((b*C + c)*G + g)*K + slot, c = t - t0.
 With packed documents (DOCS) a bucket's block n is an entry of the document block table: its
-keys are BSTART[b, n] .. BEND[b, n] - 1 (see ops/inverse_index.py); without, n*BS .. TK - 1
+keys are BSTART[b, n] .. BEND[b, n] - 1 (see inverse_index.py); without, n*BS .. TK - 1
 capped at BS keys.
 FP8 (fp8_probs): a tile's probabilities relative to its row's block max, exp(s - m) <= 1, are
 rounded to float8 e4m3 of their value x 448 before they multiply V (the output and dV); the
@@ -28,40 +29,15 @@ rowsum(dO * O): `sparse_fp8_delta_kernel` adds the difference.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-from ..inverse_index import decode_bucket
-from ..triton_utils import E4M3_MAX, INTERPRET, LN2, LOG2E, e4m3_round, mm
-
-
-@triton.jit
-def _block_keys(b, n, TK, NBLK, BSTART, BEND, BS: tl.constexpr, DOCS: tl.constexpr):
-    """Positions j [BS] of block n of row b and the end of its keys (j < end are present)."""
-    if DOCS:
-        j = tl.load(BSTART + b * NBLK + n) + tl.arange(0, BS)
-        end = tl.load(BEND + b * NBLK + n)
-    else:
-        j = n * BS + tl.arange(0, BS)
-        end = TK
-    return j, end
-
-
-@triton.jit
-def _kv_block(K, V, bucket, TK, NBLK, BSTART, BEND, HKV: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
-              DOCS: tl.constexpr):
-    """The key/value block of a work item's bucket: its batch b (int64), group g, key positions
-    j [BS] and the key and value rows kt, vt [BS, D] (zero where a key is not in the block).
-    Keys past the block's end are later than every query that selected it, so the causal mask
-    keeps them out of the scores."""
-    b, g, n = decode_bucket(bucket, NBLK, HKV)
-    b = b.to(tl.int64)
-    d = tl.arange(0, D)
-    j, end = _block_keys(b, n, TK, NBLK, BSTART, BEND, BS, DOCS)
-    kv = ((b * TK + j) * HKV + g) * D
-    kt = tl.load(K + kv[:, None] + d[None, :], mask=(j < end)[:, None], other=0.0)
-    vt = tl.load(V + kv[:, None] + d[None, :], mask=(j < end)[:, None], other=0.0)
-    return b, g, j, kt, vt
+from ..triton_utils import E4M3_MAX, INTERPRET, LN2, LOG2E, e4m3_round, interpreting, mm
+from .inverse_index import DocumentBlocks, decode_bucket, schedule
+from .shared import (COMPILED, block_tables, bucket_items, geometry, kv_block, query_chunks, softmax_delta,
+                     sparse_index)
+from .tuning import DEFAULT_TUNING, Tuning
 
 
 @triton.jit
@@ -93,7 +69,7 @@ def _fwd_tile(Q, PO, PLSE, ENTRY, kt, vt, j, b, g, start, i0, count, T, C, t0, Q
     # query t sits at position QOFF + t; j <= QOFF + t also keeps j < TK; rows past `count` see
     # nothing. A bucket lists its queries in order, so a full tile whose first query follows the
     # block's last key reads the whole block (every tile of every block but the local one): it
-    # skips the mask (1.8% of the kernel at 128K, bench/RESULTS.md round 9)
+    # skips the mask (which took 1.8% of the kernel at 128K)
     t_first = tl.min(tl.where(row_ok, t, 2147483647), 0)
     if (i0 + QT > count) | (tl.max(j, 0) > QOFF + t_first):
         s = tl.where((j[None, :] <= QOFF + t[:, None]) & row_ok[:, None], s, float("-inf"))
@@ -126,7 +102,7 @@ def sparse_fwd_kernel(Q, K, V, PO, PLSE, ENTRY, ITEM_BUCKET, ITEM_START, ITEM_CO
         return
     start = tl.load(ITEM_START + pid)
     count = tl.load(ITEM_COUNT + pid)
-    b, g, j, kt, vt = _kv_block(K, V, bucket, TK, NBLK, BSTART, BEND, HKV, BS, D, DOCS)
+    b, g, j, kt, vt = kv_block(K, V, bucket, TK, NBLK, BSTART, BEND, HKV, BS, D, DOCS)
     # a for loop is software-pipelined (the next tile's gathered queries load during this one's
     # products); the interpreter takes the while loop (triton_utils)
     if not INTERPRET:
@@ -195,7 +171,7 @@ def _bwd_tile(Q, DO, LSE, DELTA, DQP, ENTRY, PBAR, kt, vt, dk, dv, j, b, g, star
 
     Score tiles are computed transposed, [keys, rows] (S^T = K Q^T, ...): the block's keys are the
     products' M dimension, so a small tile of rows keeps them small in registers (faster than rows
-    as M: bench/RESULTS.md, "Figures behind code choices").
+    as M on an H200).
 
     TEACHER: P here is the final softmax (recomputed with the whole support's lse), so the
     indexer KL's teacher row of each entry, the mean of P over the group's heads, costs one small
@@ -204,7 +180,7 @@ def _bwd_tile(Q, DO, LSE, DELTA, DQP, ENTRY, PBAR, kt, vt, dk, dv, j, b, g, star
     is stored to PBAR [entries, BS] at the entry's id over all queries. Where it goes matters
     (the kernel runs at 255 registers): this way costs about 4 ms on 105 at 128K; its own fp16
     copy 1 ms more; after dV, or with its sums added here by atomics, 9 to 34 ms more
-    (bench/RESULTS.md, round 7)."""
+    (measured on an H200)."""
     hh, row_ok, trip, t = _tile_rows(ENTRY, start, i0, count, b, T, C, t0, HKV, SLOTS, H, HP, QT)
     d = tl.arange(0, D)
     row = (b * T + t) * HQ + g * H + hh
@@ -257,7 +233,7 @@ def sparse_fp8_delta_kernel(Q, K, V, DO, LSE, CORR, ENTRY, ITEM_BUCKET, ITEM_STA
         return
     start = tl.load(ITEM_START + pid)
     count = tl.load(ITEM_COUNT + pid)
-    b, g, j, kt, vt = _kv_block(K, V, bucket, TK, NBLK, BSTART, BEND, HKV, BS, D, DOCS)
+    b, g, j, kt, vt = kv_block(K, V, bucket, TK, NBLK, BSTART, BEND, HKV, BS, D, DOCS)
     i0 = count * 0
     while i0 < count:
         hh, row_ok, trip, t = _tile_rows(ENTRY, start, i0, count, b, T, C, t0, HKV, SLOTS, H, HP, QT)
@@ -301,7 +277,7 @@ def sparse_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQP, DKP, DVP, ENTRY, ITEM_BUCKET
         return
     start = tl.load(ITEM_START + pid)
     count = tl.load(ITEM_COUNT + pid)
-    b, g, j, kt, vt = _kv_block(K, V, bucket, TK, NBLK, BSTART, BEND, HKV, BS, D, DOCS)
+    b, g, j, kt, vt = kv_block(K, V, bucket, TK, NBLK, BSTART, BEND, HKV, BS, D, DOCS)
     dk = tl.zeros([BS, D], tl.float32)
     dv = tl.zeros([BS, D], tl.float32)
     if not INTERPRET:  # pipelined; the interpreter takes the while loop
@@ -380,13 +356,105 @@ def sparse_dq_combine_kernel(DQP, IDX, DQ, T, C, t0,
     tl.store(DQ + row[:, None] * D + d[None, :], acc.to(DQ.dtype.element_ty), mask=hmask[:, None])
 
 
-@triton.jit
-def delta_kernel(DO, O, DELTA, rows, RB: tl.constexpr, D: tl.constexpr):
-    """DELTA [rows] (fp32) = rowsum(DO * O) over D, for rows of [rows, D] in the input dtype."""
-    r = tl.program_id(0).to(tl.int64) * RB + tl.arange(0, RB)
-    d = tl.arange(0, D)
-    ok = r < rows
-    off = r[:, None] * D + d[None, :]
-    x = tl.load(DO + off, mask=ok[:, None], other=0.0).to(tl.float32)
-    y = tl.load(O + off, mask=ok[:, None], other=0.0).to(tl.float32)
-    tl.store(DELTA + r, tl.sum(x * y, 1), mask=ok)
+def sparse_forward(q, k, v, idx, block_size, scale, q_offset=0, index=None, tuning: Tuning = DEFAULT_TUNING,
+                   docs: DocumentBlocks | None = None, out=None, rows=None, partials=None, fp8=False):
+    """o [B, T, Hq, D] (q dtype), lse fp32 [B, T, Hq] and the inverse index (for the backward);
+    idx cleaned int32 [B, T, G, K]; k, v [B, TK, G, D]; docs: packed documents' block table;
+    out: contiguous (o, lse) to write into; rows: bool [B, T, G], contiguous: only these (b, t, g)
+    are written (None: all); partials: `forward_partials`' buffers to use; fp8: the output from
+    probabilities rounded to float8 e4m3 (see the module's docstring)."""
+    B, T, Hq, G, H, HP, D = geometry(q, k, block_size)
+    TK = k.shape[1]
+    K = idx.shape[-1]
+    N, bstart, bend, DOCS = block_tables(docs, TK, block_size, idx)
+    if index is None:
+        index = sparse_index(idx, H, D, q.element_size(), N, tuning, docs)
+    o, lse = out if out is not None else (torch.empty_like(q),
+                                          torch.empty(B, T, Hq, dtype=torch.float32, device=q.device))
+    QT = max(tuning.fwd_rows, HP) // HP
+    tb, ts, tc = schedule(index, QT * tuning.fwd_tiles)
+    # one partial buffer, reused by every chunk (the stream orders a chunk's combine before the
+    # next chunk's writes)
+    po, plse = partials if partials is not None else (
+        torch.empty(index.chunk_entries * H, D, dtype=q.dtype, device=q.device),
+        torch.empty(index.chunk_entries * H, dtype=torch.float32, device=q.device))
+    if po.shape[0] < index.chunk_entries * H or plse.shape[0] < index.chunk_entries * H:
+        raise ValueError(f"the partial buffers hold {po.shape[0]} rows; a chunk of the index needs "
+                         f"{index.chunk_entries * H}")
+    for c, t0, t1 in query_chunks(index, T):
+        COMPILED["fwd"] = sparse_fwd_kernel[(tb.shape[1],)](
+            q, k, v, po, plse, index.entry, tb[c], ts[c], tc[c], bstart, bend, T, TK, t1 - t0, t0, q_offset, N,
+            scale * LOG2E.value, HQ=Hq, HKV=G, SLOTS=K, H=H, HP=HP, QT=QT, BS=block_size, D=D, DOCS=DOCS,
+            FP8=fp8, num_warps=tuning.fwd_warps, num_stages=tuning.fwd_stages)
+        # at most 64 rows a program (its fp32 accumulator in registers)
+        rc = max(1, min(tuning.combine_queries if rows is None else tuning.combine_queries_rows, 64 // HP))
+        sparse_fwd_combine_kernel[(B * triton.cdiv(t1 - t0, rc) * G,)](
+            po, plse, idx, o, lse, idx if rows is None else rows, T, t1 - t0, t0,
+            HQ=Hq, HKV=G, SLOTS=K, KP=triton.next_power_of_2(K), H=H, HP=HP, D=D, RC=rc, ROWS=rows is not None,
+            num_warps=4)
+    return o, lse, index
+
+
+def sparse_backward(do, q, k, v, o, lse, idx, block_size, scale, q_offset=0, index=None,
+                    tuning: Tuning = DEFAULT_TUNING, docs: DocumentBlocks | None = None, teacher=None, out=None,
+                    fp8=False):
+    """(dq, dk, dv) of `sparse_forward` (given its inverse index, or building it), in the input dtype.
+    fp8: of the forward with fp8 probabilities, straight through (see the module's docstring): each chunk's
+    correction term first gets the exact softmax's share (`sparse_fp8_delta_kernel`).
+
+    teacher: optional pbar [B*T*G*K, block_size]: the indexer KL's teacher rows, the mean of P
+    over each group's heads, written by the kernel for every entry (an entry's id over all
+    queries is its row).
+    out: contiguous (dq, dk, dv) to use instead: dq written (q's dtype), dk and dv fp32
+    accumulators [B, TK, G, D] added to (a caller summing several calls' key gradients); they are
+    returned as they are."""
+    B, T, Hq, G, H, HP, D = geometry(q, k, block_size)
+    TK = k.shape[1]
+    K = idx.shape[-1]
+    N, bstart, bend, DOCS = block_tables(docs, TK, block_size, idx)
+    if index is None:
+        index = sparse_index(idx, H, D, q.element_size(), N, tuning, docs)
+    delta = softmax_delta(do, o)
+    if out is not None:
+        dq, dk, dv = out
+    else:
+        dq = torch.empty_like(q)
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    QT = max(tuning.bwd_rows, HP) // HP
+    # entries per work item: enough tiles to amortise the dK/dV partial, few enough to spread
+    # a popular block (the sink, the local block) over many programs
+    per_item = QT * tuning.bwd_tiles
+    ib, istart, icount = schedule(index, per_item)
+    first, runs = bucket_items(index, per_item)
+    # dq partials in the input dtype: each is one block's share, rounded once like torch's own
+    # bf16 matmul output, and it halves the bytes of the pass that dominates the backward
+    dqp = torch.empty(index.chunk_entries * H, D, dtype=q.dtype, device=q.device)
+    dkp = torch.empty(ib.shape[1], block_size, D, dtype=torch.float32, device=q.device)
+    dvp = torch.empty_like(dkp)
+    rb = min(32, block_size)
+    pbar = delta if teacher is None else teacher
+    # the teacher's product has one column per entry of a tile, at least 16 on a GPU
+    qtc = triton.next_power_of_2(QT if interpreting() else max(QT, 16))
+    corr = torch.empty(index.chunk_entries * H, dtype=torch.float32, device=q.device) if fp8 else None
+    for c, t0, t1 in query_chunks(index, T):
+        if fp8:
+            corr.zero_()
+            sparse_fp8_delta_kernel[(ib.shape[1],)](
+                q, k, v, do, lse, corr, index.entry, ib[c], istart[c], icount[c], bstart, bend, T, TK, t1 - t0, t0,
+                q_offset, N, scale * LOG2E.value, HQ=Hq, HKV=G, SLOTS=K, H=H, HP=HP, QT=QT, BS=block_size, D=D,
+                DOCS=DOCS, num_warps=tuning.bwd_warps, num_stages=1)
+            delta[:, t0:t1] += corr[:B * (t1 - t0) * G * K * H].view(B, t1 - t0, G, K, H).sum(3).view(B, t1 - t0, Hq)
+        COMPILED["bwd"] = sparse_bwd_kernel[(ib.shape[1],)](
+            q, k, v, do, lse, delta, dqp, dkp, dvp, index.entry, ib[c], istart[c], icount[c], bstart, bend,
+            pbar, T, TK, t1 - t0, t0, q_offset, N, scale * LOG2E.value, scale,
+            HQ=Hq, HKV=G, SLOTS=K, H=H, HP=HP, QT=QT, BS=block_size, D=D, DOCS=DOCS, TEACHER=teacher is not None,
+            QTC=qtc, FP8=fp8, num_warps=tuning.bwd_warps, num_stages=tuning.bwd_stages)
+        sparse_bwd_reduce_kernel[(runs.shape[1], block_size // rb)](
+            dkp, dvp, dk, dv, first[c], runs[c], bstart, bend, TK, N,
+            HKV=G, BS=block_size, RB=rb, D=D, DOCS=DOCS, num_warps=4)
+        sparse_dq_combine_kernel[(B * (t1 - t0) * G,)](
+            dqp, idx, dq, T, t1 - t0, t0, HQ=Hq, HKV=G, SLOTS=K, H=H, HP=HP, D=D, num_warps=4)
+    if out is not None:
+        return dq, dk, dv
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
