@@ -11,11 +11,10 @@ import sys
 import torch
 
 import bench_sparse_attention as bsa
-from msa_model.ops import inverse_index
-from msa_model.ops.sparse_attention import triton as sa_triton
+from msa_model.ops.sparse_attention import hybrid, inverse_index, tiles
 
 LENGTHS = [int(x) for x in os.environ.get("LENGTHS", "32768,131072").split(",")]
-real_side = sa_triton._side_stream
+real_side = hybrid.side_stream
 
 for T in LENGTHS:
     q, k, v, _ = bsa.inputs(T)
@@ -24,13 +23,13 @@ for T in LENGTHS:
     row = {"T": T}
     with torch.no_grad():
         row["two streams"] = bsa.timeit(lambda: fwd(q, k, v))
-        sa_triton._side_stream = lambda device: None
+        hybrid.side_stream = lambda device: None
         row["one stream"] = bsa.timeit(lambda: fwd(q, k, v))
-        sa_triton._side_stream = real_side
+        hybrid.side_stream = real_side
         clean = inverse_index.clean_block_idx(idx, bsa.BS)
-        union = sa_triton.tile_union(clean, 8)
-        row["tile kernel alone"] = bsa.timeit(lambda: sa_triton.tile_forward(q, k, v, union, bsa.BS, bsa.D ** -0.5))
-        row["union + clean"] = bsa.timeit(lambda: sa_triton.tile_union(inverse_index.clean_block_idx(idx, bsa.BS), 8))
+        union = tiles.tile_union(clean, 8)
+        row["tile kernel alone"] = bsa.timeit(lambda: tiles.tile_forward(q, k, v, union, bsa.BS, bsa.D ** -0.5))
+        row["union + clean"] = bsa.timeit(lambda: tiles.tile_union(inverse_index.clean_block_idx(idx, bsa.BS), 8))
         fx = bsa.flex(bsa.flex_sets(idx, "realistic"), T)
         row["flex"] = bsa.timeit(lambda: fx(q, k, v))
         row["two streams again"] = bsa.timeit(lambda: fwd(q, k, v))
