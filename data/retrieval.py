@@ -9,8 +9,9 @@ answer is a 5-digit number:
     vartrack   a chain `VAR_x = 52817`, `VAR_y = VAR_x`, ... spread from the needle depth to the
                end, plus a distractor chain; the end asks for the last variable of the first chain
 
-`depth` in [0, 1] places the (first) needle at that fraction of the haystack. The byte tokenizer
-maps one byte to one token, so lengths are in tokens. Everything is drawn from a `random.Random`
+`depth` in [0, 1] places the (first) needle at that fraction of the haystack. Lengths here are
+bytes, which the byte tokenizer reads as tokens; the evaluation measures them in the model's own
+tokens (`msa_model.eval.runner.example_of_tokens` searches the byte length for other tokenizers). Everything is drawn from a `random.Random`
 the caller seeds, so a (seed, task, length, depth, index) names one example on every machine. The
 same generator feeds the evaluation (msa_model.eval) and, through `data.retrieval_share`, the
 training mixture.

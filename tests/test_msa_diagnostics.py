@@ -107,6 +107,29 @@ def test_retrieval_examples_are_exact_length_deterministic_and_answerable(tmp_pa
     assert sum(map(len, docs)) >= 20_000 and all(128 <= len(d) <= 1024 for d in docs)
 
 
+def test_retrieval_examples_are_measured_in_the_models_tokens(tmp_path):
+    """With a BPE tokenizer an evaluation length is tokens, as the model reads them (prompt and
+    answer tokenized apart, as score_example does): at most the length, within 2% of it, the same
+    example for the same (seed, task, length, depth, index); with bytes, exactly the length."""
+    from data.tokenizer import ByteTokenizer, HFTokenizer
+    from msa_model.eval.runner import _example_rng, example_of_tokens
+    from tokenizer_fixtures import make_bpe_tokenizer
+
+    _, hay = _haystack(tmp_path)
+    bpe = HFTokenizer(make_bpe_tokenizer(tmp_path / "tok", vocab_size=600, files=20))
+    for task in TASKS:
+        for length in (512, 2048):
+            rng = lambda: _example_rng(0, task, length, 0.5, 3)  # noqa: E731
+            ex = example_of_tokens(task, length, 0.5, hay, bpe, rng)
+            n = sum(len(ids) for ids in bpe.tokenize_batch([ex.prompt, ex.answer]))
+            assert 0.98 * length <= n <= length, (task, length, n)
+            assert len(ex.prompt) + len(ex.answer) > length  # more bytes than tokens
+            assert example_of_tokens(task, length, 0.5, hay, bpe, rng) == ex
+            assert ex.answer in ex.prompt
+        byte = example_of_tokens(task, 700, 0.5, hay, ByteTokenizer(), lambda: random.Random(7))
+        assert byte == make_example(task, 700, 0.5, hay, random.Random(7))
+
+
 def test_retrieval_share_puts_synthetic_documents_in_the_token_file(tmp_path):
     root, _ = _haystack(tmp_path)
     script = (

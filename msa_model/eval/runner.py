@@ -117,9 +117,39 @@ def _example_rng(seed: int, task: str, length: int, depth: float, index: int) ->
     return random.Random(int.from_bytes(key.encode(), "little") % (1 << 61))
 
 
-def retrieval_results(model, device, haystack, tasks, lengths, depths, samples, seed, tokenizer) -> dict:
-    from data.retrieval import make_example
+def _tokens(ex, tokenizer) -> int:
+    return sum(len(ids) for ids in tokenizer.tokenize_batch([ex.prompt, ex.answer]))
 
+
+def example_of_tokens(task, length, depth, haystack, tokenizer, rng, tries: int = 8):
+    """A retrieval example of `length` tokens as `score_example` tokenizes it: with the byte
+    tokenizer the example of `length` bytes; with another, the byte length is searched (each try
+    from a fresh `rng()`, so the example depends on (seed, task, length, depth, index) alone) for
+    the longest example of at most `length` tokens, stopping within 2% of it."""
+    from data.retrieval import make_example
+    from data.tokenizer import ByteTokenizer
+
+    if isinstance(tokenizer, ByteTokenizer):
+        return make_example(task, length, depth, haystack, rng())
+    best, n_bytes = None, 4 * length
+    for _ in range(tries):
+        try:
+            ex = make_example(task, n_bytes, depth, haystack, rng())
+        except ValueError:  # too short for its needles: grow
+            n_bytes *= 2
+            continue
+        n = _tokens(ex, tokenizer)
+        if n <= length and (best is None or n > best[0]):
+            best = (n, ex)
+        if n <= length and n >= 0.98 * length:
+            break
+        n_bytes = max(1, int(n_bytes * length / n * (0.995 if n > length else 1.0)))
+    if best is None:
+        raise EvalError(f"{task}: no example of at most {length} tokens (its needles and question alone take more)")
+    return best[1]
+
+
+def retrieval_results(model, device, haystack, tasks, lengths, depths, samples, seed, tokenizer) -> dict:
     out = {}
     for task in tasks:
         per_length = {}
@@ -129,7 +159,8 @@ def retrieval_results(model, device, haystack, tasks, lengths, depths, samples, 
             for depth in depths:
                 hits = 0
                 for i in range(samples):
-                    ex = make_example(task, length, depth, haystack, _example_rng(seed, task, length, depth, i))
+                    ex = example_of_tokens(task, length, depth, haystack, tokenizer,
+                                           lambda: _example_rng(seed, task, length, depth, i))
                     r = score_example(model, device, ex, tokenizer)
                     hits += r["correct"]
                     ranks.append(r["rank"])
