@@ -26,7 +26,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from msa_model.ops import indexer_kl_loss, msa_attention, select_blocks, sparse_attention
+from msa_model.ops import KernelTuning, MSASettings, indexer_kl_loss, msa_attention, select_blocks, sparse_attention
 from msa_model.ops.indexer_kl import triton as kl_triton
 from msa_model.ops.sparse_attention import triton as sa_triton
 
@@ -48,10 +48,11 @@ def kl_args() -> dict:
     return dict(backend="triton", tuning=TUNED["indexer_kl"])
 
 
-def layer_args(**tuning) -> dict:
-    """msa_attention's keywords: the Triton backend with the tuned settings (and `tuning` overrides)
-    and the KL teacher of --kl-teacher."""
-    return dict(backend="triton", tuning={**TUNED, **tuning}, kl_teacher=KL_TEACHER[0])
+def layer(index_precision: str = "input", **tuning) -> MSASettings:
+    """msa_attention's settings: the Triton backend with the tuned kernel settings (and `tuning`
+    overrides per op), the KL teacher of --kl-teacher."""
+    return MSASettings(BK, TOPK, index_precision=index_precision, kl_teacher=KL_TEACHER[0], backend="triton",
+                       tuning=KernelTuning(**{**TUNED, **tuning}))
 
 
 def timed(fn, reps: int, warmup: int = 1) -> float:
@@ -126,19 +127,19 @@ def document_rows(r: dict, q, k, v, iq, ik, do, dense: bool, reps: int) -> None:
     ds = packed_starts(q.shape[1], DOC_LEN[0])
 
     def layer_fb():
-        o, kl = msa_attention(q, k, v, iq, ik, BK, TOPK, dense=dense, doc_start=ds, check_ids=False, **layer_args())
+        o, kl, _, _ = msa_attention(q, k, v, iq, ik, layer(), dense=dense, doc_start=ds, check_ids=False)
         torch.autograd.backward([o, kl], [do, torch.ones_like(kl)])
         clear(q, k, v, iq, ik)
 
     measure(r, "layer_docs_fwd_ms", lambda: timed(lambda: msa_attention(
-        q, k, v, iq, ik, BK, TOPK, dense=dense, doc_start=ds, check_ids=False, **layer_args()), reps))
+        q, k, v, iq, ik, layer(), dense=dense, doc_start=ds, check_ids=False), reps))
     measure(r, "layer_docs_fwdbwd_ms", lambda: timed(layer_fb, reps))
     measure(r, "layer_docs_peak_gib", lambda: peak_gib(layer_fb))
     with torch.no_grad():
         # correctness on the first 4K queries (the reference is slow)
         n = min(q.shape[1], 4096)
-        o, kl, bi = msa_attention(q[:, :n], k[:, :n], v[:, :n], iq[:, :n], ik[:, :n], BK, TOPK, dense=dense,
-                                  doc_start=ds[:, :n], return_block_idx=True, **layer_args())
+        o, kl, bi, _ = msa_attention(q[:, :n], k[:, :n], v[:, :n], iq[:, :n], ik[:, :n], layer(), dense=dense,
+                                     doc_start=ds[:, :n])
         o_ref, lse_ref = sparse_attention(q[:, :n].double(), k[:, :n].double(), v[:, :n].double(), bi, BK,
                                           backend="reference", doc_start=ds[:, :n])
         kl_ref = indexer_kl_loss(q[:, :n].double(), k[:, :n].double(), iq[:, :n].double(), ik[:, :n].double(), bi,
@@ -181,18 +182,18 @@ def sparse_rows(T: int, reps: int, res: dict) -> None:
     measure(r, "kl_fwdbwd_ms", lambda: timed(kl_fb, reps))
 
     def layer_fb(index_precision="input", **tuning):
-        o, kl = msa_attention(q, k, v, iq, ik, BK, TOPK, index_precision=index_precision, **layer_args(**tuning))
+        o, kl, _, _ = msa_attention(q, k, v, iq, ik, layer(index_precision, **tuning))
         torch.autograd.backward([o, kl], [do, torch.ones_like(kl)])
         clear(q, k, v, iq, ik)
 
-    measure(r, "layer_fwd_ms", lambda: timed(lambda: msa_attention(q, k, v, iq, ik, BK, TOPK, **layer_args()), reps))
+    measure(r, "layer_fwd_ms", lambda: timed(lambda: msa_attention(q, k, v, iq, ik, layer()), reps))
     measure(r, "layer_fwdbwd_ms", lambda: timed(layer_fb, reps))
     measure(r, "layer_peak_gib", lambda: peak_gib(layer_fb))
     for prec in EXTRA_PRECISIONS:
         measure(r, f"select_fwd_{prec}_ms", lambda: timed(lambda: select_blocks(
             iq.detach(), ik.detach(), BK, TOPK, precision=prec, **TRITON), reps))
         measure(r, f"layer_fwd_{prec}_ms", lambda: timed(lambda: msa_attention(
-            q, k, v, iq, ik, BK, TOPK, index_precision=prec, **layer_args()), reps))
+            q, k, v, iq, ik, layer(prec)), reps))
         measure(r, f"layer_fwdbwd_{prec}_ms", lambda: timed(lambda: layer_fb(index_precision=prec), reps))
     if DOC_LEN[0]:
         document_rows(r, q, k, v, iq, ik, do, False, reps)
@@ -219,7 +220,7 @@ def dense_rows(T: int, reps: int, res: dict) -> None:
     r = res.setdefault(f"dense_{T}", {})
 
     def layer_fb():
-        o, kl = msa_attention(q, k, v, iq, ik, BK, TOPK, dense=True, **layer_args())
+        o, kl, _, _ = msa_attention(q, k, v, iq, ik, layer(), dense=True)
         torch.autograd.backward([o, kl], [do, torch.ones_like(kl)])
         clear(q, k, v, iq, ik)
 
@@ -258,12 +259,12 @@ def forward_rows(T: int, reps: int, res: dict, with_sdpa: bool) -> None:
     r = res.setdefault(f"fwd_{T}", {})
     with torch.no_grad():
         measure(r, "layer_fwd_ms",
-                lambda: timed(lambda: msa_attention(q, k, v, iq, ik, BK, TOPK, **layer_args()), reps))
+                lambda: timed(lambda: msa_attention(q, k, v, iq, ik, layer()), reps))
         measure(r, "layer_fwd_peak_gib",
-                lambda: peak_gib(lambda: msa_attention(q, k, v, iq, ik, BK, TOPK, **layer_args())))
+                lambda: peak_gib(lambda: msa_attention(q, k, v, iq, ik, layer())))
         for prec in EXTRA_PRECISIONS:
             measure(r, f"layer_fwd_{prec}_ms", lambda: timed(lambda: msa_attention(
-                q, k, v, iq, ik, BK, TOPK, index_precision=prec, **layer_args()), reps))
+                q, k, v, iq, ik, layer(prec)), reps))
         if with_sdpa:
             measure(r, "sdpa_fwd_ms", lambda: timed(lambda: sdpa(q, k, v), reps))
     if KL_TEACHER[0] == "backward":
@@ -273,7 +274,7 @@ def forward_rows(T: int, reps: int, res: dict, with_sdpa: bool) -> None:
             x.requires_grad_()
         for prec in ["input"] + EXTRA_PRECISIONS:
             measure(r, f"layer_train_fwd_{prec}_ms", lambda: timed(lambda: msa_attention(
-                q, k, v, iq, ik, BK, TOPK, index_precision=prec, **layer_args()), reps))
+                q, k, v, iq, ik, layer(prec)), reps))
 
 
 def check(res: dict) -> None:
@@ -294,7 +295,7 @@ def check(res: dict) -> None:
         print(f"check {'dense' if dense else 'sparse'} T={T}: (kernel err, torch bf16 err) {errs}", flush=True)
     # the dense warmup path of msa_attention (flash attention + dense KL) against the Triton dense attention
     q, k, v, iq, ik = make_inputs(3000, grad=False)
-    o, kl = msa_attention(q, k, v, iq, ik, BK, TOPK, dense=True, **TRITON)
+    o, kl, _, _ = msa_attention(q, k, v, iq, ik, MSASettings(BK, TOPK, backend="triton"), dense=True)
     o_ref, lse_ref = sparse_attention(q, k, v, None, BK, **TRITON)
     kl_ref = indexer_kl_loss(q, k, iq, ik, None, lse_ref, BK, backend="reference")
     res["check_dense_layer"] = dict(o=rel(o, o_ref), kl=abs(float(kl) - float(kl_ref)) / abs(float(kl_ref)))

@@ -40,6 +40,7 @@ D = head dim, Di = index head dim, K = top-k blocks.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -53,11 +54,12 @@ from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubm
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
-from msa_model.config import MSAConfig
+from msa_model.config import MSAConfig, tuning_overrides
 from msa_model.context_parallel import gather_sequence, local_query_chunks
-from msa_model.ops import late_teacher_applies, msa_attention
+from msa_model.ops import MSASettings, msa_attention
 from msa_model.ops.dense_attention import document_attention, document_plan, fused_causal_takes
 from msa_model.ops.rope import rope
+from msa_model.ops.tuning import kernel_tuning
 from msa_model.parallel_grads import attach_kl, average_over_tp, metrics_group, scale_for_tp_mean
 
 KL_METRIC = "msa_kl_loss"
@@ -267,6 +269,7 @@ class MSASelfAttention(CausalSelfAttention):
     def __init__(self, config, submodules: MSASelfAttentionSubmodules, layer_number: int, **kwargs):
         super().__init__(config, submodules, layer_number, **kwargs)
         self.sparse = True
+        self.settings = msa_settings(self.options, config.softmax_scale)
         # whether the last forward's KL gets its value in backward (see `_core`)
         self._late_kl = False
         # set by msa_model.training.diagnostics to receive this layer's inputs of one forward
@@ -350,57 +353,63 @@ class MSASelfAttention(CausalSelfAttention):
         reads fp32 scalar). q [B, S, Hq, D] (this rank's queries), k/v [B, S_all, G, D],
         iq [B, S, G, Di], ik [B, S_all, Di] (keys of the whole sequence under context
         parallelism), doc_start int [B, S] or None (packed documents)."""
-        msa = self.options.msa
         cp = self.pg_collection.cp
-        # the teacher from the attention's backward (the KL's value known there) when the ops can
-        self._late_kl = (self.training and msa.kl_teacher == "backward" and self.sparse
-                         and late_teacher_applies(q, k, v, iq, ik, msa.block_size, msa.topk, backend=msa.backend))
+        # the op decides whether the KL's teacher comes from the attention's backward (the KL's
+        # value known there, `kl_in_backward`); in evaluation no backward is expected
+        settings = self.settings if self.training else dataclasses.replace(self.settings, kl_teacher="forward")
         # the diagnostics number each document's blocks from every key's document start
         key_doc = doc_start
         if self.diagnostics_capture is not None and doc_start is not None and cp.size() > 1:
             with torch.no_grad():
                 key_doc = gather_sequence(doc_start.transpose(0, 1).contiguous(), cp).transpose(0, 1)
-        record = None
-        if self._late_kl:
-            tracker, avg_group = get_moe_metrics_tracker(), metrics_group(self.pg_collection)
-            chunks = len(local_query_chunks(q.shape[1], cp.rank(), cp.size()))
+        chunks = len(local_query_chunks(q.shape[1], cp.rank(), cp.size()))
+        late = []
 
-            def record(value):
-                # the layer's KL is the mean of its (equal-length) chunks': each adds its share
-                tracker.record(KL_METRIC, value / chunks, self.layer_number, self.config.num_layers,
-                               avg_group=avg_group)
+        def record(value):
+            # a KL whose value the backward fills in (`kl_in_backward`) is recorded there; the
+            # layer's KL is the mean of its (equal-length) chunks': each adds its share
+            get_moe_metrics_tracker().record(KL_METRIC, value / chunks, self.layer_number, self.config.num_layers,
+                                             avg_group=metrics_group(self.pg_collection))
 
         def attend(a, b, off):
             doc = _rows(doc_start, a, b)
             plan = None if self.sparse else self._document_plan(q, doc_start, a, b, off)
-            o, kl, block_idx = msa_attention(
-                q[:, a:b], k, v, iq[:, a:b], ik, block_size=msa.block_size, topk=msa.topk,
-                dense=not self.sparse, scale=self.config.softmax_scale, force_sink=msa.force_sink,
-                backend=msa.backend, return_block_idx=True, q_offset=off, doc_start=doc,
+            o, kl, block_idx, kl_in_backward = msa_attention(
+                q[:, a:b], k, v, iq[:, a:b], ik, settings, dense=not self.sparse, q_offset=off, doc_start=doc,
                 # the data pipeline builds the starts: no host synchronisation to check them
-                check_ids=False,
-                # under recompute the KL's forward reruns right before its backward: keeping its
-                # teacher rows then costs memory only for the length of one layer's backward
-                keep_teacher=True if self.options.recompute_core else None,
-                local_blocks=msa.local_blocks, index_precision=msa.index_precision,
-                kl_teacher="backward" if self._late_kl else "forward", on_kl=record,
-                kl_temperature=msa.kl_temperature, document_plan=plan, fp8_probs=msa.fp8_probs,
+                check_ids=False, on_kl=record, document_plan=plan,
                 # without a graph the layer drops the KL (full recompute's first pass, inference)
                 with_kl=torch.is_grad_enabled() or self._evaluating(),
             )
+            late.append(kl_in_backward)
             if self.diagnostics_capture is not None:
                 # the first forward after arming only (a recomputation finds the capture sealed)
                 self.diagnostics_capture.add(q=q[:, a:b], k=k, iq=iq[:, a:b], ik=ik, block_idx=block_idx,
                                              q_offset=off, scale=self.config.softmax_scale, doc_start=doc,
                                              key_doc_start=key_doc)
-            keys = (selected_keys_per_query(block_idx, msa.block_size, off, doc) if block_idx is not None
+            keys = (selected_keys_per_query(block_idx, settings.block_size, off, doc) if block_idx is not None
                     else dense_keys_per_query(b - a, off, doc, q.device))
             return o, kl, keys
 
         o, kl, keys = self._over_query_chunks(q.shape[1], attend)
+        # the chunks have equal lengths: the op decides alike for each
+        self._late_kl = any(late)
         if self.diagnostics_capture is not None:
             self.diagnostics_capture.seal()
         return o, kl, keys
+
+
+def msa_settings(options: MSAOptions, scale: float | None) -> MSASettings:
+    """msa_attention's settings for a layer of these options (model.msa) and softmax scale."""
+    msa = options.msa
+    return MSASettings(block_size=msa.block_size, topk=msa.topk, local_blocks=msa.local_blocks,
+                       force_sink=msa.force_sink, scale=scale, index_precision=msa.index_precision,
+                       kl_teacher=msa.kl_teacher, kl_temperature=msa.kl_temperature,
+                       # under recompute the KL's forward reruns right before its backward: keeping its
+                       # teacher rows then costs memory only for the length of one layer's backward
+                       keep_teacher=True if options.recompute_core else None,
+                       fp8_probs=msa.fp8_probs, backend=msa.backend,
+                       tuning=kernel_tuning(tuning_overrides(msa.tuning)))
 
 
 def _rows(doc_start_BS: torch.Tensor | None, a: int, b: int) -> torch.Tensor | None:

@@ -8,8 +8,10 @@ and names the offending fields.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import signal
+import typing
 
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
@@ -23,6 +25,7 @@ from omegaconf import MISSING
 from msa_model.ops.common import PRODUCTION_BLOCK_SIZE, PRODUCTION_TOPK, block_size_problem, keys_per_query
 from msa_model.ops.msa_attention import KL_TEACHERS
 from msa_model.ops.select_blocks.fp8 import INDEX_PRECISIONS
+from msa_model.ops.tuning import OPS as TUNED_OPS, tuning_problems
 
 
 class ConfigError(ValueError):
@@ -82,6 +85,44 @@ def fitting_geometry_hint(seq_length: int, block_size: int, topk: int, local_blo
     return "overrides that fit: " + "; ".join(options)
 
 
+def _tuning_section(name: str, op: str) -> type:
+    """The schema of one op's kernel settings: every field of its `Tuning`, each None (unset: the
+    op's default). Typed, so `model.msa.tuning.<op>.<field>=value` needs no `+`."""
+    tuning = TUNED_OPS[op].Tuning
+    hints = typing.get_type_hints(tuning)
+    fields = [(f.name, Optional[List[int] if hints[f.name] is tuple else hints[f.name]], None)
+              for f in dataclasses.fields(tuning)]
+    section = dataclasses.make_dataclass(name, fields)
+    section.__module__ = __name__  # pickled by name, as the other sections
+    return section
+
+
+SparseAttentionTuning = _tuning_section("SparseAttentionTuning", "sparse_attention")
+SelectBlocksTuning = _tuning_section("SelectBlocksTuning", "select_blocks")
+IndexerKLTuning = _tuning_section("IndexerKLTuning", "indexer_kl")
+
+
+@dataclass
+class KernelTuningConfig:
+    """model.msa.tuning: the MSA ops' Triton launch settings, a field per setting of each op's
+    `Tuning` (msa_model/ops/<op>/tuning.py); unset (null) fields keep the op's defaults, and set
+    ones apply over its GPU defaults (`msa_model.ops.tuning.kernel_tuning`). See docs/msa.md."""
+
+    sparse_attention: SparseAttentionTuning = field(default_factory=SparseAttentionTuning)
+    select_blocks: SelectBlocksTuning = field(default_factory=SelectBlocksTuning)
+    indexer_kl: IndexerKLTuning = field(default_factory=IndexerKLTuning)
+
+
+def tuning_overrides(tuning) -> dict:
+    """model.msa.tuning (a KernelTuningConfig, a DictConfig of one, or a plain dict) as
+    {op: {field: value}}, the form `msa_model.ops.tuning.kernel_tuning` takes."""
+    if dataclasses.is_dataclass(tuning):
+        return dataclasses.asdict(tuning)
+    from omegaconf import DictConfig, OmegaConf
+
+    return OmegaConf.to_container(tuning) if isinstance(tuning, DictConfig) else dict(tuning or {})
+
+
 @dataclass
 class MSAConfig:
     """Geometry of MiniMax Sparse Attention (see docs/msa.md). The defaults are the `tiny` CPU
@@ -111,6 +152,8 @@ class MSAConfig:
     # a model served with fp8 attention (MiniMax-M3). The warmup's dense attention is unaffected
     fp8_probs: bool = False
     backend: str = "auto"  # msa_model.ops backend: auto | reference | triton
+    # the Triton kernels' launch settings, per op and field (KernelTuningConfig); unset: defaults
+    tuning: KernelTuningConfig = field(default_factory=KernelTuningConfig)
 
 
 @dataclass
@@ -607,6 +650,7 @@ def validate(cfg, world_size: Optional[int] = None, gpu: Optional[bool] = None) 
            f"model.rope_scaling.type must be none, linear or llama3, got {m.rope_scaling.type!r}")
     _check(errors, m.rope_scaling.factor > 0, f"model.rope_scaling.factor must be positive, got {m.rope_scaling.factor}")
     _check_m3_options(errors, m)
+    errors += tuning_problems(tuning_overrides(msa.tuning), "model.msa.tuning")
     if m.attention == "msa":
         # the index branch reuses the main rotary table when Di == D or rotary_dim is set; a table
         # of its own (Di != D, rotary_dim unset) is unscaled

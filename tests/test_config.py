@@ -129,3 +129,56 @@ def test_a_short_context_error_names_the_overrides_that_fit():
     with pytest.raises(ConfigError, match=r"must be < model.seq_length \(128\) for the sparse phase to select "
                                           r"anything; overrides that fit: model.msa.block_size=16 model.msa.topk=2"):
         validate(cfg, world_size=1)
+
+
+def test_kernel_tuning_overrides_reach_the_kernels_launch(monkeypatch):
+    """model.msa.tuning.<op>.<field> on the command line (no `+`): the layer's settings carry the
+    op's Tuning with that field over its defaults, and msa_attention hands it to the op's call."""
+    import dataclasses
+    import importlib
+
+    import torch
+
+    from msa_model.attention import msa_settings
+    from msa_model.model import msa_options
+    ops_msa = importlib.import_module("msa_model.ops.msa_attention")  # the module (the package exports the function)
+    from msa_model.ops.sparse_attention.tuning import DEFAULT_TUNING as SA_DEFAULT
+
+    cfg = _compose("model.msa.tuning.sparse_attention.fwd_rows=32",
+                   "model.msa.tuning.sparse_attention.dense_dkdv=[64,64,4,1]", "model.msa.tuning.select_blocks.rows=64")
+    validate(cfg)
+    settings = msa_settings(msa_options(cfg.model), None)
+    want_sa = dataclasses.replace(SA_DEFAULT, fwd_rows=32, dense_dkdv=(64, 64, 4, 1))
+    assert settings.tuning.sparse_attention == want_sa and settings.tuning.select_blocks.rows == 64
+    assert settings.tuning.indexer_kl is None  # unset: the op's defaults
+    seen = {}
+
+    def spy(name, op):
+        def call(*args, **kw):
+            seen[name] = kw["tuning"]
+            return op(*args, **kw)
+        return call
+
+    for name in ("select_blocks", "sparse_attention", "indexer_kl_loss"):
+        monkeypatch.setattr(ops_msa, name, spy(name, getattr(ops_msa, name)))
+    msa = cfg.model.msa
+    B, T, Hq, G, D, Di = 1, 4 * msa.block_size, 4, 2, 16, msa.index_head_dim
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, T, h, D, generator=gen) for h in (Hq, G, G))
+    ops_msa.msa_attention(q, k, v, torch.randn(B, T, G, Di, generator=gen), torch.randn(B, T, Di, generator=gen),
+                          settings)
+    assert seen == {"select_blocks": settings.tuning.select_blocks, "sparse_attention": want_sa,
+                    "indexer_kl_loss": None}
+
+
+def test_an_unknown_kernel_setting_is_refused_in_one_line():
+    """A config not built by Hydra's typed schema (a plain mapping) is checked by validate: one line
+    per unknown op or field, naming it and what there is."""
+    raw = OmegaConf.to_container(_compose())
+    raw["model"]["msa"]["tuning"] = {"sparse_attention": {"fwd_rows": 32, "foo": 1}, "attention": {}}
+    with pytest.raises(ConfigError) as e:
+        validate(OmegaConf.create(raw))
+    lines = [line for line in str(e.value).splitlines() if "model.msa.tuning" in line]
+    assert lines[0].startswith("  - model.msa.tuning.sparse_attention.foo: unknown field; fields: fwd_rows, ")
+    assert lines[1] == "  - model.msa.tuning.attention: unknown op; ops: sparse_attention, select_blocks, indexer_kl"
+    assert len(lines) == 2

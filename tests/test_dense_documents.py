@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from msa_model.ops import indexer_kl_loss, msa_attention
+from msa_model.ops import MSASettings, indexer_kl_loss, msa_attention
 from msa_model.ops.dense_attention import (attach_host_copy, build_plan, document_attention, document_plan,
                                            fused_causal_takes)
 from msa_model.ops.dense_attention.plan import bucket_count, bucket_length, segments_of
@@ -168,8 +168,8 @@ def test_the_warmup_kl_takes_its_teacher_from_this_lse(path):
     assert plan.path == path
     leaves = [q, k, v, iq, ik]
     backend = "triton" if path == "kernel" or CUDA else "reference"
-    o, kl = msa_attention(q, k, v, iq, ik, block_size=16, topk=2, dense=True, doc_start=doc, document_plan=plan,
-                          backend=backend)
+    o, kl, _, _ = msa_attention(q, k, v, iq, ik, MSASettings(16, 2, backend=backend), dense=True, doc_start=doc,
+                                document_plan=plan)
     got = torch.autograd.grad([o, kl], leaves, [torch.ones_like(o), torch.full_like(kl, 0.7)])
     ref = [x.detach().double().requires_grad_() for x in leaves]
     rq, rk, rv, riq, rik = ref

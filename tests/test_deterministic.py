@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 import torch
 
-from msa_model.ops import indexer_kl_loss, msa_attention, select_blocks, sparse_attention
+from msa_model.ops import KernelTuning, MSASettings, indexer_kl_loss, msa_attention, select_blocks, sparse_attention
 from msa_model.ops.indexer_kl import triton as kl_triton
 from skeleton_helpers import metrics, run_train
 
@@ -101,12 +101,12 @@ def test_deterministic_late_teacher_matches_the_reference(monkeypatch):
     do = torch.randn(B, T, Hq, D, generator=gen).to(DEV, dtype)
     spy = Spy(kl_triton.kl_dik_reduce_kernel)
     monkeypatch.setattr(kl_triton, "kl_dik_reduce_kernel", spy)
-    tuning = {"indexer_kl": dataclasses.replace(kl_triton.DEFAULT_TUNING, bwd_per_program=16)}
+    tuning = KernelTuning(indexer_kl=dataclasses.replace(kl_triton.DEFAULT_TUNING, bwd_per_program=16))
+    settings = MSASettings(bs, topk, backend="triton", kl_teacher="backward", tuning=tuning)
     runs = []
     with deterministic():
         for _ in range(2):
-            o, kl, idx = msa_attention(*leaves, block_size=bs, topk=topk, backend="triton", kl_teacher="backward",
-                                       return_block_idx=True, tuning=tuning)
+            o, kl, idx, _ = msa_attention(*leaves, settings)
             runs.append((kl.detach(), idx, torch.autograd.grad([o, kl], leaves, [do, torch.full_like(kl, 0.7)])))
     assert spy.launches == 2
     (kl, idx, grads), (kl2, _, grads2) = runs

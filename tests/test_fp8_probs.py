@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from msa_model.ops import indexer_kl_loss, msa_attention, select_blocks, sparse_attention
+from msa_model.ops import MSASettings, indexer_kl_loss, msa_attention, select_blocks, sparse_attention
 from msa_model.ops.sparse_attention import triton as sa_triton
 from msa_model.ops.sparse_attention.reference import e4m3_round
 from msa_model.ops.support import support_mask
@@ -171,8 +171,8 @@ def test_msa_attention_with_fp8_probabilities(kl_teacher):
     leaves = [torch.randn(*s, generator=gen).to(DEV, DTYPE).requires_grad_()
               for s in ((B, T, Hq, D), (B, T, G, D), (B, T, G, D), (B, T, G, Di), (B, T, Di))]
     do = torch.randn(B, T, Hq, D, generator=gen).to(DEV, DTYPE)
-    o, kl, idx = msa_attention(*leaves, block_size=bs, topk=topk, backend="triton", return_block_idx=True,
-                               kl_teacher=kl_teacher, fp8_probs=True)
+    o, kl, idx, _ = msa_attention(*leaves, MSASettings(bs, topk, kl_teacher=kl_teacher, fp8_probs=True,
+                                                       backend="triton"))
     grads = torch.autograd.grad([o, kl], leaves, [do, torch.full_like(kl, 0.7)])
     ref = [x.detach().double().requires_grad_() for x in leaves]
     rq, rk, rv, riq, rik = ref

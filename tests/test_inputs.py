@@ -53,6 +53,7 @@ BAD_INPUTS = [
     ("optim.lrr=0.1", "did you mean optim.lr?"),
     ("+optim.lrr=0.1", "did you mean optim.lr?"),
     ("model.num_layers=four", "could not be converted to Integer"),
+    ("model.msa.tuning.sparse_attention.fwd_rowz=32", "did you mean model.msa.tuning.sparse_attention.fwd_rows?"),
     ("recipe=cdt", "available: cpt, dense"),
 ]
 

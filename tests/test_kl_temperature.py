@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from msa_model.ops import indexer_kl_loss, msa_attention, select_blocks, sparse_attention
+from msa_model.ops import MSASettings, indexer_kl_loss, msa_attention, select_blocks, sparse_attention
 from msa_model.ops.indexer_kl.triton import DEFAULT_TUNING
 from msa_model.ops.support import support_mask
 
@@ -111,8 +111,8 @@ def test_msa_attention_passes_the_temperature_to_every_teacher_path(kl_teacher):
     do = torch.randn(B, T, Hq, D, generator=gen).to(DEV, dtype)
     runs = {}
     for temperature in (2.0, 1.0):
-        o, kl, idx = msa_attention(*leaves, block_size=bs, topk=topk, backend="triton", return_block_idx=True,
-                                   kl_teacher=kl_teacher, kl_temperature=temperature)
+        settings = MSASettings(bs, topk, kl_teacher=kl_teacher, kl_temperature=temperature, backend="triton")
+        o, kl, idx, _ = msa_attention(*leaves, settings)
         grads = torch.autograd.grad([o, kl], leaves, [do, torch.full_like(kl, 0.7)])
         runs[temperature] = (kl.detach(), idx, grads)
     kl, idx, grads = runs[2.0]

@@ -10,7 +10,8 @@ import math
 import pytest
 import torch
 
-from msa_model.ops import indexer_kl_loss, late_teacher_applies, msa_attention, sparse_attention
+from msa_model.ops import (KernelTuning, MSASettings, indexer_kl_loss, late_teacher_applies, msa_attention,
+                           sparse_attention)
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -36,10 +37,17 @@ def starts(B, T, q_offset, cut):
     return torch.where(pos < cut, 0, cut).to(torch.int32).expand(B, T).contiguous().to(DEV)
 
 
-def step(leaves, do, teacher, **kw):
+def settings(block_size, topk, tuning=None, **kw):
+    """The Triton backend's settings, `tuning` a KernelTuning or None (the defaults)."""
+    return MSASettings(block_size=block_size, topk=topk, backend="triton", tuning=tuning or KernelTuning(), **kw)
+
+
+def step(leaves, do, teacher, block_size, topk, tuning=None, **kw):
     seen = []
-    o, kl, block_idx = msa_attention(*leaves, backend="triton", return_block_idx=True, kl_teacher=teacher,
-                                     on_kl=seen.append, **kw)
+    out = msa_attention(*leaves, settings(block_size, topk, tuning, kl_teacher=teacher), on_kl=seen.append, **kw)
+    o, kl, block_idx = out.o, out.kl, out.block_idx
+    # every call here takes the teacher it asks for
+    assert out.kl_in_backward == (teacher == "backward")
     before = kl.detach().clone()
     grads = torch.autograd.grad([o, kl], leaves, [do, torch.full_like(kl, 0.7)])
     return o, kl, before, seen, block_idx, grads
@@ -75,7 +83,7 @@ def test_late_teacher_after_the_hybrid_forward(case):
     # tiles of 4 queries of 2 heads; a tile whose union passes topk blocks is gathered
     hybrid = dataclasses.replace(sa_triton.DEFAULT_TUNING, tile_rows=8, tile_keys=16, tile_min_heads=1,
                                  tile_min_queries=0, tile_union_max=1.0)
-    block_idx = check_against_the_reference(case, {"sparse_attention": hybrid})
+    block_idx = check_against_the_reference(case, KernelTuning(sparse_attention=hybrid))
     # both paths ran: some tiles' unions are within the limit, some beyond it (in the interpreter,
     # whose tiles hold 4 queries; a GPU's hold at least 16 rows, 8 queries, mostly beyond it)
     if CUDA:
@@ -93,7 +101,7 @@ def check_against_the_reference(case, tuning=None):
     leaves = inputs(B, T, Hq, G, D, Di, off, seed=T + Hq)
     doc = None if cut is None else starts(B, T, off, cut)
     kw = dict(block_size=bs, topk=topk, q_offset=off, doc_start=doc, tuning=tuning)
-    assert late_teacher_applies(*leaves, bs, topk, backend="triton", tuning=tuning)
+    assert late_teacher_applies(*leaves, settings(bs, topk, tuning))
     do = torch.randn(leaves[0].shape, generator=torch.Generator().manual_seed(1)).to(DEV, DTYPE)
     o, kl, before, seen, block_idx, grads = step(leaves, do, "backward", **kw)
     # the value comes with the backward: NaN before, filled in place and reported once after
@@ -111,9 +119,10 @@ def check_against_the_reference(case, tuning=None):
         assert torch.isfinite(g).all(), name
         assert rel(g, w) < TOL, (name, rel(g, w))
 
-    # and the forward-teacher path on the same inputs: same value and gradients
+    # and the forward-teacher path on the same inputs: same value and gradients (the value on
+    # return, so on_kl is not called)
     _, kl_f, before_f, seen_f, idx_f, grads_f = step(leaves, do, "forward", **kw)
-    assert torch.equal(idx_f, block_idx) and before_f.item() == kl_f.item() == seen_f[0].item()
+    assert torch.equal(idx_f, block_idx) and before_f.item() == kl_f.item() and not seen_f
     assert abs(kl_f.item() - kl.item()) < 1e-3 * max(1.0, abs(kl.item()))
     for name, g, w in zip(("dq", "dk", "dv", "d iq", "d ik"), grads, grads_f):
         assert rel(g, w) < (1e-2 if CUDA else 1e-5), (name, rel(g, w))
@@ -131,13 +140,13 @@ def test_tile_backward_setting_keeps_the_late_teacher_where_the_gather_backward_
     bs, topk = 16, 2
     wanting = dataclasses.replace(DEFAULT_TUNING, tile_backward=True)  # 32768 queries at least
     taking = dataclasses.replace(wanting, tile_min_queries=0, tile_min_heads=1)
-    assert late_teacher_applies(*leaves, bs, topk, backend="triton", tuning={"sparse_attention": wanting})
-    assert not late_teacher_applies(*leaves, bs, topk, backend="triton", tuning={"sparse_attention": taking})
+    assert late_teacher_applies(*leaves, settings(bs, topk, KernelTuning(sparse_attention=wanting)))
+    assert not late_teacher_applies(*leaves, settings(bs, topk, KernelTuning(sparse_attention=taking)))
     wide = [x.detach()[..., :1].expand(*x.shape[:-1], 256) for x in leaves[:3]] + list(leaves[3:])
-    assert late_teacher_applies(*wide, bs, topk, backend="triton", tuning={"sparse_attention": taking})
+    assert late_teacher_applies(*wide, settings(bs, topk, KernelTuning(sparse_attention=taking)))
     do = torch.randn(leaves[0].shape, generator=torch.Generator().manual_seed(1)).to(DEV, DTYPE)
     o, kl, before, seen, _, grads = step(leaves, do, "backward", block_size=bs, topk=topk,
-                                         tuning={"sparse_attention": wanting})
+                                         tuning=KernelTuning(sparse_attention=wanting))
     assert math.isnan(before.item()) and len(seen) == 1
     o1, kl1, _, _, _, grads1 = step(leaves, do, "backward", block_size=bs, topk=topk)
     assert torch.equal(o, o1) and kl.item() == kl1.item()
@@ -146,18 +155,18 @@ def test_tile_backward_setting_keeps_the_late_teacher_where_the_gather_backward_
 
 
 def test_without_a_graph_the_teacher_comes_from_the_forward():
-    """No backward will run (no_grad, or the reference backend): kl holds its value on return and
-    on_kl is called right away."""
+    """No backward will run (no_grad, or the reference backend): kl holds its value on return (the
+    output says so, and on_kl, which the backward would call, is not)."""
     leaves = inputs(1, 40, 4, 2, 16, 16)
     for ctx, backend in ((torch.no_grad, "triton"), (torch.enable_grad, "reference")):
+        late = MSASettings(block_size=16, topk=2, backend=backend, kl_teacher="backward")
         with ctx():
-            assert not late_teacher_applies(*leaves, 16, 2, backend=backend)
+            assert not late_teacher_applies(*leaves, late)
             seen = []
-            o, kl = msa_attention(*leaves, block_size=16, topk=2, backend=backend, kl_teacher="backward",
-                                  on_kl=seen.append)
-        assert math.isfinite(kl.item()) and len(seen) == 1 and seen[0].item() == kl.item()
+            out = msa_attention(*leaves, late, on_kl=seen.append)
+        assert math.isfinite(out.kl.item()) and not out.kl_in_backward and not seen
     with pytest.raises(ValueError, match="kl_teacher"):
-        msa_attention(*leaves, block_size=16, topk=2, kl_teacher="later")
+        MSASettings(block_size=16, topk=2, kl_teacher="later")
 
 
 def test_only_the_kl_needs_a_gradient():
@@ -166,7 +175,7 @@ def test_only_the_kl_needs_a_gradient():
     leaves = inputs(1, 48, 4, 2, 16, 16, seed=3)
     got = {}
     for teacher in ("backward", "forward"):
-        o, kl = msa_attention(*leaves, block_size=16, topk=3, backend="triton", kl_teacher=teacher)
+        o, kl, _, _ = msa_attention(*leaves, settings(16, 3, kl_teacher=teacher))
         got[teacher] = (*torch.autograd.grad(kl, leaves[3:]), kl.item())
     assert abs(got["backward"][2] - got["forward"][2]) < 1e-4
     for g, w in zip(got["backward"][:2], got["forward"][:2]):
@@ -205,8 +214,8 @@ def test_without_the_kl():
     leaves = inputs(1, 40, 4, 2, 16, 16, seed=5)
     seen = []
     with torch.no_grad():
-        o, kl = msa_attention(*leaves, block_size=16, topk=2, backend="triton", with_kl=False, on_kl=seen.append)
-        o_kl, _ = msa_attention(*leaves, block_size=16, topk=2, backend="triton")
+        o, kl, _, _ = msa_attention(*leaves, settings(16, 2), with_kl=False, on_kl=seen.append)
+        o_kl = msa_attention(*leaves, settings(16, 2)).o
     assert kl is None and not seen and torch.equal(o, o_kl)
 
 
@@ -216,7 +225,7 @@ def test_calls_over_the_row_budget_run_as_query_chunks(B, cut, monkeypatch):
     """Teacher rows over the KL's teacher_bytes: the call runs as query chunks whose rows fit
     (here three, of 24, 24 and 22 queries), with the same output, KL and gradients as one call;
     the KL is NaN until the backward has run and is then reported once."""
-    from msa_model.ops.indexer_kl.triton import Tuning as KLTuning
+    from msa_model.ops.indexer_kl.tuning import Tuning as KLTuning
     from msa_model.ops.msa_attention import late_teacher
     from msa_model.ops.msa_attention.late_teacher import query_chunk, teacher_bytes
 
@@ -228,9 +237,9 @@ def test_calls_over_the_row_budget_run_as_query_chunks(B, cut, monkeypatch):
     T, Hq, G, D, Di, bs, topk, off = 70, 4, 2, 16, 16, 16, 3, 10
     leaves = inputs(B, T, Hq, G, D, Di, off, seed=11)
     one = teacher_bytes(leaves[0], G, topk, bs, queries=1)
-    tight = {"indexer_kl": KLTuning(teacher_bytes=25 * one)}
+    tight = KernelTuning(indexer_kl=KLTuning(teacher_bytes=25 * one))
     assert query_chunk(leaves[0], G, topk, bs, 25 * one) == 24
-    assert late_teacher_applies(*leaves, bs, topk, backend="triton", tuning=tight)
+    assert late_teacher_applies(*leaves, settings(bs, topk, tight))
     kw = dict(block_size=bs, topk=topk, q_offset=off, doc_start=None if cut is None else starts(B, T, off, cut))
     do = torch.randn(leaves[0].shape, generator=torch.Generator().manual_seed(2)).to(DEV, DTYPE)
     o1, kl1, before1, seen1, idx1, grads1 = step(leaves, do, "backward", **kw)
@@ -243,14 +252,14 @@ def test_calls_over_the_row_budget_run_as_query_chunks(B, cut, monkeypatch):
     for name, g, w in zip(("dq", "dk", "dv", "d iq", "d ik"), grads3, grads1):
         assert rel(g, w) < (1e-2 if CUDA else 1e-5), (name, rel(g, w))
     # the attention's index in query chunks (small partial buffers): the KL walks its unchunked view
-    from msa_model.ops.sparse_attention.triton import Tuning as SATuning
+    from msa_model.ops.sparse_attention.tuning import Tuning as SATuning
 
     per_query = B * G * topk * (Hq // G) * (D * 4 + 4)
-    small = {"sparse_attention": SATuning(partial_bytes=16 * per_query, partial_min_bytes=0)}
+    small = KernelTuning(sparse_attention=SATuning(partial_bytes=16 * per_query, partial_min_bytes=0))
     o5, kl5, _, seen5, _, grads5 = step(leaves, do, "backward", tuning=small, **kw)
     assert len(seen5) == 1 and rel(o5, o1) < 1e-6 and abs(kl5.item() - kl1.item()) < 1e-5 * max(1.0, abs(kl1.item()))
     for name, g, w in zip(("dq", "dk", "dv", "d iq", "d ik"), grads5, grads1):
         assert rel(g, w) < (1e-2 if CUDA else 1e-5), (name, rel(g, w))
     # no query's rows fit: the teacher stays in the forward
-    assert not late_teacher_applies(*leaves, bs, topk, backend="triton",
-                                    tuning={"indexer_kl": KLTuning(teacher_bytes=one - 1)})
+    none_fits = KernelTuning(indexer_kl=KLTuning(teacher_bytes=one - 1))
+    assert not late_teacher_applies(*leaves, settings(bs, topk, none_fits))

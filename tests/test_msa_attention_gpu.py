@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gpu_sync import assert_no_host_sync
-from msa_model.ops import indexer_kl_loss, msa_attention, select_blocks, sparse_attention
+from msa_model.ops import MSASettings, indexer_kl_loss, msa_attention, select_blocks, sparse_attention
 from msa_model.ops.dense_attention import attach_host_copy, document_plan
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -44,8 +44,8 @@ def test_composition_matches_reference(dense, docs, teacher):
     do = mk(B, T, Hq, D)
     doc_start = packed_starts(B, T, seed=4) if docs else None
     leaves = [x.requires_grad_() for x in (q, k, v, iq, ik)]
-    o, kl, block_idx = msa_attention(q, k, v, iq, ik, bs, topk, dense=dense, backend="triton",
-                                     return_block_idx=True, doc_start=doc_start, kl_teacher=teacher)
+    o, kl, block_idx, _ = msa_attention(q, k, v, iq, ik, MSASettings(bs, topk, backend="triton", kl_teacher=teacher),
+                                        dense=dense, doc_start=doc_start)
     assert (block_idx is None) == dense
     got = (o, kl, *torch.autograd.grad([o, kl], leaves, [do, torch.ones_like(kl)]))
 
@@ -84,8 +84,8 @@ def test_a_training_step_never_waits_on_the_device(dense, docs, teacher):
     plan = document_plan(attach_host_copy(doc_start, doc_start.cpu()), 0, T, 0) if docs else None
 
     def step():
-        o, kl = msa_attention(q, k, v, iq, ik, bs, topk, dense=dense, backend="triton", doc_start=doc_start,
-                              check_ids=False, kl_teacher=teacher, document_plan=plan)
+        o, kl, _, _ = msa_attention(q, k, v, iq, ik, MSASettings(bs, topk, backend="triton", kl_teacher=teacher),
+                                    dense=dense, doc_start=doc_start, check_ids=False, document_plan=plan)
         torch.autograd.backward([o, kl], [torch.ones_like(o), torch.ones_like(kl)])
 
     assert_no_host_sync(step)

@@ -13,7 +13,7 @@ import dataclasses
 import pytest
 import torch
 
-from msa_model.ops import indexer_kl_loss, msa_attention, select_blocks, sparse_attention
+from msa_model.ops import MSASettings, indexer_kl_loss, msa_attention, select_blocks, sparse_attention
 
 HQ, HKV, D, DI = 4, 2, 16, 8
 # documents of each row: shorter than a block, a single token, longer than several blocks
@@ -55,16 +55,15 @@ def test_packed_rows_equal_documents_run_alone(dense, force_sink):
     q, k, v, iq, ik = leaves
     w = torch.randn(q.shape, generator=torch.Generator().manual_seed(1), dtype=q.dtype)
     ds = doc_starts(DOCS)
-    o, kl, idx = msa_attention(q, k, v, iq, ik, bs, topk, dense=dense, force_sink=force_sink, backend="reference",
-                               return_block_idx=True, doc_start=ds)
+    settings = MSASettings(bs, topk, force_sink=force_sink, backend="reference")
+    o, kl, idx, _ = msa_attention(q, k, v, iq, ik, settings, dense=dense, doc_start=ds)
     grads = torch.autograd.grad((o * w).sum() + 3.0 * kl, leaves)
 
     kl_docs, loss_docs = 0.0, 0.0
     for b, lengths in enumerate(DOCS):
         for a, e in spans(lengths):
             part = [x[b:b + 1, a:e] for x in leaves]
-            o_d, kl_d, idx_d = msa_attention(*part, bs, topk, dense=dense, force_sink=force_sink, backend="reference",
-                                             return_block_idx=True)
+            o_d, kl_d, idx_d, _ = msa_attention(*part, settings, dense=dense)
             torch.testing.assert_close(o[b:b + 1, a:e], o_d, rtol=1e-12, atol=1e-12)
             if not dense:
                 assert torch.equal(idx[b:b + 1, a:e], idx_d), (b, a, e)
@@ -84,13 +83,12 @@ def test_query_slices_with_documents_match_the_full_call(dense):
     bs, topk = 8, 3
     q, k, v, iq, ik = inputs(seed=2)
     ds = doc_starts(DOCS)
-    o, kl, idx = msa_attention(q, k, v, iq, ik, bs, topk, dense=dense, backend="reference", return_block_idx=True,
-                               doc_start=ds)
+    settings = MSASettings(bs, topk, backend="reference")
+    o, kl, idx, _ = msa_attention(q, k, v, iq, ik, settings, dense=dense, doc_start=ds)
     total = 0.0
     for t0, t1 in [(0, 16), (45, 61), (16, 30), (30, 45)]:
-        o_p, kl_p, idx_p = msa_attention(q[:, t0:t1], k, v, iq[:, t0:t1], ik, bs, topk, dense=dense,
-                                         backend="reference", return_block_idx=True, q_offset=t0,
-                                         doc_start=ds[:, t0:t1])
+        o_p, kl_p, idx_p, _ = msa_attention(q[:, t0:t1], k, v, iq[:, t0:t1], ik, settings, dense=dense, q_offset=t0,
+                                            doc_start=ds[:, t0:t1])
         torch.testing.assert_close(o_p, o[:, t0:t1], rtol=1e-12, atol=1e-12)
         if not dense:
             assert torch.equal(idx_p, idx[:, t0:t1])
@@ -103,10 +101,9 @@ def test_one_document_per_row_is_the_default():
     q, k, v, iq, ik = inputs(seed=3)
     zeros = torch.zeros(2, T, dtype=torch.int32)
     for dense in (False, True):
-        a = msa_attention(q, k, v, iq, ik, 8, 3, dense=dense, backend="reference", return_block_idx=True)
-        b = msa_attention(q, k, v, iq, ik, 8, 3, dense=dense, backend="reference", return_block_idx=True,
-                          doc_start=zeros)
-        for x, y in zip(a, b):
+        a = msa_attention(q, k, v, iq, ik, MSASettings(8, 3, backend="reference"), dense=dense)
+        b = msa_attention(q, k, v, iq, ik, MSASettings(8, 3, backend="reference"), dense=dense, doc_start=zeros)
+        for x, y in zip(a[:3], b[:3]):
             assert (x is None and y is None) or torch.equal(x, y)
 
 
@@ -124,9 +121,9 @@ def test_bad_doc_start_is_refused():
     gap = ds.clone()
     gap[1, 30:] = 29  # a document "starting" at a position none of its queries holds
     with pytest.raises(ValueError, match="consecutive documents"):
-        msa_attention(q, k, v, iq, ik, 8, 3, backend="reference", doc_start=gap)
+        msa_attention(q, k, v, iq, ik, MSASettings(8, 3, backend="reference"), doc_start=gap)
     # the same starts from the data pipeline pass unchecked (no host synchronisation)
-    msa_attention(q, k, v, iq, ik, 8, 3, backend="reference", doc_start=gap, check_ids=False)
+    msa_attention(q, k, v, iq, ik, MSASettings(8, 3, backend="reference"), doc_start=gap, check_ids=False)
 
 
 # The Triton kernels (Triton's interpreter on CPU) against the reference with documents. fp32 runs
@@ -288,8 +285,7 @@ def test_triton_one_document_per_row_is_the_default():
     zeros = torch.zeros(q.shape[:2], dtype=torch.int32, device=DEV)
     tol = 1e-5 if not CUDA else 1e-2
     for dense in (False, True):
-        a = msa_attention(q, k, v, iq, ik, 16, 2, dense=dense, backend="triton", return_block_idx=True)
-        b = msa_attention(q, k, v, iq, ik, 16, 2, dense=dense, backend="triton", return_block_idx=True,
-                          doc_start=zeros)
+        a = msa_attention(q, k, v, iq, ik, MSASettings(16, 2, backend="triton"), dense=dense)
+        b = msa_attention(q, k, v, iq, ik, MSASettings(16, 2, backend="triton"), dense=dense, doc_start=zeros)
         assert dense or torch.equal(a[2].sort(-1).values, b[2].sort(-1).values)
         assert rel(b[0], a[0]) < tol and abs(float(b[1]) - float(a[1])) <= tol * abs(float(a[1]))

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from msa_model.ops import indexer_kl_loss, msa_attention, select_blocks, sparse_attention
+from msa_model.ops import MSASettings, indexer_kl_loss, msa_attention, select_blocks, sparse_attention
 
 B, T, HQ, HKV, D, DI = 2, 63, 4, 2, 16, 8
 
@@ -41,15 +41,14 @@ def test_msa_attention_slices_match_full(splits, dense):
     block_size, topk = 8, 3
     leaves = [t.requires_grad_() for t in _inputs()]
     q, k, v, iq, ik = leaves
-    o, kl, idx = msa_attention(q, k, v, iq, ik, block_size=block_size, topk=topk, dense=dense,
-                               backend="reference", return_block_idx=True)
+    settings = MSASettings(block_size=block_size, topk=topk, backend="reference")
+    o, kl, idx, _ = msa_attention(q, k, v, iq, ik, settings, dense=dense)
     w = torch.randn(o.shape, generator=torch.Generator().manual_seed(1), dtype=o.dtype)
     full_grads = torch.autograd.grad((o * w).sum() + 3.0 * kl, leaves)
 
     parts_o, parts_kl = [], 0.0
     for t0, t1 in splits:
-        o_p, kl_p, idx_p = msa_attention(q[:, t0:t1], k, v, iq[:, t0:t1], ik, block_size=block_size, topk=topk,
-                                         dense=dense, backend="reference", return_block_idx=True, q_offset=t0)
+        o_p, kl_p, idx_p, _ = msa_attention(q[:, t0:t1], k, v, iq[:, t0:t1], ik, settings, dense=dense, q_offset=t0)
         torch.testing.assert_close(o_p, o[:, t0:t1], rtol=1e-12, atol=1e-12)
         if not dense:
             assert torch.equal(idx_p, idx[:, t0:t1])

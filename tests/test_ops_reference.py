@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from msa_model.ops import indexer_kl_loss, msa_attention, select_blocks, sparse_attention
+from msa_model.ops import MSASettings, indexer_kl_loss, msa_attention, select_blocks, sparse_attention
 
 REF = dict(backend="reference")
 
@@ -130,9 +130,9 @@ def test_scale_does_not_change_selection():
 def test_full_topk_equals_dense(T, block_size):
     q, k, v, iq, ik = rand_inputs(2, T, 4, 2, 16, 8, seed=7)
     topk = math.ceil(T / block_size)
-    o_sparse, kl_sparse, block_idx = msa_attention(q, k, v, iq, ik, block_size=block_size, topk=topk,
-                                                   return_block_idx=True, **REF)
-    o_dense, kl_dense = msa_attention(q, k, v, iq, ik, block_size=block_size, topk=topk, dense=True, **REF)
+    settings = MSASettings(block_size=block_size, topk=topk, **REF)
+    o_sparse, kl_sparse, block_idx, _ = msa_attention(q, k, v, iq, ik, settings)
+    o_dense, kl_dense, _, _ = msa_attention(q, k, v, iq, ik, settings, dense=True)
     assert (block_idx >= 0).sum(-1).eq((torch.arange(T) // block_size + 1)[None, :, None]).all()
     _, lse_sparse = sparse_attention(q, k, v, block_idx, block_size=block_size, **REF)
     _, lse_dense = sparse_attention(q, k, v, None, block_size=block_size, **REF)
@@ -190,12 +190,12 @@ def test_reference_backward_matches_autograd(T, Hq, Hkv, block_size, topk):
 def test_causality():
     T, bs = 160, 16
     q, k, v, iq, ik = rand_inputs(1, T, 4, 2, 16, 8, seed=13)
-    o, kl, block_idx = msa_attention(q, k, v, iq, ik, block_size=bs, topk=3, return_block_idx=True, **REF)
+    o, kl, block_idx, _ = msa_attention(q, k, v, iq, ik, MSASettings(block_size=bs, topk=3, **REF))
     t = 71
     q2, k2, v2, iq2, ik2 = (x.clone() for x in (q, k, v, iq, ik))
     for x in (q2, k2, v2, iq2, ik2):
         x[:, t + 1:] = torch.randn_like(x[:, t + 1:]) * 3
-    o2, _, block_idx2 = msa_attention(q2, k2, v2, iq2, ik2, block_size=bs, topk=3, return_block_idx=True, **REF)
+    o2, _, block_idx2, _ = msa_attention(q2, k2, v2, iq2, ik2, MSASettings(block_size=bs, topk=3, **REF))
     assert torch.equal(o[:, : t + 1], o2[:, : t + 1])
     assert torch.equal(block_idx[:, : t + 1], block_idx2[:, : t + 1])
     assert not torch.equal(o[:, t + 1:], o2[:, t + 1:])
@@ -204,7 +204,7 @@ def test_causality():
 def test_gradient_isolation():
     q, k, v, iq, ik = rand_inputs(2, 100, 4, 2, 16, 8, seed=17, requires_grad=True)
     for dense in (False, True):
-        o, kl = msa_attention(q, k, v, iq, ik, block_size=16, topk=3, dense=dense, **REF)
+        o, kl, _, _ = msa_attention(q, k, v, iq, ik, MSASettings(block_size=16, topk=3, **REF), dense=dense)
         lm = (o * torch.randn_like(o)).sum()
         g_lm = torch.autograd.grad(lm, (q, k, v, iq, ik), allow_unused=True)
         assert all(g is not None and g.abs().sum() > 0 for g in g_lm[:3])
@@ -276,7 +276,7 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="ik"):
         select_blocks(iq, ik[:, :, :4], **REF)
     with pytest.raises(ValueError, match="index heads"):
-        msa_attention(q, k, v, iq[:, :, :1], ik, block_size=16, topk=2, **REF)
+        msa_attention(q, k, v, iq[:, :, :1], ik, MSASettings(block_size=16, topk=2, **REF))
     with pytest.raises(ValueError, match="lse"):
         indexer_kl_loss(q, k, iq, ik, None, torch.zeros(1, 32, 2), block_size=16, **REF)
     with pytest.raises(ValueError, match="backend"):

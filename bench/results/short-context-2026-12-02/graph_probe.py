@@ -8,7 +8,7 @@ call over back-to-back calls, then the graphed results against the eager ones.
 """
 import torch
 
-from msa_model.ops.msa_attention import msa_attention
+from msa_model.ops.msa_attention import MSASettings, msa_attention
 from probe_common import inputs, sdpa_step, timed
 
 N = 20  # timed calls
@@ -24,7 +24,8 @@ for name, T, Hq, Hkv, D, Di in CASES:
     ins, do = inputs(T, Hq, Hkv, D, Di)
 
     def core(q, k, v, iq, ik):
-        return msa_attention(q, k, v, iq, ik, block_size=128, topk=16, kl_teacher="backward")
+        out = msa_attention(q, k, v, iq, ik, MSASettings(block_size=128, topk=16, kl_teacher="backward"))
+        return out.o, out.kl
 
     def eager():
         o, kl = core(*ins)

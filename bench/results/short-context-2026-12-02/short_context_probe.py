@@ -17,7 +17,8 @@ import os
 
 import torch
 
-from msa_model.ops.msa_attention import msa_attention
+from msa_model.ops.msa_attention import MSASettings, msa_attention
+from msa_model.ops.tuning import KernelTuning
 from msa_model.ops.sparse_attention import triton as sa_triton
 from probe_common import inputs, sdpa_step, timed
 
@@ -37,10 +38,10 @@ for name, Hq, Hkv, D, Di in GEOMS:
         ins, do = inputs(T, Hq, Hkv, D, Di)
         row = {"geom": name, "T": T, "sdpa": round(timed(sdpa_step(*ins[:3], do), N), 3)}
         for i, var in enumerate(VARIANTS):
-            tun = {"sparse_attention": dataclasses.replace(sa_triton.DEFAULT_TUNING, **var)}
+            tun = KernelTuning(sparse_attention=dataclasses.replace(sa_triton.DEFAULT_TUNING, **var))
 
             def step():
-                o, kl = msa_attention(*ins, block_size=128, topk=16, kl_teacher="backward", tuning=tun)
+                o, kl, _, _ = msa_attention(*ins, MSASettings(block_size=128, topk=16, kl_teacher="backward", tuning=tun))
                 return torch.autograd.grad((o, kl), ins, (do, torch.ones_like(kl)))
 
             torch.cuda.reset_peak_memory_stats()

@@ -95,7 +95,7 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_st
       kernel    the ops' dense path with the starts (Triton, or the reference on CPU tensors)
     The first two need torch's fused kernels (`fused_causal_takes`); elsewhere the plan says
     "kernel". `path` forces one (tests; on CPU the reference stands in for the fused kernels).
-    `tuning`: the Triton kernels' (sparse_attention.triton.Tuning) on the "kernel" path.
+    `tuning`: the Triton kernels' (sparse_attention.tuning.Tuning) on the "kernel" path.
     """
     B, C, _, _, D = check_qkv(q, k, v, q_offset)
     check_doc_start(doc_start, B, C, q_offset, values=False, device=q.device)

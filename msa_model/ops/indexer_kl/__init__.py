@@ -30,7 +30,7 @@ def indexer_kl_loss(q: torch.Tensor, k: torch.Tensor, iq: torch.Tensor, ik: torc
     document-relative. The mean is still over every (b, t, g).
     `check_ids=False` skips the range checks of block_idx's and doc_start's values (host
     synchronisations).
-    `tuning`: the Triton kernels' tile shapes and memory budget (`indexer_kl.triton.Tuning`).
+    `tuning`: the Triton kernels' tile shapes and memory budget (`indexer_kl.tuning.Tuning`; None: defaults).
     `keep_teacher` (Triton, sparse): keep the teacher rows from forward to backward; None: when
     they are no larger than q (a memory policy), True: whenever they fit the kernel's budget
     (for callers that rerun the forward just before the backward), False: recompute them.

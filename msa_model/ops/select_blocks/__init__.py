@@ -27,7 +27,7 @@ def select_blocks(iq: torch.Tensor, ik: torch.Tensor, block_size: int = PRODUCTI
     documents; None: one document per row). Each document is its own sequence: a query sees its
     document's keys only, and block ids count from the document's start (docs/msa.md).
     `check_ids=False` skips the check of doc_start's values (a host synchronisation).
-    `tuning`: the Triton kernel's tile shape (`select_blocks.triton.Tuning`; None: defaults).
+    `tuning`: the Triton kernel's tile shape (`select_blocks.tuning.Tuning`; None: `default_tuning`).
     `local_blocks`: how many blocks ending with the query's own are always selected (1: the
     local block only), at most `topk`; the sink ranks right below them.
     `precision`: "input" scores in the inputs' dtype (fp32 accumulation); "fp8" quantizes iq (per

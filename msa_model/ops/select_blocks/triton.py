@@ -18,8 +18,6 @@ into the next tile is carried over and offered to the top-k once it is complete.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -27,6 +25,7 @@ import triton.language as tl
 from ..common import check_block_size, num_blocks
 from ..triton_utils import INTERPRET, dot
 from .fp8 import check_precision, quantize_index
+from .tuning import Tuning, default_tuning
 
 # what the fused kernel emits (MODE): the selection, the raw block scores (stage one of a
 # two-stage path, used to time the top-k stage alone), or only a max of block scores (to time
@@ -342,33 +341,6 @@ def _fused_kernel(iq_ptr, ik_ptr, ks_ptr, out_ptr, doc_ptr, T, TK, QOFF, N, skip
 
 def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
-
-
-@dataclass(frozen=True)
-class Tuning:
-    """Tile shape and launch settings: `rows` = queries x padded groups per program, `cols` = keys
-    per tile (at least one block), `topk_rows` and `topk_stages` for the two-stage path's top-k
-    kernel. The GPU defaults won over 8 warps / 3 stages and 256 rows on an H200 at 32K
-    (bench/RESULTS.md, "Figures behind code choices")."""
-
-    rows: int = 128
-    cols: int = 128
-    num_warps: int = 4
-    num_stages: int = 2
-    topk_rows: int = 32
-    topk_stages: int = 2
-    # fp8 scores: blocks after which a key tile's top-k update runs only if some row of the program
-    # takes a candidate (`_insert`, `_skips`); where the skips began to pay on an H200
-    skip_from: int = 1024
-
-
-# the interpreter runs each program in numpy: small tiles keep the tests quick (and the top-k
-# skip starts early, so the tests run both ways of updating it)
-INTERPRETER_TUNING = Tuning(rows=32, cols=32, num_warps=4, num_stages=1, topk_rows=32, topk_stages=1, skip_from=3)
-
-
-def default_tuning(device: torch.device) -> Tuning:
-    return Tuning() if device.type == "cuda" else INTERPRETER_TUNING
 
 
 def _skips(mode, precision, doc_start, n_blocks, cfg) -> bool:

@@ -30,7 +30,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_id
     gives them with the same doc_start.
     `check_ids=False` skips the range checks of block_idx's and doc_start's values, which
     synchronise with the device; select_blocks' output is always in range.
-    `tuning`: the Triton kernels' launch shapes (`sparse_attention.triton.Tuning`; None: defaults).
+    `tuning`: the Triton kernels' launch shapes (`sparse_attention.tuning.Tuning`; None: defaults).
     `fp8_probs` (MiniMax's probability quantization-aware training): the output o is computed from
     the probabilities stored as float8 e4m3 of P x 448, P taken relative to the query's max over
     each key block and rescaled after, as a kernel with fp8 P @ V computes it; lse is the exact
