@@ -28,7 +28,7 @@ def main(cfg: DictConfig) -> None:
     _TASK_STARTED = True
     from hydra.core.hydra_config import HydraConfig
 
-    from msa_model.inputs import task_overrides, unknown_keys
+    from msa_model.training.inputs import task_overrides, unknown_keys
     from msa_model.training import failures
 
     overrides = task_overrides()
@@ -77,7 +77,7 @@ if __name__ == "__main__":
     except _composition_errors() as e:
         if _TASK_STARTED or _USER_FULL_ERROR:
             raise
-        from msa_model.inputs import composition_error
+        from msa_model.training.inputs import composition_error
         from msa_model.training import failures
 
         failures.fail(composition_error(e, [a for a in sys.argv[1:] if not a.startswith("-")]), 2)

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from msa_model.compat import causal_attention_with_lse
+from msa_model.platform.compat import causal_attention_with_lse
 from msa_model.ops.dense_attention import build_plan, document_attention
 from msa_model.ops.sparse_attention import sparse_attention
 

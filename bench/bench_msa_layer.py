@@ -250,7 +250,7 @@ def dense_rows(T: int, reps: int, res: dict) -> None:
         document_rows(r, q, k, v, iq, ik, do, True, reps)
     measure(r, "sdpa_fwdbwd_ms", lambda: timed(sdpa_fb, reps))
     measure(r, "sdpa_peak_gib", lambda: peak_gib(sdpa_fb))
-    compat = importlib.import_module("msa_model.compat")
+    compat = importlib.import_module("msa_model.platform.compat")
     r["dense_attention"] = "cudnn" if compat.CUDNN_ATTENTION["ok"] else "flash"
 
 

@@ -8,7 +8,7 @@ Every job is its own process (`python train.py model=PRESET recipe=... model.seq
 batch 1 unless --micro-tokens, `logging.time_modules=true`), so peak memory and an out-of-memory belong to one run. With
 several --gpus, jobs run side by side, one per GPU. Per job the numbers are medians over the steps
 after the first two (Triton compilation, cuDNN plans): tokens/s, model TFLOP/s per GPU
-(msa_model/flops.py), step time split into attention / MLP blocks / rest (module_timer.py), and
+(msa_model/training/flops.py), step time split into attention / MLP blocks / rest (module_timer.py), and
 the peak of `max_memory_allocated` over all steps. Writes OUT/training.json and prints a markdown
 table with MSA / dense ratios per length.
 

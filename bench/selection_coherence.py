@@ -33,7 +33,7 @@ def main():
     ap.add_argument("--save-layers", default="", help="which layers' selections --save keeps (default: all)")
     a = ap.parse_args()
 
-    from msa_model.attention import set_msa_phase
+    from msa_model.model.attention import set_msa_phase
     from msa_model.eval.runner import _heldout_docs, build_model, load_config, resolve_checkpoint
     from msa_model.ops.sparse_attention.tiles import tile_union
     from msa_model.ops.sparse_attention.inverse_index import clean_block_idx

@@ -33,7 +33,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-from msa_model.lock_files import create_lock, pid_state, read_lock, remove_stale
+from msa_model.platform.lock_files import create_lock, pid_state, read_lock, remove_stale
 
 from .cache_check import DataCacheError, problem, record, unrecorded
 

@@ -227,7 +227,7 @@ class ModelConfig:
     # attention and KL, or the dense baseline's attention; expert activations are always
     # recomputed by the grouped experts) | full (every layer from its input, megatron's "full")
     recompute: str = "none"
-    # routed experts as grouped GEMMs (msa_model/experts.py); None: on CUDA yes, on CPU the loop
+    # routed experts as grouped GEMMs (msa_model/model/experts.py); None: on CUDA yes, on CPU the loop
     moe_grouped_gemm: Optional[bool] = None
     msa: MSAConfig = field(default_factory=MSAConfig)
 

@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import msa_model  # noqa: E402,F401  (before any test imports megatron: msa_model/megatron_imports.py)
+import msa_model  # noqa: E402,F401  (before any test imports megatron: msa_model/platform/megatron_imports.py)
 
 # one tokenized corpus for the whole session, outside the repository: every train.py the tests
 # start (they inherit this environment) uses it unless it names another data.cache_dir

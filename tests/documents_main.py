@@ -45,8 +45,8 @@ def main(out: Path, overrides: list[str]) -> None:
 
     from data.datasets import document_starts
     from msa_model.training.data_setup import checkpoint_run_tokenizer
-    from msa_model.attention import set_msa_phase
-    from msa_model.model import build_model
+    from msa_model.model.attention import set_msa_phase
+    from msa_model.model.gpt import build_model
     from msa_model.training.distributed import init_distributed, shutdown
     from parallel_main import _compose
 

@@ -6,7 +6,7 @@ import os
 import sys
 from pathlib import Path
 
-import msa_model  # noqa: F401  (before megatron: msa_model/megatron_imports.py)
+import msa_model  # noqa: F401  (before megatron: msa_model/platform/megatron_imports.py)
 from megatron.core import dist_checkpointing
 
 DIE_ON_SAVE = int(os.environ["DIE_ON_SAVE"])

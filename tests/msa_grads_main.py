@@ -25,7 +25,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-import msa_model  # noqa: E402,F401  (before megatron: msa_model/megatron_imports.py)
+import msa_model  # noqa: E402,F401  (before megatron: msa_model/platform/megatron_imports.py)
 from parallel_main import _compose  # noqa: E402
 
 
@@ -39,8 +39,8 @@ def main(overrides: list[str]) -> None:
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
     from omegaconf import OmegaConf
 
-    from msa_model.attention import KL_METRIC, MSASelfAttention, set_msa_phase
-    from msa_model.model import build_model
+    from msa_model.model.attention import KL_METRIC, MSASelfAttention, set_msa_phase
+    from msa_model.model.gpt import build_model
     from msa_model.training.distributed import init_distributed, shutdown
     from msa_model.training.grad_norm import INDEX_GROUP
     from msa_model.training.data_setup import checkpoint_run_tokenizer

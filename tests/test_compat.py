@@ -1,10 +1,10 @@
-"""msa_model.compat: the private APIs' version check."""
+"""msa_model.platform.compat: the private APIs' version check."""
 
 import os
 import logging
 from importlib import metadata
 
-from msa_model import compat
+from msa_model.platform import compat
 
 
 def test_the_installed_versions_are_the_checked_ones():
@@ -18,7 +18,7 @@ def test_another_version_is_named_with_what_was_checked(monkeypatch, caplog):
     assert found == [f"megatron-core {metadata.version('megatron-core')} (checked with 0.1)"]
     with caplog.at_level(logging.WARNING):
         compat.warn_untested_versions()
-    assert "megatron-core" in caplog.text and "msa_model/compat.py" in caplog.text
+    assert "megatron-core" in caplog.text and "msa_model/platform/compat.py" in caplog.text
 
 
 def test_a_version_prefix_matches_its_patch_releases(monkeypatch):
@@ -30,7 +30,7 @@ def test_a_version_prefix_matches_its_patch_releases(monkeypatch):
 
 
 def test_megatron_imports_without_torch_compile_on_cpu():
-    """msa_model/megatron_imports.py: on CPU megatron's fusions are plain functions and importing
+    """msa_model/platform/megatron_imports.py: on CPU megatron's fusions are plain functions and importing
     megatron pulls in neither dynamo and inductor nor wandb (seconds of every process start); wandb
     still imports for the runs that log to it."""
     import subprocess

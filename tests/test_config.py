@@ -139,8 +139,8 @@ def test_kernel_tuning_overrides_reach_the_kernels_launch(monkeypatch):
 
     import torch
 
-    from msa_model.attention import msa_settings
-    from msa_model.model import msa_options
+    from msa_model.model.attention import msa_settings
+    from msa_model.model.gpt import msa_options
     ops_msa = importlib.import_module("msa_model.ops.msa_attention")  # the module (the package exports the function)
     from msa_model.ops.sparse_attention.tuning import DEFAULT_TUNING as SA_DEFAULT
 

@@ -31,7 +31,7 @@ def test_m3_tiny_composes_with_every_recipe(recipe):
 
 
 def test_m3_tiny_built_size_is_the_analytic_one():
-    from msa_model.model import count_parameters
+    from msa_model.model.gpt import count_parameters
 
     proc = subprocess.run([sys.executable, "train.py", "dry_run=true", "model=m3_tiny"], cwd=REPO, env=_env(2),
                           capture_output=True, text=True, timeout=300)

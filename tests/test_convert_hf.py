@@ -174,7 +174,7 @@ def test_cpt_from_a_converted_llama_keeps_the_warmup(converted):
 
 def test_conversions_print_no_library_notices(converted):
     """megatron's TE/Apex warnings and its GPTModel banner, DeepSpeed's accelerator line: handled,
-    so not shown (msa_model/quiet.py)."""
+    so not shown (msa_model/platform/quiet.py)."""
     root, _ = converted
     out = (root / "worker.log").read_text()
     for noise in ("UserWarning", "FutureWarning", "GPTModel IS DEPRECATED", "Setting accelerator to CPU",
@@ -244,7 +244,7 @@ def test_a_shorter_context_names_the_overrides_that_fit(converted):
 
 
 def test_model_overrides_are_checked_against_the_checkpoint(converted):
-    from msa_model.inputs import check_inputs
+    from msa_model.training.inputs import check_inputs
 
     ckpt = converted[0] / "llama" / "msa_defaults"
     cfg, overrides = _compose_on_checkpoint(ckpt, "model.num_layers=3", "model.num_experts=4")

@@ -38,7 +38,7 @@ def _selections(hf_dir: str, msa_dir: str, tokens: torch.Tensor) -> dict:
     """Logits of both models (ours in the top-k phase) and every MSA layer's selected blocks."""
     import transformers
 
-    import msa_model.attention as attention
+    import msa_model.model.attention as attention
     from msa_model.convert.verify import compare, our_logits
 
     ours_idx, theirs_idx = [], []

@@ -1,12 +1,12 @@
 """megatron's Apex-free multi-tensor fallbacks replaced by torch's foreach ops
-(`msa_model.compat.use_foreach_multi_tensor_ops`): the same norm and scaled copies, on fresh
+(`msa_model.platform.compat.use_foreach_multi_tensor_ops`): the same norm and scaled copies, on fresh
 random tensors of several shapes and dtypes, and the replacement only where the fallback is in use."""
 
 from __future__ import annotations
 
 import torch
 
-from msa_model import compat
+from msa_model.platform import compat
 
 
 def _tensors(seed, dtype=torch.float32):

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from msa_model.experts import _GroupedSwiGLU, fused_glu
+from msa_model.model.experts import _GroupedSwiGLU, fused_glu
 from msa_model.ops.triton_utils import interpreting
 
 
@@ -21,7 +21,7 @@ class _Cfg:
 
 
 def _glu(cfg):
-    from msa_model.experts import glu_activation
+    from msa_model.model.experts import glu_activation
 
     return glu_activation(cfg)
 
@@ -102,7 +102,7 @@ def test_topk_permutation_matches_megatron():
     and the same gradients of the tokens and the routing probabilities."""
     from megatron.core.transformer.moe.moe_utils import permute, unpermute
 
-    from msa_model.experts import permute_topk, unpermute_topk
+    from msa_model.model.experts import permute_topk, unpermute_topk
 
     T, E, H, k = 37, 6, 8, 3
     g = torch.Generator().manual_seed(5)

@@ -15,7 +15,7 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
 from msa_model.config import register_configs
-from msa_model.inputs import check_inputs, composition_error, unknown_keys
+from msa_model.training.inputs import check_inputs, composition_error, unknown_keys
 from skeleton_helpers import REPO, _env
 
 register_configs()

@@ -1,4 +1,4 @@
-"""The dense MLP and the shared experts with the fused GLU (msa_model.mlp) against megatron's own
+"""The dense MLP and the shared experts with the fused GLU (msa_model.model.mlp) against megatron's own
 modules with the same weights: output and every gradient. The model builds them in place of
 megatron's. CPU: fp32 through Triton's interpreter; CUDA: bf16 within 2x megatron's own error
 (both against megatron's module in fp64)."""
@@ -43,8 +43,8 @@ def _pair(kind: str, activation: str):
     from megatron.core.transformer.mlp import MLP, MLPSubmodules
 
     from msa_model.config import ParallelConfig
-    from msa_model.mlp import FusedGLUMLP, _shared_experts
-    from msa_model.model import transformer_config
+    from msa_model.model.mlp import FusedGLUMLP, _shared_experts
+    from msa_model.model.gpt import transformer_config
     from megatron.core.transformer.moe.moe_layer import get_default_pg_collection
 
     offset = 1.0 if activation == "quick_geglu" else 0.0
@@ -81,7 +81,7 @@ def _rel(a, b):
 @pytest.mark.parametrize("kind", ["dense", "shared"])
 @pytest.mark.parametrize("activation", ["swiglu", "quick_geglu"])
 def test_fused_glu_mlp_matches_megatron(megatron_one_rank, monkeypatch, kind, activation):
-    import msa_model.mlp as mlp
+    import msa_model.model.mlp as mlp
 
     calls = []
     fused = mlp.glu
@@ -105,8 +105,8 @@ def test_fused_glu_mlp_matches_megatron(megatron_one_rank, monkeypatch, kind, ac
 
 def test_model_builds_the_fused_glu_modules(megatron_one_rank):
     from msa_model.config import ParallelConfig
-    from msa_model.mlp import FusedGLUMLP, FusedGLUSharedExpertMLP
-    from msa_model.model import build_model
+    from msa_model.model.mlp import FusedGLUMLP, FusedGLUSharedExpertMLP
+    from msa_model.model.gpt import build_model
 
     model = build_model(_model_cfg(), ParallelConfig(), 257, on_cpu=not CUDA)
     dense, moe = model.decoder.layers

@@ -28,9 +28,9 @@ def megatron_one_gpu():
 def test_model_step_never_waits_on_the_device(megatron_one_gpu, sparse, recompute):
     from omegaconf import OmegaConf
 
-    from msa_model.attention import set_msa_phase
+    from msa_model.model.attention import set_msa_phase
     from msa_model.config import ModelConfig, ParallelConfig
-    from msa_model.model import build_model
+    from msa_model.model.gpt import build_model
 
     m = OmegaConf.structured(ModelConfig(num_layers=2, hidden_size=256, ffn_hidden_size=512, num_attention_heads=8,
                                          num_query_groups=2, head_dim=64, seq_length=2048, num_experts=4,

@@ -61,7 +61,7 @@ def pt_109b_dry_run() -> str:
 
 
 def test_109b_preset_counts_on_the_meta_device(pt_109b_dry_run):
-    from msa_model.model import count_parameters
+    from msa_model.model.gpt import count_parameters
 
     out = pt_109b_dry_run
     total, active = int(_field(out, "total_params")), int(_field(out, "active_params"))
@@ -138,7 +138,7 @@ def test_109b_script_submits_the_recipe(recipe, tmp_path):
 
 @pytest.mark.parametrize("layout, seq", [("msa_109b_8k", 8192), ("msa_109b_128k", 131072)])
 def test_109b_layouts_fit_on_80gb(layout, seq):
-    from msa_model.estimate import memory_estimate
+    from msa_model.training.estimate import memory_estimate
 
     cfg = _compose("model=msa_109b", f"parallel={layout}", "recipe=cpt", "init_from=/ckpt")
     world = cfg.launch.nodes * cfg.launch.ranks_per_node
@@ -165,7 +165,7 @@ def test_dry_run_of_a_layout_that_cannot_run_says_which_one_can():
 
 def test_memory_advice_follows_the_target_gpu():
     from msa_model.training.dry_run import memory_advice, smallest_fitting_layout
-    from msa_model.estimate import memory_estimate
+    from msa_model.training.estimate import memory_estimate
 
     def advice(*overrides):
         cfg = _compose(*overrides)

@@ -15,7 +15,7 @@ from skeleton_helpers import REPO, _env
 
 SCRIPT = textwrap.dedent("""
     import torch
-    from msa_model import cpu_shim
+    from msa_model.platform import cpu_shim
     assert cpu_shim.install() and cpu_shim.install()  # idempotent
 
     # device redirection and identity .cuda()
@@ -85,6 +85,6 @@ def test_cpu_shim_makes_megatron_run_on_cpu():
 def test_cpu_shim_is_a_no_op_with_cuda():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from msa_model import cpu_shim
+    from msa_model.platform import cpu_shim
 
     assert cpu_shim.install() is False and not cpu_shim.is_installed()

@@ -11,8 +11,8 @@ import torch
 from omegaconf import OmegaConf
 
 from msa_model.config import ModelConfig
-from msa_model.flops import flops_per_token
-from msa_model.model import count_parameters, padded_vocab_size
+from msa_model.training.flops import flops_per_token
+from msa_model.model.gpt import count_parameters, padded_vocab_size
 from msa_model.training.trainer import is_out_of_memory, out_of_memory_message
 from skeleton_helpers import REPO, _env
 

@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("megatron").setLevel(logging.WARNING)
     from msa_model.convert import commands
-    from msa_model.quiet import backend_note
+    from msa_model.platform.quiet import backend_note
 
     if args.command != "verify" and backend_note():
         logging.getLogger(__name__).info("%s", backend_note())

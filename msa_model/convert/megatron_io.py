@@ -1,6 +1,6 @@
 """Our side of a conversion: build the GPTModel, save and load checkpoints in the trainer's layout.
 
-Conversions build the real model (msa_model.model.build_model) in one process and fill its
+Conversions build the real model (msa_model.model.gpt.build_model) in one process and fill its
 state dict, so the checkpoint is written by megatron's own `sharded_state_dict` exactly as the
 trainer writes it, and loads at any TP/PP/EP (dist_checkpointing reshards on load). Layout of a
 converted directory OUT:
@@ -42,7 +42,7 @@ def init_megatron(tp: int = 1, pp: int = 1, ep: int = 1, sequence_parallel: bool
 
 def build(model_cfg: ModelConfig, parallel: ParallelConfig):
     """The model on CPU in fp32 or the config's dtype, eval mode. Needs `init_megatron` first."""
-    from msa_model.model import build_model
+    from msa_model.model.gpt import build_model
 
     if model_cfg.vocab_size is None:
         raise ConversionError("model.vocab_size must be set for a conversion")

@@ -37,7 +37,7 @@ def our_logits(src: str, tokens_BS: torch.Tensor, *, tp: int = 1, ep: int = 1, m
     """
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
-    from msa_model.attention import set_msa_phase
+    from msa_model.model.attention import set_msa_phase
 
     from msa_model.convert.commands import _padded_vocab_in_checkpoint
 

@@ -63,7 +63,7 @@ def load_config(config_path: Path):
 def build_model(cfg, step_dir: Path, device_pref: str):
     """The model of `cfg` on one process (TP = PP = 1) with the checkpoint's weights, eval mode."""
     from msa_model.config import ParallelConfig
-    from msa_model.model import build_model as build
+    from msa_model.model.gpt import build_model as build
     from msa_model.training.checkpoint import load_weights
     from msa_model.training.data_setup import checkpoint_run_tokenizer
     from msa_model.training.distributed import init_distributed
@@ -235,7 +235,7 @@ def _heldout_docs(cfg, corpus: str | None, need_bytes: int) -> tuple[list[bytes]
 def run_eval(args) -> dict:
     from data.corpus import list_corpus_files
     from data.retrieval import TASKS, Haystack
-    from msa_model.attention import msa_layers, set_msa_phase
+    from msa_model.model.attention import msa_layers, set_msa_phase
     from msa_model.eval.report import write_report
     from msa_model.training.data_setup import checkpoint_run_tokenizer
     from msa_model.training.distributed import shutdown

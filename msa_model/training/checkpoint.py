@@ -46,7 +46,7 @@ from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-from msa_model.compat import load_optimizer_state
+from msa_model.platform.compat import load_optimizer_state
 from msa_model.training.callbacks import Callback
 from msa_model.training.manifest import (DamagedCheckpointError, check_manifest, describe, verify_checkpoint,
                                          warn_unverified, write_manifest)

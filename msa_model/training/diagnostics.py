@@ -207,7 +207,7 @@ class MSADiagnostics(Callback):
     def on_step_start(self, trainer) -> None:
         if self.interval <= 0 or (trainer.state.step + 1) % self.interval:
             return
-        from msa_model.attention import msa_layers
+        from msa_model.model.attention import msa_layers
 
         self._captures = {}
         for layer in msa_layers(trainer.model_chunks):
@@ -216,7 +216,7 @@ class MSADiagnostics(Callback):
     def on_step_end(self, trainer, metrics: dict) -> None:
         if not self._captures:
             return
-        from msa_model.attention import msa_layers
+        from msa_model.model.attention import msa_layers
 
         t0 = time.perf_counter()
         for layer in msa_layers(trainer.model_chunks):

@@ -4,7 +4,7 @@ Launch modes, detected from the environment:
 - single process (`python train.py`): a 1-rank group over an in-memory store, no torchrun;
 - torchrun: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT;
 - srun without torchrun: SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID (MASTER_ADDR/PORT must be set).
-Backend: nccl on CUDA, gloo on CPU (where msa_model.cpu_shim is installed first).
+Backend: nccl on CUDA, gloo on CPU (where msa_model.platform.cpu_shim is installed first).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from msa_model import cpu_shim
+from msa_model.platform import cpu_shim
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from msa_model.estimate import format_estimate, memory_estimate
-from msa_model.model import count_parameters, model_vocab_size, padded_vocab_size
+from msa_model.training.estimate import format_estimate, memory_estimate
+from msa_model.model.gpt import count_parameters, model_vocab_size, padded_vocab_size
 
 
 def built_parameter_counts(cfg: DictConfig, vocab_size: int) -> dict[str, int]:
@@ -26,7 +26,7 @@ def built_parameter_counts(cfg: DictConfig, vocab_size: int) -> dict[str, int]:
     """
     from megatron.core import parallel_state
 
-    from msa_model.model import build_model
+    from msa_model.model.gpt import build_model
     from msa_model.training.distributed import init_distributed, shutdown
 
     unsharded = copy.deepcopy(cfg.parallel)
@@ -79,7 +79,7 @@ def dry_run_report(cfg: DictConfig, world_size: int) -> str:
     lines.append(f"tokens_per_step={tokens_per_step}  (x {cfg.trainer.max_steps} steps = "
                  f"{tokens_per_step * cfg.trainer.max_steps:,} tokens)")
     lines.append(document_mask_line(cfg))
-    lines.append("# per-GPU memory estimate (GiB, most loaded pipeline stage; msa_model/estimate.py)")
+    lines.append("# per-GPU memory estimate (GiB, most loaded pipeline stage; msa_model/training/estimate.py)")
     estimate = memory_estimate(cfg, vocab, layout_world)
     lines += format_estimate(estimate)
     advice = memory_advice(cfg, vocab, estimate["total"])

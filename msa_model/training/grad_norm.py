@@ -40,7 +40,7 @@ def register_index_group() -> None:
 def tag_index_parameters(model_chunks) -> int:
     """Tag every index-branch parameter with the `msa_index` group (before the optimizer is built:
     its main-parameter copies inherit the tag). Returns the number of tagged tensors."""
-    from msa_model.attention import msa_layers
+    from msa_model.model.attention import msa_layers
 
     register_index_group()
     n = 0

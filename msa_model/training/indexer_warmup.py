@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 
-from msa_model.attention import msa_layers, set_msa_phase
+from msa_model.model.attention import msa_layers, set_msa_phase
 from msa_model.ops.common import keys_per_query
 from msa_model.training.callbacks import Callback
 

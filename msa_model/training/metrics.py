@@ -16,7 +16,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
-from msa_model.attention import KEYS_METRIC, KL_METRIC
+from msa_model.model.attention import KEYS_METRIC, KL_METRIC
 from msa_model.training.callbacks import Callback
 
 log = logging.getLogger(__name__)
@@ -119,7 +119,7 @@ class MetricsLogger(Callback):
 
     def __init__(self, sinks: list[MetricsSink], log_interval: int, max_steps: int, flops_per_token=None,
                  world_size: int = 1, phase: Callable[[], str] | None = None):
-        """flops_per_token(keys_per_query, sparse) -> model FLOPs per token (msa_model.flops), for
+        """flops_per_token(keys_per_query, sparse) -> model FLOPs per token (msa_model.training.flops), for
         the TFLOP/s per GPU of each record; None leaves it out. phase() -> the attention phase of
         the step being recorded ("warmup" or "sparse": the IndexerWarmup's, which sets it at the
         step's start); None: "dense", a model without an indexer warmup."""

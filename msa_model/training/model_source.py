@@ -8,7 +8,7 @@ the command line does not choose a model preset (`model=...`), `init_from=DIR` a
 is composed again with the recorded model as the `model` group's option, so what the recipe and
 the command line set under `model.*` still applies on top of it, exactly as on top of a preset.
 A resume checkpoint wins over init_from (it is what the run loads). What differs from the
-checkpoint is then refused before anything is written (msa_model/inputs.py), naming the fields.
+checkpoint is then refused before anything is written (msa_model/training/inputs.py), naming the fields.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def _checkpoint_root(cfg) -> Path:
 
 
 def _step_of(path: str | Path) -> Path | None:
-    from msa_model.inputs import checkpoint_step
+    from msa_model.training.inputs import checkpoint_step
 
     step, _ = checkpoint_step("", path)
     return step
@@ -99,7 +99,7 @@ def _compose(config_name: str, overrides: list[str], recorded: dict, source: str
     try:
         return compose(config_name=config_name, overrides=[*overrides, f"model={CHECKPOINT_OPTION}"])
     except (HydraException, OmegaConfBaseException) as e:
-        from msa_model.inputs import composition_error
+        from msa_model.training.inputs import composition_error
 
         raise ConfigError(f"{source}: the model configuration the checkpoint records does not compose with this "
                           f"run's: {composition_error(e, overrides)}; pass model=<preset> to choose one") from e
@@ -110,7 +110,7 @@ def take_model_from_checkpoint(cfg: DictConfig, overrides: list[str], config_nam
     """`cfg` composed again on the model its resume or init_from checkpoint records, when the command
     line (`overrides`, Hydra's task overrides) chooses no model preset. Returns (config, the line
     the run logs about it, or None when `cfg` is kept). Paths that are not checkpoints are left to
-    msa_model.inputs.check_inputs, which reports them."""
+    msa_model.training.inputs.check_inputs, which reports them."""
     if model_on_command_line(overrides):
         return cfg, None
     extra = list(searchpath or [])

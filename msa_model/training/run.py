@@ -11,7 +11,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from data.cache_check import DataCacheError
-from msa_model.compat import warn_untested_versions
+from msa_model.platform.compat import warn_untested_versions
 from msa_model.config import ConfigError, config_problems, msa_layers_of, validate
 from msa_model.training.checkpoint_checks import CheckpointError
 from msa_model.training.distributed import ProcessGroupError, launch_env, parallel_layout
@@ -28,7 +28,7 @@ def _build_optimizer(cfg, model_chunks):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from msa_model.compat import use_foreach_multi_tensor_ops
+    from msa_model.platform.compat import use_foreach_multi_tensor_ops
 
     use_foreach_multi_tensor_ops()
     o = cfg.optim
@@ -66,7 +66,7 @@ def _build_model(cfg, env, tokenizer):
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
-    from msa_model.model import build_model
+    from msa_model.model.gpt import build_model
 
     model = build_model(cfg.model, cfg.parallel, tokenizer.vocab_size,
                         on_cpu=env.device.type == "cpu",
@@ -86,7 +86,7 @@ def _build_model(cfg, env, tokenizer):
 
 
 def _flops_counter(cfg, tokenizer):
-    from msa_model.flops import flops_per_token
+    from msa_model.training.flops import flops_per_token
 
     return lambda keys_per_query, sparse: flops_per_token(cfg.model, tokenizer.vocab_size, keys_per_query, sparse)
 
@@ -148,9 +148,9 @@ def _start_fresh(cfg, trainer, model_chunks, optimizer, scheduler, model_config)
 
 def check_configuration(cfg, world_size: int) -> list[str]:
     """Every problem of the configuration (msa_model.config.validate) and of the corpus and
-    checkpoints it names (msa_model.inputs.check_inputs), one line each. Nothing is written; the
+    checkpoints it names (msa_model.training.inputs.check_inputs), one line each. Nothing is written; the
     tokenizer and prepared datasets are `_tokenizer`'s."""
-    from msa_model.inputs import check_inputs
+    from msa_model.training.inputs import check_inputs
 
     problems = []
     try:
@@ -185,7 +185,7 @@ def run(cfg: DictConfig, notes: list[str] | tuple[str, ...] = ()) -> None:
         validate(cfg, layout_world)
         if rank == 0:
             from msa_model.training.dry_run import dry_run_report
-            from msa_model.inputs import check_inputs
+            from msa_model.training.inputs import check_inputs
 
             # inputs a launch from here would stop at (a dry run may be made away from the data)
             input_warnings = [f"warning: {p}" for p in check_inputs(cfg) + _tokenizer(cfg)[2]]
@@ -221,7 +221,7 @@ def run(cfg: DictConfig, notes: list[str] | tuple[str, ...] = ()) -> None:
     # the console only: train.log is the run's, written once the run dir's lock is ours
     setup_logging(None, rank == 0)
     if rank == 0:
-        from msa_model.quiet import backend_note
+        from msa_model.platform.quiet import backend_note
 
         for line in [backend_note(), *notes]:
             if line:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from msa_model.lock_files import create_lock, pid_state, read_lock, remove_stale
+from msa_model.platform.lock_files import create_lock, pid_state, read_lock, remove_stale
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 log = logging.getLogger(__name__)

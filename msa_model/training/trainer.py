@@ -13,8 +13,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from msa_model.attention import record_evaluation_metrics
-from msa_model.context_parallel import slice_batch_for_cp
+from msa_model.model.attention import record_evaluation_metrics
+from msa_model.parallel.context_parallel import slice_batch_for_cp
 from msa_model.ops.dense_attention import attach_host_copy
 from msa_model.training.callbacks import Callback, TrainState
 from msa_model.training.metrics import reduce_step_metrics

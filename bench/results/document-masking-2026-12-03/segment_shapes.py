@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from msa_model.compat import CUDNN_ATTENTION, causal_attention_with_lse
+from msa_model.platform.compat import CUDNN_ATTENTION, causal_attention_with_lse
 
 
 def flash(q, k, v, scale):

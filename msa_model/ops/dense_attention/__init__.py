@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from msa_model.compat import causal_attention_with_lse
+from msa_model.platform.compat import causal_attention_with_lse
 
 from ..common import check_doc_start, check_qkv, default_scale, trim_keys
 from ..sparse_attention import sparse_attention

@@ -1,6 +1,6 @@
 """The GLU activation with routing probabilities: `glu(h, probs, alpha, offset)` (reference.py
 defines it; triton.py fuses the forward and the backward, which the grouped experts call
-directly: msa_model/experts.py; `glu` is the autograd op the dense MLPs take: msa_model/mlp.py)."""
+directly: msa_model/model/experts.py; `glu` is the autograd op the dense MLPs take: msa_model/model/mlp.py)."""
 
 from __future__ import annotations
 

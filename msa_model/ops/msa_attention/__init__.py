@@ -7,7 +7,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from msa_model.compat import causal_attention_with_lse
+from msa_model.platform.compat import causal_attention_with_lse
 
 from ..common import (PRODUCTION_BLOCK_SIZE, PRODUCTION_TOPK, check_doc_start, check_index, check_qkv,
                       check_temperature, default_scale, resolve_backend, trim_keys)

@@ -11,7 +11,7 @@ gives the loss's value.
 
 The price: the KL's value is known only once the backward has run. The returned scalar holds
 NaN until then and is filled in place by the backward; `on_kl(value)` is called there too
-(msa_model.attention records the metric that way). The gradients are the forward path's,
+(msa_model.model.attention records the metric that way). The gradients are the forward path's,
 up to rounding: the rows average the same P (rounded to bf16 first here, to fp16 there).
 Memory: the teacher rows (B*T*G*K*block_size fp16, 2 GiB at 128K with the default geometry)
 live during the backward only; only the rows of selected slots are written and read. A call

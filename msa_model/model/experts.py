@@ -58,7 +58,7 @@ def glu_activation(config):
 
 def fused_glu(config) -> tuple[float, float] | None:
     """(alpha, offset) of the fused kernel's act(x) = x sigmoid(alpha x) when the GLU is one it
-    computes (silu, or quick-GELU as msa_model.model builds it, without clamps), else None."""
+    computes (silu, or quick-GELU as msa_model.model.gpt builds it, without clamps), else None."""
     act = config.activation_func
     if config.activation_func_clamp_value is not None:
         return None

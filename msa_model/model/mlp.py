@@ -20,7 +20,7 @@ import torch
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 
-from msa_model.experts import fused_glu
+from msa_model.model.experts import fused_glu
 from msa_model.ops.glu import glu
 
 

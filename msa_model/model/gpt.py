@@ -25,12 +25,12 @@ from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-from msa_model.attention import (CoreAttentionPlaceholder, DenseSelfAttention, MSAOptions, MSASelfAttention,
-                                 MSASelfAttentionSubmodules)
-from msa_model.experts import GroupedExperts, LocalDispatchMoELayer
-from msa_model.mlp import with_fused_glu
+from msa_model.model.attention import (CoreAttentionPlaceholder, DenseSelfAttention, MSAOptions, MSASelfAttention,
+                                       MSASelfAttentionSubmodules)
+from msa_model.model.experts import GroupedExperts, LocalDispatchMoELayer
+from msa_model.model.mlp import with_fused_glu
 from msa_model.config import MSAConfig, moe_layers, msa_layers_of
-from msa_model.parallel_grads import DuplicatedLinear
+from msa_model.parallel.grads import DuplicatedLinear
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -230,7 +230,7 @@ def _with_attention(layer_spec: ModuleSpec, msa: bool, options: MSAOptions,
 def decoder_block_spec(config: TransformerConfig, model_cfg, vp_stage=None, pp_rank=None, grouped_gemm: bool = False):
     """megatron's local decoder block spec (dense first layers, MoE after) with our attention
     layers (MSA or full, per msa_layers_of), the dense MLPs and shared experts with the fused GLU
-    (msa_model.mlp), and with `grouped_gemm` the routed experts as GroupedExperts."""
+    (msa_model.model.mlp), and with `grouped_gemm` the routed experts as GroupedExperts."""
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
                                        vp_stage=vp_stage, pp_rank=pp_rank)
     options = msa_options(model_cfg)

@@ -4,8 +4,8 @@ megatron-core announces at import that Transformer Engine and Apex are missing (
 their source lines) and, at every model build, that GPTModel is deprecated; DeepSpeed says it
 falls back to the CPU; torch.distributed comments on how megatron calls it. None of it asks
 anything of the user: the model is built from megatron's local (torch) modules on purpose
-(msa_model/model.py), the optimizer's multi-tensor kernels are torch foreach ops
-(msa_model/compat.py). Each filter names the exact message and the module that raises it, so a
+(msa_model/model/gpt.py), the optimizer's multi-tensor kernels are torch foreach ops
+(msa_model/platform/compat.py). Each filter names the exact message and the module that raises it, so a
 new warning, and every warning of this project, still shows. `backend_note` is the one line a
 run prints instead.
 
@@ -22,7 +22,7 @@ import warnings
 # (message prefix, category, module regex) of warnings.warn calls
 _WARNINGS = (
     # megatron.core.optimizer, .optimizer.optimizer, .optimizer.clip_grads, megatron_fsdp: the
-    # torch fallbacks they choose are what we use (foreach ops: msa_model/compat.py)
+    # torch fallbacks they choose are what we use (foreach ops: msa_model/platform/compat.py)
     ("Transformer Engine and Apex are not installed", UserWarning, r"megatron\..*"),
     # megatron.core.models.backends and gpt_layer_specs: torch's RMSNorm is what we build
     ("Apex is not installed. Falling back to Torch Norm", UserWarning, r"megatron\..*"),

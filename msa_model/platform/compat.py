@@ -8,7 +8,7 @@ Each entry is something a public API does not offer; each was checked with the v
 | `torch.ops.aten._scaled_dot_product_cudnn_attention` and `_scaled_dot_product_flash_attention` (their output tuples: o, then the logsumexp) | the dense warmup's causal attention with the lse the KL needs (public SDPA returns no lse) | `causal_attention_with_lse` below |
 | megatron optimizer `_set_main_param_and_optimizer_states` | loading a torch-Adam optimizer state: megatron 0.19's reshardable loader asks for a `step` it never passes along | `load_optimizer_state` below |
 | megatron's Apex-free fallbacks `local_multi_tensor_l2_norm` / `local_multi_tensor_scale`, as the module globals of `megatron.core.optimizer.clip_grads` and `.optimizer` | the optimizer's gradient norm, clipping and parameter copies as torch foreach ops, without a device synchronisation per parameter | `use_foreach_multi_tensor_ops` below |
-| `torch.cuda.*` stand-ins, `megatron.core.tensor_parallel.random._get_cuda_rng_state` / `_set_cuda_rng_state`, `megatron.core.transformer.moe.token_dispatcher.maybe_move_tensor_to_cpu` | megatron-core on CPU (gloo) | `msa_model/cpu_shim.py` (its table says why each one) |
+| `torch.cuda.*` stand-ins, `megatron.core.tensor_parallel.random._get_cuda_rng_state` / `_set_cuda_rng_state`, `megatron.core.transformer.moe.token_dispatcher.maybe_move_tensor_to_cpu` | megatron-core on CPU (gloo) | `msa_model/platform/cpu_shim.py` (its table says why each one) |
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def untested_versions() -> list[str]:
 def warn_untested_versions() -> None:
     found = untested_versions()
     if found:
-        log.warning("private APIs of %s are used (msa_model/compat.py); check them if anything breaks",
+        log.warning("private APIs of %s are used (msa_model/platform/compat.py); check them if anything breaks",
                     "; ".join(found))
 
 

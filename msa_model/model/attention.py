@@ -17,7 +17,7 @@ without the coefficient (the logged KL is the mean over layers of the uncoeffici
 Phase: `sparse=False` (indexer warmup) runs dense causal attention with a dense KL; `sparse=True`
 selects the top-k key blocks per (query, group). The trainer flips it via `set_msa_phase`.
 
-Which layers are which: msa_model.model builds `DenseSelfAttention` for every layer of
+Which layers are which: msa_model.model.gpt builds `DenseSelfAttention` for every layer of
 `attention="dense"` and for the full-attention layers of `attention_types`, MSA elsewhere.
 
 Packed documents: megatron's `attention_mask` argument carries the documents' starts, int
@@ -31,7 +31,7 @@ in padded buckets otherwise), planned once per micro-batch and shared by the lay
 
 Parallelism: each rank attends with its own GQA groups (TP) and query chunks (CP), against the
 whole sequence's keys (`_attention_inputs`, `_over_query_chunks`); the gradient adjustments that
-make the ranks' gradients one process's are msa_model.parallel_grads.
+make the ranks' gradients one process's are msa_model.parallel.grads.
 
 Legend: S = tokens (sequence), B = batch, Hq = query heads, G = GQA groups (kv heads),
 D = head dim, Di = index head dim, K = top-k blocks.
@@ -55,12 +55,12 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
 from msa_model.config import MSAConfig, tuning_overrides
-from msa_model.context_parallel import gather_sequence, local_query_chunks
+from msa_model.parallel.context_parallel import gather_sequence, local_query_chunks
 from msa_model.ops import MSASettings, msa_attention
 from msa_model.ops.dense_attention import document_attention, document_plan, fused_causal_takes
 from msa_model.ops.rope import rope
 from msa_model.ops.tuning import kernel_tuning
-from msa_model.parallel_grads import attach_kl, average_over_tp, metrics_group, scale_for_tp_mean
+from msa_model.parallel.grads import attach_kl, average_over_tp, metrics_group, scale_for_tp_mean
 
 KL_METRIC = "msa_kl_loss"
 _DETERMINISTIC_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
@@ -178,7 +178,7 @@ class CausalSelfAttention(SelfAttention):
         """The context-parallel chunk loop. `attend(a, b, q_offset)` -> (o [B, b - a, Hq, D], KL fp32
         scalar or None, mean keys a query reads fp32 scalar) for this rank's query rows a:b, which
         are the sequence positions q_offset.. (one chunk without CP, two with it:
-        msa_model.context_parallel). Returns the chunks' outputs concatenated along S, and the KL
+        msa_model.parallel.context_parallel). Returns the chunks' outputs concatenated along S, and the KL
         and keys per query as means over this rank's S queries."""
         cp_group = self.pg_collection.cp
         outs, kls, keys = [], [], 0.0

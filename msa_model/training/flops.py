@@ -17,7 +17,7 @@ Activation recomputation is not counted (model FLOPs, not hardware FLOPs), as in
 
 from __future__ import annotations
 
-from msa_model.model import model_vocab_size, padded_vocab_size
+from msa_model.model.gpt import model_vocab_size, padded_vocab_size
 from msa_model.ops.common import keys_per_query as selected_keys
 
 

@@ -20,7 +20,7 @@ Sharding rules (megatron-core with the distributed optimizer):
 from __future__ import annotations
 
 from msa_model.config import moe_layers
-from msa_model.model import count_parameters, model_vocab_size, padded_vocab_size
+from msa_model.model.gpt import count_parameters, model_vocab_size, padded_vocab_size
 
 GIB = 1024**3
 

@@ -8,7 +8,7 @@ groups, so the model's KL is the mean of the ranks' values:
   norm (whose gradient megatron sums over TP), get 1/TP of the local KL's gradient;
 - `DuplicatedLinear`, `average_over_tp`: the duplicated index-key weights average their gradients
   over TP (megatron's finalize_model_grads, `average_gradients_across_tp_domain`).
-Context parallel (msa_model.context_parallel gathers the keys): `attach_kl` divides each rank's KL
+Context parallel (msa_model.parallel.context_parallel gathers the keys): `attach_kl` divides each rank's KL
 by CP, because megatron multiplies its loss scale for auxiliary losses by CP.
 Per-step metrics are per-rank means over the rank's groups and queries: `metrics_group` is the
 TP x CP group that averages them into the layer's value.
