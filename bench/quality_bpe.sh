@@ -10,7 +10,7 @@ work=${1:?work dir}; out=${2:?out dir}; budget=${3:?seconds}; shift 3
 start=$SECONDS
 corpus=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 mkdir -p "$work" "$out"
-[ -f "$work/tok/identity.json" ] || python3 -m data.train_tokenizer "$corpus" --glob '**/*.py' \
+[ -f "$work/tok/tokenizer.json" ] || python3 -m data.train_tokenizer "$corpus" --glob '**/*.py' \
     --vocab-size "${VOCAB:-16384}" --max-bytes "${TOK_BYTES:-60000000}" --output "$work/tok"
 [ -f "$work/data/sp.json" ] || python3 -m data.prepare "$corpus" --glob '**/*.py' --tokenizer "$work/tok" \
     --output-prefix "$work/data/sp" --workers "$(nproc)"
