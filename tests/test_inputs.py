@@ -140,3 +140,17 @@ def test_file_system_checks(tmp_path):
     assert line.startswith("resume=never: ") and "already holds checkpoints" in line
     (line,) = check_inputs(_compose(f"run_dir={run}"), [])
     assert line.startswith(f"resume: {run / 'checkpoints'}: its `latest` names step_00000004"), line
+
+
+def test_a_cpu_run_where_a_gpu_is_present_is_refused_with_the_way_out(monkeypatch):
+    import torch
+
+    def device_lines(*overrides):
+        return [line for line in check_inputs(_compose(*overrides), []) if line.startswith("trainer.device")]
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    (line,) = device_lines("trainer.device=cpu")
+    assert line.startswith("trainer.device=cpu: this machine has a GPU") and "CUDA_VISIBLE_DEVICES=" in line, line
+    assert device_lines("trainer.device=auto") == device_lines("trainer.device=cuda") == []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert device_lines("trainer.device=cpu") == []

@@ -12,6 +12,9 @@ from skeleton_helpers import REPO, TINY_TEST, _env
 
 def test_kl_reaches_exactly_the_index_parameters_and_scales_with_its_coefficient():
     overrides = [o for o in TINY_TEST if not o.startswith("logging.")]
-    proc = subprocess.run([sys.executable, "tests/msa_grads_main.py", *overrides], cwd=REPO, env=_env(),
+    # a CPU check (gloo, the CPU shim): on a GPU machine too, where megatron would otherwise place
+    # rotary tables on the GPU beside the CPU model
+    proc = subprocess.run([sys.executable, "tests/msa_grads_main.py", *overrides], cwd=REPO,
+                          env={**_env(), "CUDA_VISIBLE_DEVICES": ""},
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-3000:] + proc.stderr[-5000:]

@@ -1,7 +1,8 @@
 """What train.py checks before it writes anything: the inputs a configuration names, the keys the
 command line adds, and Hydra's own composition errors, each reported as one line.
 
-`check_inputs(cfg)` looks at the file system: the corpus directory (data.source, data.glob), the
+`check_inputs(cfg)` looks at the machine and the file system: a CPU run where a GPU is present
+(trainer.device=cpu), the corpus directory (data.source, data.glob), the
 checkpoint a run starts from (init_from) or resumes (<run_dir>/checkpoints), and whether the model
 the run builds is the one such a checkpoint holds. run.py calls it next to
 `msa_model.config.validate` and the tokenizer's checks (`msa_model.training.data_setup`:
@@ -254,10 +255,22 @@ def _checkpoint_problems(cfg, overrides: list[str]) -> list[str]:
     return problems
 
 
+def _device_problems(cfg) -> list[str]:
+    import torch
+
+    if cfg.trainer.device == "cpu" and torch.cuda.is_available():
+        # megatron-core places rotary tables, optimizer state and streams on the GPU wherever it
+        # sees one (msa_model/platform/cpu_shim.py answers those questions only where none is)
+        return ["trainer.device=cpu: this machine has a GPU, and megatron-core puts tensors on it wherever it sees "
+                "one; to train on the CPU here, hide it (CUDA_VISIBLE_DEVICES= python train.py ...), or drop "
+                "trainer.device to use it"]
+    return []
+
+
 def check_inputs(cfg, overrides: list[str] | None = None) -> list[str]:
     """Problems with what the configuration names on the file system, one line each, naming the
     key, the value and what would work; [] when there are none. Reads only: nothing is created.
     `cfg` is the resolved config; `overrides` the command line's (default: the Hydra job's), used
     to say which override to drop."""
     overrides = task_overrides() if overrides is None else overrides
-    return [*_corpus_problems(cfg.data), *_checkpoint_problems(cfg, overrides)]
+    return [*_device_problems(cfg), *_corpus_problems(cfg.data), *_checkpoint_problems(cfg, overrides)]
