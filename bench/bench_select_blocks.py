@@ -114,6 +114,7 @@ def main():
     ap.add_argument("--tune", default="128:8:3,128:4:2,256:8:2")
     ap.add_argument("--append", default=None, help="also append the table to this file")
     args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
     dev = torch.device("cuda")
     log = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "date": datetime.date.today().isoformat(), "rows": []}
