@@ -322,6 +322,9 @@ class ParallelConfig:
     micro_batch_size: int = 2
     global_batch_size: int = 8
     backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | gloo | nccl
+    # how long a rank waits for the others: to join the process group at start (a rank that failed
+    # there leaves the others waiting this long), and in any one collective
+    timeout_minutes: float = 10.0
 
 
 @dataclass
@@ -699,6 +702,7 @@ def validate(cfg, world_size: Optional[int] = None, gpu: Optional[bool] = None) 
     _check(errors, p.global_batch_size % p.micro_batch_size == 0,
            f"parallel.global_batch_size ({p.global_batch_size}) must be a multiple of "
            f"parallel.micro_batch_size ({p.micro_batch_size})")
+    _check(errors, p.timeout_minutes > 0, f"parallel.timeout_minutes must be positive, got {p.timeout_minutes}")
     _check(errors, o.min_lr <= o.lr, f"optim.min_lr ({o.min_lr}) must be <= optim.lr ({o.lr})")
     _check(errors, o.decay_style in ("cosine", "linear", "constant"),
            f"optim.decay_style must be cosine, linear or constant, got {o.decay_style!r}")

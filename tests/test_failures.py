@@ -145,3 +145,24 @@ def test_a_port_in_use_is_said_by_the_rank_that_meets_it(tmp_path, data_cache):
     assert len(err) == 1 and err[0].startswith("error: [rank 0 on node1] rank 0 of 2 could not start the process "
                                                f"group at 127.0.0.1:{port} ("), err
     assert "Traceback" not in proc.stderr and not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_that_never_came_is_said_after_the_timeout(tmp_path, data_cache, rank):
+    """A two-rank job of which one rank failed before the process group (under submitit nothing
+    stops the others): the other waits parallel.timeout_minutes, not torch's 30 minutes, then says
+    in one line what it waited for; exit code 2, nothing trained."""
+    port = free_port()
+    env = {**_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": "2",
+           "LOCAL_RANK": "0", "SLURMD_NODENAME": "node1", "MSA_DATA_CACHE_DIR": str(data_cache)}
+    proc = subprocess.run([sys.executable, "train.py", *TINY_TEST, "trainer.max_steps=2", "trainer.indexer_warmup_tokens=1024",
+                           "parallel.timeout_minutes=0.05", f"run_dir={tmp_path / 'run'}"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    err = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    said = {0: f"rank 0 of 2: 1 of 2 ranks joined the process group at 127.0.0.1:{port} within 3 s "
+               "(parallel.timeout_minutes=0.05); the missing ranks' logs say why they did not start",
+            1: f"rank 1 of 2 could not reach rank 0's process group at 127.0.0.1:{port} within 3 s "
+               "(parallel.timeout_minutes=0.05): did rank 0 fail at start? ("}[rank]
+    assert len(err) == 1 and err[0].startswith(f"error: [rank {rank} on node1] {said}"), err
+    assert "Traceback" not in proc.stderr and not (tmp_path / "run" / "metrics.jsonl").exists()

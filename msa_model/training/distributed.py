@@ -5,13 +5,19 @@ Launch modes, detected from the environment:
 - torchrun: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT;
 - srun without torchrun: SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID (MASTER_ADDR/PORT must be set).
 Backend: nccl on CUDA, gloo on CPU (where msa_model.platform.cpu_shim is installed first).
+`parallel.timeout_minutes` bounds how long a rank waits for the others: to join the process group
+(a rank that failed at start leaves the rest waiting that long, then each says how many came)
+and in any one collective (Megatron-LM's --distributed-timeout-minutes).
 """
 
 from __future__ import annotations
 
+import datetime
 import logging
+import math
 import os
 import random
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,16 +73,31 @@ def init_distributed(parallel_cfg, device_preference: str, seed: int) -> DistEnv
         cpu_shim.install()
     backend = parallel_cfg.backend if parallel_cfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
     if not dist.is_initialized():
+        minutes = parallel_cfg.timeout_minutes
+        timeout = datetime.timedelta(minutes=minutes)
         if world_size == 1 and "MASTER_ADDR" not in os.environ:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         else:
+            where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+            waited = f"within {_span(timeout)} (parallel.timeout_minutes={minutes:g})"
             try:
-                dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size)
+                dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
+                                        timeout=timeout)
+            except dist.DistStoreError as e:
+                # rank 0's store, waiting for the others: said here, not swallowed by a launcher
+                came = re.search(r"(\d+)/(\d+) clients joined", str(e))
+                joined = f"{came.group(1)} of {came.group(2)}" if came else "not all"
+                raise ProcessGroupError(f"rank {rank} of {world_size}: {joined} ranks joined the process group "
+                                        f"at {where} {waited}; the missing ranks' logs say why they did not "
+                                        "start") from e
             except dist.DistNetworkError as e:
-                # e.g. the port held by another process: said here, not swallowed by a launcher
-                where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-                raise ProcessGroupError(f"rank {rank} of {world_size} could not start the process group at {where} "
-                                        f"({str(e).splitlines()[0]}); is another job using that port?") from e
+                if rank == 0:  # its own store could not listen
+                    raise ProcessGroupError(f"rank {rank} of {world_size} could not start the process group at "
+                                            f"{where} ({str(e).splitlines()[0]}); is another job using that "
+                                            "port?") from e
+                raise ProcessGroupError(f"rank {rank} of {world_size} could not reach rank 0's process group at "
+                                        f"{where} {waited}: did rank 0 fail at start? ({str(e).splitlines()[0]})"
+                                        ) from e
 
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -86,6 +107,7 @@ def init_distributed(parallel_cfg, device_preference: str, seed: int) -> DistEnv
         pipeline_model_parallel_size=parallel_cfg.pp,
         context_parallel_size=parallel_cfg.cp,
         expert_model_parallel_size=parallel_cfg.ep,
+        distributed_timeout_minutes=math.ceil(parallel_cfg.timeout_minutes),
     )
     # pipeline stages hold different layers: give them different streams, like megatron does
     stage_seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
@@ -94,6 +116,11 @@ def init_distributed(parallel_cfg, device_preference: str, seed: int) -> DistEnv
     torch.manual_seed(stage_seed)
     model_parallel_cuda_manual_seed(stage_seed)
     return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=device, backend=backend)
+
+
+def _span(t: datetime.timedelta) -> str:
+    seconds = t.total_seconds()
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
 
 
 def data_parallel_info() -> tuple[int, int]:
