@@ -24,7 +24,8 @@ Every arm runs seeds 0..N-1 (`--seeds N`: trainer.seed; the data order is the sa
 seed, so a paired difference compares two models on the same batches).
 
 Lanes: every run is one train.py process; up to --lanes of them share each GPU of --gpus (`small`
-at 8K with micro-batch 1: about 14 GiB estimated, 17 measured: six fit on an H200). Runs start in
+at 8K with micro-batch 2: 18.7 GiB dense, 19.5 MSA measured: six fit on an H200; micro-batch 2
+halves the launches per token, which MSA lanes at 8K are bound by). Runs start in
 seed order, dense first (CPT needs its mid-way checkpoint); the first run of a data mixture
 starts alone until it has built the tokenized cache and logged a step, then the others follow.
 
@@ -63,7 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quality_report import archive, markdown, plot, records, summarize  # noqa: E402
 PRESETS = {
     # one H200: 8K context, 8 x 8K tokens a step
-    "small": {"model": "small", "seq": 8192, "micro": 1, "gbs": 8, "log": 10, "diag": 50, "warmup_steps": 10,
+    "small": {"model": "small", "seq": 8192, "micro": 2, "gbs": 8, "log": 10, "diag": 50, "warmup_steps": 10,
               "max_bytes": 200_000_000, "lengths": [2048, 8192, 32768], "samples": 2, "loss_sequences": 4,
               "final_window": 5, "ckpt_gib": 8.5, "stop_margin": 120, "start_cost": 150, "gpus": "0"},
     # CPU check of the whole pipeline
