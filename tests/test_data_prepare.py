@@ -258,10 +258,8 @@ def _work_in_progress(out_dir: Path, proc, timeout: float = 240.0) -> None:
 
 @pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
 def test_interrupted_run_leaves_nothing(tmp_path, tok_dir, texts, how):
-    # ~90 MB: a minute or more of tokenizing on two workers, interrupted after the first chunks are
-    # written (with 15 MB a loaded machine could finish the run before the signal came)
-    data = tmp_path / "big.jsonl"
-    data.write_bytes("".join(json.dumps({"text": d}) + "\n" for d in texts).encode() * 600)
+    # ~15 MB: minutes of tokenizing here, interrupted after the first chunks are written
+    data = write_jsonl(tmp_path / "big.jsonl", [{"text": d} for d in texts * 100])
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     proc = subprocess.Popen([sys.executable, "-m", "data.prepare", data, "--tokenizer", tok_dir, "--workers", "2",
