@@ -17,6 +17,12 @@ if not torch.cuda.is_available():
 
 import msa_model  # noqa: E402,F401  (before any test imports megatron: msa_model/platform/megatron_imports.py)
 
+# `make test`'s workers share the machine's cores: each keeps to its share for the tensors of its
+# own process (torch's default, every core, has the two workers' threads wait on each other for
+# no gain at the tests' sizes). The processes tests start set their own (OMP_NUM_THREADS)
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 # one tokenized corpus for the whole session, outside the repository: every train.py the tests
 # start (they inherit this environment) uses it unless it names another data.cache_dir
 _SESSION_CACHE = tempfile.mkdtemp(prefix="msa-test-data-")
