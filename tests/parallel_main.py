@@ -24,6 +24,7 @@ for all layouts instead of one per rank and layout.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
@@ -184,6 +185,9 @@ def _rank(job: dict, rank: int, port: int) -> int:
         traceback.print_exc()
         return 1
     finally:
+        # what an interpreter's exit runs: multiprocessing's finalizers stop the process that
+        # dist_checkpointing's save started (os._exit alone would leave it behind)
+        atexit._run_exitfuncs()
         sys.stdout.flush()
         sys.stderr.flush()
 
