@@ -1,7 +1,6 @@
 """A few training steps at one parallel layout, recording what must not depend on the layout.
 
     python tests/parallel_main.py OUT_DIR [--save-init=DIR] key=value ...   (or under torchrun)
-    python tests/parallel_main.py --jobs JOBS.json                          (several runs, below)
 
 Builds the run exactly as train.py does (same model, optimizer, data, indexer warmup), runs
 trainer.max_steps steps and writes OUT_DIR/rank<r>.pt with, per step, the logged metrics (rank
@@ -12,27 +11,12 @@ renumbered globally), and the MSA diagnostics of every step. Every rank writes i
 Initial weights depend on the pipeline layout (each stage draws from its own RNG stream), so a
 reference run saves them with --save-init and other layouts start from them with init_from=DIR
 (a dist_checkpointing load, resharded to the layout).
-
-With --jobs, one process imports torch, megatron and the trainer once and then runs each job of
-the file in turn (a JSON list of {"out", "nproc", "args", "save_init"}): it forks the job's ranks
-as fresh processes (RANK, WORLD_SIZE, MASTER_ADDR/PORT set as torchrun would; no variables for a
-one-process job) and waits for them. Every rank writes its output to OUT/rank<r>.log and the job's
-exit codes to OUT/exit.json; a job whose rank fails or hangs has its other ranks killed and does
-not stop the jobs after it. Starting each layout's ranks this way costs no imports: one start-up
-for all layouts instead of one per rank and layout.
 """
 
 from __future__ import annotations
 
-import atexit
-import json
-import os
 import re
-import signal
-import socket
 import sys
-import time
-import traceback
 from pathlib import Path
 
 import torch
@@ -166,85 +150,7 @@ def main(out_dir: Path, overrides: list[str], save_init: str | None) -> None:
         shutdown()
 
 
-def _rank(job: dict, rank: int, port: int) -> int:
-    """One rank of a job, in a forked process: its environment, its log, its exit code."""
-    out = Path(job["out"])
-    out.mkdir(parents=True, exist_ok=True)
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        os.environ.pop(key, None)
-    if job["nproc"] > 1:
-        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(job["nproc"]),
-                          LOCAL_WORLD_SIZE=str(job["nproc"]), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    log = os.open(out / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    try:
-        main(out, job["args"], job.get("save_init"))
-        return 0
-    except BaseException:
-        traceback.print_exc()
-        return 1
-    finally:
-        # what an interpreter's exit runs: multiprocessing's finalizers stop the process that
-        # dist_checkpointing's save started (os._exit alone would leave it behind)
-        atexit._run_exitfuncs()
-        sys.stdout.flush()
-        sys.stderr.flush()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_jobs(jobs: list[dict], timeout: float = 300) -> None:
-    # what a rank imports, imported once here: the forked ranks start with it
-    import megatron.core.dist_checkpointing  # noqa: F401
-    import msa_model.model.gpt  # noqa: F401
-    import msa_model.training.run  # noqa: F401
-    import msa_model.training.trainer  # noqa: F401
-    from msa_model.training import checkpoint, data_setup, diagnostics, distributed, indexer_warmup  # noqa: F401
-
-    for job in jobs:
-        port = _free_port()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pids = []
-        for rank in range(job["nproc"]):
-            pid = os.fork()
-            if pid == 0:
-                code = 1
-                try:
-                    code = _rank(job, rank, port)
-                finally:
-                    os._exit(code)
-            pids.append(pid)
-        codes, deadline, timed_out = {}, time.monotonic() + timeout, False
-        while len(codes) < len(pids):
-            for pid in pids:
-                if pid not in codes:
-                    done, status = os.waitpid(pid, os.WNOHANG)
-                    if done:
-                        codes[pid] = os.waitstatus_to_exitcode(status)
-            # a failed rank leaves the others waiting in a collective: they go too
-            timed_out = time.monotonic() > deadline
-            if any(codes.values()) or timed_out:
-                for pid in pids:
-                    if pid not in codes:
-                        os.kill(pid, signal.SIGKILL)
-                        codes[pid] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-            time.sleep(0.05)
-        Path(job["out"]).mkdir(parents=True, exist_ok=True)
-        (Path(job["out"]) / "exit.json").write_text(json.dumps({"codes": [codes[p] for p in pids],
-                                                                "timed_out": timed_out}))
-        print(f"{job['out']}: exit codes {[codes[p] for p in pids]}{' (timed out)' if timed_out else ''}", flush=True)
-
-
 if __name__ == "__main__":
-    if sys.argv[1] == "--jobs":
-        run_jobs(json.loads(Path(sys.argv[2]).read_text()))
-        sys.exit(0)
     flags = [a for a in sys.argv[2:] if a.startswith("--save-init=")]
     main(Path(sys.argv[1]), [a for a in sys.argv[2:] if a not in flags],
          flags[0].split("=", 1)[1] if flags else None)

@@ -6,8 +6,8 @@ Each layout runs two steps of the tiny MSA-MoE model from the same initial weigh
 1 in the indexer warmup (dense attention, dense KL), step 2 sparse (top-k blocks). Compared with
 the one-process run, per step: the logged lm loss, indexer KL, MoE aux loss and grad norm, the
 validation's lm loss and KL after the step, and every parameter's full-shape gradient just before
-the optimizer step (every rank's copy). One process imports the trainer once and forks every
-run's ranks (tests/parallel_main.py --jobs): start-up, not training, would dominate otherwise.
+the optimizer step (every rank's copy). The ranks are forked from processes that have imported
+the trainer (tests/train_server.py): start-up, not training, would dominate otherwise.
 
 Tolerance: 1e-5 relative (gradients: max |diff| over the tensor / max |reference|), about 100x
 the measured fp32 reduction-order noise (<= 5e-7); a wrong scale of any loss or gradient path
@@ -16,14 +16,14 @@ the measured fp32 reduction-order noise (<= 5e-7); a wrong scale of any loss or 
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from skeleton_helpers import REPO, TINY_TEST, _env
+import train_server
+from skeleton_helpers import REPO, TINY_TEST, _env, free_port
 
 RTOL = 1e-5
 # 4 x 256 tokens: warmup in step 1 only; a validation batch after each step (both phases)
@@ -53,6 +53,7 @@ SAME_MICRO_BATCHES = ("tp2", "pp2", "cp2", "tp2_cp2")
 
 
 def _argv(out, *args: str, cache) -> list[str]:
+    """tests/parallel_main.py's overrides: the tiny model, two steps, the layout's `args`."""
     vocab = [] if any(a.startswith("model.make_vocab_size_divisible_by") for a in args) else [
         "model.make_vocab_size_divisible_by=128"]
     return [*TINY_TEST, *TWO_STEPS, *vocab, f"data.cache_dir={cache}", f"run_dir={out}/run", *args]
@@ -72,12 +73,29 @@ def _documents(root) -> list[str]:
 DOCUMENT_LAYOUTS = ("cp2", "tp2")
 
 
+def _launch(out, nproc: int, args: list[str], save_init=None) -> list[subprocess.CompletedProcess]:
+    """tests/parallel_main.py at `nproc` ranks, one process each: forked from processes that have
+    imported the trainer (tests/train_server.py; rank r from the r-th, so no two ranks share a hash
+    seed, as under torchrun), or under torchrun where forking is off."""
+    argv = [str(REPO / "tests" / "parallel_main.py"), str(out), *args,
+            *([f"--save-init={save_init}"] if save_init else [])]
+    if train_server.enabled():
+        envs = [_env()] if nproc == 1 else [
+            {**_env(), "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)} for port in [free_port()] for r in range(nproc)]
+        return train_server.run_together([(argv, env) for env in envs], REPO, timeout=300)
+    cmd = [sys.executable, *argv] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+        f"--master-port={free_port()}", *argv]
+    return [subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, data_cache):
-    """Every run of this file, by one process (tests/parallel_main.py --jobs) that forks each
-    layout's ranks: the one-process reference first (it saves the initial weights every layout
-    starts from: the initialisation draws differ with the pipeline layout), then each layout; the
-    same for the corpus of packed documents. name -> its output directory."""
+    """Every run of this file, in turn: the one-process reference first (it saves the initial
+    weights every layout starts from: the initialisation draws differ with the pipeline layout),
+    then each layout; the same for the corpus of packed documents. name -> (its output directory,
+    its number of ranks, its processes)."""
     root = tmp_path_factory.mktemp("parallel")
     init, doc_init = root / "init", root / "documents-init"
     jobs = {"reference": (1, _argv(root / "reference", cache=data_cache), init)}
@@ -88,23 +106,18 @@ def runs(tmp_path_factory, data_cache):
     for layout in DOCUMENT_LAYOUTS:
         jobs[f"documents-{layout}"] = (2, _argv(root / f"documents-{layout}", *LAYOUTS[layout][1], *docs,
                                                 f"init_from={doc_init}", cache=doc_cache), None)
-    spec = [{"out": str(root / name), "nproc": nproc, "args": args, "save_init": str(save) if save else None}
-            for name, (nproc, args, save) in jobs.items()]
-    (root / "jobs.json").write_text(json.dumps(spec))
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "parallel_main.py"), "--jobs", str(root / "jobs.json")],
-                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=1800)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return {name: root / name for name in jobs}
+    return {name: (root / name, nproc, _launch(root / name, nproc, args, save))
+            for name, (nproc, args, save) in jobs.items()}
 
 
 def _results(runs, name: str) -> list[list[dict]]:
-    """A run's per rank, per step {"metrics", "grads"}; its ranks' logs if it failed."""
-    out = runs[name]
-    status = json.loads((out / "exit.json").read_text())
-    if status["timed_out"] or any(status["codes"]):
-        logs = "\n".join(f"--- {p.name}\n{p.read_text()[-4000:]}" for p in sorted(out.glob("rank*.log")))
-        raise AssertionError(f"{name} failed {status}:\n{logs}")
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(len(status["codes"]))]
+    """A run's per rank, per step {"metrics", "grads"}; its output if it failed."""
+    out, nproc, procs = runs[name]
+    failed = [p for p in procs if p.returncode != 0]
+    if failed:
+        raise AssertionError(f"{name} failed: " + "\n".join(f"exit {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
+                                                           for p in failed))
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(nproc)]
 
 
 @pytest.fixture(scope="module")

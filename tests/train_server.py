@@ -18,8 +18,9 @@ two launches of train.py do, and a state a checkpoint forgets to restore still s
     skeleton_helpers.run_train(...)          uses it for one-process runs when no GPU is present
     MSA_TEST_FORK=0 python -m pytest ...     every run a plain `python train.py` instead
 
-Protocol, one JSON line each way over the server's stdin/stdout: {"argv", "cwd", "env", "stdout",
-"stderr", "timeout"} -> {"code", "timed_out"} (a run over its timeout is killed).
+Protocol, JSON lines over the server's stdin/stdout: {"argv", "cwd", "env", "stdout", "stderr",
+"timeout"} -> {"pid"} at once, then {"code", "timed_out"} when the run is over (a run over its
+timeout is killed).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -130,6 +132,7 @@ def serve() -> None:
         if pid == 0:
             protocol.close()
             _child(request)
+        print(json.dumps({"pid": pid}), file=protocol, flush=True)
         deadline, timed_out = time.monotonic() + request["timeout"], False
         while True:
             done, status = os.waitpid(pid, os.WNOHANG)
@@ -153,30 +156,34 @@ class Server:
         # one thread while it imports (OpenMP's pool would not survive a fork); each run sets its own
         self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve())], cwd=REPO,
                                      env={**env, "OMP_NUM_THREADS": "1"}, stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self.log, text=True)
-        ready = self.proc.stdout.readline().strip()
-        if ready != "ready":
-            log = Path(self.log.name).read_text()[-3000:]
-            self.close()
-            raise RuntimeError(f"tests/train_server.py did not start: {log}")
+                                     stdout=subprocess.PIPE, stderr=self.log, bufsize=0)
+        self.buffer = b""
+        if self.line() != "ready":
+            raise RuntimeError(f"tests/train_server.py did not start: {self.log_tail()}")
 
-    def run(self, argv: list[str], cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
-        with tempfile.TemporaryDirectory(prefix="msa-train-run-") as tmp:
-            out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-            request = {"argv": argv, "cwd": str(cwd), "env": env, "stdout": str(out), "stderr": str(err),
-                       "timeout": timeout}
-            self.proc.stdin.write(json.dumps(request) + "\n")
-            self.proc.stdin.flush()
-            line = self.proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"tests/train_server.py exited: {Path(self.log.name).read_text()[-3000:]}")
-            reply = json.loads(line)
-            stdout = out.read_text(errors="replace") if out.exists() else ""
-            stderr = err.read_text(errors="replace") if err.exists() else ""
-        cmd = [sys.executable, *argv]
-        if reply["timed_out"]:
-            raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr)
-        return subprocess.CompletedProcess(cmd, reply["code"], stdout, stderr)
+    def log_tail(self) -> str:
+        return Path(self.log.name).read_text(errors="replace")[-3000:]
+
+    def line(self, timeout: float | None = None) -> str | None:
+        """The server's next line; None if none came within `timeout` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while b"\n" not in self.buffer:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([self.proc.stdout], [], [], left)[0]:
+                return None
+            chunk = os.read(self.proc.stdout.fileno(), 1 << 16)
+            if not chunk:
+                raise RuntimeError(f"tests/train_server.py exited: {self.log_tail()}")
+            self.buffer += chunk
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        return line.decode()
+
+    def start(self, argv: list[str], cwd: Path, env: dict, timeout: float, out: Path, err: Path) -> int:
+        """Fork the run; its pid."""
+        request = {"argv": argv, "cwd": str(cwd), "env": env, "stdout": str(out), "stderr": str(err),
+                   "timeout": timeout}
+        self.proc.stdin.write((json.dumps(request) + "\n").encode())
+        return json.loads(self.line())["pid"]
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -190,8 +197,29 @@ class Server:
         os.unlink(self.log.name)
 
 
-_SERVERS: list[Server | None] = [None, None]
+_SERVERS: list[Server] = []
 _TURN = [0]
+
+
+def _server(i: int, env: dict) -> Server:
+    while len(_SERVERS) <= i:
+        _SERVERS.append(None)
+    if _SERVERS[i] is None or _SERVERS[i].proc.poll() is not None:
+        _SERVERS[i] = Server(env)
+        atexit.register(_SERVERS[i].close)
+    return _SERVERS[i]
+
+
+def _completed(argv: list[str], reply: dict, out: Path, err: Path, timeout: float,
+               raise_timeout: bool = True) -> subprocess.CompletedProcess:
+    stdout = out.read_text(errors="replace") if out.exists() else ""
+    stderr = err.read_text(errors="replace") if err.exists() else ""
+    cmd = [sys.executable, *argv]
+    if reply["timed_out"]:
+        if raise_timeout:
+            raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr)
+        stderr += f"\n(killed after its timeout of {timeout} s)"
+    return subprocess.CompletedProcess(cmd, reply["code"], stdout, stderr)
 
 
 def run(argv: list[str], cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
@@ -199,11 +227,38 @@ def run(argv: list[str], cwd: Path, env: dict, timeout: float) -> subprocess.Com
     on first use with `env`, which must hold what the imports read, e.g. TRITON_INTERPRET)."""
     turn = _TURN[0]
     _TURN[0] = 1 - turn
-    server = _SERVERS[turn]
-    if server is None or server.proc.poll() is not None:
-        server = _SERVERS[turn] = Server(env)
-        atexit.register(server.close)
-    return server.run(argv, cwd, env, timeout)
+    server = _server(turn, env)
+    with tempfile.TemporaryDirectory(prefix="msa-train-run-") as tmp:
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        server.start(argv, cwd, env, timeout, out, err)
+        return _completed(argv, json.loads(server.line()), out, err, timeout)
+
+
+def run_together(runs: list[tuple[list[str], dict]], cwd: Path, timeout: float) -> list[subprocess.CompletedProcess]:
+    """Processes that run at once, (argv, env) each: the ranks of one job, rank r forked from server
+    r, so that, as under torchrun, no two ranks share a hash seed or a memory layout. A rank that
+    fails has the others killed (they would wait for it in a collective)."""
+    with tempfile.TemporaryDirectory(prefix="msa-train-run-") as tmp:
+        files = [(Path(tmp) / f"stdout{r}", Path(tmp) / f"stderr{r}") for r in range(len(runs))]
+        servers = [_server(r, env) for r, (_, env) in enumerate(runs)]
+        pids = [server.start(argv, cwd, env, timeout, *files[r])
+                for r, (server, (argv, env)) in enumerate(zip(servers, runs))]
+        replies: dict[int, dict] = {}
+        while len(replies) < len(runs):
+            for r, server in enumerate(servers):
+                if r not in replies:
+                    line = server.line(timeout=0.05)
+                    if line is not None:
+                        replies[r] = json.loads(line)
+            if any(reply["code"] or reply["timed_out"] for reply in replies.values()):
+                for r, pid in enumerate(pids):
+                    if r not in replies:
+                        try:
+                            os.kill(pid, signal.SIGKILL)
+                        except ProcessLookupError:
+                            pass
+        return [_completed(argv, replies[r], *files[r], timeout, raise_timeout=False)
+                for r, (argv, _) in enumerate(runs)]
 
 
 def enabled() -> bool:
