@@ -1,8 +1,9 @@
 """One-process runs of train.py for the tests, without paying for their imports every time.
 
 A `python train.py` spends about 4 s of CPU importing torch, megatron-core and the trainer before
-it composes its config, more than the few steps a test trains. This server (one per test process,
-started on first use) imports them once and then forks a fresh process for each run: the child
+it composes its config, more than the few steps a test trains. A server (started on first use; a
+test process has two, and one per rank of the largest job run_together has started) imports them
+once and then forks a fresh process for each run: the child
 takes the run's environment, working directory and argv, runs the script as `__main__` with its
 stdout and stderr going to files of the caller's, and exits with the script's exit code (atexit
 handlers run, as at any interpreter exit). Each run is still a process of its own, which nothing
@@ -15,8 +16,9 @@ new entropy, and consecutive runs come from two servers in turn, each with its o
 and memory layout. So two runs a test compares (a run and its resumed copy) differ in all that, as
 two launches of train.py do, and a state a checkpoint forgets to restore still shows.
 
-    skeleton_helpers.run_train(...)          uses it for one-process runs when no GPU is present
-    MSA_TEST_FORK=0 python -m pytest ...     every run a plain `python train.py` instead
+    skeleton_helpers.run_train / run_python  one-process runs, when no GPU is present
+    run_together (tests/test_parallel.py)    the ranks of one job, each from a server of its own
+    MSA_TEST_FORK=0 python -m pytest ...     every run a plain `python train.py` (torchrun) instead
 
 Protocol, JSON lines over the server's stdin/stdout: {"argv", "cwd", "env", "stdout", "stderr",
 "timeout"} -> {"pid"} at once, then {"code", "timed_out"} when the run is over (a run over its
