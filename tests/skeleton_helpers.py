@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import train_server
+
 REPO = Path(__file__).resolve().parents[1]
 
 # a model small enough for tests: 2 layers (1 dense, 1 MoE), 256 tokens, 4 x 16-token blocks
@@ -38,10 +40,23 @@ def run_train(run_dir: Path, *overrides: str, data_cache: Path, script: str = "t
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                f"--master-port={free_port()}", script, *args]
-    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout)
+    if nproc == 1:
+        proc = run_python(cmd[1:], timeout=timeout)
+    else:
+        proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return proc
+
+
+def run_python(argv: list[str], env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python SCRIPT ARGS...` in the repository, its output captured (default environment: _env()):
+    a fresh process forked from one that has imported the trainer (tests/train_server.py), or, where
+    that is off, one started from scratch."""
+    env = _env() if env is None else env
+    if train_server.enabled():
+        return train_server.run(argv, REPO, env, timeout)
+    return subprocess.run([sys.executable, *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def free_port() -> int:

@@ -4,14 +4,12 @@ built size is the analytic one; bad values fail naming the fields, all at once."
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 
 import pytest
 from hydra import compose, initialize_config_dir
 
 from msa_model.config import ConfigError, moe_layers, msa_layers_of, register_configs, validate
-from skeleton_helpers import REPO, _env
+from skeleton_helpers import REPO, _env, run_python
 
 register_configs()
 
@@ -33,8 +31,7 @@ def test_m3_tiny_composes_with_every_recipe(recipe):
 def test_m3_tiny_built_size_is_the_analytic_one():
     from msa_model.model.gpt import count_parameters
 
-    proc = subprocess.run([sys.executable, "train.py", "dry_run=true", "model=m3_tiny"], cwd=REPO, env=_env(2),
-                          capture_output=True, text=True, timeout=300)
+    proc = run_python(["train.py", "dry_run=true", "model=m3_tiny"], _env(2))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     built = {k: int(re.search(rf"^{k}_params=(\d+)", proc.stdout, re.M).group(1)) for k in ("total", "active")}
     counts = count_parameters(_compose("model=m3_tiny").model, 257)

@@ -19,6 +19,7 @@ import torch
 from msa_model.convert.hf_io import load_all
 
 from convert_fixtures import save_tiny_hf
+from skeleton_helpers import run_python
 
 REPO = Path(__file__).resolve().parents[1]
 GEOMETRY = ["--seq-length", "128", "--block-size", "16", "--topk", "2"]
@@ -35,7 +36,10 @@ TINY_DENSE = ["model=tiny", "model.num_layers=2", "model.hidden_size=64", "model
 def _run(args: list[str], timeout: int = 300, torchrun: int = 0) -> subprocess.CompletedProcess:
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={torchrun}"] if torchrun else [sys.executable]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([*launcher, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+    if args[0] == "train.py" and not torchrun:
+        proc = run_python(args, env, timeout)  # forked from a process that has imported the trainer
+    else:
+        proc = subprocess.run([*launcher, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
 
@@ -102,11 +106,10 @@ def test_cpt_from_converted_hf_model(tmp_path):
     assert all(torch.isfinite(torch.tensor([r["lm_loss"], r["kl_loss"]])).all() for r in rows)
     assert rows[0]["keys_per_query"] > rows[-1]["keys_per_query"]  # dense warmup, then top-k blocks
     # a Hugging Face model records no data position to continue: refused in one line, before any step
-    proc = subprocess.run([sys.executable, "train.py", "recipe=cpt", f"hydra.searchpath=[file://{conv}]",
-                           "model=qwen3moe-tiny", f"init_from={conv}", "init_from_data_position=true", *RUN,
-                           f"run_dir={tmp_path / 'continued'}", "trainer.max_steps=4",
-                           "trainer.indexer_warmup_tokens=256"], cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = run_python(["train.py", "recipe=cpt", f"hydra.searchpath=[file://{conv}]", "model=qwen3moe-tiny",
+                       f"init_from={conv}", "init_from_data_position=true", *RUN, f"run_dir={tmp_path / 'continued'}",
+                       "trainer.max_steps=4", "trainer.indexer_warmup_tokens=256"],
+                      {**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 2 and "init_from_data_position" in proc.stderr, proc.stderr[-3000:]
     assert "records no data position" in proc.stderr and not (tmp_path / "continued" / "checkpoints").exists()
 

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from convert_fixtures import TINY, save_tiny_hf, tiny_hf_model  # noqa: E402
 from msa_model.convert.hf_io import HFCheckpoint, load_all  # noqa: E402
-from skeleton_helpers import REPO, _env  # noqa: E402
+from skeleton_helpers import REPO, run_python  # noqa: E402
 
 FAMILIES = sorted(TINY)
 # the MSA geometry of the converted tiny models: 64-token batches hold 4 blocks, 2 selected
@@ -200,10 +200,8 @@ def test_cpt_from_a_conversion_with_defaults(converted, tmp_path, data_cache):
     root, _ = converted
     ckpt = root / "llama" / "msa_defaults"
     run_dir = tmp_path / "cpt"
-    proc = subprocess.run([sys.executable, "train.py", "recipe=cpt", f"init_from={ckpt}", "trainer.stop_at_step=2",
-                           f"run_dir={run_dir}", f"data.cache_dir={data_cache}", "logging.wandb_mode=disabled",
-                           "logging.tensorboard=false"], cwd=REPO, env=_env(), capture_output=True, text=True,
-                          timeout=300)
+    proc = run_python(["train.py", "recipe=cpt", f"init_from={ckpt}", "trainer.stop_at_step=2", f"run_dir={run_dir}",
+                       f"data.cache_dir={data_cache}", "logging.wandb_mode=disabled", "logging.tensorboard=false"])
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert f"model llama-converted as recorded by init_from={ckpt}" in out

@@ -27,6 +27,8 @@ sys.path.insert(0, str(REPO))
 
 from convert_fixtures import M3_TINY, save_tiny_m3  # noqa: E402
 from msa_model.convert.hf_io import load_all  # noqa: E402
+from skeleton_helpers import run_python  # noqa: E402
+
 PARITY_MAX_ABS = 1e-4
 SEQ = 128
 # the vision-language checkpoint (release layout): layer 0 full with a dense MLP, one local block
@@ -208,7 +210,10 @@ def test_m3_tiny_trains_and_exports(tmp_path, data_cache):
     convert = [sys.executable, "-m", "msa_model.convert"]
     for cmd in (train, [*convert, "msa-to-hf", str(run / "checkpoints"), str(out), "--format", "minimax_m3"],
                 [*convert, "verify", str(out), str(run / "checkpoints"), "--seq-length", "256", "--batches", "1"]):
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        if cmd is train:  # forked from a process that has imported the trainer
+            proc = run_python(cmd[1:], env, 600)
+        else:
+            proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["phase"] for r in rows] == ["warmup", "sparse"]

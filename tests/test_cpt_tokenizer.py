@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from skeleton_helpers import REPO, _env, metrics  # noqa: E402
+from skeleton_helpers import metrics, run_python  # noqa: E402
 from tokenizer_fixtures import make_bpe_tokenizer, stdlib_texts, write_prepared  # noqa: E402
 
 FAMILIES = ("llama", "qwen3")
@@ -119,7 +119,7 @@ def test_cpt_trains_on_the_converted_models_token_ids(converted, tmp_path):
            "parallel.micro_batch_size=2", "parallel.global_batch_size=4", "optim.warmup_steps=1",
            "logging.log_interval=1", "logging.wandb_mode=disabled", "logging.tensorboard=false",
            "logging.progress_bar=false"]
-    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    proc = run_python(cmd[1:])
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "(init_from (" in out and "vocabulary 300" in out

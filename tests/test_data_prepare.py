@@ -265,7 +265,11 @@ def test_interrupted_run_leaves_nothing(tmp_path, tok_dir, texts, how):
     proc = subprocess.Popen([sys.executable, "-m", "data.prepare", data, "--tokenizer", tok_dir, "--workers", "2",
                              "--output-prefix", out_dir / "big"], cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+                            env={**os.environ, "PYTHONPATH": str(REPO)},
+                            # a terminal's shell starts it with SIGINT's default action; a suite run
+                            # in the background (`nohup make test &`) ignores SIGINT, which a child
+                            # would inherit (and Python then keeps ignoring it)
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         _work_in_progress(out_dir, proc)
         workers = psutil.Process(proc.pid).children(recursive=True)

@@ -1,12 +1,13 @@
 """Every parallel layout trains like one process: TP, PP, EP, DP and CP alone and TP combined with
-CP, under torchrun on CPU/gloo, fp32. So do the memory and speed options of one process:
+CP, each layout's ranks processes of their own over gloo on CPU, fp32. So do the memory and speed options of one process:
 activation recomputation (bit for bit) and grouped-GEMM experts (within 1e-5).
 
 Each layout runs two steps of the tiny MSA-MoE model from the same initial weights and data: step
 1 in the indexer warmup (dense attention, dense KL), step 2 sparse (top-k blocks). Compared with
 the one-process run, per step: the logged lm loss, indexer KL, MoE aux loss and grad norm, the
 validation's lm loss and KL after the step, and every parameter's full-shape gradient just before
-the optimizer step (every rank's copy).
+the optimizer step (every rank's copy). The ranks are forked from processes that have imported
+the trainer (tests/train_server.py): start-up, not training, would dominate otherwise.
 
 Tolerance: 1e-5 relative (gradients: max |diff| over the tensor / max |reference|), about 100x
 the measured fp32 reduction-order noise (<= 5e-7); a wrong scale of any loss or gradient path
@@ -21,6 +22,7 @@ import sys
 import pytest
 import torch
 
+import train_server
 from skeleton_helpers import REPO, TINY_TEST, _env, free_port
 
 RTOL = 1e-5
@@ -50,30 +52,77 @@ TOLERANCE = {"recompute_full": 0.0, "recompute_selective": 0.0}
 SAME_MICRO_BATCHES = ("tp2", "pp2", "cp2", "tp2_cp2")
 
 
-def _run(out, nproc: int, *args: str, cache) -> list[list[dict]]:
-    """tests/parallel_main.py at `nproc` ranks -> per rank, per step {"metrics", "grads"}."""
+def _argv(out, *args: str, cache) -> list[str]:
+    """tests/parallel_main.py's overrides: the tiny model, two steps, the layout's `args`."""
     vocab = [] if any(a.startswith("model.make_vocab_size_divisible_by") for a in args) else [
         "model.make_vocab_size_divisible_by=128"]
-    argv = [str(out), *TINY_TEST, *TWO_STEPS, *vocab, f"data.cache_dir={cache}", f"run_dir={out}/run", *args]
-    script = str(REPO / "tests" / "parallel_main.py")
-    if nproc == 1:
-        cmd = [sys.executable, script, *argv]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               f"--master-port={free_port()}", script, *argv]
-    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
-    if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return [*TINY_TEST, *TWO_STEPS, *vocab, f"data.cache_dir={cache}", f"run_dir={out}/run", *args]
+
+
+def _documents(root) -> list[str]:
+    """A corpus of short files (most 256-token samples hold several documents), masked."""
+    corpus = root / "corpus"
+    corpus.mkdir()
+    gen = torch.Generator().manual_seed(0)
+    for i in range(80):
+        letters = torch.randint(0, 26, (int(torch.randint(20, 300, (1,), generator=gen)),), generator=gen)
+        (corpus / f"doc{i:02d}.txt").write_text("".join(chr(97 + int(c)) for c in letters))
+    return ["data.document_mask=true", f"data.source={corpus}", "data.glob=*.txt"]
+
+
+DOCUMENT_LAYOUTS = ("cp2", "tp2")
+
+
+def _launch(out, nproc: int, args: list[str], save_init=None) -> list[subprocess.CompletedProcess]:
+    """tests/parallel_main.py at `nproc` ranks, one process each: forked from processes that have
+    imported the trainer (tests/train_server.py; rank r from the r-th, so no two ranks share a hash
+    seed, as under torchrun), or under torchrun where forking is off."""
+    argv = [str(REPO / "tests" / "parallel_main.py"), str(out), *args,
+            *([f"--save-init={save_init}"] if save_init else [])]
+    if train_server.enabled():
+        envs = [_env()] if nproc == 1 else [
+            {**_env(), "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)} for port in [free_port()] for r in range(nproc)]
+        return train_server.run_together([(argv, env) for env in envs], REPO, timeout=300)
+    cmd = [sys.executable, *argv] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+        f"--master-port={free_port()}", *argv]
+    return [subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, data_cache):
+    """Every run of this file, in turn: the one-process reference first (it saves the initial
+    weights every layout starts from: the initialisation draws differ with the pipeline layout),
+    then each layout; the same for the corpus of packed documents. name -> (its output directory,
+    its number of ranks, its processes)."""
+    root = tmp_path_factory.mktemp("parallel")
+    init, doc_init = root / "init", root / "documents-init"
+    jobs = {"reference": (1, _argv(root / "reference", cache=data_cache), init)}
+    for layout, (nproc, overrides) in LAYOUTS.items():
+        jobs[layout] = (nproc, _argv(root / layout, *overrides, f"init_from={init}", cache=data_cache), None)
+    docs, doc_cache = _documents(root), root / "documents-cache"
+    jobs["documents"] = (1, _argv(root / "documents", *docs, cache=doc_cache), doc_init)
+    for layout in DOCUMENT_LAYOUTS:
+        jobs[f"documents-{layout}"] = (2, _argv(root / f"documents-{layout}", *LAYOUTS[layout][1], *docs,
+                                                f"init_from={doc_init}", cache=doc_cache), None)
+    return {name: (root / name, nproc, _launch(root / name, nproc, args, save))
+            for name, (nproc, args, save) in jobs.items()}
+
+
+def _results(runs, name: str) -> list[list[dict]]:
+    """A run's per rank, per step {"metrics", "grads"}; its output if it failed."""
+    out, nproc, procs = runs[name]
+    failed = [p for p in procs if p.returncode != 0]
+    if failed:
+        raise AssertionError(f"{name} failed: " + "\n".join(f"exit {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
+                                                           for p in failed))
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(nproc)]
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, data_cache):
-    """The one-process run; it also saves the initial weights every layout starts from (the
-    initialisation draws differ with the pipeline layout)."""
-    root = tmp_path_factory.mktemp("parallel")
-    steps = _run(root / "ws1", 1, f"--save-init={root / 'init'}", cache=data_cache)[0]
-    return root, steps
+def reference(runs):
+    return _results(runs, "reference")[0]
 
 
 def assert_same_diagnostics(ref_steps: list[dict], ranks: list[list[dict]], layout: str) -> None:
@@ -111,10 +160,10 @@ def max_differences(ref_steps: list[dict], ranks: list[list[dict]]) -> dict[str,
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layout_matches_one_process(reference, data_cache, layout):
-    root, ref_steps = reference
-    nproc, overrides = LAYOUTS[layout]
-    ranks = _run(root / layout, nproc, *overrides, f"init_from={root / 'init'}", cache=data_cache)
+def test_layout_matches_one_process(runs, reference, layout):
+    ref_steps = reference
+    ranks = _results(runs, layout)
+    assert len(ranks) == LAYOUTS[layout][0]
     assert [s["metrics"]["phase"] for s in ref_steps] == ["warmup", "sparse"]
     worst = max_differences(ref_steps, ranks)
     print(f"{layout}: max relative difference " + " ".join(f"{k}={v:.1e}" for k, v in worst.items()))
@@ -127,23 +176,15 @@ def test_layout_matches_one_process(reference, data_cache, layout):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["cp2", "tp2"])
-def test_context_parallel_with_packed_documents(tmp_path, layout):
+@pytest.mark.parametrize("layout", DOCUMENT_LAYOUTS)
+def test_context_parallel_with_packed_documents(runs, layout):
     """data.document_mask=true on a corpus of short files (most 256-token samples hold several
     documents): the document starts reach every layer (the warmup's dense attention reads fewer
     keys than the causal 128.5 per query), and CP=2, where each rank holds its slices of the
     starts, and TP=2 with sequence parallelism (LAYOUTS), where each rank's hidden states hold half the
     sequence but its attention all of it, train like one process."""
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    gen = torch.Generator().manual_seed(0)
-    for i in range(80):
-        letters = torch.randint(0, 26, (int(torch.randint(20, 300, (1,), generator=gen)),), generator=gen)
-        (corpus / f"doc{i:02d}.txt").write_text("".join(chr(97 + int(c)) for c in letters))
-    docs = ["data.document_mask=true", f"data.source={corpus}", "data.glob=*.txt"]
-    ref = _run(tmp_path / "ws1", 1, *docs, f"--save-init={tmp_path / 'init'}", cache=tmp_path / "cache")[0]
-    ranks = _run(tmp_path / "two", 2, *LAYOUTS[layout][1], *docs, f"init_from={tmp_path / 'init'}",
-                 cache=tmp_path / "cache")
+    ref = _results(runs, "documents")[0]
+    ranks = _results(runs, f"documents-{layout}")
     assert ref[0]["metrics"]["phase"] == "warmup" and ref[0]["metrics"]["keys_per_query"] < 100
     worst = max_differences(ref, ranks)
     print(f"{layout} with documents: max relative difference " + " ".join(f"{k}={v:.1e}" for k, v in worst.items()))

@@ -19,11 +19,16 @@ from skeleton_helpers import REPO, _env
 
 SCRIPT = REPO / "scripts" / "quality_experiment.py"
 TINY = ["--preset", "tiny", "--corpus", "stdlib", "--tokens", "16384", "--lanes", "2", "--budget", "1200", "--poll", "0.5"]
+# the runs of the end-to-end test: the tiny preset's context and batches (what the schedule, the
+# branch point and the data position follow), a narrower and shallower model (a third of the
+# preset's step time: what the driver does, not how well the model learns, is checked)
+NARROW = [f"--override=model.{key}" for key in ("num_layers=2", "hidden_size=128", "ffn_hidden_size=256",
+                                                "moe_ffn_hidden_size=128")]
 
 
 def _driver(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *TINY, *args], cwd=REPO, env=_env(), capture_output=True,
-                          text=True, timeout=1200)
+    return subprocess.run([sys.executable, str(SCRIPT), *TINY, *NARROW, *args], cwd=REPO, env=_env(),
+                          capture_output=True, text=True, timeout=1200)
 
 
 def _module():

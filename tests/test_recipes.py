@@ -15,7 +15,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from msa_model.config import ConfigError, register_configs, validate
-from skeleton_helpers import REPO, _env, metrics, run_train
+from skeleton_helpers import REPO, _env, metrics, run_python, run_train
 
 register_configs()
 
@@ -26,8 +26,7 @@ def _compose(*overrides: str):
 
 
 def _dry_run(*overrides: str) -> str:
-    proc = subprocess.run([sys.executable, "train.py", "dry_run=true", *overrides], cwd=REPO, env=_env(2),
-                          capture_output=True, text=True, timeout=300)
+    proc = run_python(["train.py", "dry_run=true", *overrides], _env(2))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 
@@ -202,8 +201,7 @@ def test_bad_combinations_fail_before_any_work(overrides, message):
 
 
 def test_the_entry_point_refuses_cpt_without_a_checkpoint(tmp_path):
-    proc = subprocess.run([sys.executable, "train.py", "recipe=cpt", f"run_dir={tmp_path}"], cwd=REPO, env=_env(),
-                          capture_output=True, text=True, timeout=120)
+    proc = run_python(["train.py", "recipe=cpt", f"run_dir={tmp_path}"], timeout=120)
     assert proc.returncode != 0 and "init_from=PATH" in proc.stderr
     assert not (tmp_path / "checkpoints").exists()
 

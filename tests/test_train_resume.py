@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from skeleton_helpers import REPO, TINY_TEST, _env, metrics, run_train
+from skeleton_helpers import REPO, TINY_TEST, _env, metrics, run_python, run_train
 
 # 4 x 256 tokens a step: warmup for steps 1-3, top-k from step 4; validation after steps 2, 4 and 6
 COMMON = ("trainer.max_steps=6", "trainer.indexer_warmup_tokens=3072", "checkpoint.interval=0",
@@ -61,8 +61,7 @@ def test_a_save_killed_half_way_never_becomes_latest(tmp_path, data_cache):
     run_dir = tmp_path / "run"
     overrides = [*TINY_TEST, f"run_dir={run_dir}", f"data.cache_dir={data_cache}", *COMMON, "checkpoint.interval=2"]
     env = _env() | {"DIE_ON_SAVE": "2"}  # the save after step 4
-    proc = subprocess.run([sys.executable, "tests/interrupted_save_main.py", *overrides], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = run_python(["tests/interrupted_save_main.py", *overrides], env)
     assert proc.returncode == 17, proc.stdout[-3000:] + proc.stderr[-3000:]
     ckpts = run_dir / "checkpoints"
     assert (ckpts / "latest").read_text().strip() == "step_00000002"
