@@ -14,7 +14,10 @@ import torch
 from msa_model.ops import MSASettings, indexer_kl_loss, msa_attention
 from msa_model.ops.dense_attention import (attach_host_copy, build_plan, document_attention, document_plan,
                                            fused_causal_takes)
-from msa_model.ops.dense_attention.plan import bucket_count, bucket_length, segments_of
+from msa_model.ops import dense_attention as dense_attention_module
+from msa_model.ops.dense_attention import plan as plan_module
+from msa_model.ops.dense_attention.plan import (Bucket, CudnnShapes, bucket_count, bucket_length, bucket_uses_cudnn,
+                                                segments_of)
 from msa_model.ops.sparse_attention.reference import sparse_attention_reference
 
 CUDA = torch.cuda.is_available()
@@ -98,6 +101,72 @@ def test_every_path_is_each_document_alone(path, mix):
     assert close(o, want_o, TOL) and close(lse, want_lse, TOL), path
     for name, g, w in zip(("dq", "dk", "dv"), grads(o, leaves, 3), grads(want_o, leaves, 3)):
         assert close(g, w, TOL), (path, name)
+
+
+@pytest.mark.skipif(not CUDA, reason="torch's fused kernels run on CUDA only")
+@pytest.mark.parametrize("build_ms", [0.0, math.inf], ids=["cudnn", "flash"])
+def test_segments_on_either_fused_kernel_is_each_document_alone(build_ms, monkeypatch):
+    """The segments path runs a shape on flash attention until it has earned a cuDNN build: both
+    kernels give each document alone (cuDNN at once with a free build, flash with a priceless one)."""
+    monkeypatch.setattr(plan_module, "CUDNN_SHAPES", CudnnShapes(build_ms=build_ms))
+    C, Hq, G, D, cuts = MIXES["few"]
+    doc = starts(C, *cuts).to(DEV)
+    leaves = inputs(len(cuts), C, Hq, G, D, seed=5)
+    o, lse = document_attention(*leaves, doc, path="segments")
+    want_o, want_lse = one_by_one(*leaves, doc)
+    assert close(o, want_o, TOL) and close(lse, want_lse, TOL)
+    for name, g, w in zip(("dq", "dk", "dv"), grads(o, leaves, 3), grads(want_o, leaves, 3)):
+        assert close(g, w, TOL), name
+
+
+def test_a_shape_runs_on_flash_until_its_extra_time_pays_a_cudnn_build():
+    """Rent, then buy: each flash call of a shape charges its estimated extra time; once the charges
+    reach one build, the shape's next micro-batch runs cuDNN. The choice holds for every layer's
+    call within a micro-batch (and a recomputed forward); shapes keep separate accounts."""
+    shapes = CudnnShapes(build_ms=90.0, extra_ms_per_tflop=1.5)
+    layers = 8
+
+    def micro_batch(count, length, backward=True):
+        bucket = Bucket(length, count, 0, count)  # a fresh plan's bucket
+        return [bucket_uses_cudnn(bucket, 64, 4, 128, torch.bfloat16, backward, shapes) for _ in range(layers)]
+
+    # a 3.4K-row segment at the production geometry: 0.68 TFLOP fwd+bwd, 1.03 ms of flash's extra
+    # time a call, 8.2 ms a micro-batch of 8 layers: its 11th micro-batch has paid for the build
+    per_batch = layers * 4 * (3456 * 3457 / 2) * 128 * 64 * 3.5 / 1e12 * 1.5
+    wanted = math.ceil(90.0 / per_batch)
+    runs = [micro_batch(1, 3456) for _ in range(wanted + 2)]
+    assert all(set(r) == {False} for r in runs[:wanted]) and all(set(r) == {True} for r in runs[wanted:])
+    # a 12K-row segment earns its build within its first micro-batch (13 ms of extra time a call)
+    assert micro_batch(1, 12288) == [False] * layers and micro_batch(1, 12288) == [True] * layers
+    # another count, or a forward without backward (evaluation), is another shape, another account
+    assert micro_batch(2, 3456) == [False] * layers and micro_batch(1, 3456, backward=False) == [False] * layers
+    # a bucket decides once: a call after the account is full keeps the micro-batch's choice
+    bucket = Bucket(4096, 1, 0, 1)
+    assert not bucket_uses_cudnn(bucket, 64, 4, 128, torch.bfloat16, True, CudnnShapes(build_ms=1e-9))
+    assert not bucket_uses_cudnn(bucket, 64, 4, 128, torch.bfloat16, True, CudnnShapes(build_ms=0.0))
+
+
+def test_the_segments_path_runs_each_bucket_on_the_kernel_its_shape_earned(monkeypatch):
+    """What `_segments` hands the fused kernel wrapper per bucket: flash (cudnn=False) until the
+    shape's account holds a build, cuDNN after, the same for every call of a micro-batch's plan."""
+    seen = []
+    real = dense_attention_module._causal
+
+    def spy(q, k, v, scale, cudnn=True):
+        seen.append((q.shape[1], cudnn))
+        return real(q, k, v, scale, cudnn)
+
+    monkeypatch.setattr(dense_attention_module, "_causal", spy)
+    monkeypatch.setattr(plan_module, "CUDNN_SHAPES", CudnnShapes(build_ms=1e-12))
+    C, Hq, G, D, cuts = MIXES["few"]
+    doc = starts(C, *cuts)
+    leaves = [x.detach().cpu().float().requires_grad_() for x in inputs(len(cuts), C, Hq, G, D, seed=2)]
+    plan = build_plan(doc, 0, "cpu", segments=True)
+    lengths = [b.length for b in plan.buckets]
+    for _ in range(2):  # two layers of one micro-batch: flash, as the plan's first call chose
+        document_attention(*leaves, doc, plan=plan)
+    document_attention(*leaves, doc, plan=build_plan(doc, 0, "cpu", segments=True))  # the next micro-batch
+    assert seen == [(n, False) for n in lengths] * 2 + [(n, True) for n in lengths]
 
 
 def test_the_plan_covers_every_row_once_and_buckets_by_length():

@@ -50,12 +50,15 @@ def warn_untested_versions() -> None:
 CUDNN_ATTENTION = {"ok": True}
 
 
-def causal_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
-    """Causal GQA attention on CUDA: o [B, T, Hq, D] and lse float32 [B, T, Hq] (natural log)."""
+def causal_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                              cudnn: bool = True):
+    """Causal GQA attention on CUDA: o [B, T, Hq, D] and lse float32 [B, T, Hq] (natural log).
+    cuDNN where it works, unless `cudnn` is False (a shape not worth a cuDNN graph build yet:
+    msa_model/ops/dense_attention/plan.py, `CudnnShapes`); flash attention otherwise."""
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     # under torch.use_deterministic_algorithms flash attention's backward is deterministic;
     # cuDNN's is not known to be (torch's own SDPA dispatch leaves it out then too)
-    if CUDNN_ATTENTION["ok"] and not torch.are_deterministic_algorithms_enabled():
+    if cudnn and CUDNN_ATTENTION["ok"] and not torch.are_deterministic_algorithms_enabled():
         try:
             out = torch.ops.aten._scaled_dot_product_cudnn_attention(qt, kt, vt, None, True, 0.0, True, False,
                                                                      scale=scale)

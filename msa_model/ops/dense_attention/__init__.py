@@ -15,7 +15,7 @@ from msa_model.platform.compat import causal_attention_with_lse
 from ..common import check_doc_start, check_qkv, default_scale, trim_keys
 from ..sparse_attention import sparse_attention
 from ..sparse_attention.reference import sparse_attention_reference
-from .plan import DocumentPlan, attach_host_copy, build_plan, document_plan
+from .plan import DocumentPlan, attach_host_copy, bucket_uses_cudnn, build_plan, document_plan
 
 PATHS = ("causal", "segments", "kernel")
 # head dims of torch's fused causal kernels (cuDNN, flash)
@@ -30,11 +30,12 @@ def fused_causal_takes(q: torch.Tensor, backend: str = "auto") -> bool:
             and q.shape[-1] in FUSED_HEAD_DIMS)
 
 
-def _causal(q, k, v, scale):
+def _causal(q, k, v, scale, cudnn: bool = True):
     """Causal GQA attention of [n, L] rows from position 0: (o [n, L, Hq, D], lse fp32 [n, L, Hq]);
-    torch's fused kernels on CUDA, the reference elsewhere (CPU tests of the paths)."""
+    torch's fused kernels on CUDA (cuDNN unless `cudnn` is False: flash), the reference elsewhere
+    (CPU tests of the paths)."""
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-        return causal_attention_with_lse(q, k, v, scale)
+        return causal_attention_with_lse(q, k, v, scale, cudnn=cudnn)
     return sparse_attention_reference(q, k, v, None, 16, scale)
 
 
@@ -57,17 +58,19 @@ class _Move(torch.autograd.Function):
 
 def _segments(q, k, v, plan: DocumentPlan, scale):
     """The "segments" path: each document cut out, padded to its bucket's length, one causal call
-    per bucket; outputs put back in place, padding dropped."""
+    per bucket (cuDNN or flash: `bucket_uses_cudnn`); outputs put back in place, padding dropped."""
     B, C, Hq, D = q.shape
     G = k.shape[2]
     rows = B * C
     qp, kp, vp = (_Move.apply(x.reshape(rows, *x.shape[2:]), plan.src, plan.dst, plan.packed) for x in (q, k, v))
     outs, lses = [], []
+    backward = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     for bucket in plan.buckets:
         part = slice(bucket.offset, bucket.offset + bucket.count * bucket.length)
         shape = (bucket.count, bucket.length)
+        cudnn = bucket_uses_cudnn(bucket, Hq, G, D, q.dtype, backward)
         o_b, lse_b = _causal(qp[part].view(*shape, Hq, D), kp[part].view(*shape, G, D), vp[part].view(*shape, G, D),
-                             scale)
+                             scale, cudnn)
         outs.append(o_b.reshape(-1, Hq, D))
         lses.append(lse_b.reshape(-1, Hq))
     o_p = outs[0] if len(outs) == 1 else torch.cat(outs)

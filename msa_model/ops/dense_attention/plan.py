@@ -38,6 +38,15 @@ SHORT = 1024
 # of 100 9.4 vs 24.1
 SEGMENTS_MIN_MEAN = 2048
 STEPS_PER_OCTAVE = 8
+# The segments path's kernel per shape. cuDNN's first call of a shape builds a graph (82-102 ms
+# fwd+bwd on an H200, whatever the shape), then runs 1.6-1.9x faster than flash attention, which
+# builds nothing (bench/results/document-masking-2026-12-03/segment_shapes.txt). So a shape runs on
+# flash until flash's extra time on it adds up to one build, then on cuDNN (rent, then buy: never
+# more than twice what the better choice in hindsight costs); shapes a run meets rarely never build.
+CUDNN_BUILD_MS = 90.0
+# flash's extra ms per TFLOP of causal attention over warm cuDNN's (fwd+bwd; production geometry
+# 1.47-1.6, `small` 1.45 at 12K rows)
+FLASH_EXTRA_MS_PER_TFLOP = 1.5
 # the attribute of a doc_start tensor that holds its host copy and its plans (one tensor per
 # micro-batch, handed to every layer: one host copy, and one plan per query chunk, per step)
 _HOST, _PLANS = "_msa_doc_start_host", "_msa_doc_start_plans"
@@ -66,6 +75,48 @@ class Bucket:
     n: int
     offset: int
     count: int = 0
+    # cuDNN (True) or flash (False), chosen at the bucket's first call (CudnnShapes): every layer of
+    # the micro-batch, and a recomputed forward, run the same kernel
+    cudnn: bool | None = None
+
+
+class CudnnShapes:
+    """Which segment shapes have earned a cuDNN graph build (CUDNN_BUILD_MS, above), per process:
+    `charge` adds flash's estimated extra time for a call of a shape, `ready` says whether the
+    shape's charges have reached one build (from then on it runs on cuDNN)."""
+
+    def __init__(self, build_ms: float = CUDNN_BUILD_MS, extra_ms_per_tflop: float = FLASH_EXTRA_MS_PER_TFLOP):
+        self.build_ms, self.extra_ms_per_tflop = build_ms, extra_ms_per_tflop
+        self.spent: dict[tuple, float] = {}
+        self.built: set[tuple] = set()
+
+    def ready(self, shape: tuple) -> bool:
+        if shape not in self.built and self.spent.get(shape, 0.0) >= self.build_ms:
+            self.built.add(shape)
+            del self.spent[shape]
+        return shape in self.built
+
+    def charge(self, shape: tuple, tflop: float) -> None:
+        if shape not in self.built:
+            self.spent[shape] = self.spent.get(shape, 0.0) + tflop * self.extra_ms_per_tflop
+
+
+CUDNN_SHAPES = CudnnShapes()
+
+
+def bucket_uses_cudnn(bucket: Bucket, heads: int, groups: int, head_dim: int, dtype, backward: bool,
+                      shapes: CudnnShapes | None = None) -> bool:
+    """Whether a call of `bucket` runs on cuDNN (else flash): decided at the bucket's first call
+    from what its shape has cost on flash so far (`shapes`: the process's CUDNN_SHAPES), and
+    charged for this call if on flash."""
+    shapes = CUDNN_SHAPES if shapes is None else shapes
+    shape = (bucket.count, bucket.length, heads, groups, head_dim, dtype, backward)
+    if bucket.cudnn is None:
+        bucket.cudnn = shapes.ready(shape)
+    if not bucket.cudnn:
+        pairs = bucket.count * bucket.length * (bucket.length + 1) / 2
+        shapes.charge(shape, 4 * pairs * head_dim * heads * (3.5 if backward else 1.0) / 1e12)
+    return bucket.cudnn
 
 
 @dataclass
