@@ -93,7 +93,7 @@ class CudnnShapes:
     def ready(self, shape: tuple) -> bool:
         if shape not in self.built and self.spent.get(shape, 0.0) >= self.build_ms:
             self.built.add(shape)
-            del self.spent[shape]
+            self.spent.pop(shape, None)
         return shape in self.built
 
     def charge(self, shape: tuple, tflop: float) -> None:
