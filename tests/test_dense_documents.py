@@ -138,8 +138,13 @@ def test_a_shape_runs_on_flash_until_its_extra_time_pays_a_cudnn_build():
     assert all(set(r) == {False} for r in runs[:wanted]) and all(set(r) == {True} for r in runs[wanted:])
     # a 12K-row segment earns its build within its first micro-batch (13 ms of extra time a call)
     assert micro_batch(1, 12288) == [False] * layers and micro_batch(1, 12288) == [True] * layers
-    # another count, or a forward without backward (evaluation), is another shape, another account
-    assert micro_batch(2, 3456) == [False] * layers and micro_batch(1, 3456, backward=False) == [False] * layers
+    # another count is another shape, another account
+    assert micro_batch(2, 3456) == [False] * layers
+    # a forward without backward (evaluation, or the first forward under activation recompute)
+    # charges the shape's account for the forward alone
+    fresh = CudnnShapes(build_ms=90.0, extra_ms_per_tflop=1.5)
+    bucket_uses_cudnn(Bucket(3456, 1, 0, 1), 64, 4, 128, torch.bfloat16, False, fresh)
+    assert list(fresh.spent.values()) == pytest.approx([per_batch / layers / 3.5])
     # a bucket decides once: a call after the account is full keeps the micro-batch's choice
     bucket = Bucket(4096, 1, 0, 1)
     assert not bucket_uses_cudnn(bucket, 64, 4, 128, torch.bfloat16, True, CudnnShapes(build_ms=1e-9))

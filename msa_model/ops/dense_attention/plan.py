@@ -108,9 +108,11 @@ def bucket_uses_cudnn(bucket: Bucket, heads: int, groups: int, head_dim: int, dt
                       shapes: CudnnShapes | None = None) -> bool:
     """Whether a call of `bucket` runs on cuDNN (else flash): decided at the bucket's first call
     from what its shape has cost on flash so far (`shapes`: the process's CUDNN_SHAPES), and
-    charged for this call if on flash."""
+    charged for this call if on flash (its forward, and its backward if `backward`)."""
     shapes = CUDNN_SHAPES if shapes is None else shapes
-    shape = (bucket.count, bucket.length, heads, groups, head_dim, dtype, backward)
+    # one account per shape whatever the call: under activation recompute the first forward runs
+    # without grad and the recomputed one with it, and both are this shape's work
+    shape = (bucket.count, bucket.length, heads, groups, head_dim, dtype)
     if bucket.cudnn is None:
         bucket.cudnn = shapes.ready(shape)
     if not bucket.cudnn:
