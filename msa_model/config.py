@@ -695,6 +695,17 @@ def validate(cfg, world_size: Optional[int] = None, gpu: Optional[bool] = None) 
     _check(errors, m.num_query_groups % p.tp == 0 or p.tp % m.num_query_groups == 0,
            f"model.num_query_groups ({m.num_query_groups}) and parallel.tp ({p.tp}) must divide one another")
     _check(errors, m.num_layers % p.pp == 0, f"model.num_layers ({m.num_layers}) must be a multiple of parallel.pp ({p.pp})")
+    if p.ep > 1 and p.pp > 1 and m.num_layers % p.pp == 0:
+        # with EP the experts have an optimizer of their own; on a stage without experts it holds no
+        # parameter, and megatron's distributed optimizer (torch's Adam) cannot save its state
+        per_stage, moe = m.num_layers // p.pp, moe_layers(m)
+        empty = [s for s in range(p.pp) if not any(moe[s * per_stage:(s + 1) * per_stage])]
+        first = empty[0] if empty else 0
+        _check(errors, not empty or len(empty) == p.pp,
+               f"parallel.ep ({p.ep}) with parallel.pp ({p.pp}): pipeline stage {first} (layers "
+               f"{first * per_stage}-{(first + 1) * per_stage - 1}) holds no MoE layer, and the distributed "
+               "optimizer cannot checkpoint the experts' optimizer on a stage without experts; choose parallel.pp "
+               "so that every stage holds MoE layers (model.first_dense_layers, model.mlp_types), or parallel.ep=1")
     _check(errors, m.seq_length % (2 * p.cp) == 0 or p.cp == 1,
            f"model.seq_length ({m.seq_length}) must be a multiple of 2 * parallel.cp ({2 * p.cp})")
     _check(errors, not (p.tp > 1 and m.num_experts > 0) or p.sequence_parallel,

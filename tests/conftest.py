@@ -34,10 +34,11 @@ os.environ["MSA_DATA_CACHE_DIR"] = _SESSION_CACHE
 # than 10 s). The SLURM campaign (161 s), whose jobs are most of its time, leads
 FILE_SECONDS = {
     "test_sparse_attention_triton.py": 296, "test_convert_checkpoints.py": 106, "test_late_teacher.py": 98,
-    "test_ops_q_offset.py": 83, "test_select_blocks_triton.py": 75, "test_recipes.py": 74, "test_parallel.py": 69,
-    "test_readme.py": 65, "test_quality_experiment.py": 60, "test_indexer_kl_triton.py": 56,
+    "test_ops_q_offset.py": 83, "test_select_blocks_triton.py": 75, "test_recipes.py": 74, "test_parallel.py": 75,
+    "test_readme.py": 65, "test_quality_experiment.py": 60, "test_multi_gpu_driver.py": 60,
+    "test_indexer_kl_triton.py": 56,
     "test_train_resume.py": 54, "test_ops_documents.py": 50, "test_deterministic.py": 34, "test_inputs.py": 34,
-    "test_msa_gradients.py": 33, "test_parallel_checkpoint.py": 32, "test_convert_deepspeed.py": 29,
+    "test_msa_gradients.py": 33, "test_parallel_checkpoint.py": 50, "test_convert_deepspeed.py": 29,
     "test_convert_m3.py": 28, "test_fp8_probs.py": 27, "test_preemption.py": 26, "test_msa_diagnostics.py": 26,
     "test_failures.py": 23, "test_convert_hf.py": 21, "test_cpt_tokenizer.py": 20, "test_checkpoint_guards.py": 19,
     "test_kl_temperature.py": 19, "test_train_blend.py": 18, "test_dense_documents.py": 17,

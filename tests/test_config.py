@@ -88,11 +88,22 @@ def test_wrong_type_is_an_error():
     (["checkpoint.keep=-1"], "checkpoint.keep must be >= 0"),
     (["optim.beta2=1.0"], r"optim.beta2 must be in \[0, 1\)"),
     (["model.msa.kl_temperature=0"], "model.msa.kl_temperature must be a finite positive number"),
+    # 4 layers, the first dense: one layer a stage leaves stage 0 without experts
+    (["parallel.pp=4", "parallel.ep=2"], "holds no MoE layer"),
 ])
 def test_bad_values_fail_early_naming_the_field(overrides, field):
     cfg = _compose(*overrides)
     with pytest.raises(ConfigError, match=field.replace("*", r"\*").replace(".", r"\.")):
         validate(cfg, world_size=1)
+
+
+def test_expert_and_pipeline_parallelism_need_experts_on_every_stage():
+    # stage 0 holds layers 0 (dense) and 1 (MoE): every stage has experts
+    validate(_compose("parallel.pp=2", "parallel.ep=2", "parallel.global_batch_size=8"), world_size=4)
+    with pytest.raises(ConfigError, match=r"stage 0 \(layers 0-1\) holds no MoE layer"):
+        validate(_compose("parallel.pp=2", "parallel.ep=2", "model.first_dense_layers=2"), world_size=4)
+    # without EP the experts share the one optimizer
+    validate(_compose("parallel.pp=2", "model.first_dense_layers=2"), world_size=2)
 
 
 def test_world_size_checks_name_the_batch_fields():

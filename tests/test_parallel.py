@@ -1,6 +1,7 @@
 """Every parallel layout trains like one process: TP, PP, EP, DP and CP alone and TP combined with
-CP, each layout's ranks processes of their own over gloo on CPU, fp32. So do the memory and speed options of one process:
-activation recomputation (bit for bit) and grouped-GEMM experts (within 1e-5).
+CP and with EP, each layout's ranks processes of their own over gloo on CPU, fp32. So do the memory
+and speed options of one process: activation recomputation (bit for bit) and grouped-GEMM experts
+(within 1e-5).
 
 Each layout runs two steps of the tiny MSA-MoE model from the same initial weights and data: step
 1 in the indexer warmup (dense attention, dense KL), step 2 sparse (top-k blocks). Compared with
@@ -39,6 +40,9 @@ LAYOUTS = {
     "dp2": (2, []),
     "cp2": (2, ["parallel.cp=2"]),
     "tp2_cp2": (4, ["parallel.tp=2", "parallel.cp=2", "parallel.sequence_parallel=true",
+                    "model.make_vocab_size_divisible_by=64"]),
+    # expert tensor parallelism: the dispatcher gathers each TP rank's tokens, a different count a rank
+    "tp2_ep2": (4, ["parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true",
                     "model.make_vocab_size_divisible_by=64"]),
     # one process, other execution of the same math
     "recompute_full": (1, ["model.recompute=full"]),

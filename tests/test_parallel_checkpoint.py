@@ -1,7 +1,8 @@
-"""A checkpoint saved at one parallel layout resumes at another: model and distributed-optimizer
-state are resharded by dist_checkpointing, and the next steps' loss, KL and grad norm equal those
-of the run that kept going at the saving layout (fp32, CPU/gloo, 1e-5 relative). The second step
-after the load also checks the restored Adam moments and step counts."""
+"""A checkpoint saved at one parallel layout resumes at another (and one of expert parallelism, whose
+optimizer is a chain of two, at its own): model and distributed-optimizer state are resharded by
+dist_checkpointing, and the next steps' loss, KL and grad norm equal those of the run that kept
+going at the saving layout (fp32, CPU/gloo, 1e-5 relative). The second step after the load also
+checks the restored Adam moments and step counts."""
 
 from __future__ import annotations
 
@@ -14,12 +15,14 @@ STEPS = ("trainer.max_steps=4", "trainer.indexer_warmup_tokens=1024", "checkpoin
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("saved,loaded", [
+@pytest.mark.parametrize("saved,loaded,loaded_nproc", [
     (["parallel.tp=2", "parallel.sequence_parallel=true", "model.make_vocab_size_divisible_by=64"],
-     ["model.make_vocab_size_divisible_by=128"]),
-    (["parallel.pp=2"], []),
-], ids=["tp2_to_tp1", "pp2_to_pp1"])
-def test_resume_at_another_layout(tmp_path, data_cache, saved, loaded):
+     ["model.make_vocab_size_divisible_by=128"], 1),
+    (["parallel.pp=2"], [], 1),
+    # the experts' own optimizer makes the optimizer a chain: its state is chained_<i>.optimizer.*
+    (["parallel.ep=2"], ["parallel.ep=2"], 2),
+], ids=["tp2_to_tp1", "pp2_to_pp1", "ep2_to_ep2"])
+def test_resume_at_another_layout(tmp_path, data_cache, saved, loaded, loaded_nproc):
     cache = data_cache
     run_train(tmp_path / "saved", *STEPS, "checkpoint.interval=2", *saved, data_cache=cache, nproc=2)
     ckpt = tmp_path / "saved" / "checkpoints"
@@ -27,7 +30,7 @@ def test_resume_at_another_layout(tmp_path, data_cache, saved, loaded):
     assert (ckpt / "step_00000002").is_dir()
     (ckpt / "latest").write_text("step_00000002\n")
     proc = run_train(tmp_path / "loaded", *STEPS, "checkpoint.interval=0", f"checkpoint.dir={ckpt}", *loaded,
-                     data_cache=cache)
+                     data_cache=cache, nproc=loaded_nproc)
     assert "resumed from" in proc.stdout + proc.stderr
     kept, resumed = metrics(tmp_path / "saved"), metrics(tmp_path / "loaded")
     assert sorted(resumed) == [3, 4] and resumed[3]["phase"] == kept[3]["phase"] == "sparse"

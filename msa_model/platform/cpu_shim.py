@@ -14,6 +14,7 @@ DP/TP/PP/EP over gloo. Nothing here changes numerics: it only answers "which dev
 | `param.type() == "torch.cuda.FloatTensor"` checks       | the same mode reports `torch.cuda.*Tensor` for float tensors |
 | CUDA streams/events/synchronize (MoE dispatch, DDP, p2p) | no-op stand-ins                               |
 | alltoall dispatcher wants numpy split sizes (converted only for CUDA tensors) | convert CPU split tensors with `.numpy()` |
+| TP x EP: the dispatcher all-gathers a different token count per rank | pad each to the largest (gloo: equal sizes) |
 
 `install()` is idempotent and a no-op when CUDA is available, so calling it unconditionally
 at start-up is correct on both kinds of machine.
@@ -142,6 +143,7 @@ def _patch_torch_cuda() -> None:
 
 
 def _patch_megatron() -> None:
+    from megatron.core.tensor_parallel import mappings
     from megatron.core.tensor_parallel import random as mcore_random
     from megatron.core.transformer.moe import token_dispatcher
 
@@ -157,6 +159,21 @@ def _patch_megatron() -> None:
         return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
 
     token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+    gather = mappings._gather_along_first_dim
+
+    def gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        # the alltoall dispatcher under expert tensor parallelism (TP and EP) gathers each rank's
+        # tokens, a different count on each rank (forward, and the backward of its reduce-scatter)
+        if output_split_sizes is None or len(set(output_split_sizes)) == 1:
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        rows = max(output_split_sizes)
+        padded = input_.new_zeros((rows, *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        parts = gather(padded, group).split(rows)
+        return torch.cat([part[:n] for part, n in zip(parts, output_split_sizes)])
+
+    mappings._gather_along_first_dim = gather_along_first_dim
 
 
 def install() -> bool:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import pickle
+import re
 from pathlib import Path
 
 from torch.distributed.checkpoint.api import CheckpointException
@@ -103,12 +104,18 @@ def _model_tensor_shapes(module) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def is_optimizer_key(key: str) -> bool:
+    """A checkpoint key of optimizer state: `optimizer.*`, or `chained_<i>.optimizer.*` when the
+    optimizer is a chain (expert parallelism gives the experts an optimizer of their own)."""
+    return re.match(r"(chained_\d+\.)?optimizer\.", key) is not None
+
+
 def stored_model_shapes(step_dir: str | Path) -> dict[str, tuple[int, ...]]:
     """Checkpoint key -> global shape of the model tensors (optimizer state left out)."""
     from megatron.core import dist_checkpointing
 
     meta = dist_checkpointing.load_tensors_metadata(str(step_dir))
-    return {k: tuple(v.global_shape) for k, v in meta.items() if not k.startswith("optimizer.")}
+    return {k: tuple(v.global_shape) for k, v in meta.items() if not is_optimizer_key(k)}
 
 
 def tensor_diff(module, step_dir: str | Path, ignore_missing=lambda key: False) -> list[str]:
