@@ -4,7 +4,6 @@ signal, and the checks of the stop save and of the relaunch)."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -20,6 +19,8 @@ from typing import Callable
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 from check_deterministic import COMPARED  # noqa: E402  (the per-step numbers a deterministic resume keeps)
+sys.path.insert(0, str(REPO / "scripts"))
+from quality_report import records as read_records  # noqa: E402  (metrics.jsonl, the last record of each step)
 
 PARTS = ("parity", "preempt", "cp", "scaling")
 # every logged number a resumed run must repeat bit for bit, validation included
@@ -164,20 +165,6 @@ class Job:
         """The command without the machine's paths: a result made with another command is not this job's."""
         text = " ".join(self.argv()).replace(str(work), "<work>").replace(sys.executable, "python")
         return re.sub(r"data\.cache_dir=\S+", "data.cache_dir=<cache>", text)
-
-
-def read_records(run_dir: Path | None) -> list[dict]:
-    path = run_dir / "metrics.jsonl" if run_dir else None
-    if path is None or not path.is_file():
-        return []
-    by_step = {}
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        by_step[rec["step"]] = rec
-    return [by_step[s] for s in sorted(by_step)]
 
 
 def summarise(records: list[dict], world: int) -> dict:

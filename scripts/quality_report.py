@@ -12,15 +12,18 @@ import tarfile
 from pathlib import Path
 
 
-def records(run_dir: Path) -> list[dict]:
-    """metrics.jsonl, the last record of each step (a resumed run may have rewritten steps)."""
-    path = run_dir / "metrics.jsonl"
+def records(run_dir: Path | None) -> list[dict]:
+    """metrics.jsonl, the last record of each step (a resumed run may have rewritten steps); a
+    line cut short (its writer killed) is skipped; [] without a run directory or file."""
+    path = run_dir / "metrics.jsonl" if run_dir else None
     by_step = {}
-    if path.is_file():
+    if path is not None and path.is_file():
         for line in path.read_text().splitlines():
-            if line.strip():
+            try:
                 rec = json.loads(line)
-                by_step[rec["step"]] = rec
+            except json.JSONDecodeError:
+                continue
+            by_step[rec["step"]] = rec
     return [by_step[s] for s in sorted(by_step)]
 
 
