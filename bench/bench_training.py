@@ -29,9 +29,13 @@ import threading
 import time
 from pathlib import Path
 
+from msa_model.training.metrics_file import read_metrics
+
 REPO = Path(__file__).resolve().parents[1]
 # bf16 dense matrix peak of an H100/H200 SXM (datasheet), the denominator of MFU
 PEAK_TFLOPS = 989.4
+# the per-step numbers a job's result gives the median of
+TIMED = ("tokens_per_s", "tflops_per_gpu", "step_ms", "attention_ms", "moe_ms", "keys_per_query", "lm_loss", "kl_loss")
 
 VARIANTS = {  # name -> recipe overrides
     "dense": ["recipe=dense"],
@@ -61,23 +65,25 @@ def job_args(variant: str, T: int, steps: int, tokens_per_step: int, recompute: 
     return args + extra
 
 
-def summarise(run_dir: Path, returncode: int, log: str) -> dict:
-    path = run_dir / "metrics.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-    out = {"returncode": returncode, "steps": len(rows)}
-    if returncode != 0:
-        out["error"] = "out of memory" if "out of memory" in log else log.strip().splitlines()[-1:] or ["?"]
-    timed = rows[2:] or rows[1:] or rows
-    if not timed:
-        return out
-    for key in ("tokens_per_s", "tflops_per_gpu", "step_ms", "attention_ms", "moe_ms", "keys_per_query", "lm_loss",
-                "kl_loss"):
+def step_medians(records: list[dict], keys: tuple[str, ...]) -> dict:
+    """The step count, the median of each of `keys` over the steps after the first two (Triton
+    compilation, cuDNN plans; fewer when the run logged fewer) and the peak memory over all steps."""
+    out = {"steps": len(records)}
+    timed = records[2:] or records[1:] or records
+    for key in keys:
         values = [r[key] for r in timed if r.get(key) is not None]
         if values:
             out[key] = statistics.median(values)
-    peaks = [r["peak_mem_gib"] for r in rows if "peak_mem_gib" in r]
+    peaks = [r["peak_mem_gib"] for r in records if "peak_mem_gib" in r]
     if peaks:
         out["peak_mem_gib"] = max(peaks)
+    return out
+
+
+def summarise(run_dir: Path, returncode: int, log: str) -> dict:
+    out = {"returncode": returncode, **step_medians(read_metrics(run_dir), TIMED)}
+    if returncode != 0:
+        out["error"] = "out of memory" if "out of memory" in log else log.strip().splitlines()[-1:] or ["?"]
     if "step_ms" in out:
         out["rest_ms"] = out["step_ms"] - out.get("attention_ms", 0.0) - out.get("moe_ms", 0.0)
     return out

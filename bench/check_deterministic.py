@@ -29,6 +29,8 @@ import sys
 import time
 from pathlib import Path
 
+from msa_model.training.metrics_file import read_metrics
+
 REPO = Path(__file__).resolve().parents[1]
 COMPARED = ("lm_loss", "kl_loss", "moe_aux_loss", "grad_norm", "grad_norm_msa_index", "lr", "keys_per_query",
             "phase", "tokens")
@@ -47,11 +49,7 @@ def train(run_dir: Path, args: list[str], log: Path, timeout: int) -> None:
 
 
 def rows(run_dir: Path) -> dict[int, dict]:
-    out = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        out[rec["step"]] = rec
-    return out
+    return {rec["step"]: rec for rec in read_metrics(run_dir)}
 
 
 def checkpoint_tensors(step_dir: Path, tmp: Path) -> dict:

@@ -89,9 +89,11 @@ import threading
 import time
 from pathlib import Path
 
+from msa_model.training.metrics_file import read_metrics
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from multi_gpu_plan import (CPU, GPU, LAYOUTS, PARTS, REPO, InputError, Job, Plan, last_error,  # noqa: E402
-                            progress_lines, read_records, say, shell, signal_tree, summarise)
+                            progress_lines, say, shell, signal_tree, summarise)
 from multi_gpu_report import analyse, machine, markdown  # noqa: E402
 
 
@@ -349,7 +351,8 @@ class Driver:
     def finish(self, job: Job, rc, wall: float) -> None:
         log = self.logs / f"{job.file}.log"
         text = log.read_text(errors="replace") if log.is_file() else ""
-        records = read_records(job.run_dir)
+        # a job without a run directory (data preparation) logs no steps
+        records = read_metrics(job.run_dir) if job.run_dir else []
         result = {"status": "ok" if rc == 0 else "failed", "rc": rc, "wall_s": round(wall, 1), "log": str(log),
                   "records": records, "summary": summarise(records, job.world)}
         if rc == "timeout":

@@ -9,18 +9,18 @@ import os
 import re
 import shlex
 import signal
-import statistics
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from msa_model.training.metrics_file import read_metrics
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
+from bench_training import step_medians  # noqa: E402
 from check_deterministic import COMPARED  # noqa: E402  (the per-step numbers a deterministic resume keeps)
-sys.path.insert(0, str(REPO / "scripts"))
-from quality_report import records as read_records  # noqa: E402  (metrics.jsonl, the last record of each step)
 
 PARTS = ("parity", "preempt", "cp", "scaling")
 # every logged number a resumed run must repeat bit for bit, validation included
@@ -169,17 +169,9 @@ class Job:
 
 def summarise(records: list[dict], world: int) -> dict:
     """Medians over the steps after the first two (compilation, cuDNN plans), peak memory over all."""
-    timed = records[2:] or records[1:] or records
-    out = {"steps": len(records)}
-    for key in ("tokens_per_s", "step_ms", "tflops_per_gpu"):
-        values = [r[key] for r in timed if r.get(key) is not None]
-        if values:
-            out[key] = statistics.median(values)
+    out = step_medians(records, ("tokens_per_s", "step_ms", "tflops_per_gpu"))
     if "tokens_per_s" in out:
         out["tokens_per_s_per_gpu"] = out["tokens_per_s"] / max(world, 1)
-    peaks = [r["peak_mem_gib"] for r in records if "peak_mem_gib" in r]
-    if peaks:
-        out["peak_mem_gib"] = max(peaks)
     return out
 
 
@@ -371,7 +363,7 @@ class Plan:
         step is logged."""
         if "signal_after_step" in job.note:
             return
-        records = read_records(job.run_dir)
+        records = read_metrics(job.run_dir)
         latest = job.run_dir / "checkpoints" / "latest"
         if records and records[-1]["step"] >= self.z.drill_signal_after and latest.is_file():
             step = records[-1]["step"]

@@ -20,6 +20,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from msa_model.training.metrics_file import read_metrics
+
 REPO = Path(__file__).resolve().parents[1]
 
 SEQ_LENGTH, GLOBAL_BATCH = 256, 8
@@ -38,8 +40,7 @@ def train(overrides: list[str]) -> None:
 
 
 def kl_curve(run_dir: Path) -> list[float]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return [r["kl_loss"] for r in rows if r.get("kl_loss") is not None]
+    return [r["kl_loss"] for r in read_metrics(run_dir) if r.get("kl_loss") is not None]
 
 
 def main() -> None:

@@ -59,9 +59,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from msa_model.training.metrics_file import read_metrics
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quality_report import archive, markdown, plot, records, summarize  # noqa: E402
+from quality_report import archive, markdown, plot, summarize  # noqa: E402
 PRESETS = {
     # one H200: 8K context, 8 x 8K tokens a step
     "small": {"model": "small", "seq": 8192, "micro": 2, "gbs": 8, "log": 10, "diag": 50, "warmup_steps": 10,
@@ -376,7 +378,7 @@ class Scheduler:
         for job in self.jobs.values():
             if job.run is not None and job.kind in ("train", "parent") and \
                     self.s.data_signature(job.run) == self.s.data_signature(run):
-                if records(job.run.dir if job.kind == "train" else self.parent_dir(job.run.name)):
+                if read_metrics(job.run.dir if job.kind == "train" else self.parent_dir(job.run.name)):
                     self.ready_data.mkdir(exist_ok=True)
                     (self.ready_data / self.s.data_signature(run)).touch()
                     return True
@@ -513,7 +515,7 @@ class Scheduler:
                                   or f"is already at step {n} of {n}" in log.read_text())
 
     def progress(self, job: Job) -> int:
-        recs = records(job.run.dir)
+        recs = read_metrics(job.run.dir)
         return recs[-1]["step"] if recs else job.started_step
 
     def drop_branch_checkpoint(self, run: Run) -> None:

@@ -11,20 +11,7 @@ import statistics
 import tarfile
 from pathlib import Path
 
-
-def records(run_dir: Path | None) -> list[dict]:
-    """metrics.jsonl, the last record of each step (a resumed run may have rewritten steps); a
-    line cut short (its writer killed) is skipped; [] without a run directory or file."""
-    path = run_dir / "metrics.jsonl" if run_dir else None
-    by_step = {}
-    if path is not None and path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            by_step[rec["step"]] = rec
-    return [by_step[s] for s in sorted(by_step)]
+from msa_model.training.metrics_file import read_metrics
 
 
 def _mean(values):
@@ -38,7 +25,7 @@ def _std(values):
 def run_summary(study, run) -> dict:
     """One run (a quality_experiment.Run of the Study `study`): its final loss and KL (done runs
     only), last recall@k, median tokens/s, peak memory, eval accuracy."""
-    recs = records(run.dir)
+    recs = read_metrics(run.dir)
     w = study.args.final_window or study.preset["final_window"]
     last = recs[-w:]
 
@@ -196,7 +183,7 @@ def plot(summary: dict, study, path: Path) -> None:
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, name in enumerate(summary["arms"]):
         for j, run in enumerate(r for r in study.runs.values() if r.arm.name == name):
-            recs = records(run.dir)
+            recs = read_metrics(run.dir)
             shift = study.mid * study.step_tokens if run.arm.base == "cpt" else 0
             ax.plot([(r["tokens"] + shift) / 1e6 for r in recs], [r["lm_loss"] for r in recs], lw=0.8,
                     color=colors[i % len(colors)], label=name if j == 0 else None)

@@ -254,7 +254,7 @@ class ConsoleLine(MetricsSink):
 
 class JsonlFile(MetricsSink):
     """One JSON line per record in <run_dir>/metrics.jsonl; a resumed run first drops the records
-    written after the step it resumes from."""
+    written after the step it resumes from. metrics_file.read_metrics reads it back without torch."""
 
     def __init__(self, path: str | Path):
         self.path, self.file = Path(path), None
