@@ -52,6 +52,13 @@ def test_every_recipe_masks_packed_documents_unless_told_not_to(recipe):
     assert _compose(f"recipe={recipe}", "data.document_mask=false").data.document_mask is False
 
 
+@pytest.mark.parametrize("recipe, clip", [("cpt", 1.0), ("msa_109b_cpt", 1.0), ("pt", None), ("msa_109b_pt", None),
+                                           ("dense", None)])
+def test_cpt_recipes_clip_the_index_branch_on_its_own(recipe, clip):
+    assert _compose(f"recipe={recipe}").optim.index_clip_grad == clip
+    assert _compose(f"recipe={recipe}", "optim.index_clip_grad=null").optim.index_clip_grad is None
+
+
 @pytest.fixture(scope="module")
 def pt_109b_dry_run() -> str:
     """The dry run of the full-scale MSA-PT recipe (about a minute of CPU: the 109B model on the
