@@ -103,7 +103,8 @@ def parse_blend(entries, key: str) -> tuple[list[str], list[float], list[str]]:
         elif isinstance(entry, Sequence) and len(entry) == 2:
             weight, prefix = entry
         else:
-            problems.append(f"{key}[{i}]: {entry!r} is not [weight, prefix] or a prefix")
+            problems.append(f"{key}[{i}]: {entry!r} is not [weight, prefix] or a prefix "
+                            f"(a blend is {key}=[[weight,prefix],...] or {key}=[prefix,...])")
             continue
         try:
             weight = float(weight)

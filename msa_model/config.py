@@ -682,10 +682,13 @@ def validate(cfg, world_size: Optional[int] = None, gpu: Optional[bool] = None) 
                "for the sparse phase to select anything; "
                + fitting_geometry_hint(m.seq_length, msa.block_size, msa.topk, msa.local_blocks))
         run_tokens = t.max_steps * p.global_batch_size * m.seq_length
+        # the fix a shortened run needs, in whole steps
+        half_run = t.max_steps // 2 * p.global_batch_size * m.seq_length
         _check(errors, t.indexer_warmup_tokens < run_tokens,
                f"trainer.indexer_warmup_tokens ({t.indexer_warmup_tokens:,}) must be < the run's tokens "
                f"(trainer.max_steps * parallel.global_batch_size * model.seq_length = {run_tokens:,}); "
-               "otherwise top-k selection never switches on (use recipe=dense for a dense run)")
+               f"otherwise top-k selection never switches on; trainer.indexer_warmup_tokens={half_run} warms up "
+               "for half the run (use recipe=dense for a dense run)")
         _check(errors, m.seq_length % msa.block_size == 0,
                f"model.seq_length ({m.seq_length}) must be a multiple of model.msa.block_size ({msa.block_size})")
     # whole GQA groups per tensor-parallel rank, so no group's indexer KL spans ranks

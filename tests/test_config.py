@@ -97,6 +97,13 @@ def test_bad_values_fail_early_naming_the_field(overrides, field):
         validate(cfg, world_size=1)
 
 
+def test_a_short_run_is_told_the_indexer_warmup_that_fits():
+    # tiny: 8 x 512 tokens a step; the default warmup (40 steps) outlasts a 10-step run
+    with pytest.raises(ConfigError, match=r"trainer.indexer_warmup_tokens=20480 warms up for half the run"):
+        validate(_compose("trainer.max_steps=10"), world_size=1)
+    validate(_compose("trainer.max_steps=10", "trainer.indexer_warmup_tokens=20480"), world_size=1)
+
+
 def test_expert_and_pipeline_parallelism_need_experts_on_every_stage():
     # stage 0 holds layers 0 (dense) and 1 (MoE): every stage has experts
     validate(_compose("parallel.pp=2", "parallel.ep=2", "parallel.global_batch_size=8"), world_size=4)

@@ -196,3 +196,14 @@ def test_damaged_checkpoint_cli(kind, tmp_path):
     last = proc.stderr.strip().splitlines()[-1]
     assert re.match(rf"error: {re.escape(str(bad_file))}: {what}", last), last
     assert "Traceback" not in proc.stderr and not out.exists()
+
+
+@pytest.mark.parametrize("command", ["dense-to-msa", "msa-to-hf"])
+def test_a_missing_checkpoint_is_named_as_missing(command, tmp_path):
+    """A mistyped source path says so, rather than asking for --model-config."""
+    from msa_model.convert.commands import dense_to_msa, msa_to_hf
+
+    convert = {"dense-to-msa": dense_to_msa, "msa-to-hf": msa_to_hf}[command]
+    with pytest.raises(ConversionError, match=r"nothing/checkpoints: no such checkpoint directory"):
+        convert(str(tmp_path / "nothing" / "checkpoints"), str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()

@@ -62,6 +62,9 @@ def _refused(tmp_path, *overrides) -> list[str]:
     assert not run.exists() and not (tmp_path / "cache").exists()
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert "Traceback" not in proc.stderr
+    # each problem once, and no library notice from reading the datasets' indices before the
+    # process group exists (megatron's "Could not determine rank")
+    assert len(lines) == len(set(lines)) and "UserWarning" not in proc.stderr, lines
     return lines
 
 
@@ -75,6 +78,10 @@ def test_bad_blends_are_refused_before_anything_is_written(tmp_path, prepared):
     text = "\n".join(lines)
     assert f"weight -1.0 of {b} must be > 0" in text and f"{a} is listed twice" in text
     assert f"{tmp_path}/nothing.json is missing" in text
+    # Megatron-LM's flat --data-path order: named once, with the form that works
+    lines = _refused(tmp_path, f"data.blend=[0.7,{a},0.3,{b}]", f"data.tokenizer={tok_dir}")
+    assert any("data.blend[0]: 0.7 is not [weight, prefix] or a prefix" in line and "[[weight,prefix],...]" in line
+               for line in lines), lines
     lines = _refused(tmp_path, f"data.blend=[{a},{byte_set}]", f"data.tokenizer={tok_dir}")
     assert any("prepared with different tokenizers" in line for line in lines)
     lines = _refused(tmp_path, f"data.blend=[{a}]", "data.tokenizer=byte")

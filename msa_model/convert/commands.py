@@ -231,8 +231,16 @@ def _padded_vocab_in_checkpoint(src) -> int:
     return int(meta["embedding.word_embeddings.weight"].global_shape[0])
 
 
+def _require_checkpoint_dir(src: str) -> None:
+    """A mistyped source is named as missing, before the searches for its model config and
+    conversion record would report what they could not find in it."""
+    if not Path(src).is_dir():
+        raise ConversionError(f"{src}: no such checkpoint directory")
+
+
 def _load_source(src: str, model_config: str | None) -> tuple[ModelConfig, ModelConfig, object]:
     """(config as recorded, config used to build, loaded TP=1 model) of one of our checkpoints."""
+    _require_checkpoint_dir(src)
     cfg = mio.load_model_config(model_config or mio.find_model_config(src))
     build_cfg = cfg if cfg.vocab_size is not None else dataclasses.replace(cfg, vocab_size=_padded_vocab_in_checkpoint(src))
     parallel = mio.init_megatron()
@@ -284,6 +292,7 @@ def _checkpoint_tokenizer(src: str):
 def msa_to_hf(src: str, out: str, *, family: str | None = None, model_config: str | None = None,
               dtype: str | None = None, max_shard_size: int = 5 * 2**30) -> Path:
     """One of our checkpoints (MSA or dense) -> a Hugging Face directory in the source family's names."""
+    _require_checkpoint_dir(src)
     record = mio.find_conversion_record(src) or {}
     family = family or record.get("family")
     if family is None:

@@ -30,6 +30,9 @@ _WARNINGS = (
     ("full scope is deprecated", UserWarning, r"megatron\..*"),
     # an import-time notice of a multimodal model class this project does not use
     ("MimoModelConfig is experimental", UserWarning, r"megatron\..*"),
+    # megatron's indexed dataset logs through its rank helper; the prepared datasets are checked
+    # before the process group exists, on the one process that checks them
+    ("Could not determine rank from torch.distributed", UserWarning, r"megatron\..*"),
     # megatron reads .grad of non-leaf tensors while collecting params
     ("The .grad attribute of a Tensor that is not a leaf", UserWarning, r".*"),
     # torch.distributed.checkpoint on megatron's calls: metadata read outside a process group, its

@@ -201,7 +201,8 @@ def run(cfg: DictConfig, notes: list[str] | tuple[str, ...] = ()) -> None:
     ckpt_root = Path(cfg.checkpoint.dir or Path(cfg.run_dir) / "checkpoints")
     tokenizer, tokenizer_source, more = _tokenizer(cfg)
     if problems or more:
-        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems + more))
+        # the blend's entries are the schema's and the datasets' check both: each line once
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(dict.fromkeys(problems + more)))
 
     from data.tokenizer import describe_identity
     from msa_model.training import checkpoint as ckpt
