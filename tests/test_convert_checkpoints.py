@@ -23,7 +23,9 @@ from skeleton_helpers import run_python
 
 REPO = Path(__file__).resolve().parents[1]
 GEOMETRY = ["--seq-length", "128", "--block-size", "16", "--topk", "2"]
-RUN = ["data.max_bytes=100000", "parallel.micro_batch_size=1", "parallel.global_batch_size=2",
+# data.tokenizer=byte: the tiny Hugging Face models are saved without tokenizer files, so their
+# conversions record none and a run from them names the tokenizer it reads
+RUN = ["data.tokenizer=byte", "data.max_bytes=100000", "parallel.micro_batch_size=1", "parallel.global_batch_size=2",
        "logging.wandb_mode=disabled", "logging.tensorboard=false", "logging.log_interval=1",
        "logging.progress_bar=false", "checkpoint.interval=0", "trainer.stop_signals=[]", "optim.warmup_steps=1"]
 # a small dense-attention baseline of our own (MoE, GQA 4q/2kv)

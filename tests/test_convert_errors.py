@@ -207,3 +207,26 @@ def test_a_missing_checkpoint_is_named_as_missing(command, tmp_path):
     with pytest.raises(ConversionError, match=r"nothing/checkpoints: no such checkpoint directory"):
         convert(str(tmp_path / "nothing" / "checkpoints"), str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("command, earlier", [("dense-to-msa", "step_00000000"), ("hf-to-msa", "latest"),
+                                              ("deepspeed-to-msa", "step_00000000"), ("msa-to-hf", "config.json")])
+def test_an_earlier_conversion_is_replaced_only_with_overwrite(command, earlier, tmp_path, capsys):
+    """OUT holding what a conversion wrote is refused before any work (exit 2, untouched); with
+    --overwrite the command goes on (here to its missing source); an unfinished save's temporary
+    directory alone is no earlier conversion."""
+    from msa_model.convert.__main__ import main
+
+    out, src = tmp_path / "out", str(tmp_path / "missing")
+    out.mkdir()
+    (out / earlier).mkdir() if earlier.startswith("step_") else (out / earlier).write_text("{}")
+    extra = ["--hf-config", src] if command == "deepspeed-to-msa" else []
+    assert main([command, src, str(out), *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == f"error: {out} already holds a conversion ({earlier}): pass --overwrite to replace it, or give another OUT"
+    assert sorted(p.name for p in out.iterdir()) == [earlier]
+    assert main([command, src, str(out), *extra, "--overwrite"]) == 2
+    assert "already holds" not in capsys.readouterr().err
+    (out / earlier).rename(out / f".tmp-{earlier}")
+    assert main([command, src, str(out), *extra]) == 2
+    assert "already holds" not in capsys.readouterr().err

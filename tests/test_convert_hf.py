@@ -200,8 +200,13 @@ def test_cpt_from_a_conversion_with_defaults(converted, tmp_path, data_cache):
     root, _ = converted
     ckpt = root / "llama" / "msa_defaults"
     run_dir = tmp_path / "cpt"
-    proc = run_python(["train.py", "recipe=cpt", f"init_from={ckpt}", "trainer.stop_at_step=2", f"run_dir={run_dir}",
-                       f"data.cache_dir={data_cache}", "logging.wandb_mode=disabled", "logging.tensorboard=false"])
+    args = ["train.py", "recipe=cpt", f"init_from={ckpt}", "trainer.stop_at_step=2", f"run_dir={run_dir}",
+            f"data.cache_dir={data_cache}", "logging.wandb_mode=disabled", "logging.tensorboard=false"]
+    # saved without tokenizer files, the conversion records none: bytes are not assumed, nothing is written
+    proc = run_python(args)
+    assert proc.returncode == 2 and "records no tokenizer" in proc.stderr, proc.stderr[-3000:]
+    assert "data.tokenizer=<its directory>" in proc.stderr and not run_dir.exists()
+    proc = run_python([*args, "data.tokenizer=byte"])
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert f"model llama-converted as recorded by init_from={ckpt}" in out

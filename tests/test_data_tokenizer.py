@@ -172,3 +172,31 @@ def test_train_tokenizer_writes_a_tokenizer_the_trainer_and_prepare_read(tmp_pat
     assert train_tokenizer([str(corpus), "--vocab-size", "400", "--output", str(out)]) == 2  # exists, not empty
     assert train_tokenizer([str(corpus), "--vocab-size", "100", "--output", str(tmp_path / "t2")]) == 2
     assert train_tokenizer([str(tmp_path / "missing"), "--vocab-size", "400", "--output", str(tmp_path / "t3")]) == 2
+
+
+def test_init_from_without_a_recorded_tokenizer_needs_one_named(tmp_path):
+    """A checkpoint converted without its tokenizer files records none: the run refuses to fall
+    back on the byte tokenizer (its ids would train another vocabulary's embedding rows) until
+    data.tokenizer names one or the mismatch is allowed; a recorded tokenizer is taken as before."""
+    from types import SimpleNamespace
+
+    from data.tokenizer import build_tokenizer
+    from msa_model.training.data_setup import IDENTITY_FILE, TOKENIZER_DIR, tokenizer_problems
+
+    bare, recorded = tmp_path / "bare", tmp_path / "recorded"
+    bare.mkdir()
+    (recorded / TOKENIZER_DIR).mkdir(parents=True)
+    (recorded / TOKENIZER_DIR / IDENTITY_FILE).write_text(json.dumps(build_tokenizer("byte").identity))
+
+    def problems(init_dir, tokenizer=None, mismatch="refuse"):
+        data = SimpleNamespace(tokenizer=tokenizer, eod_token=None, add_bos=False, blend=None, valid_blend=None,
+                               tokenizer_mismatch=mismatch)
+        cfg = SimpleNamespace(data=data, model=SimpleNamespace(vocab_size=32000), trainer=SimpleNamespace(eval_interval=0))
+        return tokenizer_problems(cfg, None, init_dir)[2]
+
+    (refused,) = problems(bare)
+    assert f"init_from {bare} records no tokenizer" in refused and "its 32000 embedding rows" in refused
+    assert "data.tokenizer=<its directory>" in refused
+    assert problems(bare, tokenizer="byte") == []
+    assert problems(bare, mismatch="allow") == []
+    assert problems(recorded) == [] and problems(None) == []

@@ -7,7 +7,8 @@
     verify HF_DIR SRC       logits parity of our checkpoint with the transformers model
 
 Errors in the input (config, tensors, damaged files) end in `error: <file>: <what is wrong>` and
-exit code 2, with nothing written.
+exit code 2, with nothing written. An OUT that holds an earlier conversion is refused the same way
+unless --overwrite is given.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import argparse
 import json
 import logging
 import sys
+from pathlib import Path
 
 from msa_model.config import PRODUCTION_BLOCK_SIZE, PRODUCTION_TOPK
 from msa_model.convert import MAX_SEQ_LENGTH
@@ -60,11 +62,13 @@ def _parser() -> argparse.ArgumentParser:
     q = sub.add_parser("hf-to-msa", help="Hugging Face checkpoint dir -> our dist checkpoint + model config")
     q.add_argument("src")
     q.add_argument("out")
+    q.add_argument("--overwrite", action="store_true", help="replace what an earlier conversion wrote to OUT")
     hf_args(q)
 
     q = sub.add_parser("deepspeed-to-msa", help="DeepSpeed ZeRO 1/2/3 checkpoint of a Hugging Face model -> ours")
     q.add_argument("src", help="ZeRO checkpoint directory (holds `latest` and global_stepN/)")
     q.add_argument("out")
+    q.add_argument("--overwrite", action="store_true", help="replace what an earlier conversion wrote to OUT")
     q.add_argument("--hf-config", required=True, help="directory with the model's config.json")
     q.add_argument("--tag", default=None, help="checkpoint tag, e.g. global_step100 (default: `latest`)")
     hf_args(q)
@@ -72,12 +76,14 @@ def _parser() -> argparse.ArgumentParser:
     q = sub.add_parser("dense-to-msa", help="our dense checkpoint -> MSA checkpoint (tensors kept bit-identical)")
     q.add_argument("src", help="checkpoint root (with `latest`) or step directory")
     q.add_argument("out")
+    q.add_argument("--overwrite", action="store_true", help="replace what an earlier conversion wrote to OUT")
     q.add_argument("--model-config", default=None, help="model YAML or run config.yaml (default: found next to SRC)")
     index_args(q, defaults_from_model=True)
 
     q = sub.add_parser("msa-to-hf", help="our checkpoint -> Hugging Face safetensors + config.json")
     q.add_argument("src")
     q.add_argument("out")
+    q.add_argument("--overwrite", action="store_true", help="replace what an earlier conversion wrote to OUT")
     q.add_argument("--format", "--family", dest="family", choices=sorted(FAMILIES), default=None,
                    help="target family (default: the family the checkpoint was converted from); minimax_m3 "
                    "keeps the index branch in a format transformers and serving engines run as MSA")
@@ -99,6 +105,19 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def earlier_result(command: str, out: str) -> str | None:
+    """What an earlier run of `command` left in OUT and this one would replace (a few names), or
+    None. An unfinished save's temporary directory does not count: the next save clears it."""
+    out = Path(out)
+    if not out.is_dir():
+        return None
+    if command == "msa-to-hf":
+        found = [p.name for p in sorted(out.iterdir()) if p.name == "config.json" or p.suffix == ".safetensors"]
+    else:
+        found = ["latest"] * (out / "latest").is_file() + [p.name for p in sorted(out.glob("step_*"))]
+    return ", ".join(found[:3]) or None
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -111,6 +130,10 @@ def main(argv=None) -> int:
     from msa_model.convert.verify import verify
 
     try:
+        found = earlier_result(args.command, args.out) if args.command != "verify" else None
+        if found and not args.overwrite:
+            raise ConversionError(f"{args.out} already holds a conversion ({found}): pass --overwrite to replace "
+                                  "it, or give another OUT")
         geometry = {k: getattr(args, k, None) for k in ("block_size", "topk", "index_head_dim", "local_blocks")}
         if args.command in ("hf-to-msa", "deepspeed-to-msa"):
             kw = dict(attention=args.attention, index_init=args.index_init, tp=args.tp, pp=args.pp, ep=args.ep,

@@ -105,6 +105,13 @@ def tokenizer_problems(cfg, resume_dir: Path | None, init_dir: Path | None):
     if cfg.data.add_bos and tokenizer.bos is None and not cfg.data.blend:
         problems.append(f"data.add_bos: the tokenizer {describe_identity(mine)} has no beginning-of-sequence token")
     if cfg.data.tokenizer_mismatch != "allow":
+        if source == "default" and init_dir is not None and checkpoint_tokenizer(init_dir) == (None, None):
+            # a conversion of a model without its tokenizer files: bytes would index its embedding
+            rows = f"its {vocab} embedding rows" if vocab is not None else "its embedding rows"
+            problems.append(f"init_from {init_dir} records no tokenizer (converted without its tokenizer files?), so "
+                            f"this run would read the default byte tokenizer into {rows}, which another tokenizer "
+                            "may have trained: name theirs, data.tokenizer=<its directory> (data.tokenizer=byte for "
+                            "the byte tokenizer), or data.tokenizer_mismatch=allow")
         for what, step_dir in (("resume", resume_dir), ("init_from", init_dir)):
             recorded, _ = checkpoint_tokenizer(step_dir)
             if recorded is not None and not identities_match(recorded, mine):
