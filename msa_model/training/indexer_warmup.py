@@ -59,8 +59,9 @@ class IndexerWarmup(Callback):
             self.sparse = True
             return
         self._apply(trainer)
-        log.info("attention phase at step %d: %s (indexer warmup until %s tokens)", trainer.state.step,
-                 self.phase, f"{self.warmup_tokens:,}")
+        warmup = "ended at" if self.sparse else "until"
+        log.info("attention phase at step %d: %s (indexer warmup %s %s tokens)", trainer.state.step,
+                 self.phase, warmup, f"{self.warmup_tokens:,}")
 
     def on_step_start(self, trainer) -> None:
         self._apply(trainer)
