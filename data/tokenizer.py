@@ -213,6 +213,9 @@ def check_tokenizer_dir(path: str | Path) -> str | None:
     if not path.is_dir():
         return f"{path} is not a directory (use `byte` or a local Hugging Face tokenizer directory)"
     if not any((path / n).is_file() for n in _LOADABLE):
+        if _recorded_name(path) == ByteTokenizer.name:
+            # a byte-tokenizer checkpoint's tokenizer folder (identity.json only)
+            return f"{path} records the byte tokenizer, which has no files: use `byte`"
         return (f"{path} holds no tokenizer files (expected one of {', '.join(_LOADABLE)}, with "
                 "tokenizer_config.json)")
     return None

@@ -58,8 +58,12 @@ def test_bad_tokenizer_directories_are_named(tmp_path, bpe):
     (tmp_path / "empty").mkdir()
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "tokenizer.json").write_text("{not json")
+    # a byte-tokenizer checkpoint's tokenizer folder holds its identity only
+    (tmp_path / "byte").mkdir()
+    (tmp_path / "byte" / "identity.json").write_text(json.dumps(build_tokenizer("byte").identity))
     cases = {str(tmp_path / "missing"): "does not exist", str(tmp_path / "empty"): "holds no tokenizer files",
-             str(tmp_path / "broken"): "could not be loaded"}
+             str(tmp_path / "broken"): "could not be loaded",
+             str(tmp_path / "byte"): "records the byte tokenizer, which has no files: use `byte`"}
     for spec, why in cases.items():
         with pytest.raises(TokenizerError, match=why) as e:
             build_tokenizer(spec)
