@@ -33,3 +33,22 @@ def test_a_changed_config_keeps_the_earlier_one(tmp_path):
     assert OmegaConf.load(tmp_path / "config.yaml.2").lr == 5e-4
     assert OmegaConf.load(tmp_path / "config.yaml").lr == 1e-3
     assert (tmp_path / "launch.sh").exists() and (tmp_path / "git.txt").exists()
+
+
+def test_launch_sh_relaunches_with_added_overrides_last(tmp_path, monkeypatch):
+    """launch.sh reruns the job's own command in the same run dir; its arguments follow, so an
+    override given to it wins over the job's."""
+    import subprocess
+    import sys
+
+    entry = tmp_path / "entry.py"
+    entry.write_text("import sys; print(' '.join(sys.argv[1:]))\n")
+    monkeypatch.setattr(sys, "argv", [str(entry), "trainer.max_steps=10", "resume=never"])
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    write_run_files(OmegaConf.create({"lr": 1e-3}), run_dir)
+    out = subprocess.run(["bash", str(run_dir / "launch.sh"), "trainer.max_steps=4"], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ["trainer.max_steps=10", f"run_dir={run_dir.resolve()}", "trainer.max_steps=4"]

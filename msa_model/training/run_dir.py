@@ -137,8 +137,14 @@ def write_run_files(cfg, run_dir: Path) -> None:
     config.write_text(text)
     (run_dir / "git.txt").write_text(git_description())
     launch = run_dir / "launch.sh"
-    launch.write_text("#!/usr/bin/env bash\n# relaunch this run; resume=auto continues from its latest checkpoint\n"
-                      f"set -euo pipefail\ncd {shlex.quote(os.getcwd())}\n{relaunch_command(str(run_dir.resolve()))}\n")
+    command = relaunch_command(str(run_dir.resolve()))
+    note = "resume=auto continues from its latest checkpoint"
+    if not command.startswith("sbatch "):
+        # overrides given to launch.sh come last, so they win (e.g. trainer.max_steps=N)
+        command += ' "$@"'
+        note += "; arguments are added overrides"
+    launch.write_text(f"#!/usr/bin/env bash\n# relaunch this run; {note}\n"
+                      f"set -euo pipefail\ncd {shlex.quote(os.getcwd())}\n{command}\n")
     launch.chmod(0o755)
 
 
