@@ -32,7 +32,8 @@ from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
 from .cache_check import DataCacheError, problem, record
 from .corpus import list_corpus_files
-from .retrieval import Haystack, training_documents
+from . import retrieval
+from .retrieval import DEFAULT_TASKS, Haystack, training_documents
 from .shared_build import BuildLock, build_megatron_datasets, discard, wait_for_rank_0
 
 log = logging.getLogger(__name__)
@@ -49,10 +50,11 @@ def _cache_key(tokenizer_name: str, root: Path, files: list[Path], extra: str = 
 def prepare_tokens(data_cfg, tokenizer=None, build: bool = True, seq_length: int | None = None) -> str:
     """Return the indexed-dataset path prefix of the corpus, building it if `build` and missing.
 
-    With `data_cfg.retrieval_share` > 0 synthetic retrieval documents (data.retrieval) of up to
-    `seq_length` tokens make that share of the tokens. Only one rank should build (the caller
-    synchronises); others call with build=False after. A build holds the cache's BuildLock: a
-    process of another job that needs the same cache waits for it and uses what it built.
+    With `data_cfg.retrieval_share` > 0 synthetic retrieval documents (data.retrieval) of the tasks
+    `data_cfg.retrieval_tasks`, up to `seq_length` tokens, make that share of the tokens. Only one
+    rank should build (the caller synchronises); others call with build=False after. A build holds
+    the cache's BuildLock: a process of another job that needs the same cache waits for it and uses
+    what it built.
     `tokenizer`: data.tokenizer's by default.
     """
     if tokenizer is None:
@@ -64,8 +66,7 @@ def prepare_tokens(data_cfg, tokenizer=None, build: bool = True, seq_length: int
     share = getattr(data_cfg, "retrieval_share", 0.0)
     if share > 0 and not seq_length:
         raise ValueError("data.retrieval_share needs the sequence length of the documents")
-    # the mixture is part of the key only when there is one, so plain corpora keep their caches
-    extra = f"retrieval={share},{seq_length},{data_cfg.seed}" if share > 0 else ""
+    extra = _mixture_key(data_cfg, share, seq_length)
     # the tokenizer's identity (and the BOS choice) is part of the key: another tokenizer, another cache
     bos = tokenizer.bos if data_cfg.add_bos else None
     if data_cfg.add_bos and bos is None:
@@ -98,6 +99,25 @@ def prepare_tokens(data_cfg, tokenizer=None, build: bool = True, seq_length: int
     return prefix
 
 
+def _retrieval_tasks(data_cfg) -> tuple[str, ...]:
+    return tuple(getattr(data_cfg, "retrieval_tasks", DEFAULT_TASKS))
+
+
+def _mixture_key(data_cfg, share: float, seq_length: int | None) -> str:
+    """What the synthetic documents depend on, for the cache key. The mixture counts only when there
+    is one, so plain corpora keep their caches; chosen tasks count with the generator's source (a
+    change to a task's documents builds a new cache), the default ones not, so the mixtures made
+    before the tasks could be chosen keep theirs."""
+    if share <= 0:
+        return ""
+    key = f"retrieval={share},{seq_length},{data_cfg.seed}"
+    tasks = _retrieval_tasks(data_cfg)
+    if tasks != DEFAULT_TASKS:
+        source = hashlib.sha256(Path(retrieval.__file__).read_bytes()).hexdigest()[:16]
+        key += f",tasks={'+'.join(tasks)},generator={source}"
+    return key
+
+
 def _tokenize(out_dir: Path, tokenizer, root: Path, files: list[Path], data_cfg, seq_length: int | None,
               bos: int | None) -> None:
     share = getattr(data_cfg, "retrieval_share", 0.0)
@@ -118,7 +138,8 @@ def _tokenize(out_dir: Path, tokenizer, root: Path, files: list[Path], data_cfg,
         # GPTDataset shuffles documents, so appending them after the corpus mixes them in
         haystack = Haystack(files, pool_bytes=64 * seq_length + 4_000_000, seed=data_cfg.seed)
         target = int(n_tokens * share / (1.0 - share))
-        for doc in training_documents(haystack, target, seq_length, seed=data_cfg.seed + 1):
+        for doc in training_documents(haystack, target, seq_length, seed=data_cfg.seed + 1,
+                                      tasks=_retrieval_tasks(data_cfg)):
             ids = np.concatenate([head, tokenizer.tokenize(doc), [tokenizer.eod]]).astype(np.int32)
             builder.add_document(ids, [ids.size])
             n_synthetic += ids.size

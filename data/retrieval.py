@@ -1,6 +1,6 @@
 """Synthetic long-context retrieval documents, written as Python source so they read like the corpus.
 
-Three tasks, each a haystack of corpus text with needles inserted and a question at the end whose
+Four tasks, each a haystack of corpus text with needles inserted and a question at the end whose
 answer is a 5-digit number:
 
     passkey    one `PASSKEY = "48213"` line; the end asks `assert PASSKEY == "`
@@ -8,13 +8,19 @@ answer is a 5-digit number:
                for one of them
     vartrack   a chain `VAR_x = 52817`, `VAR_y = VAR_x`, ... spread from the needle depth to the
                end, plus a distractor chain; the end asks for the last variable of the first chain
+    kvrecall   one `KEY_<word><n> = "<digits>"` line per KV_SPACING bytes (KV_MIN_PAIRS to
+               KV_MAX_PAIRS of them) at random depths; the example asks for one of them, and a
+               training document asks for every one (`assert KEY_x == "<digits>"` lines in random
+               order): 64 questions, 320 answer digits, in a document of 8K bytes, against 5 answer
+               digits a document in the other tasks
 
-`depth` in [0, 1] places the (first) needle at that fraction of the haystack. Lengths here are
-bytes, which the byte tokenizer reads as tokens; the evaluation measures them in the model's own
-tokens (`msa_model.eval.runner.example_of_tokens` searches the byte length for other tokenizers). Everything is drawn from a `random.Random`
-the caller seeds, so a (seed, task, length, depth, index) names one example on every machine. The
-same generator feeds the evaluation (msa_model.eval) and, through `data.retrieval_share`, the
-training mixture.
+`depth` in [0, 1] places the (first) needle at that fraction of the haystack; in kvrecall the
+needle of the last question. Lengths here are bytes, which the byte tokenizer reads as tokens; the
+evaluation measures them in the model's own tokens (`msa_model.eval.runner.example_of_tokens`
+searches the byte length for other tokenizers). Everything is drawn from a `random.Random` the
+caller seeds, so a (seed, task, length, depth, index) names one example on every machine. The
+same generator feeds the evaluation (msa_model.eval) and, through `data.retrieval_share` and
+`data.retrieval_tasks`, the training mixture.
 """
 
 from __future__ import annotations
@@ -23,12 +29,18 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-TASKS = ("passkey", "multikey", "vartrack")
+TASKS = ("passkey", "multikey", "vartrack", "kvrecall")
+# the training mixture's tasks unless data.retrieval_tasks says otherwise (their documents, and so
+# the caches made before kvrecall existed, stay as they were)
+DEFAULT_TASKS = ("passkey", "multikey", "vartrack")
 _WORDS = ("apple", "river", "stone", "cloud", "tiger", "maple", "ocean", "pixel", "amber", "lemon", "cedar",
           "delta", "ember", "frost", "grape", "harbor", "ivory", "jade", "koala", "lotus", "mango", "nylon",
           "orbit", "pearl", "quartz", "raven", "sable", "topaz", "umber", "velvet", "willow", "zephyr")
 NUM_KEYS = 6  # needles of the multi-key task (one asked, the rest distractors)
 CHAIN_HOPS = 4  # assignments in a variable-tracking chain
+KV_SPACING = 64  # bytes of document per key/value pair of the kvrecall task
+KV_MIN_PAIRS, KV_MAX_PAIRS = 2, 64
+KV_SUFFIXES = 10  # kvrecall keys are a word and one digit: 320 distinct names
 
 
 @dataclass
@@ -105,41 +117,77 @@ def _needles(task: str, rng: random.Random) -> tuple[list[bytes], bytes, bytes, 
     raise ValueError(f"unknown retrieval task {task!r} (known: {', '.join(TASKS)})")
 
 
-def make_example(task: str, length: int, depth: float, haystack: Haystack, rng: random.Random) -> Example:
-    """One example of exactly `length` bytes: haystack with needles, then question, then answer."""
+def _kv_pairs(length: int, depth: float, rng: random.Random, ask_all: bool):
+    """kvrecall's (needle lines, their depths, (question, answer) pairs, the last one the example's).
+    The first key is the one asked last, its needle at `depth`; the others lie at uniform depths.
+    Keys are distinct, so no question is answered by an earlier one."""
+    n = min(KV_MAX_PAIRS, max(KV_MIN_PAIRS, length // KV_SPACING))
+    keys = [f"KEY_{_WORDS[i // KV_SUFFIXES]}{i % KV_SUFFIXES}" for i in rng.sample(range(KV_SUFFIXES * len(_WORDS)), n)]
+    values = [_digits(rng) for _ in keys]
+    depths = [depth] + [rng.random() for _ in keys[1:]]
+    order = sorted(range(n), key=lambda i: depths[i])
+    lines = [f'{keys[i]} = "'.encode() + values[i] + b'"\n' for i in order]
+    asked = rng.sample(range(1, n), n - 1) + [0] if ask_all else [0]
+    questions = [(f'assert {keys[i]} == "'.encode(), values[i]) for i in asked]
+    return lines, [depths[i] for i in order], questions
+
+
+def _plan(task: str, length: int, depth: float, rng: random.Random, ask_all: bool):
+    """(needle lines in haystack order, a function of the filler's length to their byte offsets in
+    it, (question, answer) pairs in document order)."""
+    if task == "kvrecall":
+        lines, depths, questions = _kv_pairs(length, depth, rng, ask_all)
+        return lines, lambda filler: [round(d * filler) for d in depths], questions
+    lines, question, answer, placement = _needles(task, rng)
+
+    def offsets(filler: int) -> list[int]:
+        start = round(depth * filler)
+        if placement == "depth":
+            return [start] * len(lines)
+        return [start + round(i * (filler - start) / len(lines)) for i in range(len(lines))]
+
+    return lines, offsets, [(question, answer)]
+
+
+def make_example(task: str, length: int, depth: float, haystack: Haystack, rng: random.Random,
+                 ask_all: bool = False) -> Example:
+    """One example of exactly `length` bytes: haystack with needles, then question, then answer.
+
+    `ask_all` (kvrecall's training documents): a question for every needle, each but the last
+    followed by its answer and closing quote; the last one's answer is the example's answer.
+    """
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be in [0, 1], got {depth}")
-    lines, question, answer, placement = _needles(task, rng)
-    question = b"\n" + question
-    fixed = sum(len(x) + 1 for x in lines) + len(question) + len(answer)
+    lines, offsets, questions = _plan(task, length, depth, rng, ask_all)
+    answered = b"".join(b"\n" + q + a + b'"' for q, a in questions[:-1])
+    question, answer = b"\n" + questions[-1][0], questions[-1][1]
+    fixed = sum(len(x) + 1 for x in lines) + len(answered) + len(question) + len(answer)
     filler = length - fixed
     if filler < 16:
         raise ValueError(f"{task}: length {length} is too short for its needles ({fixed} bytes)")
     text = haystack.cut(filler, rng)
-    if placement == "depth":
-        cuts = [round(depth * filler)] * len(lines)
-    else:
-        start = round(depth * filler)
-        cuts = [start + round(i * (filler - start) / len(lines)) for i in range(len(lines))]
     parts, prev = [], 0
-    for cut, line in zip(cuts, lines):
+    for cut, line in zip(offsets(filler), lines):
         parts += [text[prev:cut], b"\n", line]
         prev = cut
-    parts += [text[prev:], question]
+    parts += [text[prev:], answered, question]
     prompt = b"".join(parts)
     assert len(prompt) + len(answer) == length, (len(prompt), len(answer), length)
     return Example(task, length, depth, prompt, answer)
 
 
-def training_documents(haystack: Haystack, target_bytes: int, max_length: int, seed: int):
+def training_documents(haystack: Haystack, target_bytes: int, max_length: int, seed: int,
+                       tasks: tuple[str, ...] = DEFAULT_TASKS):
     """Yield synthetic retrieval documents (bytes: prompt + answer) until `target_bytes` are made:
-    tasks uniform, depths uniform in [0, 1], lengths uniform in [max_length / 8, max_length]."""
+    `tasks` uniform, depths uniform in [0, 1], lengths uniform in [max_length / 8, max_length];
+    kvrecall documents ask for every needle."""
     rng = random.Random(seed)
     made = 0
     low = max(256, max_length // 8)
     while made < target_bytes:
-        task = rng.choice(TASKS)
-        ex = make_example(task, rng.randint(low, max(low, max_length)), rng.random(), haystack, rng)
+        task = rng.choice(tasks)
+        ex = make_example(task, rng.randint(low, max(low, max_length)), rng.random(), haystack, rng,
+                          ask_all=task == "kvrecall")
         doc = ex.prompt + ex.answer
         made += len(doc)
         yield doc

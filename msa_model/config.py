@@ -19,6 +19,7 @@ from typing import Any, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from data.retrieval import DEFAULT_TASKS as DEFAULT_RETRIEVAL_TASKS, TASKS as RETRIEVAL_TASKS
 # the ops own their geometry's limits and their options' values: PRODUCTION_* (MiniMax's block
 # size and top-k, the ops' defaults), INDEX_PRECISIONS (select_blocks' products), KL_TEACHERS
 # (where the indexer KL's teacher is computed)
@@ -285,6 +286,8 @@ class DataConfig:
     # multi-key, variable tracking; up to model.seq_length tokens each); 0: none. File-directory
     # corpus only
     retrieval_share: float = 0.0
+    # the tasks those documents draw from, uniformly; kvrecall asks for dozens of needles a document
+    retrieval_tasks: List[str] = field(default_factory=lambda: list(DEFAULT_RETRIEVAL_TASKS))
 
 
 @dataclass
@@ -557,6 +560,10 @@ def _check_data(errors: list[str], d, t, logging_cfg, dry_run: bool = False) -> 
            f"data.tokenizer_mismatch must be refuse or allow, got {d.tokenizer_mismatch!r}")
     for key in ("blend", "valid_blend"):
         errors += parse_blend(getattr(d, key), f"data.{key}")[2]
+    bad = [t for t in d.retrieval_tasks if t not in RETRIEVAL_TASKS]
+    _check(errors, not bad, f"data.retrieval_tasks: unknown {bad} (known: {', '.join(RETRIEVAL_TASKS)})")
+    _check(errors, bool(d.retrieval_tasks) or d.retrieval_share == 0,
+           "data.retrieval_tasks is empty but data.retrieval_share is not 0: name the tasks to mix (e.g. [kvrecall])")
     _check(errors, not (d.blend and d.retrieval_share > 0),
            "data.retrieval_share mixes synthetic documents into the file-directory corpus only; with data.blend, "
            "prepare them as a dataset of their own and blend it")

@@ -15,8 +15,9 @@ Arms (`--arms`, default dense,pt,cpt; `--arm "NAME=BASE KEY=VALUE ..."` adds one
             decay steps and end), the index branch is clipped on its own (optim.index_clip_grad)
             and warms up for the same tokens as pt
     dense-retr, pt-retr   dense and pt on a retrieval-heavy mixture (--retrieval-arm-share of the
-            tokens synthetic retrieval documents, `data/retrieval.py`), evaluated (passkey,
-            multi-key, variable tracking at --eval-lengths); pt-retr's reference is dense-retr
+            tokens synthetic retrieval documents, `data/retrieval.py`, of the tasks
+            --retrieval-tasks: by default passkey, multi-key, variable tracking), evaluated on
+            those tasks at --eval-lengths; pt-retr's reference is dense-retr
     NAME=BASE KEY=VALUE ...   BASE's run (dense, pt, cpt or an arm above) with train.py overrides
             on top, e.g. "pt-lb2=pt model.msa.local_blocks=2"; `vs=ARM` names its reference
             (default dense; a cpt-based arm branches from its reference's runs)
@@ -59,6 +60,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from data.retrieval import TASKS as RETRIEVAL_TASKS
 from msa_model.training.metrics_file import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -149,6 +151,12 @@ def parse_arm(text: str, known: dict[str, Arm]) -> Arm:
 
 def builtin_arms(args) -> dict[str, Arm]:
     retr = [f"data.retrieval_share={args.retrieval_arm_share}", f"data.max_bytes={args.retrieval_arm_max_bytes}"]
+    if args.retrieval_tasks:
+        tasks = [t for t in args.retrieval_tasks.split(",") if t]
+        bad = [t for t in tasks if t not in RETRIEVAL_TASKS]
+        if bad or not tasks:
+            raise InputError(f"--retrieval-tasks: unknown {bad or 'none given'} (known: {', '.join(RETRIEVAL_TASKS)})")
+        retr.append(f"data.retrieval_tasks=[{','.join(tasks)}]")
     return {"dense": Arm("dense", "dense", [], None), "pt": Arm("pt", "pt"), "cpt": Arm("cpt", "cpt"),
             "dense-retr": Arm("dense-retr", "dense", retr, None, eval=True),
             "pt-retr": Arm("pt-retr", "pt", retr, "dense-retr", eval=True)}
@@ -448,6 +456,10 @@ class Scheduler:
         if value_of(run.overrides, "data.blend") not in (None, "null"):
             # haystacks and held-out text: a run on prepared datasets has no corpus directory of its own
             cmd += ["--corpus", self.args.corpus]
+        tasks = value_of(run.overrides, "data.retrieval_tasks")
+        if tasks:
+            # a run trained on chosen tasks is scored on them (the report averages over the tasks)
+            cmd += ["--tasks", tasks.strip("[]")]
         return Job(f"eval-{run.name}", "eval", cmd, self.s.work / "eval" / f"{run.name}.log", None, run=run)
 
     def fill(self) -> None:
@@ -677,6 +689,9 @@ def parse(argv):
     p.add_argument("--index-clip-grad", default="1.0", help="the CPT arm's optim.index_clip_grad (null: joint clip)")
     p.add_argument("--retrieval-share", type=float, default=0.0, help="data.retrieval_share of every run")
     p.add_argument("--retrieval-arm-share", type=float, default=0.5, help="data.retrieval_share of the *-retr arms")
+    p.add_argument("--retrieval-tasks", default=None,
+                   help="data.retrieval_tasks of the *-retr arms, comma-separated (e.g. kvrecall), and the tasks "
+                        "their evals score (default: passkey,multikey,vartrack)")
     p.add_argument("--retrieval-arm-max-bytes", type=int, default=None,
                    help="their corpus cap (default: 20 MB for small, the preset's for tiny)")
     p.add_argument("--corpus", default=sysconfig.get_paths()["purelib"],

@@ -88,6 +88,9 @@ def test_wrong_type_is_an_error():
     (["checkpoint.keep=-1"], "checkpoint.keep must be >= 0"),
     (["optim.beta2=1.0"], r"optim.beta2 must be in \[0, 1\)"),
     (["model.msa.kl_temperature=0"], "model.msa.kl_temperature must be a finite positive number"),
+    (["data.retrieval_tasks=[passkey,kvrecal]"],
+     r"data.retrieval_tasks: unknown \['kvrecal'\] \(known: passkey, multikey, vartrack, kvrecall\)"),
+    (["data.retrieval_tasks=[]", "data.retrieval_share=0.5"], "data.retrieval_tasks is empty"),
     # 4 layers, the first dense: one layer a stage leaves stage 0 without experts
     (["parallel.pp=4", "parallel.ep=2"], "holds no MoE layer"),
 ])

@@ -8,13 +8,14 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from data.retrieval import TASKS, Haystack, make_example, training_documents
+from data.retrieval import KV_MAX_PAIRS, KV_MIN_PAIRS, KV_SPACING, TASKS, Haystack, make_example, training_documents
 from skeleton_helpers import REPO, _env, metrics, run_train
 
 B, T, HQ, G, D, DI, BK, TOPK = 2, 45, 4, 2, 8, 8, 8, 2
@@ -105,6 +106,68 @@ def test_retrieval_examples_are_exact_length_deterministic_and_answerable(tmp_pa
         make_example("nope", 700, 0.5, hay, random.Random(1))
     docs = list(training_documents(hay, 20_000, 1024, seed=3))
     assert sum(map(len, docs)) >= 20_000 and all(128 <= len(d) <= 1024 for d in docs)
+    # the default mixture is the three tasks of one question each
+    assert all(d.count(b"assert ") == 1 and not re.search(rb"KEY_[a-z]+[0-9] ", d) for d in docs)
+
+
+def _kv_count(length: int) -> int:
+    return min(KV_MAX_PAIRS, max(KV_MIN_PAIRS, length // KV_SPACING))
+
+
+def _kv_lines(doc: bytes):
+    """kvrecall's needles {key: value} (in haystack order) and its questions [(key, answer)] (the
+    last one's answer is the document's last 5 bytes)."""
+    needles = re.findall(rb'\n(KEY_[a-z]+[0-9]) = "([0-9]{5})"\n', doc)
+    questions = re.findall(rb'\nassert (KEY_[a-z]+[0-9]) == "([0-9]{5})', doc)
+    return dict(needles), needles, questions
+
+
+@pytest.mark.parametrize("length", [256, 700, 8192])
+def test_kvrecall_documents_ask_for_every_needle_and_examples_for_one(tmp_path, length):
+    """A training document asks for every needle (one per KV_SPACING bytes), each answer its
+    needle's value; the evaluation's example of the same length asks for one, whose needle lies
+    at the depth; both exactly the length and the same for the same seed."""
+    _, hay = _haystack(tmp_path)
+    for seed in range(4):
+        depth = random.Random(seed).random()
+        doc = make_example("kvrecall", length, depth, hay, random.Random(seed), ask_all=True)
+        assert doc == make_example("kvrecall", length, depth, hay, random.Random(seed), ask_all=True)
+        text = doc.prompt + doc.answer
+        assert len(text) == length and text.endswith(b'"' + doc.answer)
+        values, needles, questions = _kv_lines(text)
+        assert len(needles) == len(values) == _kv_count(length)
+        assert sorted(k for k, _ in questions) == sorted(values)
+        assert all(values[k] == answer for k, answer in questions)
+        assert questions[-1][1] == doc.answer
+        # after the haystack: question lines only
+        assert text.endswith(b"".join(b'\nassert ' + k + b' == "' + a + b'"' for k, a in questions)[:-1])
+
+        ex = make_example("kvrecall", length, depth, hay, random.Random(seed))
+        assert ex == make_example("kvrecall", length, depth, hay, random.Random(seed))
+        text = ex.prompt + ex.answer
+        assert len(text) == length and ex.answer.isdigit() and len(ex.answer) == 5
+        values, needles, questions = _kv_lines(text)
+        assert len(needles) == _kv_count(length) and len(questions) == 1
+        key = questions[0][0]
+        assert values[key] == ex.answer
+        # its needle is cut into the haystack at the depth, after the needles before it
+        needle_bytes = sum(len(k) + 12 for k, _ in needles)
+        filler = length - needle_bytes - (len(key) + 13) - len(ex.answer)
+        at = text.index(b"\n" + key + b' = "')
+        assert round(depth * filler) <= at <= round(depth * filler) + needle_bytes - (len(key) + 12)
+    assert make_example("kvrecall", length, 0.5, hay, random.Random(9)).prompt != ex.prompt
+
+
+def test_training_documents_mix_the_tasks_asked_for(tmp_path):
+    _, hay = _haystack(tmp_path)
+    docs = list(training_documents(hay, 50_000, 2048, seed=3, tasks=("kvrecall",)))
+    assert sum(map(len, docs)) >= 50_000 and all(256 <= len(d) <= 2048 for d in docs)
+    for d in docs:
+        values, needles, questions = _kv_lines(d)
+        assert len(questions) == len(needles) >= 2 and all(values[k] == a for k, a in questions)
+    mixed = list(training_documents(hay, 50_000, 2048, seed=3, tasks=("passkey", "kvrecall")))
+    assert {b"PASSKEY" in d for d in mixed} == {True, False}
+    assert all((b"PASSKEY" in d) != bool(_kv_lines(d)[1]) for d in mixed)
 
 
 def test_retrieval_examples_are_measured_in_the_models_tokens(tmp_path):
@@ -130,30 +193,59 @@ def test_retrieval_examples_are_measured_in_the_models_tokens(tmp_path):
         assert byte == make_example(task, 700, 0.5, hay, random.Random(7))
 
 
+def test_every_field_of_an_evaluation_example_draws_another_one(tmp_path):
+    """The samples of one (task, length, depth) are different examples, and so are those of
+    another seed, length or depth: every character of the example's name counts."""
+    from msa_model.eval.runner import _example_rng
+
+    _, hay = _haystack(tmp_path)
+    for task in TASKS:
+        names = [(0, task, 700, 0.5, i) for i in range(6)] + [(1, task, 700, 0.5, 0), (0, task, 701, 0.5, 0),
+                                                              (0, task, 700, 0.25, 0)]
+        answers = {make_example(task, n[2], n[3], hay, _example_rng(*n)).answer for n in names}
+        assert len(answers) == len(names), task
+        assert _example_rng(0, task, 700, 0.5, 3).random() == _example_rng(0, task, 700, 0.5, 3).random()
+
+
 def test_retrieval_share_puts_synthetic_documents_in_the_token_file(tmp_path):
+    """The share of synthetic documents, of the tasks data.retrieval_tasks names; the default
+    tasks keep the cache key they had before the tasks could be chosen."""
     root, _ = _haystack(tmp_path)
     script = (
         "import sys, numpy as np\n"
+        "from pathlib import Path\n"
         "from omegaconf import OmegaConf\n"
         "from msa_model.config import DataConfig\n"
-        "from data.datasets import prepare_tokens\n"
+        "from data.corpus import list_corpus_files\n"
+        "from data.datasets import _cache_key, prepare_tokens\n"
         "from megatron.core.datasets.indexed_dataset import IndexedDataset\n"
         "out = []\n"
-        "for share in (0.0, 0.3):\n"
+        "for share, tasks in ((0.0, None), (0.3, None), (0.3, ['kvrecall'])):\n"
         "    cfg = OmegaConf.structured(DataConfig(source=sys.argv[1], glob='*.py', cache_dir=sys.argv[2],"
         " retrieval_share=share))\n"
-        "    ds = IndexedDataset(prepare_tokens(cfg, seq_length=512))\n"
+        "    if tasks: cfg.retrieval_tasks = tasks\n"
+        "    prefix = prepare_tokens(cfg, seq_length=512)\n"
+        "    ds = IndexedDataset(prefix)\n"
         "    docs = [bytes(np.asarray(ds[i][:-1], dtype=np.uint8)) for i in range(len(ds))]\n"
-        "    out.append((len(docs), sum(map(len, docs)), sum(b'assert ' in d for d in docs)))\n"
+        "    questions = [d.count(b'assert ') for d in docs]\n"
+        "    out.append((len(docs), sum(map(len, docs)), questions, Path(prefix).parent.name))\n"
+        "root, files = list_corpus_files(sys.argv[1], '*.py', cfg.max_bytes)\n"
+        "old_key = _cache_key('byte-v1', root, files, f'retrieval=0.3,512,{cfg.seed}')\n"
+        "out.append(Path(sys.argv[1]).name + '-' + old_key)\n"
         "print(out)\n"
     )
     proc = subprocess.run([sys.executable, "-c", script, str(root), str(tmp_path / "cache")], cwd=REPO, env=_env(),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (n0, tok0, q0), (n1, tok1, q1) = eval(proc.stdout.strip().splitlines()[-1])
-    assert n0 == 3 and q0 == 0
-    synthetic = tok1 - tok0
-    assert q1 == n1 - 3 > 0 and synthetic / tok1 == pytest.approx(0.3, abs=0.05)
+    (n0, tok0, q0, _), (n1, tok1, q1, dir1), (n2, tok2, q2, dir2), old_dir1 = eval(proc.stdout.strip().splitlines()[-1])
+    assert n0 == 3 and q0 == [0, 0, 0]
+    assert q1[:3] == [0, 0, 0] and q1[3:] == [1] * (n1 - 3) and n1 > 3
+    assert (tok1 - tok0) / tok1 == pytest.approx(0.3, abs=0.05)
+    # kvrecall documents of 256-512 bytes, each asking for all its needles
+    assert q2[:3] == [0, 0, 0] and n2 > 3 and all(_kv_count(256) <= q <= _kv_count(512) for q in q2[3:])
+    assert len(set(q2[3:])) > 1
+    assert (tok2 - tok0) / tok2 == pytest.approx(0.3, abs=0.05)
+    assert dir1 == old_dir1 and dir2 != dir1
 
 
 @pytest.fixture(scope="module")
@@ -205,7 +297,7 @@ def test_diagnostics_of_packed_documents_match_the_trained_kl(tmp_path, data_cac
 def test_eval_runs_on_the_checkpoint_and_writes_results(diag_run, tmp_path):
     out = tmp_path / "eval"
     cmd = [sys.executable, "-m", "msa_model.eval", str(diag_run), "--out", str(out), "--lengths", "256,384",
-           "--depths", "0,1", "--samples", "1", "--loss-sequences", "2"]
+           "--depths", "0,1", "--samples", "1", "--loss-sequences", "2", "--tasks", ",".join(TASKS)]
     proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads((out / "results.json").read_text())

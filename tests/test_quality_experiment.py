@@ -127,7 +127,26 @@ def test_arms_are_composed_from_overrides(capsys):
     assert runs["dense-s0"]["checkpoint.interval"] == "4"  # the CPT branch point is saved
 
 
+def test_retrieval_arms_train_and_are_scored_on_the_tasks_asked_for(tmp_path):
+    """--retrieval-tasks reaches the *-retr arms' data (only theirs) and the tasks their evals
+    score; without it the evals score the default tasks."""
+    qe = _module()
+    study = qe.Study(qe.parse([*TINY, "--seeds", "1", "--arms", "dense,dense-retr,pt-retr", "--work", str(tmp_path),
+                               "--retrieval-tasks", "kvrecall,passkey"]))
+    runs = study.runs
+    for name in ("dense-retr-s0", "pt-retr-s0"):
+        assert "data.retrieval_tasks=[kvrecall,passkey]" in runs[name].overrides
+        cmd = qe.Scheduler(study, qe.Budget(60)).eval_job(runs[name]).cmd
+        assert cmd[cmd.index("--tasks") + 1] == "kvrecall,passkey"
+    assert qe.value_of(runs["dense-s0"].overrides, "data.retrieval_tasks") is None
+    plain = qe.Study(qe.parse([*TINY, "--seeds", "1", "--arms", "dense-retr", "--work", str(tmp_path)]))
+    run = plain.runs["dense-retr-s0"]
+    assert qe.value_of(run.overrides, "data.retrieval_tasks") is None
+    assert "--tasks" not in qe.Scheduler(plain, qe.Budget(60)).eval_job(run).cmd
+
+
 @pytest.mark.parametrize("args, message", [
+    (["--arms", "dense-retr", "--retrieval-tasks", "kvrecal"], "--retrieval-tasks: unknown ['kvrecal']"),
     (["--arm", "pt-x=ptt model.msa.topk=2"], "unknown base 'ptt'"),
     (["--arm", "pt-x=pt topk"], "'topk' is not KEY=VALUE"),
     (["--arm", "pt-x=pt vs=nothing"], "its reference 'nothing' is not an arm"),

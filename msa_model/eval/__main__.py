@@ -22,6 +22,8 @@ def _ints(text: str) -> list[int]:
 
 
 def main(argv=None) -> int:
+    from data.retrieval import DEFAULT_TASKS, TASKS
+
     p = argparse.ArgumentParser(prog="python -m msa_model.eval", description=__doc__)
     p.add_argument("checkpoint", help="a run dir, a checkpoint root (with `latest`) or a step_* directory")
     p.add_argument("--out", required=True, help="output directory (results.json, results.md, *.png)")
@@ -29,7 +31,8 @@ def main(argv=None) -> int:
                    help="comma-separated lengths in tokens (default: 1K, 2K, ... up to the model's context; "
                         "longer ones test length extrapolation through RoPE)")
     p.add_argument("--depths", type=_floats, default=[0.0, 0.25, 0.5, 0.75, 1.0], help="needle depths in [0, 1]")
-    p.add_argument("--tasks", default="passkey,multikey,vartrack")
+    p.add_argument("--tasks", default=",".join(DEFAULT_TASKS),
+                   help=f"comma-separated, of {', '.join(TASKS)} (data/retrieval.py)")
     p.add_argument("--samples", type=int, default=4, help="examples per (task, length, depth)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--phase", choices=["sparse", "dense"], default="sparse",

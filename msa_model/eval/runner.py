@@ -112,9 +112,9 @@ def default_lengths(context: int) -> list[int]:
 
 
 def _example_rng(seed: int, task: str, length: int, depth: float, index: int) -> random.Random:
-    # a stable mix (Python's str hash is salted per process)
-    key = f"{seed}|{task}|{length}|{depth:.6f}|{index}"
-    return random.Random(int.from_bytes(key.encode(), "little") % (1 << 61))
+    # random seeds a str by its sha512, every character counting and the same in every process
+    # (not Python's salted str hash)
+    return random.Random(f"{seed}|{task}|{length}|{depth:.6f}|{index}")
 
 
 def _tokens(ex, tokenizer) -> int:
