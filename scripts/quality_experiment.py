@@ -69,7 +69,7 @@ from quality_report import archive, markdown, plot, summarize  # noqa: E402
 PRESETS = {
     # one H200: 8K context, 8 x 8K tokens a step
     "small": {"model": "small", "seq": 8192, "micro": 2, "gbs": 8, "log": 10, "diag": 50, "warmup_steps": 10,
-              "max_bytes": 200_000_000, "lengths": [2048, 8192, 32768], "samples": 2, "loss_sequences": 4,
+              "max_bytes": 200_000_000, "lengths": [2048, 8192, 32768], "samples": 20, "loss_sequences": 4,
               "final_window": 5, "ckpt_gib": 8.5, "stop_margin": 120, "start_cost": 150, "gpus": "0"},
     # CPU check of the whole pipeline
     "tiny": {"model": "tiny", "seq": 512, "micro": 2, "gbs": 4, "log": 2, "diag": 2, "warmup_steps": 1,
@@ -452,7 +452,7 @@ class Scheduler:
         p, out = self.s.preset, self.s.eval_dir(run)
         lengths = self.args.eval_lengths or ",".join(str(n) for n in p["lengths"])
         cmd = [sys.executable, "-m", "msa_model.eval", str(run.dir), "--out", str(out), "--lengths", lengths,
-               "--samples", str(p["samples"]), "--loss-sequences", str(p["loss_sequences"]), "--label", run.name]
+               "--samples", str(self.args.eval_samples or p["samples"]), "--loss-sequences", str(p["loss_sequences"]), "--label", run.name]
         if value_of(run.overrides, "data.blend") not in (None, "null"):
             # haystacks and held-out text: a run on prepared datasets has no corpus directory of its own
             cmd += ["--corpus", self.args.corpus]
@@ -698,6 +698,10 @@ def parse(argv):
                    help="data.source, and the evals' haystacks (default: site-packages)")
     p.add_argument("--eval", default="", help="also evaluate these arms' runs (the *-retr arms always are)")
     p.add_argument("--eval-lengths", default=None, help="eval lengths, comma-separated (default: the preset's)")
+    p.add_argument("--eval-samples", type=int, default=None,
+                   help="retrieval examples per (task, length, depth) of the evals (default: the preset's; small: "
+                   "20, 100 a task and length over the 5 depths, whose standard error at 50%% accuracy is 5 "
+                   "points: telling two arms 5 points apart wants about 100, 500 a task and length)")
     p.add_argument("--eval-seconds", type=float, default=240, help="do not start an eval with less budget left")
     p.add_argument("--final-window", type=int, default=None, help="logged intervals averaged for the final loss")
     p.add_argument("--import", dest="import_", default=None, metavar="RUNS_TAR_GZ",

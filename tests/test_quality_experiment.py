@@ -143,6 +143,11 @@ def test_retrieval_arms_train_and_are_scored_on_the_tasks_asked_for(tmp_path):
     run = plain.runs["dense-retr-s0"]
     assert qe.value_of(run.overrides, "data.retrieval_tasks") is None
     assert "--tasks" not in qe.Scheduler(plain, qe.Budget(60)).eval_job(run).cmd
+    cmd = qe.Scheduler(plain, qe.Budget(60)).eval_job(run).cmd
+    assert cmd[cmd.index("--samples") + 1] == str(qe.PRESETS["tiny"]["samples"])
+    more = qe.Study(qe.parse([*TINY, "--seeds", "1", "--arms", "dense-retr", "--work", str(tmp_path), "--eval-samples", "7"]))
+    cmd = qe.Scheduler(more, qe.Budget(60)).eval_job(more.runs["dense-retr-s0"]).cmd
+    assert cmd[cmd.index("--samples") + 1] == "7"
 
 
 @pytest.mark.parametrize("args, message", [
