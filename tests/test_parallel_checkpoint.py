@@ -34,8 +34,12 @@ def test_resume_at_another_layout(tmp_path, data_cache, saved, loaded, loaded_np
     assert "resumed from" in proc.stdout + proc.stderr
     kept, resumed = metrics(tmp_path / "saved"), metrics(tmp_path / "loaded")
     assert sorted(resumed) == [3, 4] and resumed[3]["phase"] == kept[3]["phase"] == "sparse"
-    for step in (3, 4):
+    # step 3 runs the restored state: equal up to the layouts' orders of fp32 sums. Step 4 runs
+    # weights that step 3's update made in each layout's order (about 1e-7 apart), which the KL
+    # can amplify through near-tied block scores (2.6e-5 seen for PP2 -> PP1 on one CPU); a wrong
+    # restore is orders of magnitude further off
+    for step, tolerance in ((3, 1e-5), (4, 1e-4)):
         for key in ("lm_loss", "kl_loss", "moe_aux_loss", "grad_norm"):
             diff = abs(resumed[step][key] - kept[step][key]) / abs(kept[step][key])
             print(f"step {step} {key}: saved-layout {kept[step][key]!r} resumed {resumed[step][key]!r} rel {diff:.1e}")
-            assert diff <= 1e-5, (step, key)
+            assert diff <= tolerance, (step, key)
