@@ -451,8 +451,9 @@ class Scheduler:
     def eval_job(self, run: Run) -> Job:
         p, out = self.s.preset, self.s.eval_dir(run)
         lengths = self.args.eval_lengths or ",".join(str(n) for n in p["lengths"])
+        samples = self.args.eval_samples or p["samples"]
         cmd = [sys.executable, "-m", "msa_model.eval", str(run.dir), "--out", str(out), "--lengths", lengths,
-               "--samples", str(self.args.eval_samples or p["samples"]), "--loss-sequences", str(p["loss_sequences"]), "--label", run.name]
+               "--samples", str(samples), "--loss-sequences", str(p["loss_sequences"]), "--label", run.name]
         if value_of(run.overrides, "data.blend") not in (None, "null"):
             # haystacks and held-out text: a run on prepared datasets has no corpus directory of its own
             cmd += ["--corpus", self.args.corpus]
