@@ -193,14 +193,20 @@ def _check_free(prefix: Path, overwrite: bool, extensions) -> None:
 
 def _make_parent(prefix: Path) -> list[Path]:
     """Create PREFIX's directory where missing and check that it can be written; returns the
-    directories created (removed again if the run fails)."""
-    created, parent = [], prefix.parent
+    directories created (removed again if the run fails). One that another process (a prepare
+    of another prefix beside this one) creates meanwhile is used, and not this run's to remove."""
+    missing, parent, created = [], prefix.parent, []
     while not parent.exists():
-        created.append(parent)
+        missing.append(parent)
         parent = parent.parent
     try:
-        for d in reversed(created):
-            d.mkdir()
+        for d in reversed(missing):
+            try:
+                d.mkdir()
+                created.insert(0, d)
+            except FileExistsError:
+                if not d.is_dir():
+                    raise
         probe = tempfile.NamedTemporaryFile(dir=prefix.parent, prefix=f".{prefix.name}.probe-")
         probe.close()
     except OSError as e:

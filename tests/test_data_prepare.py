@@ -256,6 +256,23 @@ def _work_in_progress(out_dir: Path, proc, timeout: float = 240.0) -> None:
     raise AssertionError("the run never started writing")
 
 
+def test_a_directory_another_prepare_makes_meanwhile_is_used_and_kept(tmp_path, monkeypatch):
+    """Two prepares of prefixes in one new directory, started together: the one whose mkdir comes
+    second finds it made (as a parallel run does between the check and the mkdir) and goes on,
+    and does not count it as its own to remove on failure."""
+    shared = tmp_path / "new" / "data"
+    shared.mkdir(parents=True)
+    real_exists = Path.exists
+    # seen as missing by the check, present by the time of the mkdir
+    monkeypatch.setattr(Path, "exists", lambda p: False if p in (shared, shared.parent) else real_exists(p))
+    assert prepare._make_parent(shared / "web") == []
+    assert shared.is_dir()
+    (tmp_path / "file").write_text("")
+    monkeypatch.setattr(Path, "exists", lambda p: False if p == tmp_path / "file" else real_exists(p))
+    with pytest.raises(prepare.InputError, match="cannot write in"):
+        prepare._make_parent(tmp_path / "file" / "web")
+
+
 @pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
 def test_interrupted_run_leaves_nothing(tmp_path, tok_dir, texts, how):
     # ~15 MB: minutes of tokenizing here, interrupted after the first chunks are written
