@@ -153,6 +153,12 @@ class MSAConfig:
     # a model served with fp8 attention (MiniMax-M3). The warmup's dense attention is unaffected
     fp8_probs: bool = False
     backend: str = "auto"  # msa_model.ops backend: auto | reference | triton
+    # replay each MSA layer's sparse-phase core (selection, attention, KL: forward and backward) as a
+    # CUDA graph captured at its first training step: one launch where the eager core issues dozens,
+    # for layers bound by issuing work (short context, few heads a group). GPU only, and only where
+    # the core's shapes and work are fixed: no packed documents, context parallelism, pipeline
+    # parallelism or recompute (docs/msa.md, "CUDA graphs")
+    cuda_graph: bool = False
     # the Triton kernels' launch settings, per op and field (KernelTuningConfig); unset: defaults
     tuning: KernelTuningConfig = field(default_factory=KernelTuningConfig)
 
@@ -507,6 +513,34 @@ def _check_kernel_shapes(errors: list[str], cfg, gpu: Optional[bool]) -> None:
     _check(errors, problem is None, f"model.msa.block_size ({msa.block_size}) {problem} {where}")
 
 
+def _check_cuda_graph(errors: list[str], cfg, gpu: Optional[bool]) -> None:
+    """model.msa.cuda_graph: where a captured core replays the same work on the same buffers."""
+    m, p = cfg.model, cfg.parallel
+    if not m.msa.cuda_graph:
+        return
+    on_gpu = gpu
+    if on_gpu is None:
+        if cfg.trainer.device != "auto":
+            on_gpu = cfg.trainer.device == "cuda"
+        else:
+            import torch
+
+            on_gpu = torch.cuda.is_available()
+    unsupported = [
+        (m.attention != "msa", "model.attention=msa (a dense model has no MSA core)"),
+        (not on_gpu, "a GPU (trainer.device=cuda)"),
+        (m.recompute != "none", f"model.recompute=none (got {m.recompute}: a recomputed core runs its forward "
+                                "again inside the backward)"),
+        (p.pp > 1, f"parallel.pp=1 (got {p.pp}: a pipeline holds several micro-batches' forwards before "
+                   "their backwards, and a layer's graph keeps one)"),
+        (p.cp > 1, f"parallel.cp=1 (got {p.cp}: the core runs per query chunk against gathered keys)"),
+        (cfg.data.document_mask, "data.document_mask=false (with packed documents the sparse core reads the "
+                                 "size of the documents' block table back from the device)"),
+    ]
+    for bad, need in unsupported:
+        _check(errors, not bad, f"model.msa.cuda_graph=true needs {need}")
+
+
 def _check_m3_options(errors: list[str], m) -> None:
     """The per-layer, activation, router, RoPE and norm options (MiniMax-M3 and alike)."""
     _check(errors, m.rotary_dim is None or (0 < m.rotary_dim <= m.head_dim and m.rotary_dim % 2 == 0),
@@ -656,6 +690,7 @@ def validate(cfg, world_size: Optional[int] = None, gpu: Optional[bool] = None) 
     else:
         _check(errors, p.ep == 1, "parallel.ep > 1 needs model.num_experts > 0")
     _check_kernel_shapes(errors, cfg, gpu)
+    _check_cuda_graph(errors, cfg, gpu)
     _check(errors, m.rope_scaling.type in ("none", "linear", "llama3"),
            f"model.rope_scaling.type must be none, linear or llama3, got {m.rope_scaling.type!r}")
     _check(errors, m.rope_scaling.factor > 0, f"model.rope_scaling.factor must be positive, got {m.rope_scaling.factor}")

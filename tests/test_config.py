@@ -203,3 +203,21 @@ def test_an_unknown_kernel_setting_is_refused_in_one_line():
     assert lines[0].startswith("  - model.msa.tuning.sparse_attention.foo: unknown field; fields: fwd_rows, ")
     assert lines[1] == "  - model.msa.tuning.attention: unknown op; ops: sparse_attention, select_blocks, indexer_kl"
     assert len(lines) == 2
+
+
+def test_cuda_graph_names_each_setting_it_cannot_replay():
+    """model.msa.cuda_graph is refused, naming the setting, wherever a captured core would not
+    replay the same work on the same buffers; the settings it needs validate (on a GPU)."""
+    ok = _compose("recipe=pt", "model=small", "model.msa.cuda_graph=true", "data.document_mask=false")
+    validate(ok, world_size=1, gpu=True)
+    for overrides, needs in [((), "data.document_mask=false"),  # the recipe's packed documents
+                             (("data.document_mask=false", "model.recompute=selective"), "model.recompute=none"),
+                             (("data.document_mask=false", "parallel.pp=2"), "parallel.pp=1"),
+                             (("data.document_mask=false", "parallel.cp=2"), "parallel.cp=1"),
+                             (("data.document_mask=false", "recipe=dense"), "model.attention=msa")]:
+        cfg = _compose("recipe=pt", "model=small", "model.msa.cuda_graph=true", *overrides)
+        with pytest.raises(ConfigError, match=f"model.msa.cuda_graph=true needs {needs}"):
+            validate(cfg, world_size=8, gpu=True)
+    cpu = _compose("recipe=pt", "model=tiny", "model.msa.cuda_graph=true", "data.document_mask=false")
+    with pytest.raises(ConfigError, match="model.msa.cuda_graph=true needs a GPU"):
+        validate(cpu, world_size=1, gpu=False)

@@ -274,6 +274,8 @@ class MSASelfAttention(CausalSelfAttention):
         self._late_kl = False
         # set by msa_model.training.diagnostics to receive this layer's inputs of one forward
         self.diagnostics_capture = None
+        # model.msa.cuda_graph: the sparse core captured per input shapes (`_graphed_core`)
+        self._graphs: dict = {}
         di = self.options.msa.index_head_dim
         self.index_q_proj = submodules.index_q_proj(
             config.hidden_size, config.num_query_groups * di, config=config,
@@ -303,7 +305,10 @@ class MSASelfAttention(CausalSelfAttention):
         # index branch: iq per group, ik shared, from the detached hidden state
         iq, ik = self._index_inputs(hidden_states, q_freqs, q.shape[1])
         # top-k selection (dense in warmup), attention and the indexer KL
-        o_BSHD, kl, keys = self._recomputed(self._core, q, k, v, iq, ik, doc_start)
+        if self._graphable(q, doc_start):
+            o_BSHD, kl, keys = self._graphed_core(q, k, v, iq, ik)
+        else:
+            o_BSHD, kl, keys = self._recomputed(self._core, q, k, v, iq, ik, doc_start)
         output, bias = self._project(o_BSHD)
         if not torch.is_grad_enabled():
             # no graph to attach the KL to: the trainer's validation records it; the first pass of a
@@ -348,11 +353,44 @@ class MSASelfAttention(CausalSelfAttention):
         ik_SB1I = self._rope(ik_SB1I, index_freqs)
         return scale_for_tp_mean(iq_SBGI, self.pg_collection.tp), ik_SB1I.squeeze(2)
 
-    def _core(self, q, k, v, iq, ik, doc_start=None):
+    def _graphable(self, q, doc_start) -> bool:
+        """Whether this forward replays the core's CUDA graph (model.msa.cuda_graph): training
+        steps of the sparse phase; validation, the indexer warmup and a diagnostics capture run
+        it eagerly. The configurations it needs are checked with the config (msa_model.config)."""
+        return (self.options.msa.cuda_graph and self.sparse and self.training and torch.is_grad_enabled()
+                and doc_start is None and self.diagnostics_capture is None and q.is_cuda)
+
+    def _graphed_core(self, q, k, v, iq, ik):
+        """`_core` replayed as a CUDA graph, captured (forward and backward) at the first call of
+        these shapes. The graph reads and writes fixed buffers: inputs are copied in, the outputs
+        and the inputs' gradients are views of its own memory, valid until this layer's next
+        forward, which megatron's schedule without a pipeline runs after the backward of the last.
+        The KL whose value the backward fills in is recorded once that backward has run (a hook
+        on q's gradient): the graph replays kernels, not the eager core's Python callback."""
+        inputs = (q, k, v, iq, ik)
+        key = tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in inputs)
+        graphed = self._graphs.get(key)
+        if graphed is None:
+            samples = tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in inputs)
+            graphed = self._graphs[key] = torch.cuda.make_graphed_callables(self._graph_body, samples)
+        o, kl, keys = graphed(*inputs)
+        if self._late_kl and q.requires_grad:
+            q.register_hook(lambda grad: self._record_kl(kl))
+        return o, kl, keys
+
+    def _graph_body(self, q, k, v, iq, ik):
+        return self._core(q, k, v, iq, ik, None, record_late_kl=False)
+
+    def _record_kl(self, kl):
+        get_moe_metrics_tracker().record(KL_METRIC, kl.detach().clone(), self.layer_number, self.config.num_layers,
+                                         avg_group=metrics_group(self.pg_collection))
+
+    def _core(self, q, k, v, iq, ik, doc_start=None, record_late_kl: bool = True):
         """MSA over this rank's query chunks: (o [B, S, Hq, D], KL fp32 scalar, mean keys a query
         reads fp32 scalar). q [B, S, Hq, D] (this rank's queries), k/v [B, S_all, G, D],
         iq [B, S, G, Di], ik [B, S_all, Di] (keys of the whole sequence under context
-        parallelism), doc_start int [B, S] or None (packed documents)."""
+        parallelism), doc_start int [B, S] or None (packed documents). `record_late_kl=False`:
+        a KL that the backward fills in is not recorded there (the graphed core records it)."""
         cp = self.pg_collection.cp
         # the op decides whether the KL's teacher comes from the attention's backward (the KL's
         # value known there, `kl_in_backward`); in evaluation no backward is expected
@@ -377,7 +415,7 @@ class MSASelfAttention(CausalSelfAttention):
             o, kl, block_idx, kl_in_backward = msa_attention(
                 q[:, a:b], k, v, iq[:, a:b], ik, settings, dense=not self.sparse, q_offset=off, doc_start=doc,
                 # the data pipeline builds the starts: no host synchronisation to check them
-                check_ids=False, on_kl=record, document_plan=plan,
+                check_ids=False, on_kl=record if record_late_kl else None, document_plan=plan,
                 # without a graph the layer drops the KL (full recompute's first pass, inference)
                 with_kl=torch.is_grad_enabled() or self._evaluating(),
             )

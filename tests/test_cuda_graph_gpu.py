@@ -1,0 +1,96 @@
+"""model.msa.cuda_graph on a GPU: the MSA layers' sparse core replayed as CUDA graphs gives the
+eager model's loss, gradients and logged indexer KL, step after step on new inputs and new
+weights, and leaves validation (no graph) and the indexer warmup eager. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+
+@pytest.fixture(scope="module")
+def megatron_one_gpu():
+    from msa_model.config import ParallelConfig
+    from msa_model.training.distributed import init_distributed, shutdown
+
+    init_distributed(ParallelConfig(), "cuda", 1234)
+    yield
+    shutdown()
+
+
+def _model(cuda_graph: bool):
+    from omegaconf import OmegaConf
+
+    from msa_model.config import ModelConfig, ParallelConfig
+    from msa_model.model.attention import set_msa_phase
+    from msa_model.model.gpt import build_model
+
+    m = OmegaConf.structured(ModelConfig(num_layers=3, hidden_size=256, ffn_hidden_size=512, num_attention_heads=8,
+                                         num_query_groups=2, head_dim=64, seq_length=2048, num_experts=4,
+                                         moe_ffn_hidden_size=256, first_dense_layers=1, params_dtype="bf16"))
+    m.msa.block_size, m.msa.topk, m.msa.index_head_dim = 64, 4, 64
+    m.msa.cuda_graph = cuda_graph
+    torch.manual_seed(0)
+    model = build_model(m, ParallelConfig(), 257, on_cpu=False).cuda()
+    model.train()
+    set_msa_phase(model, True)
+    return model
+
+
+def _step(model, tokens):
+    """Loss, every parameter's gradient and the logged KL per layer of one forward and backward."""
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    from msa_model.model.attention import KL_METRIC
+
+    tracker = get_moe_metrics_tracker()
+    tracker.clear()
+    model.zero_grad(set_to_none=True)
+    positions = torch.arange(tokens.shape[1], device="cuda").expand(tokens.shape[0], -1)
+    loss = model(tokens, positions, None, labels=tokens).float().mean()
+    loss.backward()
+    grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return float(loss), grads, tracker.metrics[KL_METRIC].values.clone()
+
+
+def test_graphed_core_steps_equal_the_eager_model(megatron_one_gpu):
+    from msa_model.model.attention import msa_layers
+
+    eager, graphed = _model(False), _model(True)
+    graphed.load_state_dict(eager.state_dict())
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for step in range(4):
+        tokens = torch.randint(0, 257, (2, 2048), device="cuda", generator=gen)
+        want, got = _step(eager, tokens), _step(graphed, tokens)
+        assert abs(got[0] - want[0]) <= 1e-3 * abs(want[0]), (step, got[0], want[0])
+        assert want[1].keys() == got[1].keys()
+        for name, g in want[1].items():
+            err = float((got[1][name] - g).norm() / g.norm().clamp_min(1e-12))
+            assert err < 2e-2, (step, name, err)
+        # the KL recorded after the graph's backward, not NaN nor the capture's buffer
+        assert torch.isfinite(got[2]).all() and torch.allclose(got[2], want[2], rtol=1e-2, atol=1e-4), (got[2], want[2])
+        # new weights for the next step, the same in both models
+        with torch.no_grad():
+            for p_e, p_g in zip(eager.parameters(), graphed.parameters()):
+                if p_e.grad is not None:
+                    p_e.add_(p_e.grad, alpha=-1e-2)
+                    p_g.copy_(p_e)
+    # one capture per layer, reused by the later steps
+    assert [len(layer._graphs) for layer in msa_layers(graphed)] == [1] * len(msa_layers(graphed))
+
+
+def test_validation_and_warmup_stay_eager(megatron_one_gpu):
+    from msa_model.model.attention import msa_layers, set_msa_phase
+
+    model = _model(True)
+    tokens = torch.randint(0, 257, (1, 2048), device="cuda")
+    positions = torch.arange(2048, device="cuda")[None]
+    with torch.no_grad():
+        model.eval()
+        model(tokens, positions, None, labels=tokens)
+    model.train()
+    set_msa_phase(model, False)
+    model(tokens, positions, None, labels=tokens).float().mean().backward()
+    assert all(not layer._graphs for layer in msa_layers(model))
