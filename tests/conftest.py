@@ -65,6 +65,17 @@ def pytest_unconfigure(config):
     shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
 
 
+@pytest.fixture(scope="module")
+def megatron_one_gpu():
+    """megatron's parallel state for one process on the GPU (the GPU tests' models)."""
+    from msa_model.config import ParallelConfig
+    from msa_model.training.distributed import init_distributed, shutdown
+
+    init_distributed(ParallelConfig(), "cuda", 1234)
+    yield
+    shutdown()
+
+
 @pytest.fixture(scope="session")
 def data_cache():
     """One tokenized copy of the default corpus shared by every test run of train.py."""

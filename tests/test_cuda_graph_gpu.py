@@ -10,16 +10,6 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
 
-@pytest.fixture(scope="module")
-def megatron_one_gpu():
-    from msa_model.config import ParallelConfig
-    from msa_model.training.distributed import init_distributed, shutdown
-
-    init_distributed(ParallelConfig(), "cuda", 1234)
-    yield
-    shutdown()
-
-
 def _model(cuda_graph: bool):
     from omegaconf import OmegaConf
 

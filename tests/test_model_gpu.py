@@ -13,16 +13,6 @@ from gpu_sync import assert_no_host_sync
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
 
-@pytest.fixture(scope="module")
-def megatron_one_gpu():
-    from msa_model.config import ParallelConfig
-    from msa_model.training.distributed import init_distributed, shutdown
-
-    init_distributed(ParallelConfig(), "cuda", 1234)
-    yield
-    shutdown()
-
-
 @pytest.mark.parametrize("sparse", [True, False], ids=["sparse", "warmup"])
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 def test_model_step_never_waits_on_the_device(megatron_one_gpu, sparse, recompute):
