@@ -22,7 +22,9 @@ Arms (`--arms`, default dense,pt,cpt; `--arm "NAME=BASE KEY=VALUE ..."` adds one
             on top, e.g. "pt-lb2=pt model.msa.local_blocks=2"; `vs=ARM` names its reference
             (default dense; a cpt-based arm branches from its reference's runs)
 Every arm runs seeds 0..N-1 (`--seeds N`: trainer.seed; the data order is the same for every
-seed, so a paired difference compares two models on the same batches).
+seed, so a paired difference compares two models on the same batches). `--vary-data`: each seed
+also reads the data in its own order (data.seed = the seed), so the seed std holds the data
+order's share of the spread too; the arms of one seed still read the same batches.
 
 Lanes: every run is one train.py process; up to --lanes of them share each GPU of --gpus (`small`
 at 8K with micro-batch 2: 18.7 GiB dense, 19.5 MSA measured: six fit on an H200; micro-batch 2
@@ -235,7 +237,7 @@ class Study:
 
     def _run(self, arm: Arm, seed: int) -> Run:
         name = f"{arm.name}-s{seed}"
-        base = [f"recipe={arm.base}", f"trainer.seed={seed}"]
+        base = [f"recipe={arm.base}", f"trainer.seed={seed}"] + ([f"data.seed={seed}"] if self.args.vary_data else [])
         steps, parent, init = self.steps, None, None
         if arm.base == "dense":
             if any(a.base == "cpt" and a.ref == arm.name for a in self.arms.values()):
@@ -675,6 +677,8 @@ def parse(argv):
     p.add_argument("--preset", choices=sorted(PRESETS), default="small")
     p.add_argument("--tokens", type=float, default=30e6, help="training tokens per run (whole steps, an even number)")
     p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 of every arm (trainer.seed)")
+    p.add_argument("--vary-data", action="store_true",
+                   help="each seed also its own data order (data.seed = the seed; default: one order for all)")
     p.add_argument("--arms", default="dense,pt,cpt", help="built-in arms to run (see above)")
     p.add_argument("--arm", action="append", default=[], metavar='"NAME=BASE KEY=VALUE ..."',
                    help="an arm defined by overrides (repeatable)")

@@ -101,7 +101,7 @@ def markdown(summary: dict, study, call: dict) -> str:
              f"tokens per run" + (f" (CPT: the dense run's last {s['steps'] - s['mid']} steps)"
                                   if any(a["base"] == "cpt" for a in s["arms"].values()) else "")
              + f"; seeds 0-{s['seeds'] - 1} "
-             f"(trainer.seed; the same data order for every seed); indexer warmup {s['warmup_tokens']:,} tokens; "
+             f"(trainer.seed; {'each seed its own data order, data.seed' if getattr(study.args, 'vary_data', False) else 'the same data order for every seed'}); indexer warmup {s['warmup_tokens']:,} tokens; "
              f"lr {study.args.lr} -> {study.args.min_lr} cosine. Final lm loss: mean of the last "
              f"{study.args.final_window or study.preset['final_window']} logged intervals. Paired: the arm's final loss "
              "minus its reference's, same seed.", "",

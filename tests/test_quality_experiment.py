@@ -125,6 +125,21 @@ def test_arms_are_composed_from_overrides(capsys):
         assert (o["optim.schedule_start_step"], o["optim.decay_steps"], o["trainer.max_steps"]) == ("4", "8", "4")
         assert (o["optim.lr"], o["optim.min_lr"]) == (runs["dense-s1"]["optim.lr"], runs["dense-s1"]["optim.min_lr"])
     assert runs["dense-s0"]["checkpoint.interval"] == "4"  # the CPT branch point is saved
+    assert not any("data.seed" in o for o in runs.values())  # one data order unless asked
+
+
+def test_vary_data_gives_each_seed_its_own_order_and_its_arms_the_same(capsys):
+    qe = _module()
+    assert qe.main([*TINY, "--seeds", "2", "--arms", "dense,pt,cpt", "--work", "/nonexistent/q", "--dry-run",
+                    "--vary-data"]) == 0
+    runs = {}
+    for line in capsys.readouterr().out.splitlines():
+        if ": train.py " in line:
+            name, cmd = line.split(": train.py ", 1)
+            runs[name] = dict(item.split("=", 1) for item in cmd.split())
+    assert len(runs) == 6
+    for name, o in runs.items():
+        assert o["data.seed"] == o["trainer.seed"] == name[-1], name
 
 
 def test_retrieval_arms_train_and_are_scored_on_the_tasks_asked_for(tmp_path):
