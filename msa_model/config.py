@@ -534,8 +534,8 @@ def _check_cuda_graph(errors: list[str], cfg, gpu: Optional[bool]) -> None:
         (p.pp > 1, f"parallel.pp=1 (got {p.pp}: a pipeline holds several micro-batches' forwards before "
                    "their backwards, and a layer's graph keeps one)"),
         (p.cp > 1, f"parallel.cp=1 (got {p.cp}: the core runs per query chunk against gathered keys)"),
-        (cfg.data.document_mask, "data.document_mask=false (with packed documents the sparse core reads the "
-                                 "size of the documents' block table back from the device)"),
+        (cfg.data.document_mask, "data.document_mask=false (with packed documents the size of the sparse "
+                                 "core's document block table changes with every micro-batch)"),
     ]
     for bad, need in unsupported:
         _check(errors, not bad, f"model.msa.cuda_graph=true needs {need}")

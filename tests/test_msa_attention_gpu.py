@@ -66,13 +66,14 @@ def test_composition_matches_reference(dense, docs, teacher):
         assert rel(x, r) < 2e-2, (name, rel(x, r))
 
 
-# packed documents: the warmup needs no synchronisation either (its dense attention's plan comes
-# from the starts' host copy, as the layers get it: msa_model/ops/dense_attention); the sparse
-# phase reads the size of the documents' block table back once per sparse_attention /
-# indexer_kl_loss call (docs/msa.md)
+# packed documents need no synchronisation either: the warmup's dense attention plans from the
+# starts' host copy, and the sparse phase sizes the documents' block table from it, as the layers
+# get it from the trainer (msa_model.ops.common.attach_host_copy; docs/msa.md)
 @pytest.mark.parametrize("dense,docs,teacher", [(False, False, "forward"), (False, False, "backward"),
-                                                 (True, False, "forward"), (True, True, "forward")],
-                         ids=["sparse", "sparse-late-teacher", "dense", "dense-documents"])
+                                                 (True, False, "forward"), (True, True, "forward"),
+                                                 (False, True, "forward"), (False, True, "backward")],
+                         ids=["sparse", "sparse-late-teacher", "dense", "dense-documents", "sparse-documents",
+                              "sparse-documents-late-teacher"])
 def test_a_training_step_never_waits_on_the_device(dense, docs, teacher):
     """Forward and backward of the layer issue their work without a host synchronisation (one
     would drain the queue every layer): CUDA's sync debug mode turns any into an error."""
@@ -80,8 +81,11 @@ def test_a_training_step_never_waits_on_the_device(dense, docs, teacher):
     gen = torch.Generator(device="cuda").manual_seed(5)
     mk = lambda *s: torch.randn(*s, device="cuda", generator=gen).bfloat16().requires_grad_()  # noqa: E731
     q, k, v, iq, ik = mk(B, T, Hq, D), mk(B, T, G, D), mk(B, T, G, D), mk(B, T, G, Di), mk(B, T, Di)
-    doc_start = packed_starts(B, T, seed=6) if docs else None
-    plan = document_plan(attach_host_copy(doc_start, doc_start.cpu()), 0, T, 0) if docs else None
+    doc_start = None
+    if docs:
+        doc_start = packed_starts(B, T, seed=6)
+        attach_host_copy(doc_start, doc_start.cpu())
+    plan = document_plan(doc_start, 0, T, 0) if docs and dense else None
 
     def step():
         o, kl, _, _ = msa_attention(q, k, v, iq, ik, MSASettings(bs, topk, backend="triton", kl_teacher=teacher),

@@ -289,3 +289,40 @@ def test_triton_one_document_per_row_is_the_default():
         b = msa_attention(q, k, v, iq, ik, MSASettings(16, 2, backend="triton"), dense=dense, doc_start=zeros)
         assert dense or torch.equal(a[2].sort(-1).values, b[2].sort(-1).values)
         assert rel(b[0], a[0]) < tol and abs(float(b[1]) - float(a[1])) <= tol * abs(float(a[1]))
+
+
+@pytest.mark.parametrize("q_offset", [0, 7])
+def test_document_table_size_comes_from_the_host_copy(q_offset):
+    """The sparse paths size their document block table from the starts' host copy when the
+    trainer attached one (no read back from the device), once per tensor; layers' query chunks
+    and int32 conversions keep the copy; with or without it the table is the same."""
+    from msa_model.ops.common import as_int32, attach_host_copy, doc_rows, host_copy
+    from msa_model.ops.sparse_attention.inverse_index import document_blocks, table_size
+
+    gen = torch.Generator().manual_seed(3)
+    pos = torch.arange(q_offset, q_offset + T, dtype=torch.int32)
+    for _ in range(5):
+        # documents opening at random queries; the first began before the rows (start 0)
+        opens = torch.rand(3, T, generator=gen) < 0.15
+        opens[:, 0] = False
+        starts = torch.cummax(torch.where(opens, pos, 0), dim=1).values.to(torch.int32)
+        want = document_blocks(starts, 8, q_offset)
+        # a host copy that disagrees with the tensor shows which one the size is read from: every
+        # query of its last row a document of its own (T blocks)
+        host = starts.clone()
+        host[-1] = pos
+        dev = attach_host_copy(starts.clone(), host)
+        assert want.n_blocks < T and table_size(dev, 8, q_offset) == T
+        host[-1] = starts[-1]
+        assert table_size(dev, 8, q_offset) == T  # computed once, cached on the tensor
+        fresh = attach_host_copy(starts.clone(), starts.clone())
+        got = document_blocks(fresh, 8, q_offset)
+        for name in ("base", "start", "end"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
+        assert got.n_blocks == want.n_blocks
+    # what the layers and ops hand on keeps the copy
+    assert doc_rows(fresh, 0, T) is fresh
+    chunk = doc_rows(fresh, 10, 30)
+    assert torch.equal(host_copy(chunk), host_copy(fresh)[:, 10:30])
+    wide = attach_host_copy(fresh.long(), host_copy(fresh))
+    assert host_copy(as_int32(wide)) is host_copy(fresh) and as_int32(wide).dtype == torch.int32

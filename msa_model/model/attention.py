@@ -57,6 +57,7 @@ from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 from msa_model.config import MSAConfig, tuning_overrides
 from msa_model.parallel.context_parallel import gather_sequence, local_query_chunks
 from msa_model.ops import MSASettings, msa_attention
+from msa_model.ops.common import doc_rows
 from msa_model.ops.dense_attention import document_attention, document_plan, fused_causal_takes
 from msa_model.ops.rope import rope
 from msa_model.ops.tuning import kernel_tuning
@@ -231,7 +232,7 @@ class DenseSelfAttention(CausalSelfAttention):
 
         def attend(a, b, off):
             # a chunk's queries read the keys up to its own last position
-            doc = _rows(doc_start, a, b)
+            doc = doc_rows(doc_start, a, b)
             plan = self._document_plan(q, doc_start, a, b, off)
             o = self._dense_attention(q[:, a:b], k[:, :off + b - a], v[:, :off + b - a], off, doc, plan)
             return o, None, dense_keys_per_query(b - a, off, doc, q.device)
@@ -410,7 +411,7 @@ class MSASelfAttention(CausalSelfAttention):
                                              avg_group=metrics_group(self.pg_collection))
 
         def attend(a, b, off):
-            doc = _rows(doc_start, a, b)
+            doc = doc_rows(doc_start, a, b)
             plan = None if self.sparse else self._document_plan(q, doc_start, a, b, off)
             o, kl, block_idx, kl_in_backward = msa_attention(
                 q[:, a:b], k, v, iq[:, a:b], ik, settings, dense=not self.sparse, q_offset=off, doc_start=doc,
@@ -448,10 +449,6 @@ def msa_settings(options: MSAOptions, scale: float | None) -> MSASettings:
                        keep_teacher=True if options.recompute_core else None,
                        fp8_probs=msa.fp8_probs, backend=msa.backend,
                        tuning=kernel_tuning(tuning_overrides(msa.tuning)))
-
-
-def _rows(doc_start_BS: torch.Tensor | None, a: int, b: int) -> torch.Tensor | None:
-    return None if doc_start_BS is None else doc_start_BS[:, a:b]
 
 
 def _scalar(value: float, device) -> torch.Tensor:

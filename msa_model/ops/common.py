@@ -149,6 +149,43 @@ def check_block_idx(block_idx: torch.Tensor, B: int, T: int, Hkv: int, block_siz
         raise ValueError(f"block_idx holds ids outside [-1, {n - 1}] for {q_offset} + {T} keys, block_size={block_size}")
 
 
+# the attribute of a device doc_start tensor that holds its host copy (the trainer attaches the
+# micro-batch's, which every layer gets): what the ops would otherwise read back from the device
+_HOST = "_msa_doc_start_host"
+
+
+def attach_host_copy(doc_start: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
+    """Give a device doc_start the host tensor it was copied from, so that what the ops derive
+    from the starts on the host (the dense path's plan, the size of the sparse paths' document
+    block table) needs no read back from the device (a synchronisation). Returns doc_start."""
+    setattr(doc_start, _HOST, host)
+    return doc_start
+
+
+def host_copy(doc_start: torch.Tensor) -> torch.Tensor | None:
+    """The host copy `attach_host_copy` gave doc_start, or None."""
+    return getattr(doc_start, _HOST, None)
+
+
+def as_int32(doc_start: torch.Tensor | None) -> torch.Tensor | None:
+    """doc_start as the kernels read it (int32, contiguous), keeping its host copy."""
+    if doc_start is None:
+        return None
+    out = doc_start.to(torch.int32).contiguous()
+    host = host_copy(doc_start)
+    return out if out is doc_start or host is None else attach_host_copy(out, host)
+
+
+def doc_rows(doc_start: torch.Tensor | None, a: int, b: int) -> torch.Tensor | None:
+    """doc_start[:, a:b] with its host copy's rows; the tensor itself for all of them (so what is
+    cached on it serves every layer)."""
+    if doc_start is None or (a == 0 and b == doc_start.shape[1]):
+        return doc_start
+    rows = doc_start[:, a:b]
+    host = host_copy(doc_start)
+    return rows if host is None else attach_host_copy(rows, host[:, a:b])
+
+
 def check_doc_start(doc_start: torch.Tensor | None, B: int, T: int, q_offset: int = 0, values: bool = True,
                     device: torch.device | None = None) -> None:
     """doc_start int [B, T]: the position of the first token of each query's document (query t at

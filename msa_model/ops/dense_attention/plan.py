@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..common import attach_host_copy, host_copy
+
 # Every distinct (segments, length) shape costs torch's cuDNN attention a graph build (tens to
 # hundreds of ms, then cached for the process), so shapes come from a small set whatever the
 # documents: a segment's padded length is a power of two from MIN_LENGTH up to SHORT (short
@@ -47,9 +49,9 @@ CUDNN_BUILD_MS = 90.0
 # flash's extra ms per TFLOP of causal attention over warm cuDNN's (fwd+bwd; production geometry
 # 1.47-1.6, `small` 1.45 at 12K rows)
 FLASH_EXTRA_MS_PER_TFLOP = 1.5
-# the attribute of a doc_start tensor that holds its host copy and its plans (one tensor per
-# micro-batch, handed to every layer: one host copy, and one plan per query chunk, per step)
-_HOST, _PLANS = "_msa_doc_start_host", "_msa_doc_start_plans"
+# the attribute of a doc_start tensor that holds its plans (one tensor per micro-batch, handed to
+# every layer: one plan per query chunk, per step); its host copy: msa_model.ops.common
+_PLANS = "_msa_doc_start_plans"
 
 
 def bucket_length(n: int) -> int:
@@ -196,13 +198,6 @@ def build_plan(doc_BC: torch.Tensor | np.ndarray, q_offset: int, device: torch.d
                         [n for _, _, n in segs])
 
 
-def attach_host_copy(doc_start: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
-    """Give a device doc_start the host tensor it was copied from, so that its plans need no read
-    back from the device (a synchronisation). Returns doc_start."""
-    setattr(doc_start, _HOST, host)
-    return doc_start
-
-
 def document_plan(doc_start_BS: torch.Tensor, a: int, b: int, q_offset: int, fused: bool = True) -> DocumentPlan:
     """The plan of the queries a .. b - 1 (at positions q_offset ..) of doc_start_BS [B, S],
     cached on that tensor: every layer of a micro-batch gets the same tensor, so the plan is
@@ -214,9 +209,9 @@ def document_plan(doc_start_BS: torch.Tensor, a: int, b: int, q_offset: int, fus
         setattr(doc_start_BS, _PLANS, plans)
     key = (a, b, q_offset, fused)
     if key not in plans:
-        host = getattr(doc_start_BS, _HOST, None)
+        host = host_copy(doc_start_BS)
         if host is None:
             host = doc_start_BS.cpu()
-            setattr(doc_start_BS, _HOST, host)
+            attach_host_copy(doc_start_BS, host)
         plans[key] = build_plan(host[:, a:b], q_offset, doc_start_BS.device, fused)
     return plans[key]

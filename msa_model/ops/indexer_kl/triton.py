@@ -39,6 +39,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from ..common import as_int32
 from ..sparse_attention.inverse_index import (DocumentBlocks, InverseIndex, build_inverse_index, clean_block_idx,
                                               document_blocks, query_ends, schedule)
 from ..triton_utils import LOG2E
@@ -341,7 +342,7 @@ class IndexerKLTriton(torch.autograd.Function):
         K = 1
         diq = pbar = None
         if doc_start is not None:
-            doc_start = doc_start.to(torch.int32).contiguous()
+            doc_start = as_int32(doc_start)
         if block_idx is None:
             kl, lse_z, inv_s, diq = _dense_forward(q, k, lse, iq, ik, scale, index_scale, cfg, q_offset, doc_start)
         else:
@@ -390,7 +391,7 @@ def indexer_kl_loss_triton(q: torch.Tensor, k: torch.Tensor, iq: torch.Tensor, i
     at position q_offset + t and TK = q_offset + T (the keys of the causal prefix). `tuning`
     (default `DEFAULT_TUNING`) sets tile shapes and the teacher rows' memory budget. doc_start
     int [B, T] (packed documents, as sparse_attention's) costs one host synchronisation in the
-    sparse mode, which sizes the documents' block table.
+    sparse mode, which sizes the documents' block table, unless it carries its host copy.
     `keep_teacher`: the sparse forward's teacher rows for the backward (see `Tuning`).
     """
     if k.shape[1] != q_offset + q.shape[1] or ik.shape[1] != k.shape[1]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from ..common import as_int32, doc_rows
 from ..indexer_kl import triton as kl_triton
 from ..sparse_attention import triton as sa_triton
 from ..sparse_attention.shared import equal_chunks
@@ -66,7 +67,7 @@ class LateTeacherMSA(torch.autograd.Function):
         q, k, v, iq, ik = (x.contiguous() for x in (q, k, v, iq, ik))
         B, T, G, K = block_idx.shape
         if doc_start is not None:
-            doc_start = doc_start.to(torch.int32).contiguous()
+            doc_start = as_int32(doc_start)
         whole = len(bounds) == 1
         if not whole:
             o, lse = torch.empty_like(q), torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
@@ -79,7 +80,7 @@ class LateTeacherMSA(torch.autograd.Function):
             out = None if whole else _views(o[:, t0:t1], lse[:, t0:t1])
             o_c, lse_c, state = sa_triton.attention_forward(q_c, k_c, v[:, :keys].contiguous(), block_idx[:, t0:t1],
                                                             block_size, scale, off, sa_tuning,
-                                                            _rows(doc_start, t0, t1), out, fp8=fp8)
+                                                            as_int32(doc_rows(doc_start, t0, t1)), out, fp8=fp8)
             # one inverse index for both ops: the KL walks the attention's, unchunked
             index = sa_triton.gather_index(q_c, k_c, state, block_size, sa_tuning).whole()
             lse_z_c = kl_triton.student_lse(_rows(iq, t0, t1), ik[:, :keys].contiguous(), index, K, block_size,
@@ -118,7 +119,7 @@ class LateTeacherMSA(torch.autograd.Function):
             # a chunk's index and ids go once its backward has run
             t0, t1, state, index = chunks.pop(0)
             keys, off = q_offset + t1, q_offset + t0
-            state.idx, state.doc_start = _rows(idx, t0, t1), _rows(doc_start, t0, t1)
+            state.idx, state.doc_start = _rows(idx, t0, t1), as_int32(doc_rows(doc_start, t0, t1))
             q_c, k_c, ik_c = _rows(q, t0, t1), k[:, :keys].contiguous(), ik[:, :keys].contiguous()
             # only the rows of selected slots are written, and only they are read
             pbar = torch.empty(B * (t1 - t0) * G * K, block_size, dtype=kl_triton.teacher_dtype(q), device=q.device)

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import check_block_size, num_blocks
+from ..common import as_int32, check_block_size, num_blocks
 from ..triton_utils import INTERPRET, dot
 from .fp8 import check_precision, quantize_index
 from .tuning import Tuning, default_tuning
@@ -373,7 +373,7 @@ def launch_fused(iq_BTGI, ik_BTI, out, block_size, topk, force_sink, mode, tunin
     grid = (triton.cdiv(T, BM), B)
     s_out = out.stride()[:3] if mode != BARE else (T * GP, 0, 0)
     if doc_start is not None:
-        doc_start = doc_start.to(torch.int32).contiguous()
+        doc_start = as_int32(doc_start)
     _fused_kernel[grid](
         iq_BTGI, ik_BTI, out if ik_scale is None else ik_scale, out, out if doc_start is None else doc_start, T, TK,
         q_offset, num_blocks(TK, block_size), max(0, cfg.skip_from * block_size // C),

@@ -26,7 +26,11 @@ import torch
 import triton
 import triton.language as tl
 
+from ..common import host_copy
 from .reference import clean_block_idx_reference, schedule_reference
+
+# the attribute of a doc_start tensor caching its table sizes per (block size, query offset)
+_TABLE_SIZES = "_msa_doc_start_table_sizes"
 
 
 @triton.jit
@@ -128,20 +132,47 @@ class DocumentBlocks:
     n_blocks: int
 
 
+def _running_blocks(doc_start_BT: torch.Tensor, block_size: int, q_offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ends, counts) int64 [B, T]: at each document's last query its block count (0 elsewhere),
+    and their running sum along the row (ends[:, -1]: the row's table size)."""
+    B, T = doc_start_BT.shape
+    s_BT = doc_start_BT.long()
+    pos_T = torch.arange(q_offset, q_offset + T, device=doc_start_BT.device)
+    last_BT = torch.ones(B, T, dtype=torch.bool, device=doc_start_BT.device)
+    last_BT[:, :-1] = s_BT[:, 1:] != s_BT[:, :-1]
+    nblk_BT = torch.where(last_BT, (pos_T - s_BT) // block_size + 1, 0)
+    return torch.cumsum(nblk_BT, 1), nblk_BT
+
+
+def table_size(doc_start_BT: torch.Tensor, block_size: int, q_offset: int = 0) -> int:
+    """N of `document_blocks`: the longest row's block count. From the host copy the trainer
+    attaches (msa_model.ops.common.attach_host_copy) when there is one, computed once and cached
+    on the tensor (every layer gets the micro-batch's); else read back from the device: one
+    synchronisation."""
+    if doc_start_BT.shape[1] == 0:
+        return 0
+    host = host_copy(doc_start_BT)
+    if host is None:
+        return int(_running_blocks(doc_start_BT, block_size, q_offset)[0][:, -1].max())
+    cache = getattr(doc_start_BT, _TABLE_SIZES, None)
+    if cache is None:
+        cache = {}
+        setattr(doc_start_BT, _TABLE_SIZES, cache)
+    key = (block_size, q_offset)
+    if key not in cache:
+        cache[key] = int(_running_blocks(host, block_size, q_offset)[0][:, -1].max())
+    return cache[key]
+
+
 def document_blocks(doc_start_BT: torch.Tensor, block_size: int, q_offset: int = 0) -> DocumentBlocks:
-    """The block table of doc_start int [B, T] (query t at position q_offset + t). Its size is read
-    back to the host: one synchronisation."""
+    """The block table of doc_start int [B, T] (query t at position q_offset + t). Its size comes
+    from `table_size`: no synchronisation when doc_start carries its host copy, else one."""
     B, T = doc_start_BT.shape
     dev = doc_start_BT.device
     s_BT = doc_start_BT.long()
-    pos_T = torch.arange(q_offset, q_offset + T, device=dev)
-    last_BT = torch.ones(B, T, dtype=torch.bool, device=dev)
-    last_BT[:, :-1] = s_BT[:, 1:] != s_BT[:, :-1]
-    # each document's block count, at its last query
-    nblk_BT = torch.where(last_BT, (pos_T - s_BT) // block_size + 1, 0)
-    ends_BT = torch.cumsum(nblk_BT, 1)
+    ends_BT, nblk_BT = _running_blocks(doc_start_BT, block_size, q_offset)
     base_BT = ends_BT - nblk_BT
-    n = int(ends_BT[:, -1].max()) if T else 0
+    n = table_size(doc_start_BT, block_size, q_offset)
     m_BN = torch.arange(n, device=dev).expand(B, n).contiguous()
     # the document holding table block m ends at the first query whose running count exceeds m
     t_BN = torch.searchsorted(ends_BT, m_BN, right=True)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..common import as_int32
 from ..triton_utils import interpreting
 from .dense import dense_backward, dense_forward
 from .gather import sparse_backward, sparse_forward
@@ -66,7 +67,7 @@ def attention_forward(q, k, v, block_idx, block_size, scale, q_offset, tuning: T
     pass (else `gather_index` builds it when it is needed). fp8: fp8 probabilities (sparse only;
     the gather path, whose tiles each cover one block, so a tile's row max is the block's)."""
     if doc_start is not None:
-        doc_start = doc_start.to(torch.int32).contiguous()
+        doc_start = as_int32(doc_start)
     idx = None if block_idx is None else clean_block_idx(block_idx, block_size, q_offset, doc_start)
     if fp8 and idx is None:
         raise ValueError("fp8 probabilities are the sparse attention's (block_idx given)")
@@ -153,7 +154,8 @@ def sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b
     (not differentiable). Inputs are made contiguous. `tuning` (default `DEFAULT_TUNING`) sets
     the launch shapes and the partial buffers' budget. doc_start int [B, T] (packed documents:
     each query reads its own document, block ids count from its start) costs one host
-    synchronisation in the sparse path, which sizes the documents' block table. fp8_probs: the
+    synchronisation in the sparse path, which sizes the documents' block table, unless it carries
+    its host copy (`msa_model.ops.common.attach_host_copy`, as the trainer's does). fp8_probs: the
     output from probabilities rounded to float8 e4m3 (sparse only; the gather path), gradients
     straight through (gather.py).
     """
