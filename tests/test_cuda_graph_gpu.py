@@ -1,6 +1,7 @@
 """model.msa.cuda_graph on a GPU: the MSA layers' sparse core replayed as CUDA graphs gives the
 eager model's loss, gradients and logged indexer KL, step after step on new inputs and new
-weights, and leaves validation (no graph) and the indexer warmup eager. Skipped without CUDA."""
+weights (and new packings of documents), and leaves validation (no graph) and the indexer warmup
+eager. Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def _model(cuda_graph: bool):
     return model
 
 
-def _step(model, tokens):
+def _step(model, tokens, doc_start=None):
     """Loss, every parameter's gradient and the logged KL per layer of one forward and backward."""
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
@@ -39,13 +40,30 @@ def _step(model, tokens):
     tracker.clear()
     model.zero_grad(set_to_none=True)
     positions = torch.arange(tokens.shape[1], device="cuda").expand(tokens.shape[0], -1)
-    loss = model(tokens, positions, None, labels=tokens).float().mean()
+    loss = model(tokens, positions, doc_start, labels=tokens).float().mean()
     loss.backward()
     grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
     return float(loss), grads, tracker.metrics[KL_METRIC].values.clone()
 
 
-def test_graphed_core_steps_equal_the_eager_model(megatron_one_gpu):
+def _doc_starts(step: int) -> torch.Tensor:
+    """int32 [2, 2048] starts of documents of 1 to 900 tokens (a few per row), another packing each
+    step, on the GPU with the host copy the trainer attaches."""
+    from msa_model.ops.common import attach_host_copy
+
+    gen = torch.Generator().manual_seed(100 + step)
+    rows = []
+    for _ in range(2):
+        row = []
+        while len(row) < 2048:
+            row += [len(row)] * int(torch.randint(1, 900, (1,), generator=gen))
+        rows.append(row[:2048])
+    host = torch.tensor(rows, dtype=torch.int32)
+    return attach_host_copy(host.cuda(), host)
+
+
+@pytest.mark.parametrize("docs", [False, True], ids=["rows", "documents"])
+def test_graphed_core_steps_equal_the_eager_model(megatron_one_gpu, docs):
     from msa_model.model.attention import msa_layers
 
     eager, graphed = _model(False), _model(True)
@@ -53,7 +71,8 @@ def test_graphed_core_steps_equal_the_eager_model(megatron_one_gpu):
     gen = torch.Generator(device="cuda").manual_seed(1)
     for step in range(4):
         tokens = torch.randint(0, 257, (2, 2048), device="cuda", generator=gen)
-        want, got = _step(eager, tokens), _step(graphed, tokens)
+        doc_start = _doc_starts(step) if docs else None
+        want, got = _step(eager, tokens, doc_start), _step(graphed, tokens, doc_start)
         assert abs(got[0] - want[0]) <= 1e-3 * abs(want[0]), (step, got[0], want[0])
         assert want[1].keys() == got[1].keys()
         for name, g in want[1].items():
@@ -67,8 +86,9 @@ def test_graphed_core_steps_equal_the_eager_model(megatron_one_gpu):
                 if p_e.grad is not None:
                     p_e.add_(p_e.grad, alpha=-1e-2)
                     p_g.copy_(p_e)
-    # one capture per layer, reused by the later steps
-    assert [len(layer._graphs) for layer in msa_layers(graphed)] == [1] * len(msa_layers(graphed))
+    # one capture per layer (with documents: per table size met), reused by the later steps
+    counts = [len(layer._graphs) for layer in msa_layers(graphed)]
+    assert counts == [counts[0]] * len(counts) and (1 <= counts[0] <= 4 if docs else counts[0] == 1), counts
 
 
 def test_validation_and_warmup_stay_eager(megatron_one_gpu):

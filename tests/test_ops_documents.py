@@ -326,3 +326,33 @@ def test_document_table_size_comes_from_the_host_copy(q_offset):
     assert torch.equal(host_copy(chunk), host_copy(fresh)[:, 10:30])
     wide = attach_host_copy(fresh.long(), host_copy(fresh))
     assert host_copy(as_int32(wide)) is host_copy(fresh) and as_int32(wide).dtype == torch.int32
+
+
+@pytest.mark.parametrize("teacher", ["forward", "backward"])
+def test_a_reserved_document_table_gives_the_same_results(teacher):
+    """A CUDA graph's starts keep the table size of their capture (`reserve_table`): a table larger
+    than the starts need (empty entries past each row's blocks) gives the same output, KL and
+    gradients as the table they need."""
+    from msa_model.ops.sparse_attention.inverse_index import reserve_table, table_size
+
+    bs, topk = 16, 2
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    q, k, v, iq, ik = inputs(seed=8, dtype=dtype, Hq=6, G=2, di=16, device=DEV)
+    ds = doc_starts(DOCS).to(DEV)
+    w = torch.randn(q.shape, generator=torch.Generator().manual_seed(9)).to(DEV)
+
+    def run(starts):
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, iq, ik)]
+        o, kl, idx, _ = msa_attention(*leaves, MSASettings(bs, topk, backend="triton", kl_teacher=teacher),
+                                      doc_start=starts, check_ids=False)
+        grads = torch.autograd.grad((o.float() * w).sum() + kl, leaves)
+        return idx, o, kl.detach().clone(), *grads  # the late teacher's KL holds its value after the backward
+
+    want = run(ds)
+    padded = ds.clone()
+    reserve_table(padded, bs, table_size(ds, bs) + 37)
+    got = run(padded)
+    assert table_size(padded, bs) == table_size(ds, bs) + 37
+    assert torch.equal(got[0], want[0])
+    for name, x, r in zip(("o", "kl", "dq", "dk", "dv", "d iq", "d ik"), got[1:], want[1:]):
+        assert rel(x, r) < 1e-6, (name, rel(x, r))

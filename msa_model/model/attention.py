@@ -57,7 +57,8 @@ from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 from msa_model.config import MSAConfig, tuning_overrides
 from msa_model.parallel.context_parallel import gather_sequence, local_query_chunks
 from msa_model.ops import MSASettings, msa_attention
-from msa_model.ops.common import doc_rows
+from msa_model.ops.common import doc_rows, host_copy
+from msa_model.ops.sparse_attention.inverse_index import reserve_table, table_size
 from msa_model.ops.dense_attention import document_attention, document_plan, fused_causal_takes
 from msa_model.ops.rope import rope
 from msa_model.ops.tuning import kernel_tuning
@@ -307,7 +308,7 @@ class MSASelfAttention(CausalSelfAttention):
         iq, ik = self._index_inputs(hidden_states, q_freqs, q.shape[1])
         # top-k selection (dense in warmup), attention and the indexer KL
         if self._graphable(q, doc_start):
-            o_BSHD, kl, keys = self._graphed_core(q, k, v, iq, ik)
+            o_BSHD, kl, keys = self._graphed_core(q, k, v, iq, ik, doc_start)
         else:
             o_BSHD, kl, keys = self._recomputed(self._core, q, k, v, iq, ik, doc_start)
         output, bias = self._project(o_BSHD)
@@ -359,28 +360,38 @@ class MSASelfAttention(CausalSelfAttention):
         steps of the sparse phase; validation, the indexer warmup and a diagnostics capture run
         it eagerly. The configurations it needs are checked with the config (msa_model.config)."""
         return (self.options.msa.cuda_graph and self.sparse and self.training and torch.is_grad_enabled()
-                and doc_start is None and self.diagnostics_capture is None and q.is_cuda)
+                and (doc_start is None or host_copy(doc_start) is not None)
+                and self.diagnostics_capture is None and q.is_cuda)
 
-    def _graphed_core(self, q, k, v, iq, ik):
+    def _graphed_core(self, q, k, v, iq, ik, doc_start=None):
         """`_core` replayed as a CUDA graph, captured (forward and backward) at the first call of
         these shapes. The graph reads and writes fixed buffers: inputs are copied in, the outputs
         and the inputs' gradients are views of its own memory, valid until this layer's next
         forward, which megatron's schedule without a pipeline runs after the backward of the last.
         The KL whose value the backward fills in is recorded once that backward has run (a hook
-        on q's gradient): the graph replays kernels, not the eager core's Python callback."""
-        inputs = (q, k, v, iq, ik)
+        on q's gradient): the graph replays kernels, not the eager core's Python callback.
+        Packed documents (starts with their host copy): the documents' block table is a shape of
+        the core, so a graph serves the micro-batches whose table fits its size, a power of two
+        (the rows' extra entries are empty); one graph per size met."""
+        inputs = (q, k, v, iq, ik) + ((doc_start,) if doc_start is not None else ())
         key = tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in inputs)
+        table = 0
+        if doc_start is not None:
+            table = max(16, 1 << (table_size(doc_start, self.settings.block_size) - 1).bit_length())
+            key += (table,)
         graphed = self._graphs.get(key)
         if graphed is None:
             samples = tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in inputs)
+            if doc_start is not None:
+                reserve_table(samples[-1], self.settings.block_size, table)
             graphed = self._graphs[key] = torch.cuda.make_graphed_callables(self._graph_body, samples)
         o, kl, keys = graphed(*inputs)
         if self._late_kl and q.requires_grad:
             q.register_hook(lambda grad: self._record_kl(kl))
         return o, kl, keys
 
-    def _graph_body(self, q, k, v, iq, ik):
-        return self._core(q, k, v, iq, ik, None, record_late_kl=False)
+    def _graph_body(self, q, k, v, iq, ik, doc_start=None):
+        return self._core(q, k, v, iq, ik, doc_start, record_late_kl=False)
 
     def _record_kl(self, kl):
         get_moe_metrics_tracker().record(KL_METRIC, kl.detach().clone(), self.layer_number, self.config.num_layers,

@@ -151,17 +151,27 @@ def table_size(doc_start_BT: torch.Tensor, block_size: int, q_offset: int = 0) -
     synchronisation."""
     if doc_start_BT.shape[1] == 0:
         return 0
+    key = (block_size, q_offset)
+    cache = getattr(doc_start_BT, _TABLE_SIZES, None)
+    if cache is not None and key in cache:
+        return cache[key]
     host = host_copy(doc_start_BT)
     if host is None:
         return int(_running_blocks(doc_start_BT, block_size, q_offset)[0][:, -1].max())
+    return reserve_table(doc_start_BT, block_size, int(_running_blocks(host, block_size, q_offset)[0][:, -1].max()),
+                         q_offset)
+
+
+def reserve_table(doc_start_BT: torch.Tensor, block_size: int, n: int, q_offset: int = 0) -> int:
+    """Fix the table size the ops use for this tensor at n, whatever starts it holds later, as long
+    as they need at most n blocks a row (a row's entries past its own are empty: no keys). For a
+    CUDA graph's static starts, whose table shapes stay those of the capture. Returns n."""
     cache = getattr(doc_start_BT, _TABLE_SIZES, None)
     if cache is None:
         cache = {}
         setattr(doc_start_BT, _TABLE_SIZES, cache)
-    key = (block_size, q_offset)
-    if key not in cache:
-        cache[key] = int(_running_blocks(host, block_size, q_offset)[0][:, -1].max())
-    return cache[key]
+    cache[(block_size, q_offset)] = n
+    return n
 
 
 def document_blocks(doc_start_BT: torch.Tensor, block_size: int, q_offset: int = 0) -> DocumentBlocks:
