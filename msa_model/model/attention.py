@@ -394,7 +394,9 @@ class MSASelfAttention(CausalSelfAttention):
         return self._core(q, k, v, iq, ik, doc_start, record_late_kl=False)
 
     def _record_kl(self, kl):
-        get_moe_metrics_tracker().record(KL_METRIC, kl.detach().clone(), self.layer_number, self.config.num_layers,
+        """Add a KL filled in by the backward to the layer's metric (the eager core's chunks each
+        add their share; the graphed core the whole)."""
+        get_moe_metrics_tracker().record(KL_METRIC, kl.detach(), self.layer_number, self.config.num_layers,
                                          avg_group=metrics_group(self.pg_collection))
 
     def _core(self, q, k, v, iq, ik, doc_start=None, record_late_kl: bool = True):
@@ -418,8 +420,7 @@ class MSASelfAttention(CausalSelfAttention):
         def record(value):
             # a KL whose value the backward fills in (`kl_in_backward`) is recorded there; the
             # layer's KL is the mean of its (equal-length) chunks': each adds its share
-            get_moe_metrics_tracker().record(KL_METRIC, value / chunks, self.layer_number, self.config.num_layers,
-                                             avg_group=metrics_group(self.pg_collection))
+            self._record_kl(value / chunks)
 
         def attend(a, b, off):
             doc = doc_rows(doc_start, a, b)

@@ -144,11 +144,12 @@ def _running_blocks(doc_start_BT: torch.Tensor, block_size: int, q_offset: int) 
     return torch.cumsum(nblk_BT, 1), nblk_BT
 
 
-def table_size(doc_start_BT: torch.Tensor, block_size: int, q_offset: int = 0) -> int:
+def table_size(doc_start_BT: torch.Tensor, block_size: int, q_offset: int = 0,
+               ends_BT: torch.Tensor | None = None) -> int:
     """N of `document_blocks`: the longest row's block count. From the host copy the trainer
     attaches (msa_model.ops.common.attach_host_copy) when there is one, computed once and cached
     on the tensor (every layer gets the micro-batch's); else read back from the device: one
-    synchronisation."""
+    synchronisation (of `ends_BT`, the device's running block counts, when the caller has them)."""
     if doc_start_BT.shape[1] == 0:
         return 0
     key = (block_size, q_offset)
@@ -157,7 +158,9 @@ def table_size(doc_start_BT: torch.Tensor, block_size: int, q_offset: int = 0) -
         return cache[key]
     host = host_copy(doc_start_BT)
     if host is None:
-        return int(_running_blocks(doc_start_BT, block_size, q_offset)[0][:, -1].max())
+        if ends_BT is None:
+            ends_BT = _running_blocks(doc_start_BT, block_size, q_offset)[0]
+        return int(ends_BT[:, -1].max())
     return reserve_table(doc_start_BT, block_size, int(_running_blocks(host, block_size, q_offset)[0][:, -1].max()),
                          q_offset)
 
@@ -182,7 +185,7 @@ def document_blocks(doc_start_BT: torch.Tensor, block_size: int, q_offset: int =
     s_BT = doc_start_BT.long()
     ends_BT, nblk_BT = _running_blocks(doc_start_BT, block_size, q_offset)
     base_BT = ends_BT - nblk_BT
-    n = table_size(doc_start_BT, block_size, q_offset)
+    n = table_size(doc_start_BT, block_size, q_offset, ends_BT)
     m_BN = torch.arange(n, device=dev).expand(B, n).contiguous()
     # the document holding table block m ends at the first query whose running count exceeds m
     t_BN = torch.searchsorted(ends_BT, m_BN, right=True)
