@@ -28,11 +28,8 @@ def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def _uses_triton(cfg, gpu: Optional[bool]) -> bool:
-    """Whether the MSA ops will run the Triton kernels (msa_model.ops.common.resolve_backend)."""
-    backend = cfg.model.msa.backend
-    if backend != "auto":
-        return backend == "triton"
+def _on_gpu(cfg, gpu: Optional[bool]) -> bool:
+    """Whether the job runs on GPUs: `gpu` when given, else trainer.device (auto: this machine)."""
     if gpu is not None:
         return gpu
     device = cfg.trainer.device
@@ -41,6 +38,14 @@ def _uses_triton(cfg, gpu: Optional[bool]) -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def _uses_triton(cfg, gpu: Optional[bool]) -> bool:
+    """Whether the MSA ops will run the Triton kernels (msa_model.ops.common.resolve_backend)."""
+    backend = cfg.model.msa.backend
+    if backend != "auto":
+        return backend == "triton"
+    return _on_gpu(cfg, gpu)
 
 
 def _check_kernel_shapes(errors: list[str], cfg, gpu: Optional[bool]) -> None:
@@ -70,14 +75,7 @@ def _check_cuda_graph(errors: list[str], cfg, gpu: Optional[bool]) -> None:
     m, p = cfg.model, cfg.parallel
     if not m.msa.cuda_graph:
         return
-    on_gpu = gpu
-    if on_gpu is None:
-        if cfg.trainer.device != "auto":
-            on_gpu = cfg.trainer.device == "cuda"
-        else:
-            import torch
-
-            on_gpu = torch.cuda.is_available()
+    on_gpu = _on_gpu(cfg, gpu)
     unsupported = [
         (m.attention != "msa", "model.attention=msa (a dense model has no MSA core)"),
         (not on_gpu, "a GPU (trainer.device=cuda)"),
