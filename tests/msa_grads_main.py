@@ -115,7 +115,13 @@ def main(overrides: list[str]) -> None:
             c.msa.topk = 2
             m = build_model(c, cfg.parallel, 257, on_cpu=True)
             m.train()
+            index_passes = []
+            first = next(a for a in m.modules() if isinstance(a, MSASelfAttention))
+            first.index_q_proj.register_forward_hook(lambda *_: index_passes.append(1))
             got[teacher, recompute] = grads(m, 1.0, 1.0, True, slice(0, 1), slice(0, 64))
+            # the index branch runs twice a step: its forward and one rebuild in backward (its own
+            # checkpoint, or, under full recompute, the layer's rerun, which it does not checkpoint again)
+            assert len(index_passes) == 2, (recompute, len(index_passes))
             late = [a._late_kl for a in m.modules() if isinstance(a, MSASelfAttention)]
             assert late == [teacher == "backward"] * cfg.model.num_layers, (teacher, late)
         g_f, kl_f = got["forward", "none"]

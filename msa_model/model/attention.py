@@ -330,9 +330,10 @@ class MSASelfAttention(CausalSelfAttention):
         index_freqs = q_freqs
         if self.index_rotary is not None and q_freqs is not None:
             index_freqs = self.index_rotary(S * cp_group.size(), cp_group=cp_group)
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and self.config.recompute_granularity != "full":
             # cheap to rebuild (projections to G*Di + Di features, norms, RoPE): keep only its
-            # outputs, which the KL needs anyway, not the intermediates
+            # outputs, which the KL needs anyway, not the intermediates. Under full recompute this
+            # forward already is the layer's rerun inside its backward: a third pass would gain nothing
             iq_SBGI, ik_SBI = torch.utils.checkpoint.checkpoint(self._index_branch, hidden_states, index_freqs,
                                                                 use_reentrant=False)
         else:
