@@ -66,7 +66,7 @@ def prepare_tokens(data_cfg, tokenizer=None, build: bool = True, seq_length: int
     share = getattr(data_cfg, "retrieval_share", 0.0)
     if share > 0 and not seq_length:
         raise ValueError("data.retrieval_share needs the sequence length of the documents")
-    extra = _mixture_key(data_cfg, share, seq_length)
+    extra = _mixture_key(data_cfg, share, seq_length, bytes_are_tokens=tokenizer.name == "byte-v1")
     # the tokenizer's identity (and the BOS choice) is part of the key: another tokenizer, another cache
     bos = tokenizer.bos if data_cfg.add_bos else None
     if data_cfg.add_bos and bos is None:
@@ -103,14 +103,15 @@ def _retrieval_tasks(data_cfg) -> tuple[str, ...]:
     return tuple(getattr(data_cfg, "retrieval_tasks", DEFAULT_TASKS))
 
 
-def _mixture_key(data_cfg, share: float, seq_length: int | None) -> str:
+def _mixture_key(data_cfg, share: float, seq_length: int | None, bytes_are_tokens: bool = True) -> str:
     """What the synthetic documents depend on, for the cache key. The mixture counts only when there
     is one, so plain corpora keep their caches; chosen tasks count with the generator's source (a
     change to a task's documents builds a new cache), the default ones not, so the mixtures made
-    before the tasks could be chosen keep theirs."""
+    before the tasks could be chosen keep theirs. Documents sized in another tokenizer's tokens
+    (once they were sized in bytes with every tokenizer) are marked so."""
     if share <= 0:
         return ""
-    key = f"retrieval={share},{seq_length},{data_cfg.seed}"
+    key = f"retrieval={share},{seq_length},{data_cfg.seed}" + ("" if bytes_are_tokens else ",lengths=tokens")
     tasks = _retrieval_tasks(data_cfg)
     if tasks != DEFAULT_TASKS:
         source = hashlib.sha256(Path(retrieval.__file__).read_bytes()).hexdigest()[:16]
@@ -138,8 +139,10 @@ def _tokenize(out_dir: Path, tokenizer, root: Path, files: list[Path], data_cfg,
         # GPTDataset shuffles documents, so appending them after the corpus mixes them in
         haystack = Haystack(files, pool_bytes=64 * seq_length + 4_000_000, seed=data_cfg.seed)
         target = int(n_tokens * share / (1.0 - share))
+        # lengths and the share in the model's tokens (bytes are the byte tokenizer's tokens)
+        count = None if tokenizer.name == "byte-v1" else (lambda doc: len(tokenizer.tokenize(doc)))
         for doc in training_documents(haystack, target, seq_length, seed=data_cfg.seed + 1,
-                                      tasks=_retrieval_tasks(data_cfg)):
+                                      tasks=_retrieval_tasks(data_cfg), count=count):
             ids = np.concatenate([head, tokenizer.tokenize(doc), [tokenizer.eod]]).astype(np.int32)
             builder.add_document(ids, [ids.size])
             n_synthetic += ids.size

@@ -15,12 +15,13 @@ answer is a 5-digit number:
                digits a document in the other tasks
 
 `depth` in [0, 1] places the (first) needle at that fraction of the haystack; in kvrecall the
-needle of the last question. Lengths here are bytes, which the byte tokenizer reads as tokens; the
-evaluation measures them in the model's own tokens (`msa_model.eval.runner.example_of_tokens`
-searches the byte length for other tokenizers). Everything is drawn from a `random.Random` the
-caller seeds, so a (seed, task, length, depth, index) names one example on every machine. The
-same generator feeds the evaluation (msa_model.eval) and, through `data.retrieval_share` and
-`data.retrieval_tasks`, the training mixture.
+needle of the last question. `make_example` counts bytes, which the byte tokenizer reads as
+tokens; for another tokenizer `fit_example` searches the byte length whose example has the
+length asked in the model's tokens (the evaluation's examples and the training documents alike).
+Everything is drawn from a `random.Random` the caller seeds, so a (seed, task, length, depth,
+index) names one example on every machine. The same generator feeds the evaluation
+(msa_model.eval) and, through `data.retrieval_share` and `data.retrieval_tasks`, the training
+mixture.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Optional
 
 TASKS = ("passkey", "multikey", "vartrack", "kvrecall")
 # the training mixture's tasks unless data.retrieval_tasks says otherwise (their documents, and so
@@ -176,18 +178,53 @@ def make_example(task: str, length: int, depth: float, haystack: Haystack, rng: 
     return Example(task, length, depth, prompt, answer)
 
 
-def training_documents(haystack: Haystack, target_bytes: int, max_length: int, seed: int,
-                       tasks: tuple[str, ...] = DEFAULT_TASKS):
-    """Yield synthetic retrieval documents (bytes: prompt + answer) until `target_bytes` are made:
-    `tasks` uniform, depths uniform in [0, 1], lengths uniform in [max_length / 8, max_length];
-    kvrecall documents ask for every needle."""
+def fit_example(task: str, length: int, depth: float, haystack: Haystack, draw: Callable[[], random.Random],
+                count: Callable[[Example], int], ask_all: bool = False, tries: int = 8,
+                within: float = 0.02) -> Optional[Example]:
+    """The longest example of at most `length` units of `count` (the model's tokens) found in
+    `tries` byte lengths, stopping within `within` of it; None if none fits (its needles and
+    question alone take more). Each try draws its example from `draw()`: a fresh generator of the
+    same seed makes the result depend on the example's name alone, a shared one continues its stream."""
+    best, n_bytes = None, 4 * length
+    for _ in range(tries):
+        try:
+            ex = make_example(task, n_bytes, depth, haystack, draw(), ask_all=ask_all)
+        except ValueError:  # too short for its needles: grow
+            n_bytes *= 2
+            continue
+        n = count(ex)
+        if n <= length and (best is None or n > best[0]):
+            best = (n, ex)
+        if length * (1.0 - within) <= n <= length:
+            break
+        n_bytes = max(1, int(n_bytes * length / n * (0.995 if n > length else 1.0)))
+    return None if best is None else best[1]
+
+
+def training_documents(haystack: Haystack, target: int, max_length: int, seed: int,
+                       tasks: tuple[str, ...] = DEFAULT_TASKS, count: Optional[Callable[[bytes], int]] = None):
+    """Yield synthetic retrieval documents (bytes: prompt + answer) until `target` tokens are made:
+    `tasks` uniform, depths uniform in [0, 1], lengths uniform in [max_length / 8, max_length]
+    tokens; kvrecall documents ask for every needle.
+
+    `count` (a document's length in the model's tokens) sizes documents and target in those tokens,
+    each document the longest that fits its drawn length (`fit_example`); None: bytes, the byte
+    tokenizer's tokens, each document exactly its drawn length."""
     rng = random.Random(seed)
     made = 0
     low = max(256, max_length // 8)
-    while made < target_bytes:
+    while made < target:
         task = rng.choice(tasks)
-        ex = make_example(task, rng.randint(low, max(low, max_length)), rng.random(), haystack, rng,
-                          ask_all=task == "kvrecall")
+        length, depth = rng.randint(low, max(low, max_length)), rng.random()
+        ask_all = task == "kvrecall"
+        if count is None:
+            ex = make_example(task, length, depth, haystack, rng, ask_all=ask_all)
+        else:
+            ex = fit_example(task, length, depth, haystack, lambda: rng, lambda e: count(e.prompt + e.answer),
+                             ask_all=ask_all)
+            if ex is None:
+                raise ValueError(f"{task}: no training document of at most {length} tokens (data.retrieval_tasks "
+                                 f"needs a longer model.seq_length)")
         doc = ex.prompt + ex.answer
-        made += len(doc)
+        made += len(doc) if count is None else count(doc)
         yield doc

@@ -170,6 +170,29 @@ def test_training_documents_mix_the_tasks_asked_for(tmp_path):
     assert all((b"PASSKEY" in d) != bool(_kv_lines(d)[1]) for d in mixed)
 
 
+def test_training_documents_are_sized_in_the_models_tokens(tmp_path):
+    """With a BPE tokenizer the training documents' lengths and their total are the model's tokens:
+    each the longest of at most its drawn length (uniform in [max / 8, max] tokens), answerable,
+    more bytes than tokens."""
+    from data.tokenizer import HFTokenizer
+    from tokenizer_fixtures import make_bpe_tokenizer
+
+    _, hay = _haystack(tmp_path)
+    bpe = HFTokenizer(make_bpe_tokenizer(tmp_path / "tok", vocab_size=600, files=20))
+    count = lambda doc: len(bpe.tokenize(doc))  # noqa: E731
+    docs = list(training_documents(hay, 30_000, 1024, seed=3, tasks=TASKS, count=count))
+    tokens = [count(d) for d in docs]
+    assert 30_000 <= sum(tokens) < 30_000 + 1024
+    assert all(0.98 * 256 <= n <= 1024 for n in tokens) and max(tokens) > 900, tokens
+    assert sum(map(len, docs)) > 1.2 * sum(tokens)
+    assert any(b"PASSKEY" in d for d in docs) and any(_kv_lines(d)[1] for d in docs)
+    for d in docs:
+        values, _, questions = _kv_lines(d)
+        assert all(values[k] == a for k, a in questions)
+    # the same seed draws the same documents
+    assert list(training_documents(hay, 30_000, 1024, seed=3, tasks=TASKS, count=count)) == docs
+
+
 def test_retrieval_examples_are_measured_in_the_models_tokens(tmp_path):
     """With a BPE tokenizer an evaluation length is tokens, as the model reads them (prompt and
     answer tokenized apart, as score_example does): at most the length, within 2% of it, the same
@@ -246,6 +269,43 @@ def test_retrieval_share_puts_synthetic_documents_in_the_token_file(tmp_path):
     assert len(set(q2[3:])) > 1
     assert (tok2 - tok0) / tok2 == pytest.approx(0.3, abs=0.05)
     assert dir1 == old_dir1 and dir2 != dir1
+
+
+def test_retrieval_share_counts_a_bpe_tokenizers_tokens(tmp_path):
+    """With a BPE tokenizer the synthetic share and the documents' lengths are in its tokens (once
+    they were bytes with every tokenizer: such a cache has another key)."""
+    from tokenizer_fixtures import make_bpe_tokenizer
+
+    root, _ = _haystack(tmp_path)
+    tok = make_bpe_tokenizer(tmp_path / "tok", vocab_size=600, files=20)
+    script = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from omegaconf import OmegaConf\n"
+        "from msa_model.config import DataConfig\n"
+        "from data.corpus import list_corpus_files\n"
+        "from data.datasets import _cache_key, prepare_tokens\n"
+        "from data.tokenizer import build_tokenizer\n"
+        "from megatron.core.datasets.indexed_dataset import IndexedDataset\n"
+        "cfg = OmegaConf.structured(DataConfig(source=sys.argv[1], glob='*.py', cache_dir=sys.argv[2],"
+        " retrieval_share=0.3, tokenizer=sys.argv[3]))\n"
+        "prefix = prepare_tokens(cfg, seq_length=512)\n"
+        "ds = IndexedDataset(prefix)\n"
+        "tokenizer = build_tokenizer(sys.argv[3])\n"
+        "root, files = list_corpus_files(sys.argv[1], '*.py', cfg.max_bytes)\n"
+        "byte_sized = _cache_key(tokenizer.identity['sha256'], root, files, f'retrieval=0.3,512,{cfg.seed}')\n"
+        "print([len(ds[i]) for i in range(len(ds))], Path(prefix).parent.name == Path(sys.argv[1]).name + '-' + byte_sized)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script, str(root), str(tmp_path / "cache"), str(tok)], cwd=REPO,
+                          env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lengths, old_key = proc.stdout.strip().splitlines()[-1].rsplit(" ", 1)
+    lengths = eval(lengths)
+    corpus, synthetic = lengths[:3], lengths[3:]
+    assert sum(synthetic) / sum(lengths) == pytest.approx(0.3, abs=0.03)
+    # each document and its end-of-document token within the sequence, the longest near it
+    assert all(0.98 * 256 <= n <= 513 for n in synthetic) and max(synthetic) > 480, synthetic
+    assert old_key == "False"
 
 
 @pytest.fixture(scope="module")

@@ -123,30 +123,18 @@ def _tokens(ex, tokenizer) -> int:
 
 def example_of_tokens(task, length, depth, haystack, tokenizer, rng, tries: int = 8):
     """A retrieval example of `length` tokens as `score_example` tokenizes it: with the byte
-    tokenizer the example of `length` bytes; with another, the byte length is searched (each try
-    from a fresh `rng()`, so the example depends on (seed, task, length, depth, index) alone) for
-    the longest example of at most `length` tokens, stopping within 2% of it."""
-    from data.retrieval import make_example
+    tokenizer the example of `length` bytes; with another, the longest example of at most `length`
+    tokens within 2% of it (`data.retrieval.fit_example`; each try from a fresh `rng()`, so the
+    example depends on (seed, task, length, depth, index) alone)."""
+    from data.retrieval import fit_example, make_example
     from data.tokenizer import ByteTokenizer
 
     if isinstance(tokenizer, ByteTokenizer):
         return make_example(task, length, depth, haystack, rng())
-    best, n_bytes = None, 4 * length
-    for _ in range(tries):
-        try:
-            ex = make_example(task, n_bytes, depth, haystack, rng())
-        except ValueError:  # too short for its needles: grow
-            n_bytes *= 2
-            continue
-        n = _tokens(ex, tokenizer)
-        if n <= length and (best is None or n > best[0]):
-            best = (n, ex)
-        if n <= length and n >= 0.98 * length:
-            break
-        n_bytes = max(1, int(n_bytes * length / n * (0.995 if n > length else 1.0)))
-    if best is None:
+    ex = fit_example(task, length, depth, haystack, rng, lambda e: _tokens(e, tokenizer), tries=tries)
+    if ex is None:
         raise EvalError(f"{task}: no example of at most {length} tokens (its needles and question alone take more)")
-    return best[1]
+    return ex
 
 
 def retrieval_results(model, device, haystack, tasks, lengths, depths, samples, seed, tokenizer) -> dict:
