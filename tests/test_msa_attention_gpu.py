@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from gpu_sync import assert_no_host_sync
-from msa_model.ops import MSASettings, indexer_kl_loss, msa_attention, select_blocks, sparse_attention
+from msa_model.ops import KernelTuning, MSASettings, indexer_kl_loss, msa_attention, select_blocks, sparse_attention
+from msa_model.ops.indexer_kl.tuning import Tuning as KLTuning
 from msa_model.ops.dense_attention import attach_host_copy, document_plan
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -68,16 +69,21 @@ def test_composition_matches_reference(dense, docs, teacher):
 
 # packed documents need no synchronisation either: the warmup's dense attention plans from the
 # starts' host copy, and the sparse phase sizes the documents' block table from it, as the layers
-# get it from the trainer (msa_model.ops.common.attach_host_copy; docs/msa.md)
-@pytest.mark.parametrize("dense,docs,teacher", [(False, False, "forward"), (False, False, "backward"),
-                                                 (True, False, "forward"), (True, True, "forward"),
-                                                 (False, True, "forward"), (False, True, "backward")],
+# get it from the trainer (msa_model.ops.common.attach_host_copy; docs/msa.md); chunks: the late
+# teacher's call as query chunks (rows over its teacher_bytes), whose tables come from the copy's rows
+@pytest.mark.parametrize("dense,docs,teacher,chunks",
+                         [(False, False, "forward", False), (False, False, "backward", False),
+                          (True, False, "forward", False), (True, True, "forward", False),
+                          (False, True, "forward", False), (False, True, "backward", False),
+                          (False, True, "backward", True)],
                          ids=["sparse", "sparse-late-teacher", "dense", "dense-documents", "sparse-documents",
-                              "sparse-documents-late-teacher"])
-def test_a_training_step_never_waits_on_the_device(dense, docs, teacher):
+                              "sparse-documents-late-teacher", "sparse-documents-late-teacher-chunks"])
+def test_a_training_step_never_waits_on_the_device(dense, docs, teacher, chunks):
     """Forward and backward of the layer issue their work without a host synchronisation (one
     would drain the queue every layer): CUDA's sync debug mode turns any into an error."""
     B, T, Hq, G, D, Di, bs, topk = 1, 1000, 8, 2, 64, 64, 64, 4
+    # a query's teacher rows are B*G*topk*bs bf16 values: 300 queries' a chunk, four chunks
+    tuning = KernelTuning(indexer_kl=KLTuning(teacher_bytes=300 * B * G * topk * bs * 2)) if chunks else None
     gen = torch.Generator(device="cuda").manual_seed(5)
     mk = lambda *s: torch.randn(*s, device="cuda", generator=gen).bfloat16().requires_grad_()  # noqa: E731
     q, k, v, iq, ik = mk(B, T, Hq, D), mk(B, T, G, D), mk(B, T, G, D), mk(B, T, G, Di), mk(B, T, Di)
@@ -88,8 +94,9 @@ def test_a_training_step_never_waits_on_the_device(dense, docs, teacher):
     plan = document_plan(doc_start, 0, T, 0) if docs and dense else None
 
     def step():
-        o, kl, _, _ = msa_attention(q, k, v, iq, ik, MSASettings(bs, topk, backend="triton", kl_teacher=teacher),
-                                    dense=dense, doc_start=doc_start, check_ids=False, document_plan=plan)
+        settings = MSASettings(bs, topk, backend="triton", kl_teacher=teacher, tuning=tuning or KernelTuning())
+        o, kl, _, _ = msa_attention(q, k, v, iq, ik, settings, dense=dense, doc_start=doc_start, check_ids=False,
+                                    document_plan=plan)
         torch.autograd.backward([o, kl], [torch.ones_like(o), torch.ones_like(kl)])
 
     assert_no_host_sync(step)

@@ -356,3 +356,54 @@ def test_a_reserved_document_table_gives_the_same_results(teacher):
     assert torch.equal(got[0], want[0])
     for name, x, r in zip(("o", "kl", "dq", "dk", "dv", "d iq", "d ik"), got[1:], want[1:]):
         assert rel(x, r) < 1e-6, (name, rel(x, r))
+
+
+def test_a_reserved_document_table_reaches_the_query_chunks(monkeypatch):
+    """A graph's static starts have no host copy, only the table size reserved at the capture: the
+    query chunks of a late-teacher call over its row budget, and their int32 copies, keep it (a
+    chunk's rows have at most the blocks of the whole rows), so no chunk reads its starts back
+    from the device (a synchronisation, which a capture refuses) and the results are one call's."""
+    from msa_model.ops import KernelTuning
+    from msa_model.ops.common import as_int32, doc_rows
+    from msa_model.ops.indexer_kl.tuning import Tuning as KLTuning
+    from msa_model.ops.msa_attention import late_teacher
+    from msa_model.ops.sparse_attention.inverse_index import reserve_table, table_size
+
+    bs, topk = 16, 2
+    ds = doc_starts(DOCS).to(DEV)
+    n = table_size(ds, bs) + 5
+    padded = ds.clone()
+    reserve_table(padded, bs, n)
+    for a, b in ((10, 30), (0, 40), (45, T)):
+        rows = as_int32(doc_rows(padded, a, b))
+        assert table_size(rows, bs, a) == n >= table_size(ds[:, a:b].clone(), bs, a), (a, b)
+
+    tables = []  # the table size of each attention forward of the late path
+    forward = late_teacher.sa_triton.attention_forward
+
+    def spy(*args, **kwargs):
+        o, lse, state = forward(*args, **kwargs)
+        tables.append(state.docs.n_blocks)
+        return o, lse, state
+
+    monkeypatch.setattr(late_teacher.sa_triton, "attention_forward", spy)
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    q, k, v, iq, ik = inputs(seed=8, dtype=dtype, Hq=6, G=2, di=16, device=DEV)
+    w = torch.randn(q.shape, generator=torch.Generator().manual_seed(9)).to(DEV)
+    one = late_teacher.teacher_bytes(q, 2, topk, bs, queries=1)
+
+    def run(starts, tuning):
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, iq, ik)]
+        out = msa_attention(*leaves, MSASettings(bs, topk, backend="triton", kl_teacher="backward", tuning=tuning),
+                            doc_start=starts, check_ids=False)
+        assert out.kl_in_backward
+        grads = torch.autograd.grad((out.o.float() * w).sum() + out.kl, leaves)
+        return out.block_idx, out.o, out.kl.detach().clone(), *grads
+
+    want = run(ds, KernelTuning())
+    tables.clear()
+    got = run(padded, KernelTuning(indexer_kl=KLTuning(teacher_bytes=25 * one)))
+    assert tables == [n] * 3, tables
+    assert torch.equal(got[0], want[0])
+    for name, x, r in zip(("o", "kl", "dq", "dk", "dv", "d iq", "d ik"), got[1:], want[1:]):
+        assert rel(x, r) < (1e-2 if CUDA else 1e-5), (name, rel(x, r))

@@ -380,12 +380,16 @@ class MSASelfAttention(CausalSelfAttention):
         if doc_start is not None:
             table = max(16, 1 << (table_size(doc_start, self.settings.block_size) - 1).bit_length())
             key += (table,)
-        graphed = self._graphs.get(key)
-        if graphed is None:
+        entry = self._graphs.get(key)
+        if entry is None:
             samples = tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in inputs)
             if doc_start is not None:
                 reserve_table(samples[-1], self.settings.block_size, table)
-            graphed = self._graphs[key] = torch.cuda.make_graphed_callables(self._graph_body, samples)
+            graphed = torch.cuda.make_graphed_callables(self._graph_body, samples)
+            # whether the captured KL is filled in by the backward, as the capture's core decided:
+            # a replay runs no core, and an eager forward in between (validation) decides anew
+            entry = self._graphs[key] = (graphed, self._late_kl)
+        graphed, self._late_kl = entry
         o, kl, keys = graphed(*inputs)
         if self._late_kl and q.requires_grad:
             q.register_hook(lambda grad: self._record_kl(kl))

@@ -152,6 +152,10 @@ def check_block_idx(block_idx: torch.Tensor, B: int, T: int, Hkv: int, block_siz
 # the attribute of a device doc_start tensor that holds its host copy (the trainer attaches the
 # micro-batch's, which every layer gets): what the ops would otherwise read back from the device
 _HOST = "_msa_doc_start_host"
+# the attribute of a doc_start tensor that holds its document block table sizes per (block size,
+# query offset) (msa_model.ops.sparse_attention.inverse_index.table_size): computed from the host
+# copy, or fixed by `reserve_table` (a CUDA graph's static starts, which have no host copy)
+TABLE_SIZES = "_msa_doc_start_table_sizes"
 
 
 def attach_host_copy(doc_start: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
@@ -168,22 +172,33 @@ def host_copy(doc_start: torch.Tensor) -> torch.Tensor | None:
 
 
 def as_int32(doc_start: torch.Tensor | None) -> torch.Tensor | None:
-    """doc_start as the kernels read it (int32, contiguous), keeping its host copy."""
+    """doc_start as the kernels read it (int32, contiguous), keeping its host copy and table sizes."""
     if doc_start is None:
         return None
     out = doc_start.to(torch.int32).contiguous()
-    host = host_copy(doc_start)
-    return out if out is doc_start or host is None else attach_host_copy(out, host)
+    if out is doc_start:
+        return out
+    host, sizes = host_copy(doc_start), getattr(doc_start, TABLE_SIZES, None)
+    if sizes is not None:
+        setattr(out, TABLE_SIZES, dict(sizes))
+    return out if host is None else attach_host_copy(out, host)
 
 
 def doc_rows(doc_start: torch.Tensor | None, a: int, b: int) -> torch.Tensor | None:
     """doc_start[:, a:b] with its host copy's rows; the tensor itself for all of them (so what is
-    cached on it serves every layer)."""
+    cached on it serves every layer). Without a host copy the rows keep the table sizes reserved
+    for the tensor (at their query offset): a row's queries a..b-1 have at most the blocks of its
+    queries 0..T-1, so a graph's query chunks keep the shapes of its capture."""
     if doc_start is None or (a == 0 and b == doc_start.shape[1]):
         return doc_start
     rows = doc_start[:, a:b]
     host = host_copy(doc_start)
-    return rows if host is None else attach_host_copy(rows, host[:, a:b])
+    if host is not None:
+        return attach_host_copy(rows, host[:, a:b])
+    sizes = getattr(doc_start, TABLE_SIZES, None)
+    if sizes:
+        setattr(rows, TABLE_SIZES, {(block_size, q_offset + a): n for (block_size, q_offset), n in sizes.items()})
+    return rows
 
 
 def check_doc_start(doc_start: torch.Tensor | None, B: int, T: int, q_offset: int = 0, values: bool = True,

@@ -26,11 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import host_copy
+from ..common import TABLE_SIZES, host_copy
 from .reference import clean_block_idx_reference, schedule_reference
-
-# the attribute of a doc_start tensor caching its table sizes per (block size, query offset)
-_TABLE_SIZES = "_msa_doc_start_table_sizes"
 
 
 @triton.jit
@@ -153,7 +150,7 @@ def table_size(doc_start_BT: torch.Tensor, block_size: int, q_offset: int = 0,
     if doc_start_BT.shape[1] == 0:
         return 0
     key = (block_size, q_offset)
-    cache = getattr(doc_start_BT, _TABLE_SIZES, None)
+    cache = getattr(doc_start_BT, TABLE_SIZES, None)
     if cache is not None and key in cache:
         return cache[key]
     host = host_copy(doc_start_BT)
@@ -168,11 +165,12 @@ def table_size(doc_start_BT: torch.Tensor, block_size: int, q_offset: int = 0,
 def reserve_table(doc_start_BT: torch.Tensor, block_size: int, n: int, q_offset: int = 0) -> int:
     """Fix the table size the ops use for this tensor at n, whatever starts it holds later, as long
     as they need at most n blocks a row (a row's entries past its own are empty: no keys). For a
-    CUDA graph's static starts, whose table shapes stay those of the capture. Returns n."""
-    cache = getattr(doc_start_BT, _TABLE_SIZES, None)
+    CUDA graph's static starts, whose table shapes stay those of the capture; their query chunks
+    and int32 copies keep it (msa_model.ops.common.doc_rows, as_int32). Returns n."""
+    cache = getattr(doc_start_BT, TABLE_SIZES, None)
     if cache is None:
         cache = {}
-        setattr(doc_start_BT, _TABLE_SIZES, cache)
+        setattr(doc_start_BT, TABLE_SIZES, cache)
     cache[(block_size, q_offset)] = n
     return n
 
