@@ -10,11 +10,15 @@ import torch
 from msa_model.model.attention import MSAOptions, MSASelfAttention, msa_settings
 
 
-def _fake_make_graphed_callables(body, samples):
+def _fake_make_graphed_callables(body, samples, pool=None):
     """Runs `body` once on the samples (the capture); a replay returns o from its q (so q's
     gradient, and its hooks, come with the backward) and the capture's KL and keys."""
+    POOLS.append(pool)
     _, kl, keys = body(*samples)
     return lambda q, *rest: (q * 2.0, kl, keys)
+
+
+POOLS = []  # the memory pool each capture was given
 
 
 def _layer(monkeypatch):
@@ -22,6 +26,8 @@ def _layer(monkeypatch):
     takes the KL's teacher from the backward when a backward follows (grad enabled) and from the
     forward otherwise, and a list of the KLs it records after a backward."""
     monkeypatch.setattr(torch.cuda, "make_graphed_callables", _fake_make_graphed_callables)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", object)
+    POOLS.clear()
     layer = MSASelfAttention.__new__(MSASelfAttention)
     torch.nn.Module.__init__(layer)
     layer.settings, layer._graphs, layer._late_kl = msa_settings(MSAOptions(), None), {}, False
@@ -54,3 +60,14 @@ def test_a_replay_keeps_the_late_kl_of_its_capture(monkeypatch):
     assert layer._late_kl and len(layer._graphs) == 1
     o.sum().backward()
     assert len(layer.recorded) == 1 and layer.recorded[0] is kl
+
+
+def test_a_layers_graphs_share_one_memory_pool(monkeypatch):
+    """Each new input shape captures a graph of its own, into the layer's one pool; another layer
+    has another pool."""
+    first, second = _layer(monkeypatch), _layer(monkeypatch)
+    first._graphed_core(*_inputs())
+    first._graphed_core(*(torch.randn(1, 16, 2, 4, requires_grad=True) for _ in range(5)))
+    first._graphed_core(*_inputs())  # a replay: no capture
+    second._graphed_core(*_inputs())
+    assert len(POOLS) == 3 and POOLS[0] is POOLS[1] is not None and POOLS[2] is not POOLS[0]

@@ -278,6 +278,7 @@ class MSASelfAttention(CausalSelfAttention):
         self.diagnostics_capture = None
         # model.msa.cuda_graph: the sparse core captured per input shapes (`_graphed_core`)
         self._graphs: dict = {}
+        self._graph_pool = None  # their memory pool, made with the first
         di = self.options.msa.index_head_dim
         self.index_q_proj = submodules.index_q_proj(
             config.hidden_size, config.num_query_groups * di, config=config,
@@ -373,7 +374,7 @@ class MSASelfAttention(CausalSelfAttention):
         on q's gradient): the graph replays kernels, not the eager core's Python callback.
         Packed documents (starts with their host copy): the documents' block table is a shape of
         the core, so a graph serves the micro-batches whose table fits its size, a power of two
-        (the rows' extra entries are empty); one graph per size met."""
+        (the rows' extra entries are empty); one graph per size met, all in one memory pool."""
         inputs = (q, k, v, iq, ik) + ((doc_start,) if doc_start is not None else ())
         key = tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in inputs)
         table = 0
@@ -385,7 +386,12 @@ class MSASelfAttention(CausalSelfAttention):
             samples = tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in inputs)
             if doc_start is not None:
                 reserve_table(samples[-1], self.settings.block_size, table)
-            graphed = torch.cuda.make_graphed_callables(self._graph_body, samples)
+            if not self._graphs:
+                # one memory pool for the layer's graphs: they never run interleaved (a forward's
+                # backward comes before the layer's next forward), so a graph for another table
+                # size reuses its predecessors' working memory instead of holding its own
+                self._graph_pool = torch.cuda.graph_pool_handle()
+            graphed = torch.cuda.make_graphed_callables(self._graph_body, samples, pool=self._graph_pool)
             # whether the captured KL is filled in by the backward, as the capture's core decided:
             # a replay runs no core, and an eager forward in between (validation) decides anew
             entry = self._graphs[key] = (graphed, self._late_kl)
