@@ -163,10 +163,13 @@ def check_configuration(cfg, world_size: int) -> list[str]:
 def _tokenizer(cfg):
     """(tokenizer or None, where it came from, problem lines) of the run (data_setup.py)."""
     from msa_model.training.data_setup import step_dir_of, tokenizer_problems
+    from msa_model.training.inputs import checkpoint_step
 
     ckpt_root = Path(cfg.checkpoint.dir or Path(cfg.run_dir) / "checkpoints")
     resume_dir = step_dir_of(ckpt_root) if cfg.resume != "never" else None
-    return tokenizer_problems(cfg, resume_dir, step_dir_of(cfg.init_from))
+    # an init_from that is no checkpoint is reported by check_inputs, not as one without a tokenizer
+    init_dir = checkpoint_step("init_from", cfg.init_from)[0] if cfg.init_from else None
+    return tokenizer_problems(cfg, resume_dir, init_dir)
 
 
 def run(cfg: DictConfig, notes: list[str] | tuple[str, ...] = ()) -> None:
