@@ -250,9 +250,13 @@ def run(cfg: DictConfig, notes: list[str] | tuple[str, ...] = ()) -> None:
         # one's save in progress and interleave its metrics
         lock = lock_run_dir(run_dir, env.is_main)
         if env.is_main:
+            setup_logging(run_dir, True)
+        # checked against its manifest before the run's records are rewritten or anything is
+        # built: a damaged checkpoint stops here, leaving config.yaml and launch.sh as they were
+        latest = ckpt.resume_checkpoint(ckpt_root, fallback=cfg.resume == "fallback") if latest is not None else None
+        if env.is_main:
             from msa_model.training.data_setup import document_mask_line
 
-            setup_logging(run_dir, True)
             write_run_files(cfg, run_dir)
             ckpt.cleanup_partial_saves(ckpt_root)
             log.info("run dir %s | %s | %s", run_dir,
@@ -263,8 +267,6 @@ def run(cfg: DictConfig, notes: list[str] | tuple[str, ...] = ()) -> None:
                 log.info("%s", warmup_note)
             for line in determinism:
                 log.info("%s", line)
-        # checked against its manifest before anything is built: a damaged checkpoint stops here
-        latest = ckpt.resume_checkpoint(ckpt_root, fallback=cfg.resume == "fallback") if latest is not None else None
         model_chunks = _build_model(cfg, env, tokenizer)
         optimizer, scheduler = _build_optimizer(cfg, model_chunks)
         model_chunks[0].config.grad_scale_func = optimizer.scale_loss
