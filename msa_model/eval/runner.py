@@ -226,7 +226,7 @@ def _heldout_docs(cfg, corpus: str | None, need_bytes: int) -> tuple[list[bytes]
     source = corpus or cfg.data.source
     _, train_files = list_corpus_files(source, cfg.data.glob, cfg.data.max_bytes)
     _, all_files = list_corpus_files(source, cfg.data.glob, 1 << 62)
-    same = corpus is None or (cfg.data.source is not None
+    same = corpus is None or (not cfg.data.blend and cfg.data.source is not None
                               and Path(corpus).resolve() == corpus_root(cfg.data.source).resolve())
     if not same:
         files, kind = all_files, "given corpus"
@@ -266,7 +266,8 @@ def run_eval(args) -> dict:
     lengths = args.lengths or default_lengths(context)
     if any(n < 256 for n in lengths):
         raise EvalError(f"--lengths: each must be >= 256 tokens, got {lengths}")
-    source = args.corpus or cfg.data.source
+    # a run on prepared datasets never read data.source (a default it keeps): its corpus is not there
+    source = args.corpus or (None if cfg.data.blend else cfg.data.source)
     if source is None:
         raise EvalError(f"{config_path}: the run trained on prepared datasets (data.blend); give --corpus DIR, "
                         "a directory of text files for the haystacks and the held-out loss")
