@@ -125,3 +125,5 @@ def test_init_from_a_damaged_checkpoint_is_refused_naming_the_file(saved_run, tm
     assert proc.returncode == 2, (proc.stdout + proc.stderr)[-3000:]
     assert f"error: init_from {src / 'step_00000004'} is damaged: __0_0.distcp" in proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
+    # refused before the new run's records: nothing in its directory (made for the lock) is left
+    assert not (tmp_path / "new").exists() or not list((tmp_path / "new").iterdir())

@@ -131,7 +131,9 @@ def _start_fresh(cfg, trainer, model_chunks, optimizer, scheduler, model_config)
     from msa_model.training import checkpoint as ckpt
 
     if cfg.init_from:
-        ckpt.load_model_weights(model_chunks, cfg.init_from, model_config, partial=cfg.init_from_partial)
+        # its manifest was checked before the run's records were written (run)
+        ckpt.load_model_weights(model_chunks, cfg.init_from, model_config, partial=cfg.init_from_partial,
+                                verify=False)
         # bf16 training keeps fp32 main copies made when the optimizer was built: refresh them,
         # or the first step would put the fresh initialisation back
         optimizer.reload_model_params()
@@ -249,6 +251,13 @@ def run(cfg: DictConfig, notes: list[str] | tuple[str, ...] = ()) -> None:
         # before anything is written: a second launch into a busy run dir would delete the first
         # one's save in progress and interleave its metrics
         lock = lock_run_dir(run_dir, env.is_main)
+        if latest is None and cfg.init_from:
+            # a new run starts from init_from: checked against its manifest before any of the
+            # run's records (config.yaml, launch.sh, train.log) is written
+            from msa_model.training.inputs import checkpoint_step
+            from msa_model.training.manifest import verify_checkpoint
+
+            verify_checkpoint(checkpoint_step("init_from", cfg.init_from)[0], "init_from")
         if env.is_main:
             setup_logging(run_dir, True)
         # checked against its manifest before the run's records are rewritten or anything is
