@@ -86,14 +86,18 @@ def test_a_flipped_byte_in_latest_is_refused_at_resume_naming_the_file(saved_run
         with pytest.raises(DamagedCheckpointError, match=rf"step_00000004 is damaged: {name} has different"):
             verify_checkpoint(latest)
         (latest / name).write_bytes(original)
-    # and one through a real relaunch: one line naming the file, no traceback, nothing trained
+    # and one through a real relaunch: one line naming the file, no traceback, nothing trained,
+    # and the run's records as they were (the refused relaunch's config does not replace them)
     _flip(latest / "__0_0.distcp")
+    records = {name: (run_dir / name).read_text() for name in ("config.yaml", "launch.sh")}
     proc = run_train(run_dir, *COMMON, "trainer.max_steps=6", data_cache=data_cache, check=False)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out[-3000:]
     assert f"error: resume: {latest} is damaged: __0_0.distcp has different contents" in proc.stderr
     assert "resume=fallback" in proc.stderr and "Traceback" not in out
     assert max(metrics(run_dir)) == 4 and (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000004"
+    assert {name: (run_dir / name).read_text() for name in records} == records
+    assert not (run_dir / "config.yaml.1").exists()
 
 
 def test_resume_fallback_sets_the_damaged_checkpoint_aside_and_reproduces_the_run(saved_run, tmp_path, data_cache):
@@ -121,3 +125,5 @@ def test_init_from_a_damaged_checkpoint_is_refused_naming_the_file(saved_run, tm
     assert proc.returncode == 2, (proc.stdout + proc.stderr)[-3000:]
     assert f"error: init_from {src / 'step_00000004'} is damaged: __0_0.distcp" in proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
+    # refused before the new run's records: nothing in its directory (made for the lock) is left
+    assert not (tmp_path / "new").exists() or not list((tmp_path / "new").iterdir())

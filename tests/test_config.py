@@ -40,6 +40,17 @@ def test_defaults_are_the_tiny_msa_pretraining_run():
     assert 0 < cfg.trainer.indexer_warmup_tokens < cfg.trainer.max_steps * cfg.parallel.global_batch_size * m.seq_length
 
 
+@pytest.mark.parametrize("recipe", ["pt", "dense"])
+def test_the_document_mask_line_says_what_the_recipes_model_masks(recipe):
+    """The run's first line and the dry run: the dense baseline has no block selection or KL to mask."""
+    from msa_model.training.data_setup import document_mask_line
+
+    line = document_mask_line(_compose(f"recipe={recipe}"))
+    assert line.startswith("documents: masked")
+    assert ("selects blocks and trains the indexer KL" in line) == (recipe == "pt")
+    assert "not masked" in document_mask_line(_compose(f"recipe={recipe}", "data.document_mask=false"))
+
+
 def test_readme_override_example_composes():
     cfg = _compose("recipe=cpt", "model=small", "trainer.max_steps=50", "init_from=/ckpt")
     validate(cfg, world_size=1)

@@ -1,7 +1,8 @@
 """CPT from a Hugging Face model keeps its tokenizer: a tiny random Llama and Qwen3 saved with a real
 BPE tokenizer, converted with `hf-to-msa`, read the same ids as transformers gives them, score a
 real text as the transformers model does, and train on a prepared dataset whose first step's loss
-is the transformers model's loss on the same samples (the trainer fed it those token ids).
+is the transformers model's loss on the same samples (the trainer fed it those token ids); the
+offline evaluation scores the conversion with that tokenizer.
 
 The conversions and forward passes run in worker processes (this file run as a script): megatron's
 parallel state and the CPU shim stay out of pytest's process.
@@ -127,6 +128,37 @@ def test_cpt_trains_on_the_converted_models_token_ids(converted, tmp_path):
     assert first["phase"] == "warmup"
     expected = float(_worker("first-batch", str(root), "llama", str(run)))
     assert first["lm_loss"] == pytest.approx(expected, rel=LOSS_RTOL)
+
+
+def test_eval_scores_a_conversion_with_its_model_and_tokenizer(converted, tmp_path):
+    """`python -m msa_model.eval` on a conversion's output (a checkpoint root without a run's
+    config.yaml) rebuilds the model and the tokenizer the conversion records; one without a
+    tokenizer, or a path that is no checkpoint, is refused before the output directory exists."""
+    import shutil
+
+    from skeleton_helpers import REPO, _env
+
+    root, _, _ = converted
+    msa = root / "qwen3" / "msa"
+    args = ["--lengths", "256", "--depths", "0", "--samples", "1", "--tasks", "passkey", "--loss-sequences", "1"]
+
+    def evaluate(path, out):
+        return subprocess.run([sys.executable, "-m", "msa_model.eval", str(path), "--out", str(out), *args], cwd=REPO,
+                              env=_env(), capture_output=True, text=True, timeout=300)
+
+    proc = evaluate(msa, tmp_path / "eval")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((tmp_path / "eval" / "results.json").read_text())
+    assert res["label"] == "msa" and res["attention"] == "msa" and res["context"] == GEOMETRY["seq_length"]
+
+    bare = tmp_path / "bare"
+    shutil.copytree(msa, bare)
+    shutil.rmtree(bare / "step_00000000" / "tokenizer")
+    proc = evaluate(bare, tmp_path / "eval-bare")
+    assert proc.returncode == 2 and "records no tokenizer" in proc.stderr, proc.stderr[-3000:]
+    proc = evaluate(root, tmp_path / "eval-none")
+    assert proc.returncode == 2 and "is not a checkpoint" in proc.stderr, proc.stderr[-3000:]
+    assert not (tmp_path / "eval-bare").exists() and not (tmp_path / "eval-none").exists()
 
 
 if __name__ == "__main__":

@@ -79,6 +79,21 @@ def test_every_problem_at_once(tmp_path):
     assert not (tmp_path / "run").exists() and not list(tmp_path.iterdir())
 
 
+def test_init_from_a_hugging_face_directory_names_the_conversion(tmp_path):
+    """A Hugging Face model given to init_from as it is: one line, naming the conversion that makes
+    a checkpoint of it (not also a second one about the tokenizer it would record)."""
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    (hf / "model.safetensors").write_bytes(b"")
+    proc = _train(tmp_path, "recipe=cpt", f"init_from={hf}")
+    assert proc.returncode == 2
+    assert _problem_lines(proc) == [f"init_from={hf}: not a checkpoint (no `latest` file, no metadata.json); a "
+                                    f"Hugging Face model (config.json): convert it first, `python -m "
+                                    f"msa_model.convert hf-to-msa {hf} OUT`, then init_from=OUT"]
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_user_who_sets_hydra_full_error_gets_hydras_error(tmp_path):
     env = {**_env(), "HYDRA_FULL_ERROR": "1"}
     proc = subprocess.run([sys.executable, "train.py", "optim.lrr=0.1", f"run_dir={tmp_path / 'run'}"], cwd=REPO,

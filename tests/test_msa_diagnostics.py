@@ -378,6 +378,29 @@ def test_eval_runs_on_the_checkpoint_and_writes_results(diag_run, tmp_path):
     assert bad.returncode == 2 and "is not a checkpoint" in bad.stderr
 
 
+def test_eval_of_a_run_on_prepared_datasets_asks_for_a_corpus(tmp_path):
+    """A run on data.blend keeps data.source's default (the embedded corpus) that it never read:
+    the evaluation asks for --corpus instead of calling that corpus held-out, and writes nothing."""
+    from omegaconf import OmegaConf
+
+    from msa_model.config import TrainConfig
+
+    run = tmp_path / "run"
+    step = run / "checkpoints" / "step_00000001"
+    step.mkdir(parents=True)
+    (step / "metadata.json").write_text("{}")
+    (run / "checkpoints" / "latest").write_text("step_00000001\n")
+    cfg = OmegaConf.structured(TrainConfig)
+    cfg.data.blend = [[1.0, str(tmp_path / "data" / "web")]]
+    (run / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    assert cfg.data.source == "stdlib"
+    proc = subprocess.run([sys.executable, "-m", "msa_model.eval", str(run), "--out", str(tmp_path / "eval")],
+                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "trained on prepared datasets (data.blend); give --corpus DIR" in proc.stderr, \
+        proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert not (tmp_path / "eval").exists()
+
+
 @pytest.mark.parametrize("warmup", [False, True], ids=["sparse", "warmup"])
 def test_a_packed_row_measures_what_its_documents_measure_alone(warmup):
     """With packed documents the statistics (sums and counts) of a row are those of its documents

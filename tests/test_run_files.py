@@ -52,3 +52,30 @@ def test_launch_sh_relaunches_with_added_overrides_last(tmp_path, monkeypatch):
     out = subprocess.run(["bash", str(run_dir / "launch.sh"), "trainer.max_steps=4"], capture_output=True, text=True,
                          check=True).stdout.split()
     assert out == ["trainer.max_steps=10", f"run_dir={run_dir.resolve()}", "trainer.max_steps=4"]
+
+
+def test_a_relaunch_through_launch_sh_that_rewrites_it_exits_cleanly(tmp_path, monkeypatch):
+    """The relaunch run by launch.sh writes a new launch.sh (its command line has the added
+    override); bash, still reading the old script, must not go on into the new one's tail."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    entry = tmp_path / "entry.py"
+    # stands for train.py: it records the run files for its own command line, as a run does
+    entry.write_text(f"import sys; sys.path.insert(0, {str(repo)!r})\n"
+                     "from pathlib import Path\nfrom omegaconf import OmegaConf\n"
+                     "from msa_model.training.run_dir import write_run_files\n"
+                     f"write_run_files(OmegaConf.create({{}}), Path({str(run_dir)!r}))\n")
+    monkeypatch.setattr(sys, "argv", [str(entry), "trainer.max_steps=10"])
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    write_run_files(OmegaConf.create({}), run_dir)
+    done = subprocess.run(["bash", str(run_dir / "launch.sh"), "trainer.max_steps=30"], capture_output=True,
+                          text=True)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert "trainer.max_steps=10 trainer.max_steps=30 run_dir=" in (run_dir / "launch.sh").read_text()
+    assert not (run_dir / "launch.sh.tmp").exists()

@@ -19,6 +19,7 @@ import torch
 from omegaconf import OmegaConf
 
 from msa_model.ops.common import keys_per_query
+from msa_model.training.model_source import CONVERSION_FILE
 
 log = logging.getLogger("msa_model.eval")
 
@@ -27,8 +28,9 @@ class EvalError(ValueError):
     """A checkpoint, config or option the evaluation cannot use; the message names it."""
 
 
-def resolve_checkpoint(path: str | Path) -> tuple[Path, Path]:
-    """(step directory, config.yaml) of a run dir, a checkpoint root or a step_* directory."""
+def resolve_checkpoint(path: str | Path) -> tuple[Path, Path | None]:
+    """(step directory, config.yaml) of a run dir, a checkpoint root or a step_* directory; the
+    config is None for a conversion's output (`python -m msa_model.convert`), which has none."""
     from msa_model.training.checkpoint import LATEST, latest_checkpoint
 
     path = Path(path)
@@ -45,19 +47,40 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, Path]:
     for candidate in (step_dir.parent.parent / "config.yaml", step_dir.parent / "config.yaml"):
         if candidate.is_file():
             return step_dir, candidate
+    if (step_dir.parent / CONVERSION_FILE).is_file():
+        return step_dir, None
     raise EvalError(f"no config.yaml next to {step_dir.parent} (the run directory's resolved config is needed "
                     "to rebuild the model)")
 
 
-def load_config(config_path: Path):
+def load_config(config_path: Path | None, step_dir: Path):
+    """The run config of the checkpoint `step_dir`: its run's config.yaml, or for a conversion
+    (`config_path` None) the model it records with the defaults for the rest (the embedded
+    corpus for the haystacks unless --corpus) and the tokenizer it records."""
     from msa_model.config import TrainConfig
 
     schema = OmegaConf.structured(TrainConfig)
+    if config_path is None:
+        return _conversion_config(schema, step_dir)
     try:
         cfg = OmegaConf.merge(schema, OmegaConf.load(config_path))
     except Exception as e:  # noqa: BLE001 - omegaconf raises several types; name the file
         raise EvalError(f"{config_path}: not a training config ({e})") from e
     return cfg
+
+
+def _conversion_config(schema, step_dir: Path):
+    from msa_model.training.data_setup import checkpoint_tokenizer
+    from msa_model.training.model_source import known_model_fields, recorded_model_config
+
+    recorded = recorded_model_config(step_dir)
+    if recorded is None:
+        raise EvalError(f"{step_dir}: the conversion records no model configuration to rebuild the model from")
+    if checkpoint_tokenizer(step_dir) == (None, None):
+        # the byte tokenizer would read its ids into another vocabulary's embedding
+        raise EvalError(f"{step_dir} records no tokenizer (converted without its tokenizer files?): convert it "
+                        "again with --tokenizer DIR")
+    return OmegaConf.merge(schema, {"model": known_model_fields(recorded)[0]})
 
 
 def build_model(cfg, step_dir: Path, device_pref: str):
@@ -203,7 +226,7 @@ def _heldout_docs(cfg, corpus: str | None, need_bytes: int) -> tuple[list[bytes]
     source = corpus or cfg.data.source
     _, train_files = list_corpus_files(source, cfg.data.glob, cfg.data.max_bytes)
     _, all_files = list_corpus_files(source, cfg.data.glob, 1 << 62)
-    same = corpus is None or (cfg.data.source is not None
+    same = corpus is None or (not cfg.data.blend and cfg.data.source is not None
                               and Path(corpus).resolve() == corpus_root(cfg.data.source).resolve())
     if not same:
         files, kind = all_files, "given corpus"
@@ -230,10 +253,9 @@ def run_eval(args) -> dict:
     from msa_model.training.run_dir import setup_logging
 
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     setup_logging(None, True)
     step_dir, config_path = resolve_checkpoint(args.checkpoint)
-    cfg = load_config(config_path)
+    cfg = load_config(config_path, step_dir)
     tasks = [t for t in args.tasks.split(",") if t]
     bad = [t for t in tasks if t not in TASKS]
     if bad:
@@ -244,22 +266,26 @@ def run_eval(args) -> dict:
     lengths = args.lengths or default_lengths(context)
     if any(n < 256 for n in lengths):
         raise EvalError(f"--lengths: each must be >= 256 tokens, got {lengths}")
+    # a run on prepared datasets never read data.source (a default it keeps): its corpus is not there
+    source = args.corpus or (None if cfg.data.blend else cfg.data.source)
+    if source is None:
+        raise EvalError(f"{config_path}: the run trained on prepared datasets (data.blend); give --corpus DIR, "
+                        "a directory of text files for the haystacks and the held-out loss")
     tokenizer = checkpoint_run_tokenizer(cfg, step_dir)
     msa = cfg.model.attention == "msa"
-    label = args.label or step_dir.parent.parent.name
+    # a run is named by its directory; a conversion by its output directory
+    label = args.label or (step_dir.parent.parent if config_path else step_dir.parent).name
     log.info("eval %s (%s, %s attention%s) from %s; lengths %s, depths %s, %d samples each", label, cfg.model.name,
              cfg.model.attention, f", {args.phase} phase" if msa else "", step_dir, lengths, args.depths, args.samples)
     if max(lengths) > context:
         log.info("lengths above the training context (%d) measure extrapolation through RoPE", context)
 
+    # only now, with the inputs checked: a refused evaluation leaves no output directory behind
+    out.mkdir(parents=True, exist_ok=True)
     model, device = build_model(cfg, step_dir, args.device)
     try:
         if msa:
             set_msa_phase(model, args.phase == "sparse")
-        source = args.corpus or cfg.data.source
-        if source is None:
-            raise EvalError(f"{config_path}: the run trained on prepared datasets (data.blend); give --corpus DIR, "
-                            "a directory of text files for the haystacks and the held-out loss")
         _, files = list_corpus_files(source, cfg.data.glob, cfg.data.max_bytes)
         haystack = Haystack(files, pool_bytes=max(4_000_000, 4 * max(lengths)), seed=args.seed)
         t0 = time.perf_counter()

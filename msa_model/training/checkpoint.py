@@ -375,13 +375,15 @@ def is_index_branch_key(key: str) -> bool:
 
 
 def load_weights(module, step_dir: str | Path, allow_missing_index: bool, what: str = "init_from",
-                 error: type[Exception] = KeyError) -> int:
+                 error: type[Exception] = KeyError, verify: bool = True) -> int:
     """Load `module`'s parameters (not optimizer or counters) from a checkpoint step directory.
 
     With `allow_missing_index`, index-branch tensors absent from the checkpoint keep their current
     values; any other absent tensor raises `error` naming it. Returns the number of absent
-    index-branch tensors. The trainer's `init_from` and the conversion tools share this rule."""
-    verify_checkpoint(step_dir, what)
+    index-branch tensors. The trainer's `init_from` and the conversion tools share this rule.
+    `verify`: check the manifest first (skip it only for a directory checked just before)."""
+    if verify:
+        verify_checkpoint(step_dir, what)
     sharded = module.sharded_state_dict()
     # compare keys before loading: a tensor factory (e.g. fused expert weights) without stored
     # values fails deep inside dist_checkpointing with a message that names no parameter
@@ -404,13 +406,14 @@ def load_weights(module, step_dir: str | Path, allow_missing_index: bool, what: 
 
 
 def load_model_weights(model_chunks, path: str | Path, model_config: dict | None = None,
-                       partial: bool = False) -> None:
+                       partial: bool = False, verify: bool = True) -> None:
     """Load only the model weights (no optimizer/counters), e.g. a dense GQA checkpoint into MSA.
 
     `path` is a checkpoint root (its `latest` is used) or a step directory. Index-branch
     parameters missing from the checkpoint keep their fresh initialisation; a checkpoint of
     another shape (fields of `model_config`, or tensor names and shapes) is refused, unless
     `partial`: then the tensors whose name and shape match are loaded and the rest stay fresh.
+    `verify`: check the manifest first (the trainer checks it before writing the run's records).
     """
     path = Path(path)
     if (path / LATEST).is_file():
@@ -422,7 +425,8 @@ def load_model_weights(model_chunks, path: str | Path, model_config: dict | None
     try:
         if partial:
             # (load_weights below checks the manifest itself)
-            verify_checkpoint(path, "init_from")
+            if verify:
+                verify_checkpoint(path, "init_from")
             n, unused, fresh = load_matching_weights(module, path)
             log.info("initialised %d model tensors from %s (init_from_partial); %d checkpoint tensors unused%s, "
                      "%d kept fresh%s", n, path, len(unused), f" ({', '.join(unused[:3])}, ...)" if unused else "",
@@ -430,7 +434,7 @@ def load_model_weights(model_chunks, path: str | Path, model_config: dict | None
             return
         saved = dist_checkpointing.load_common_state_dict(str(path)).get("model_config")
         check_init_architecture(module, path, saved, model_config, is_index_branch_key)
-        fresh = load_weights(module, path, allow_missing_index=True)
+        fresh = load_weights(module, path, allow_missing_index=True, verify=verify)
     except CheckpointError:
         raise
     except CHECKPOINT_FAILURES as e:

@@ -129,9 +129,13 @@ def tokenizer_problems(cfg, resume_dir: Path | None, init_dir: Path | None):
 def document_mask_line(cfg) -> str:
     """One line saying whether packed documents are masked (data.document_mask), for the dry run
     and the run's first log line."""
+    from msa_model.config import msa_layers_of
+
     if cfg.data.document_mask:
+        # a model without MSA layers (recipe=dense) selects no blocks and trains no KL
+        within = "attends, selects blocks and trains the indexer KL" if any(msa_layers_of(cfg.model)) else "attends"
         return ("documents: masked (data.document_mask=true): each packed document, ended by its "
-                "end-of-document token, attends, selects blocks and trains the indexer KL within itself")
+                f"end-of-document token, {within} within itself")
     return ("documents: not masked (data.document_mask=false): tokens attend to the documents packed "
             "before theirs in a sequence")
 

@@ -178,6 +178,9 @@ def checkpoint_step(key: str, path: str | Path) -> tuple[Path | None, str | None
         hint = f"; a run directory: its checkpoints are {p / 'checkpoints'}"
     elif sorted(p.glob("step_*")):
         hint = "; it holds step_* directories but no `latest`: name one of them"
+    elif (p / "config.json").is_file():
+        hint = (f"; a Hugging Face model (config.json): convert it first, `python -m msa_model.convert hf-to-msa "
+                f"{path} OUT`, then {key or 'init_from'}=OUT")
     return None, f"{where}: not a checkpoint (no `latest` file, no metadata.json){hint}"
 
 

@@ -48,7 +48,7 @@ def recorded_model_config(step_dir: str | Path) -> dict | None:
     return None
 
 
-def _known_fields(recorded: dict) -> tuple[dict, list[str]]:
+def known_model_fields(recorded: dict) -> tuple[dict, list[str]]:
     """The recorded fields this version's ModelConfig has (and the dotted names of those it has not:
     fields of an older or newer version are left out; missing ones take the schema's default)."""
     dropped: list[str] = []
@@ -120,7 +120,7 @@ def take_model_from_checkpoint(cfg: DictConfig, overrides: list[str], config_nam
         found = recorded_model_config(step) if step is not None else None
         if found is not None:
             source, recorded = f"init_from={cfg.init_from}", found
-            out = _compose(config_name, [*overrides, *extra], _known_fields(found)[0], source)
+            out = _compose(config_name, [*overrides, *extra], known_model_fields(found)[0], source)
     if out.resume != "never":
         root = _checkpoint_root(out)
         step = _step_of(root) if (root / "latest").is_file() else None
@@ -129,12 +129,12 @@ def take_model_from_checkpoint(cfg: DictConfig, overrides: list[str], config_nam
             if found != recorded:
                 # the run directory stays where the checkpoint was found (its default names the model)
                 run_dir = OmegaConf.to_container(out, resolve=True)["run_dir"]
-                out = _compose(config_name, [*overrides, *extra], _known_fields(found)[0], f"resume: {step}")
+                out = _compose(config_name, [*overrides, *extra], known_model_fields(found)[0], f"resume: {step}")
                 out.run_dir = run_dir
             source, recorded = f"the checkpoint it resumes ({step})", found
     if recorded is None:
         return cfg, None
-    _, dropped = _known_fields(recorded)
+    _, dropped = known_model_fields(recorded)
     m = out.model
     note = (f"model {m.name} as recorded by {source} ({m.num_layers} layers, hidden {m.hidden_size}, "
             f"{m.attention} attention, context {m.seq_length}); model=<preset> on the command line chooses a preset "

@@ -131,7 +131,9 @@ def _start_fresh(cfg, trainer, model_chunks, optimizer, scheduler, model_config)
     from msa_model.training import checkpoint as ckpt
 
     if cfg.init_from:
-        ckpt.load_model_weights(model_chunks, cfg.init_from, model_config, partial=cfg.init_from_partial)
+        # its manifest was checked before the run's records were written (run)
+        ckpt.load_model_weights(model_chunks, cfg.init_from, model_config, partial=cfg.init_from_partial,
+                                verify=False)
         # bf16 training keeps fp32 main copies made when the optimizer was built: refresh them,
         # or the first step would put the fresh initialisation back
         optimizer.reload_model_params()
@@ -163,10 +165,13 @@ def check_configuration(cfg, world_size: int) -> list[str]:
 def _tokenizer(cfg):
     """(tokenizer or None, where it came from, problem lines) of the run (data_setup.py)."""
     from msa_model.training.data_setup import step_dir_of, tokenizer_problems
+    from msa_model.training.inputs import checkpoint_step
 
     ckpt_root = Path(cfg.checkpoint.dir or Path(cfg.run_dir) / "checkpoints")
     resume_dir = step_dir_of(ckpt_root) if cfg.resume != "never" else None
-    return tokenizer_problems(cfg, resume_dir, step_dir_of(cfg.init_from))
+    # an init_from that is no checkpoint is reported by check_inputs, not as one without a tokenizer
+    init_dir = checkpoint_step("init_from", cfg.init_from)[0] if cfg.init_from else None
+    return tokenizer_problems(cfg, resume_dir, init_dir)
 
 
 def run(cfg: DictConfig, notes: list[str] | tuple[str, ...] = ()) -> None:
@@ -246,10 +251,21 @@ def run(cfg: DictConfig, notes: list[str] | tuple[str, ...] = ()) -> None:
         # before anything is written: a second launch into a busy run dir would delete the first
         # one's save in progress and interleave its metrics
         lock = lock_run_dir(run_dir, env.is_main)
+        if latest is None and cfg.init_from:
+            # a new run starts from init_from: checked against its manifest before any of the
+            # run's records (config.yaml, launch.sh, train.log) is written
+            from msa_model.training.inputs import checkpoint_step
+            from msa_model.training.manifest import verify_checkpoint
+
+            verify_checkpoint(checkpoint_step("init_from", cfg.init_from)[0], "init_from")
+        if env.is_main:
+            setup_logging(run_dir, True)
+        # checked against its manifest before the run's records are rewritten or anything is
+        # built: a damaged checkpoint stops here, leaving config.yaml and launch.sh as they were
+        latest = ckpt.resume_checkpoint(ckpt_root, fallback=cfg.resume == "fallback") if latest is not None else None
         if env.is_main:
             from msa_model.training.data_setup import document_mask_line
 
-            setup_logging(run_dir, True)
             write_run_files(cfg, run_dir)
             ckpt.cleanup_partial_saves(ckpt_root)
             log.info("run dir %s | %s | %s", run_dir,
@@ -260,8 +276,6 @@ def run(cfg: DictConfig, notes: list[str] | tuple[str, ...] = ()) -> None:
                 log.info("%s", warmup_note)
             for line in determinism:
                 log.info("%s", line)
-        # checked against its manifest before anything is built: a damaged checkpoint stops here
-        latest = ckpt.resume_checkpoint(ckpt_root, fallback=cfg.resume == "fallback") if latest is not None else None
         model_chunks = _build_model(cfg, env, tokenizer)
         optimizer, scheduler = _build_optimizer(cfg, model_chunks)
         model_chunks[0].config.grad_scale_func = optimizer.scale_loss

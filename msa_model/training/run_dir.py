@@ -143,9 +143,13 @@ def write_run_files(cfg, run_dir: Path) -> None:
         # overrides given to launch.sh come last, so they win (e.g. trainer.max_steps=N)
         command += ' "$@"'
         note += "; arguments are added overrides"
-    launch.write_text(f"#!/usr/bin/env bash\n# relaunch this run; {note}\n"
-                      f"set -euo pipefail\ncd {shlex.quote(os.getcwd())}\n{command}\n")
-    launch.chmod(0o755)
+    # a new file moved into place: the relaunch itself may be running this launch.sh, and bash
+    # reads a script as it goes, so rewriting it in place would feed bash the new file's tail
+    tmp = run_dir / "launch.sh.tmp"
+    tmp.write_text(f"#!/usr/bin/env bash\n# relaunch this run; {note}\n"
+                   f"set -euo pipefail\ncd {shlex.quote(os.getcwd())}\n{command}\n")
+    tmp.chmod(0o755)
+    os.replace(tmp, launch)
 
 
 class RunDirBusy(RuntimeError):
