@@ -180,10 +180,10 @@ def make_example(task: str, length: int, depth: float, haystack: Haystack, rng: 
 
 def fit_example(task: str, length: int, depth: float, haystack: Haystack, draw: Callable[[], random.Random],
                 count: Callable[[Example], int], ask_all: bool = False, tries: int = 8,
-                within: float = 0.02) -> Optional[Example]:
-    """The longest example of at most `length` units of `count` (the model's tokens) found in
-    `tries` byte lengths, stopping within `within` of it; None if none fits (its needles and
-    question alone take more). Each try draws its example from `draw()`: a fresh generator of the
+                within: float = 0.02) -> Optional[tuple[Example, int]]:
+    """(the longest example of at most `length` units of `count` (the model's tokens) found in
+    `tries` byte lengths, stopping within `within` of it; its count), or None if none fits (its
+    needles and question alone take more). Each try draws its example from `draw()`: a fresh generator of the
     same seed makes the result depend on the example's name alone, a shared one continues its stream."""
     best, n_bytes = None, 4 * length
     for _ in range(tries):
@@ -198,7 +198,7 @@ def fit_example(task: str, length: int, depth: float, haystack: Haystack, draw: 
         if length * (1.0 - within) <= n <= length:
             break
         n_bytes = max(1, int(n_bytes * length / n * (0.995 if n > length else 1.0)))
-    return None if best is None else best[1]
+    return None if best is None else (best[1], best[0])
 
 
 def training_documents(haystack: Haystack, target: int, max_length: int, seed: int,
@@ -219,12 +219,13 @@ def training_documents(haystack: Haystack, target: int, max_length: int, seed: i
         ask_all = task == "kvrecall"
         if count is None:
             ex = make_example(task, length, depth, haystack, rng, ask_all=ask_all)
+            n = length
         else:
-            ex = fit_example(task, length, depth, haystack, lambda: rng, lambda e: count(e.prompt + e.answer),
-                             ask_all=ask_all)
-            if ex is None:
+            found = fit_example(task, length, depth, haystack, lambda: rng, lambda e: count(e.prompt + e.answer),
+                                ask_all=ask_all)
+            if found is None:
                 raise ValueError(f"{task}: no training document of at most {length} tokens (data.retrieval_tasks "
                                  f"needs a longer model.seq_length)")
-        doc = ex.prompt + ex.answer
-        made += len(doc) if count is None else count(doc)
-        yield doc
+            ex, n = found
+        made += n
+        yield ex.prompt + ex.answer

@@ -154,10 +154,10 @@ def example_of_tokens(task, length, depth, haystack, tokenizer, rng, tries: int 
 
     if isinstance(tokenizer, ByteTokenizer):
         return make_example(task, length, depth, haystack, rng())
-    ex = fit_example(task, length, depth, haystack, rng, lambda e: _tokens(e, tokenizer), tries=tries)
-    if ex is None:
+    found = fit_example(task, length, depth, haystack, rng, lambda e: _tokens(e, tokenizer), tries=tries)
+    if found is None:
         raise EvalError(f"{task}: no example of at most {length} tokens (its needles and question alone take more)")
-    return ex
+    return found[0]
 
 
 def retrieval_results(model, device, haystack, tasks, lengths, depths, samples, seed, tokenizer) -> dict:
