@@ -170,6 +170,11 @@ def test_cpt_from_a_converted_llama_keeps_the_warmup(converted):
     assert cfg.trainer.indexer_warmup_tokens == recipe_tokens > 0
     assert note == f"indexer warmup: {recipe_tokens:,} tokens: init_from's index branch is untrained (derived " \
                    "from a dense model)"
+    # a dense checkpoint has no index branch at all: it starts fresh, and the line says so
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "configs"), version_base=None):
+        cfg = compose("train", overrides=["recipe=cpt", f"init_from={dense}"])
+    assert plan_indexer_warmup(cfg, warmup_given=False).endswith("index branch is absent (a dense checkpoint: it "
+                                                                 "starts fresh)")
 
 
 def test_conversions_print_no_library_notices(converted):

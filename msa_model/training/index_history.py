@@ -37,9 +37,14 @@ def index_branch_trained(path: str | Path) -> bool | None:
     """Whether the checkpoint at `path` (a checkpoint root with `latest`, or a step directory)
     records a trained index branch; None when it records nothing (an older checkpoint) or cannot
     be read (the load that follows names the problem)."""
+    return index_branch_history(path)[0]
+
+
+def index_branch_history(path: str | Path) -> tuple[bool | None, str]:
+    """(`index_branch_trained`, what the checkpoint says of its index branch, for the log)."""
     step = _step_dir(path)
     if step is None:
-        return None
+        return None, "of unknown history"
     try:
         from megatron.core import dist_checkpointing
 
@@ -48,22 +53,22 @@ def index_branch_trained(path: str | Path) -> bool | None:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
             common = dist_checkpointing.load_common_state_dict(str(step))
     except Exception:  # unreadable here: init_from's own load reports it with its cause
-        return None
+        return None, "of unknown history"
     model = common.get("model_config") or {}
     if model and model.get("attention") == "dense":
-        return False
+        return False, "absent (a dense checkpoint: it starts fresh)"
     conversion = common.get("conversion")
     if conversion is not None:
-        if "index_trained" in conversion:
-            return bool(conversion["index_trained"])
         # conversions before the field: the index came from the source, or was made up
-        return conversion.get("index_init") == "from checkpoint"
+        trained = bool(conversion.get("index_trained", conversion.get("index_init") == "from checkpoint"))
+        return trained, "trained" if trained else "untrained (derived from a dense model)"
     warmup = (common.get("callbacks") or {}).get("indexer_warmup")
     if warmup is None:
-        return None
-    if "index_trained" in warmup:
-        return bool(warmup["index_trained"])
-    return warmup.get("switched_at_step") is not None or None
+        return None, "of unknown history"
+    trained = bool(warmup["index_trained"]) if "index_trained" in warmup else \
+        (warmup.get("switched_at_step") is not None or None)
+    return trained, {True: "trained", False: "untrained (its run had not finished the indexer warmup)"}.get(
+        trained, "of unknown history")
 
 
 def given_on_command_line(key: str) -> bool:
@@ -89,9 +94,8 @@ def plan_indexer_warmup(cfg, warmup_given: bool) -> str | None:
     t = cfg.trainer
     if not t.indexer_warmup_from_init or not cfg.init_from or cfg.model.attention != "msa":
         return None
-    trained = index_branch_trained(cfg.init_from)
+    trained, state = index_branch_history(cfg.init_from)
     if not trained:
-        state = "untrained (derived from a dense model)" if trained is False else "of unknown history"
         return f"indexer warmup: {t.indexer_warmup_tokens:,} tokens: init_from's index branch is {state}"
     if warmup_given:
         return (f"indexer warmup: {t.indexer_warmup_tokens:,} tokens, as {WARMUP_KEY} says on the command line, "
