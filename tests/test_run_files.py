@@ -77,5 +77,22 @@ def test_a_relaunch_through_launch_sh_that_rewrites_it_exits_cleanly(tmp_path, m
     done = subprocess.run(["bash", str(run_dir / "launch.sh"), "trainer.max_steps=30"], capture_output=True,
                           text=True)
     assert done.returncode == 0 and done.stderr == "", done.stderr
-    assert "trainer.max_steps=10 trainer.max_steps=30 run_dir=" in (run_dir / "launch.sh").read_text()
+    # the override given to launch.sh replaces the recorded one (the value Hydra applied)
+    launch = (run_dir / "launch.sh").read_text()
+    assert "trainer.max_steps=30 run_dir=" in launch and "max_steps=10" not in launch
     assert not (run_dir / "launch.sh.tmp").exists()
+
+
+def test_the_relaunch_command_keeps_the_last_setting_of_each_key(tmp_path, monkeypatch):
+    """A key set twice (launch.sh's recorded overrides, then the relaunch's own) appears once, with
+    the value Hydra applied; additions and deletions stay as given."""
+    import sys
+
+    from msa_model.training.run_dir import relaunch_command
+
+    monkeypatch.setattr(sys, "argv", ["train.py", "model=small", "+foo=1", "optim.lr=1e-3", "model=tiny", "~bar",
+                                      "optim.lr=2e-3", "run_dir=/elsewhere"])
+    for key in ("SLURM_JOB_ID", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    want = f"train.py +foo=1 model=tiny '~bar' optim.lr=2e-3 run_dir={tmp_path}"
+    assert relaunch_command(str(tmp_path)).endswith(want)

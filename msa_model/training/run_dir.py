@@ -92,6 +92,14 @@ def _hydra_multirun_overrides() -> list[str] | None:
     return None
 
 
+def _last_of_each_key(overrides: list[str]) -> list[str]:
+    """The overrides with a key set more than once (a relaunch through launch.sh adds its own after
+    the ones launch.sh records) reduced to the last setting, the one Hydra applies; additions and
+    deletions (`+key=`, `~key`) are kept as they are."""
+    keys = [a.split("=", 1)[0] if "=" in a and not a.startswith(("+", "~")) else None for a in overrides]
+    return [a for i, (a, key) in enumerate(zip(overrides, keys)) if key is None or key not in keys[i + 1:]]
+
+
 def relaunch_command(run_dir: str) -> str:
     """The command that re-runs this job in the same run dir (so resume=auto continues it)."""
     # a SLURM job rendered by launch/slurm.py: resubmitting its script is the relaunch (it holds
@@ -103,7 +111,7 @@ def relaunch_command(run_dir: str) -> str:
     argv = multirun if multirun is not None else sys.argv[1:]
     # one-job settings stay out of the relaunch command
     args = [a for a in argv if not a.startswith(("run_dir=", "resume=", "dry_run=", "trainer.stop_at_step="))]
-    args.append(f"run_dir={run_dir}")
+    args = _last_of_each_key(args) + [f"run_dir={run_dir}"]
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if multirun is not None:
         # the launcher (e.g. submitit) submits the job again from the submitting machine
