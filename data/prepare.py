@@ -178,8 +178,10 @@ def prepare(args, started: float) -> int:
     if stats.skipped:
         print(stats.skipped_line(args.field), flush=True)
     mb = stats.input_bytes / 1e6
+    # small inputs in kB: "0.0 MB of input" reads as nothing read
+    size = f"{mb:,.1f} MB" if mb >= 0.1 else f"{stats.input_bytes / 1e3:,.1f} kB"
     print(f"prepared {prefix}: {stats.documents:,} documents, {stats.tokens:,} tokens "
-          f"({stats.tokens / stats.documents:,.1f} tokens/document), {mb:,.1f} MB of input in {seconds:,.1f} s "
+          f"({stats.tokens / stats.documents:,.1f} tokens/document), {size} of input in {seconds:,.1f} s "
           f"({mb / seconds:,.2f} MB/s); wrote {', '.join(str(p) for p in written)}", flush=True)
     return 0
 

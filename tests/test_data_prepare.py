@@ -13,6 +13,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -138,6 +139,8 @@ def test_every_input_kind_reads_back_as_the_tokenizers_ids(tmp_path, tok, tok_di
     assert meta["add_bos"] is False and meta["skipped"] == {} and meta["dtype"] == "uint16"
     assert check_prefix(prefix, full=True) is None  # what the trainer checks before training
     assert f"{len(docs):,} documents" in out and str(prefix) + ".json" in out
+    # a small input's size in kB, not as "0.0 MB"
+    assert re.search(r"[1-9][0-9.,]* kB of input", out), out
     assert sorted(p.name for p in prefix.parent.iterdir()) == ["mixed.bin", "mixed.idx", "mixed.json"]
 
 

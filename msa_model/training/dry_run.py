@@ -73,7 +73,7 @@ def dry_run_report(cfg: DictConfig, world_size: int) -> str:
                  f"(total {_human(built['total'])}, active {_human(built['active'])})")
     rows = model_vocab_size(cfg.model, vocab)
     lines.append(f"vocab={rows} padded to {padded_vocab_size(rows, cfg.model, cfg.parallel.tp)} (tokenizer: {vocab})")
-    lines.append(f"# parallel layout on {layout_world} ranks")
+    lines.append(f"# parallel layout on {layout_world} rank{'s' if layout_world != 1 else ''}")
     lines += [f"{k}={v}" for k, v in parallel_layout(cfg.parallel, layout_world).items()]
     tokens_per_step = cfg.parallel.global_batch_size * cfg.model.seq_length
     lines.append(f"tokens_per_step={tokens_per_step}  (x {cfg.trainer.max_steps} steps = "
