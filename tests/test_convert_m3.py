@@ -284,8 +284,8 @@ def test_block_anchoring_differs_with_shifted_positions():
 
 
 def test_tied_block_scores():
-    """Documented difference: among equal block scores transformers (and our reference) keep whichever
-    torch.topk returns; our Triton kernel keeps the lowest block ids. Forced blocks are kept by all."""
+    """Documented difference: among equal block scores transformers keeps whichever torch.topk
+    returns; our reference and Triton kernel keep the lowest block ids. Forced blocks are kept by all."""
     from transformers import MiniMaxM3VLTextConfig
 
     from msa_model.ops import select_blocks
@@ -302,10 +302,10 @@ def test_tied_block_scores():
     for t in range(100):
         forced = {n for n in (nloc[t].item(), nloc[t].item() - 1) if n >= 0}
         free = sorted(set(range(nloc[t].item() + 1)) - forced)[: k - len(forced)]
-        assert set(triton[0, t, 0].tolist()) - {-1} == forced | set(free), t  # lowest ids win the ties
-        for sel in (reference[0, t, 0], theirs[0, t, 0]):
-            chosen = set(sel.tolist()) - {-1}
-            assert forced <= chosen <= set(range(nloc[t].item() + 1)) and len(chosen) == min(k, nloc[t].item() + 1)
+        for ours in (triton, reference):
+            assert set(ours[0, t, 0].tolist()) - {-1} == forced | set(free), t  # lowest ids win the ties
+        chosen = set(theirs[0, t, 0].tolist()) - {-1}
+        assert forced <= chosen <= set(range(nloc[t].item() + 1)) and len(chosen) == min(k, nloc[t].item() + 1)
 
 
 def test_config_refusals():

@@ -14,7 +14,7 @@ What follows from torch's flag in this project's code: the indexer KL's sparse b
 its partial gradients and sums them in a fixed order instead of adding them with atomics
 (msa_model/ops/indexer_kl/triton.py, `_Sums`), and dense attention takes torch's flash kernels
 (deterministic backward in this mode) rather than cuDNN's (msa_model/platform/compat.py,
-msa_model/dense_attention.py). Every other kernel of the ops is deterministic as it is (no
+msa_model/ops/dense_attention). Every other kernel of the ops is deterministic as it is (no
 atomics; the sparse attention reduces its partials in order), and so are the data order, the
 RNG streams (restored on resume) and the optimizer.
 """
