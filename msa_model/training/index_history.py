@@ -65,10 +65,13 @@ def index_branch_history(path: str | Path) -> tuple[bool | None, str]:
     warmup = (common.get("callbacks") or {}).get("indexer_warmup")
     if warmup is None:
         return None, "of unknown history"
-    trained = bool(warmup["index_trained"]) if "index_trained" in warmup else \
-        (warmup.get("switched_at_step") is not None or None)
-    return trained, {True: "trained", False: "untrained (its run had not finished the indexer warmup)"}.get(
-        trained, "of unknown history")
+    if "index_trained" in warmup:
+        trained = bool(warmup["index_trained"])
+        return trained, "trained" if trained else "untrained (its run had not finished the indexer warmup)"
+    # checkpoints before the field: a run that switched to top-k had trained it
+    if warmup.get("switched_at_step") is not None:
+        return True, "trained"
+    return None, "of unknown history"
 
 
 def given_on_command_line(key: str) -> bool:
