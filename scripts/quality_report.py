@@ -48,7 +48,9 @@ def run_summary(study, run) -> dict:
     res = study.eval_dir(run) / "results.json"
     if res.is_file():
         e = json.loads(res.read_text())
-        out["eval"] = {"accuracy_by_length": e["accuracy_by_length"], "key_budget": e.get("key_budget")}
+        by_offset = e["loss_by_position"].get("by_block_offset") or {}
+        out["eval"] = {"accuracy_by_length": e["accuracy_by_length"], "key_budget": e.get("key_budget"),
+                       "start_excess": by_offset.get("start_excess")}
     return out
 
 
@@ -148,6 +150,14 @@ def markdown(summary: dict, study, call: dict) -> str:
             acc[name] = {n: _mean([v["eval"]["accuracy_by_length"][str(n)] for v in a["runs"].values()
                                    if "eval" in v and str(n) in v["eval"]["accuracy_by_length"]]) for n in lengths}
             lines.append(f"| {name} | " + " | ".join(_fmt(acc[name][n], ".2f") for n in lengths) + " |")
+        excess = {name: _mean([v["eval"]["start_excess"] for v in a["runs"].values()
+                               if "eval" in v and v["eval"].get("start_excess") is not None])
+                  for name, a in evals.items()}
+        if any(v is not None for v in excess.values()):
+            lines += ["", "Held-out loss at the first eighth of a key block's offsets minus its second half "
+                      "(positions past the key budget, inside the context; mean over seeds): "
+                      + ", ".join(f"{name} {_fmt(v, '+.3f')}" for name, v in excess.items())
+                      + ". Above dense's: queries at a block's start miss the text just before it."]
         for name, a in evals.items():
             budget = next((v["eval"]["key_budget"] for v in a["runs"].values() if "eval" in v), None)
             ref = a["ref"]

@@ -370,12 +370,36 @@ def test_eval_runs_on_the_checkpoint_and_writes_results(diag_run, tmp_path):
     buckets = res["loss_by_position"]["buckets"]
     assert [b["from"] for b in buckets] == [0, 64, 128, 256] and all(0 < b["loss"] < 10 for b in buckets)
     assert res["loss_by_position"]["source"] == "held-out"
+    # past the key budget (4 blocks of 16) and inside the 256-token training context
+    by_offset = res["loss_by_position"]["by_block_offset"]
+    assert by_offset["block_size"] == 16 and by_offset["positions"] == [64, 256]
+    assert [b["from"] for b in by_offset["buckets"]] == list(range(0, 16, 2))
+    assert all(0 < b["loss"] < 10 for b in by_offset["buckets"])
+    assert "Loss by offset in a 16-token key block" in (out / "results.md").read_text()
     for name in ("results.md", "accuracy.png", "loss_by_position.png"):
         assert (out / name).stat().st_size > 0
 
     bad = subprocess.run([sys.executable, "-m", "msa_model.eval", str(tmp_path), "--out", str(tmp_path / "x")],
                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "is not a checkpoint" in bad.stderr
+
+
+def test_loss_by_block_offset_finds_a_loss_at_the_blocks_start():
+    """A loss raised at the first offsets of every 32-token block, past position 96 only: the first
+    bucket holds it, the others and the positions before 96 do not count."""
+    from msa_model.eval.runner import loss_by_block_offset
+
+    per_pos = torch.rand(320, dtype=torch.float64) * 0.01 + 1.0
+    pos = torch.arange(320)
+    per_pos[(pos >= 96) & (pos % 32 < 4)] += 2.0
+    per_pos[:96] += 5.0
+    res = loss_by_block_offset(per_pos, 32, 96, 320)
+    assert res["positions"] == [96, 320] and [b["from"] for b in res["buckets"]] == list(range(0, 32, 4))
+    assert res["buckets"][0]["loss"] == pytest.approx(3.005, abs=0.006)
+    assert all(b["loss"] == pytest.approx(1.005, abs=0.006) for b in res["buckets"][1:])
+    assert res["start_excess"] == pytest.approx(2.0, abs=0.01)
+    # too few positions, or a block too small to split
+    assert loss_by_block_offset(per_pos, 32, 96, 150) is None and loss_by_block_offset(per_pos, 4, 0, 320) is None
 
 
 def test_eval_of_a_run_on_prepared_datasets_asks_for_a_corpus(tmp_path):

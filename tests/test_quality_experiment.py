@@ -206,3 +206,30 @@ def test_the_budget_end_saves_what_the_disk_holds(tmp_path, capsys):
     assert codes == {"pt-s0": 0, "dense-s0": -9}, codes
     out = capsys.readouterr().out
     assert "pt-s0: SIGTERM at step 6" in out and "dense-s0: killed at step 2: no disk room" in out
+
+
+def test_the_report_sets_the_block_start_excess_of_each_evaluated_arm_side_by_side():
+    """The evaluations' held-out loss at a key block's first offsets (minus its second half),
+    averaged over each arm's seeds, stands under the retrieval table."""
+    from types import SimpleNamespace
+
+    qe = _module()
+    from quality_report import markdown
+
+    def run(seed, excess):
+        return {"seed": seed, "done": True, "step": 4, "steps": 4, "final_lm_loss": 2.0, "final_kl": None,
+                "final_valid_loss": None, "recall": None, "tokens_per_s": 1.0, "peak_mem_gib": None,
+                "eval": {"accuracy_by_length": {"256": 0.5}, "key_budget": 64, "start_excess": excess}}
+
+    arms = {"dense-retr": {"base": "dense", "ref": None, "runs": {0: run(0, 0.01), 1: run(1, -0.03)}},
+            "pt-retr": {"base": "pt", "ref": "dense-retr", "runs": {0: run(0, 0.4), 1: run(1, 0.6)}}}
+    for a in arms.values():
+        a.update(overrides=[], n=2, mean=2.0, std=0.0, final_kl=None, recall=None, tokens_per_s=1.0,
+                 final_valid_loss=None, peak_mem_gib=None)
+    summary = {"preset": "tiny", "steps": 4, "mid": 2, "step_tokens": 2048, "tokens_per_run": 8192,
+               "warmup_tokens": 0, "seeds": 2, "arms": arms}
+    study = SimpleNamespace(args=SimpleNamespace(gbs=4, lr=1e-3, min_lr=1e-4, final_window=None),
+                            preset=qe.PRESETS["tiny"])
+    text = markdown(summary, study, {"seconds": 1.0, "tokens": 8192, "runs": 4, "failed": []})
+    assert "key block's offsets minus its second half" in text
+    assert "dense-retr -0.010, pt-retr +0.500" in text

@@ -4,6 +4,6 @@ Retrieval tasks (data/retrieval.py: passkey, multi-key needle with distractors, 
 tracking by default; kvrecall, many key/value needles, with --tasks), generated from a seed with
 haystacks cut from the training corpus, at several lengths and needle depths, scored by exact
 match of the greedy answer and by the teacher-forced rank of the answer tokens; and the held-out
-loss by token position. `runner` loads and scores, `report` writes results.json, results.md and
+loss by token position and by offset inside a key block. `runner` loads and scores, `report` writes results.json, results.md and
 the plots.
 """

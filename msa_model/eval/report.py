@@ -34,6 +34,14 @@ def markdown(results: dict) -> str:
               "| positions | " + " | ".join(f"{b['from']}-{b['to']}" for b in loss["buckets"]) + " |",
               "|---|" + "---|" * len(loss["buckets"]),
               "| loss | " + " | ".join(f"{b['loss']:.3f}" for b in loss["buckets"]) + " |", ""]
+    by_offset = loss.get("by_block_offset")
+    if by_offset:
+        first, end = by_offset["positions"]
+        lines += [f"Loss by offset in a {by_offset['block_size']}-token key block (positions {first}-{end}; the "
+                  f"first offsets minus the block's second half: {by_offset['start_excess']:+.3f}):", "",
+                  "| offsets | " + " | ".join(f"{b['from']}-{b['to']}" for b in by_offset["buckets"]) + " |",
+                  "|---|" + "---|" * len(by_offset["buckets"]),
+                  "| loss | " + " | ".join(f"{b['loss']:.3f}" for b in by_offset["buckets"]) + " |", ""]
     return "\n".join(lines)
 
 

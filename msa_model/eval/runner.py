@@ -195,10 +195,38 @@ def position_buckets(length: int) -> list[tuple[int, int]]:
     return list(zip(edges[:-1], edges[1:]))
 
 
+OFFSET_PARTS = 8  # offset buckets of a key block in the loss by block offset
+
+
+def loss_by_block_offset(per_pos: torch.Tensor, block_size: int, first: int, end: int) -> dict | None:
+    """The mean loss per offset inside a key block (OFFSET_PARTS buckets of block_size / OFFSET_PARTS
+    offsets) over positions [first, end), and `start_excess`: the first bucket's loss minus the
+    mean over the block's second half. A query at its block's start reads its own block only up
+    to itself, so with one local block (model.msa.local_blocks=1) its nearest earlier text is
+    there only if the indexer selected the block before: an MSA model that misses it loses at
+    small offsets, and dense attention (no blocks) shows no excess. None when [first, end) holds
+    fewer than two blocks or the block has fewer than OFFSET_PARTS offsets."""
+    if block_size < OFFSET_PARTS or end - first < 2 * block_size:
+        return None
+    pos = torch.arange(first, end)
+    off = pos % block_size
+    vals = per_pos[first:end]
+    width = block_size // OFFSET_PARTS
+    buckets = []
+    for i in range(OFFSET_PARTS):
+        a, b = i * width, block_size if i == OFFSET_PARTS - 1 else (i + 1) * width
+        buckets.append({"from": a, "to": b, "loss": vals[(off >= a) & (off < b)].mean().item()})
+    second_half = vals[off >= block_size // 2].mean().item()
+    return {"block_size": block_size, "positions": [first, end], "buckets": buckets,
+            "start_excess": buckets[0]["loss"] - second_half}
+
+
 @torch.no_grad()
-def loss_by_position(model, device, docs: list[bytes], length: int, sequences: int, tokenizer) -> dict:
+def loss_by_position(model, device, docs: list[bytes], length: int, sequences: int, tokenizer,
+                     offsets: tuple[int, int, int] | None = None) -> dict:
     """Mean next-token loss per position bucket over `sequences` windows of `length` tokens cut from
-    the documents, tokenized and joined with end-of-document tokens."""
+    the documents, tokenized and joined with end-of-document tokens. `offsets` (block size, first
+    and end position): also the loss by offset inside a key block over those positions."""
     stream = []
     for ids in tokenizer.tokenize_batch(docs):
         stream.append(ids.astype(np.int64))
@@ -215,7 +243,11 @@ def loss_by_position(model, device, docs: list[bytes], length: int, sequences: i
         sums += model(tokens, pos, None, labels=labels)[0].double().cpu()
     per_pos = sums / n
     buckets = [{"from": a, "to": b, "loss": per_pos[a:b].mean().item()} for a, b in position_buckets(length)]
-    return {"length": length, "sequences": n, "buckets": buckets}
+    out = {"length": length, "sequences": n, "buckets": buckets}
+    if offsets is not None:
+        block_size, first, end = offsets
+        out["by_block_offset"] = loss_by_block_offset(per_pos, block_size, first, min(end, length))
+    return out
 
 
 def _heldout_docs(cfg, corpus: str | None, need_bytes: int) -> tuple[list[bytes], str]:
@@ -293,10 +325,20 @@ def run_eval(args) -> dict:
                                       tokenizer)
         loss_length = args.loss_length or max(lengths)
         docs, kind = _heldout_docs(cfg, args.corpus, (args.loss_sequences + 1) * loss_length)
-        loss = loss_by_position(model, device, docs, loss_length, args.loss_sequences, tokenizer)
+        # the loss by block offset where selection can miss (a query sees more than top-k blocks)
+        # and inside the training context; a dense run is measured on its config's blocks alike
+        bk = cfg.model.msa.block_size
+        offsets = (bk, keys_per_query(bk, cfg.model.msa.topk), context)
+        loss = loss_by_position(model, device, docs, loss_length, args.loss_sequences, tokenizer, offsets)
         loss["source"] = kind
         log.info("held-out loss by position (%s, %d x %d tokens): %s", kind, loss["sequences"], loss_length,
                  " ".join(f"[{b['from']},{b['to']}) {b['loss']:.3f}" for b in loss["buckets"]))
+        by_offset = loss.get("by_block_offset")
+        if by_offset:
+            log.info("held-out loss by offset in a %d-token key block (positions %d-%d): %s; first %d offsets "
+                     "minus the second half %+.3f", bk, *by_offset["positions"],
+                     " ".join(f"[{b['from']},{b['to']}) {b['loss']:.3f}" for b in by_offset["buckets"]),
+                     by_offset["buckets"][0]["to"], by_offset["start_excess"])
         results = {
             "label": label, "checkpoint": str(step_dir), "model": cfg.model.name, "attention": cfg.model.attention,
             "phase": args.phase if msa else "dense", "context": context,
