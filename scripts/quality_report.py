@@ -49,8 +49,10 @@ def run_summary(study, run) -> dict:
     if res.is_file():
         e = json.loads(res.read_text())
         by_offset = e["loss_by_position"].get("by_block_offset") or {}
+        needle = {key: {n: _mean([per[n][key] for per in e["tasks"].values() if per.get(n, {}).get(key) is not None])
+                        for n in e["accuracy_by_length"]} for key in ("needle_selected", "needle_chance")}
         out["eval"] = {"accuracy_by_length": e["accuracy_by_length"], "key_budget": e.get("key_budget"),
-                       "start_excess": by_offset.get("start_excess")}
+                       "start_excess": by_offset.get("start_excess"), **needle}
     return out
 
 
@@ -150,6 +152,12 @@ def markdown(summary: dict, study, call: dict) -> str:
             acc[name] = {n: _mean([v["eval"]["accuracy_by_length"][str(n)] for v in a["runs"].values()
                                    if "eval" in v and str(n) in v["eval"]["accuracy_by_length"]]) for n in lengths}
             lines.append(f"| {name} | " + " | ".join(_fmt(acc[name][n], ".2f") for n in lengths) + " |")
+            needle, chance = ({n: _mean([v["eval"][key][str(n)] for v in a["runs"].values() if "eval" in v
+                                         and (v["eval"].get(key) or {}).get(str(n)) is not None]) for n in lengths}
+                              for key in ("needle_selected", "needle_chance"))
+            if any(v is not None for v in needle.values()):
+                lines.append(f"| {name}: needle block selected (random blocks) | " + " | ".join(
+                    "-" if needle[n] is None else f"{needle[n]:.2f} ({chance[n]:.2f})" for n in lengths) + " |")
         excess = {name: _mean([v["eval"]["start_excess"] for v in a["runs"].values()
                                if "eval" in v and v["eval"].get("start_excess") is not None])
                   for name, a in evals.items()}

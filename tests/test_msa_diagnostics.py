@@ -216,6 +216,67 @@ def test_retrieval_examples_are_measured_in_the_models_tokens(tmp_path):
         assert byte == make_example(task, 700, 0.5, hay, random.Random(7))
 
 
+def test_the_needle_token_is_the_asked_values_first_digit(tmp_path):
+    """Every task's asked value is found in its needle line, not in the question: with bytes its
+    first digit; with BPE a token whose text holds the value's start (at most 2 tokens off)."""
+    from data.tokenizer import ByteTokenizer, HFTokenizer
+    from msa_model.eval.runner import _example_rng, example_of_tokens, needle_token
+    from tokenizer_fixtures import make_bpe_tokenizer
+
+    _, hay = _haystack(tmp_path)
+    bpe = HFTokenizer(make_bpe_tokenizer(tmp_path / "tok", vocab_size=600, files=20))
+    for task in TASKS:
+        for depth in (0.0, 0.5, 1.0):
+            ex = make_example(task, 1500, depth, hay, _example_rng(0, task, 1500, depth, 1))
+            at = needle_token(ex, ByteTokenizer())
+            assert ex.prompt[at:at + 5] == ex.answer, (task, depth)
+            line = ex.prompt[ex.prompt.rfind(b"\n", 0, at) + 1:ex.prompt.find(b"\n", at)]
+            assert not line.startswith(b"assert"), line
+            ex = example_of_tokens(task, 1024, depth, hay, bpe, lambda: _example_rng(0, task, 1024, depth, 1))
+            t = needle_token(ex, bpe)
+            ids = bpe.tokenize_batch([ex.prompt])[0]
+            near = bpe.detokenize(list(ids[max(0, t - 2):t + 3]))
+            assert ex.answer[:2].decode() in near, (task, depth, near)
+    ex = make_example("passkey", 800, 0.5, hay, random.Random(3))
+    assert needle_token(ex.__class__(ex.task, ex.length, ex.depth, b"no needle here", ex.answer), ByteTokenizer()) \
+        is None
+
+
+def _needle_chance_cases():
+    from msa_model.eval.runner import needle_chance
+
+    return [needle_chance(160, 165, 16, 4),  # the needle in the query's own block
+            needle_chance(60, 5, 16, 4),  # 4 visible blocks: all selected
+            needle_chance(160, 40, 16, 4),
+            needle_chance(160, 150, 16, 4, local_blocks=2),  # the block before the query's, local too
+            needle_chance(160, 40, 16, 4, local_blocks=2)]
+
+
+def test_the_needle_selection_counts_the_layers_and_groups_holding_its_block():
+    """Two layers of two groups, the query in the second of two query chunks: three of the four
+    (layer, group) pairs name the needle's block (16-token blocks: token 40 is in block 2)."""
+    from msa_model.eval.runner import _needle_selection
+    from msa_model.training.diagnostics import LayerCapture
+
+    def capture(rows_g):
+        c = LayerCapture()
+        c.add(block_idx=torch.full((1, 8, 2, 3), -1, dtype=torch.int32), q_offset=0)
+        idx = torch.full((1, 8, 2, 3), -1, dtype=torch.int32)
+        idx[0, 5] = torch.tensor(rows_g, dtype=torch.int32)  # query 8 + 5 = 13
+        c.add(block_idx=idx, q_offset=8)
+        return c
+
+    layers = [capture([[0, 2, -1], [1, 0, -1]]), capture([[2, 1, 0], [0, 1, 2]])]
+    assert _needle_selection(layers, 13, 40, 16) == 0.75
+    assert _needle_selection(layers, 12, 40, 16) == 0.0  # its slots are all empty
+    # random blocks: 3 free slots over the 10 blocks before query 160's (block 10), 2 over 9 with
+    # two local blocks
+    assert _needle_chance_cases() == [1.0, 1.0, 3 / 10, 1.0, 2 / 9]
+    warmup = LayerCapture()
+    warmup.add(block_idx=None, q_offset=0)
+    assert _needle_selection([warmup], 3, 40, 16) is None
+
+
 def test_every_field_of_an_evaluation_example_draws_another_one(tmp_path):
     """The samples of one (task, length, depth) are different examples, and so are those of
     another seed, length or depth: every character of the example's name counts."""
@@ -367,6 +428,8 @@ def test_eval_runs_on_the_checkpoint_and_writes_results(diag_run, tmp_path):
         for n in ("256", "384"):
             assert set(per[n]["by_depth"]) == {"0", "1"}
             assert 0.0 <= per[n]["accuracy"] <= 1.0 and 0.0 <= per[n]["mean_rank"] < 257
+            # both lengths exceed the key budget: every task's needle is looked for in the selection
+            assert 0.0 <= per[n]["needle_selected"] <= 1.0 and 0.0 < per[n]["needle_chance"] <= 1.0
     buckets = res["loss_by_position"]["buckets"]
     assert [b["from"] for b in buckets] == [0, 64, 128, 256] and all(0 < b["loss"] < 10 for b in buckets)
     assert res["loss_by_position"]["source"] == "held-out"
@@ -376,6 +439,7 @@ def test_eval_runs_on_the_checkpoint_and_writes_results(diag_run, tmp_path):
     assert [b["from"] for b in by_offset["buckets"]] == list(range(0, 16, 2))
     assert all(0 < b["loss"] < 10 for b in by_offset["buckets"])
     assert "Loss by offset in a 16-token key block" in (out / "results.md").read_text()
+    assert "| passkey needle block selected |" in (out / "results.md").read_text()
     for name in ("results.md", "accuracy.png", "loss_by_position.png"):
         assert (out / name).stat().st_size > 0
 

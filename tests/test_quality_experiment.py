@@ -210,7 +210,8 @@ def test_the_budget_end_saves_what_the_disk_holds(tmp_path, capsys):
 
 def test_the_report_sets_the_block_start_excess_of_each_evaluated_arm_side_by_side():
     """The evaluations' held-out loss at a key block's first offsets (minus its second half),
-    averaged over each arm's seeds, stands under the retrieval table."""
+    averaged over each arm's seeds, stands under the retrieval table; the needle's selection
+    beside what random blocks would reach, in it."""
     from types import SimpleNamespace
 
     qe = _module()
@@ -219,7 +220,8 @@ def test_the_report_sets_the_block_start_excess_of_each_evaluated_arm_side_by_si
     def run(seed, excess):
         return {"seed": seed, "done": True, "step": 4, "steps": 4, "final_lm_loss": 2.0, "final_kl": None,
                 "final_valid_loss": None, "recall": None, "tokens_per_s": 1.0, "peak_mem_gib": None,
-                "eval": {"accuracy_by_length": {"256": 0.5}, "key_budget": 64, "start_excess": excess}}
+                "eval": {"accuracy_by_length": {"256": 0.5}, "key_budget": 64, "start_excess": excess,
+                         "needle_selected": {"256": 0.5 + excess}, "needle_chance": {"256": 0.25}}}
 
     arms = {"dense-retr": {"base": "dense", "ref": None, "runs": {0: run(0, 0.01), 1: run(1, -0.03)}},
             "pt-retr": {"base": "pt", "ref": "dense-retr", "runs": {0: run(0, 0.4), 1: run(1, 0.6)}}}
@@ -233,3 +235,4 @@ def test_the_report_sets_the_block_start_excess_of_each_evaluated_arm_side_by_si
     text = markdown(summary, study, {"seconds": 1.0, "tokens": 8192, "runs": 4, "failed": []})
     assert "key block's offsets minus its second half" in text
     assert "dense-retr -0.010, pt-retr +0.500" in text
+    assert "| pt-retr: needle block selected (random blocks) | 1.00 (0.25) |" in text

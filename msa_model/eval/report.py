@@ -22,11 +22,18 @@ def markdown(results: dict) -> str:
     lines = [f"# {results['label']}: {results['model']}, {results['attention']} attention, phase {results['phase']}",
              "", f"context {results['context']}" + (f", key budget {budget} per query" if budget else "")
              + f"; {results['samples']} examples per (task, length, depth), depths {results['depths']}, "
-             f"seed {results['seed']}", "",
+             f"seed {results['seed']}" + ("; needle block selected: the share of (MSA layer, GQA group) pairs "
+                                           "whose blocks for the question's last token hold the asked value's "
+                                           "(lengths above the key budget)" if budget else ""), "",
              "| task | " + " | ".join(lengths) + " |", "|---|" + "---|" * len(lengths)]
     for task, per in results["tasks"].items():
         lines.append(f"| {task} accuracy | " + " | ".join(f"{per[n]['accuracy']:.2f}" for n in lengths) + " |")
         lines.append(f"| {task} mean rank | " + " | ".join(f"{per[n]['mean_rank']:.2f}" for n in lengths) + " |")
+        for key, what in (("needle_selected", "needle block selected"), ("needle_chance", "... by random blocks")):
+            values = [per[n].get(key) for n in lengths]
+            if any(v is not None for v in values):
+                lines.append(f"| {task} {what} | " + " | ".join("-" if v is None else f"{v:.2f}" for v in values)
+                             + " |")
     lines.append("| all tasks accuracy | " + " | ".join(f"{results['accuracy_by_length'][n]:.2f}" for n in lengths)
                  + " |")
     loss = results["loss_by_position"]

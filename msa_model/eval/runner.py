@@ -107,21 +107,78 @@ def _logits(model, tokens_BS: torch.Tensor) -> torch.Tensor:
     return model(tokens_BS, pos, None)
 
 
+def needle_token(ex, tokenizer) -> int | None:
+    """The token index of the asked value's first digit in its needle line (`NAME = "<digits>"`,
+    vartrack's `VAR_x = <digits>`), counted by tokenizing the prompt before it; None if absent."""
+    for pattern in (b'= "' + ex.answer + b'"', b"= " + ex.answer + b"\n"):
+        at = ex.prompt.find(pattern)
+        if at >= 0:
+            at += pattern.index(ex.answer)
+            return len(tokenizer.tokenize_batch([ex.prompt[:at]])[0])
+    return None
+
+
+def needle_chance(query: int, needle: int, block_size: int, topk: int, local_blocks: int = 1) -> float:
+    """The share a selection of random blocks would reach: 1 for a needle in the query's local
+    blocks, else the free slots over the earlier visible blocks, (topk - local) / (visible - local)."""
+    visible, block = query // block_size + 1, needle // block_size
+    local = min(local_blocks, visible)
+    if block >= visible - local or visible <= topk:
+        return 1.0
+    return (topk - local) / (visible - local)
+
+
+def _needle_selection(captures, query: int, needle: int, block_size: int) -> float | None:
+    """The share of (MSA layer, GQA group) pairs whose selection for `query` holds the block of
+    token `needle`, from the layers' captures of one unpacked sequence (None: no layer selected
+    anything, as in the indexer warmup)."""
+    hits, pairs = 0, 0
+    for capture in captures:
+        for c in capture.chunks:
+            idx, off = c["block_idx"], c["q_offset"]
+            if idx is None or not off <= query < off + idx.shape[1]:
+                continue
+            chosen = idx[0, query - off]  # [G, K]
+            hits += int((chosen == needle // block_size).any(-1).sum())
+            pairs += chosen.shape[0]
+    return hits / pairs if pairs else None
+
+
 @torch.no_grad()
-def score_example(model, device, ex, tokenizer) -> dict:
-    """{"correct": bool, "rank": mean rank of the answer tokens, "logprob": their summed log-prob}.
-    Prompt and answer are tokenized apart (with the byte tokenizer, one token a byte)."""
+def score_example(model, device, ex, tokenizer, msa=None) -> dict:
+    """{"correct": bool, "rank": mean rank of the answer tokens, "logprob": their summed log-prob,
+    "needle": share of (MSA layer, group) pairs whose blocks for the question's last token hold
+    the needle's value, or None; "needle_chance": that share for random blocks}. Prompt and
+    answer are tokenized apart (with the byte tokenizer, one token a byte). `msa`: the MSA layers'
+    options (model.msa; the needle measured when given)."""
+    from msa_model.model.attention import msa_layers
+    from msa_model.training.diagnostics import LayerCapture
+
     prompt, answer = tokenizer.tokenize_batch([ex.prompt, ex.answer])
     ids = np.concatenate([prompt, answer]).astype(np.int64)
     tokens = torch.from_numpy(ids[:-1])[None].to(device)
     targets = torch.from_numpy(ids[1:]).to(device)
     A, vocab = len(answer), tokenizer.vocab_size
-    logits = _logits(model, tokens)[0, -A:, :vocab].float()
+    needle = needle_token(ex, tokenizer) if msa is not None else None
+    block_size = msa.block_size if msa is not None else None
+    layers = [m for m in msa_layers(model) if m.sparse] if needle is not None else []
+    for layer in layers:
+        layer.diagnostics_capture = LayerCapture()
+    try:
+        logits = _logits(model, tokens)[0, -A:, :vocab].float()
+        selected = _needle_selection([m.diagnostics_capture for m in layers], len(prompt) - 1, needle, block_size) \
+            if layers else None
+        chance = needle_chance(len(prompt) - 1, needle, block_size, msa.topk, msa.local_blocks) \
+            if selected is not None else None
+    finally:
+        for layer in layers:
+            layer.diagnostics_capture = None
     want = targets[-A:]
     target_logit = logits.gather(-1, want[:, None])
     ranks = (logits > target_logit).sum(-1).float()
     logprob = torch.log_softmax(logits, -1).gather(-1, want[:, None]).sum()
-    return {"correct": bool((logits.argmax(-1) == want).all()), "rank": ranks.mean().item(), "logprob": logprob.item()}
+    return {"correct": bool((logits.argmax(-1) == want).all()), "rank": ranks.mean().item(), "logprob": logprob.item(),
+            "needle": selected, "needle_chance": chance}
 
 
 def default_lengths(context: int) -> list[int]:
@@ -160,28 +217,43 @@ def example_of_tokens(task, length, depth, haystack, tokenizer, rng, tries: int 
     return found[0]
 
 
-def retrieval_results(model, device, haystack, tasks, lengths, depths, samples, seed, tokenizer) -> dict:
+def retrieval_results(model, device, haystack, tasks, lengths, depths, samples, seed, tokenizer,
+                      msa=None) -> dict:
+    """Per task and length: accuracy (by depth), mean answer rank and log-prob; with the sparse
+    phase's `msa` options (model.msa), at lengths above the key budget (where a query cannot read
+    every block) also `needle_selected`: the mean share of (layer, group) pairs whose selection
+    for the question's last token held the block of the asked value (`score_example`), and
+    `needle_chance`, the same for random blocks."""
     out = {}
     for task in tasks:
         per_length = {}
         for length in lengths:
             t0 = time.perf_counter()
-            grid, ranks, logprobs = {}, [], []
+            grid, ranks, logprobs, needles, chances = {}, [], [], [], []
+            probe = msa if msa is not None and length > keys_per_query(msa.block_size, msa.topk) else None
             for depth in depths:
                 hits = 0
                 for i in range(samples):
                     ex = example_of_tokens(task, length, depth, haystack, tokenizer,
                                            lambda: _example_rng(seed, task, length, depth, i))
-                    r = score_example(model, device, ex, tokenizer)
+                    r = score_example(model, device, ex, tokenizer, msa=probe)
                     hits += r["correct"]
                     ranks.append(r["rank"])
                     logprobs.append(r["logprob"])
+                    if r["needle"] is not None:
+                        needles.append(r["needle"])
+                        chances.append(r["needle_chance"])
                 grid[f"{depth:g}"] = hits / samples
             acc = sum(grid.values()) / len(grid)
             per_length[str(length)] = {"accuracy": acc, "mean_rank": sum(ranks) / len(ranks),
-                                       "answer_logprob": sum(logprobs) / len(logprobs), "by_depth": grid}
-            log.info("%-8s length %6d: accuracy %.3f  mean answer rank %.2f  (%d examples, %.1f s)", task, length,
-                     acc, per_length[str(length)]["mean_rank"], samples * len(depths), time.perf_counter() - t0)
+                                       "answer_logprob": sum(logprobs) / len(logprobs), "by_depth": grid,
+                                       "needle_selected": sum(needles) / len(needles) if needles else None,
+                                       "needle_chance": sum(chances) / len(chances) if chances else None}
+            needle = (f"  needle block selected {sum(needles) / len(needles):.2f} (random blocks "
+                      f"{sum(chances) / len(chances):.2f})" if needles else "")
+            log.info("%-8s length %6d: accuracy %.3f  mean answer rank %.2f%s  (%d examples, %.1f s)", task, length,
+                     acc, per_length[str(length)]["mean_rank"], needle, samples * len(depths),
+                     time.perf_counter() - t0)
         out[task] = per_length
     return out
 
@@ -321,8 +393,9 @@ def run_eval(args) -> dict:
         _, files = list_corpus_files(source, cfg.data.glob, cfg.data.max_bytes)
         haystack = Haystack(files, pool_bytes=max(4_000_000, 4 * max(lengths)), seed=args.seed)
         t0 = time.perf_counter()
+        budget = keys_per_query(cfg.model.msa.block_size, cfg.model.msa.topk) if msa and msa_layers(model) else None
         retrieval = retrieval_results(model, device, haystack, tasks, lengths, args.depths, args.samples, args.seed,
-                                      tokenizer)
+                                      tokenizer, msa=cfg.model.msa if budget and args.phase == "sparse" else None)
         loss_length = args.loss_length or max(lengths)
         docs, kind = _heldout_docs(cfg, args.corpus, (args.loss_sequences + 1) * loss_length)
         # the loss by block offset where selection can miss (a query sees more than top-k blocks)
@@ -342,7 +415,7 @@ def run_eval(args) -> dict:
         results = {
             "label": label, "checkpoint": str(step_dir), "model": cfg.model.name, "attention": cfg.model.attention,
             "phase": args.phase if msa else "dense", "context": context,
-            "key_budget": keys_per_query(cfg.model.msa.block_size, cfg.model.msa.topk) if msa and msa_layers(model) else None,
+            "key_budget": budget,
             "seed": args.seed, "samples": args.samples, "lengths": lengths, "depths": args.depths, "tasks": retrieval,
             "accuracy_by_length": {str(n): sum(retrieval[t][str(n)]["accuracy"] for t in tasks) / len(tasks)
                                    for n in lengths},
