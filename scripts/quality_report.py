@@ -41,6 +41,9 @@ def run_summary(study, run) -> dict:
            "final_valid_loss": next((r["valid/lm_loss"] for r in reversed(recs) if "valid/lm_loss" in r), None)
            if study.done(run) else None,
            "recall": sparse[-1]["msa/recall"] if sparse else None,
+           # how often the block before a query's own is selected, and in the oracle's top-k
+           "previous_block": sparse[-1].get("msa/previous_block") if sparse else None,
+           "previous_block_oracle": sparse[-1].get("msa/previous_block_oracle") if sparse else None,
            "tokens_per_s": statistics.median([r["tokens_per_s"] for r in recs[1:]]) if len(recs) > 1 else None,
            "peak_mem_gib": max((r["peak_mem_gib"] for r in recs if "peak_mem_gib" in r), default=None)}
     if (run.dir / "parent.json").is_file():
@@ -65,7 +68,8 @@ def summarize(study) -> dict:
         losses = [v["final_lm_loss"] for v in runs.values() if v["final_lm_loss"] is not None]
         entry = {"base": arm.base, "ref": arm.ref, "overrides": arm.overrides, "runs": runs, "n": len(losses),
                  "mean": _mean(losses), "std": _std(losses)}
-        for key in ("final_kl", "recall", "tokens_per_s", "final_valid_loss"):
+        for key in ("final_kl", "recall", "previous_block", "previous_block_oracle", "tokens_per_s",
+                    "final_valid_loss"):
             entry[key] = _mean([v[key] for v in runs.values() if v[key] is not None])
         entry["peak_mem_gib"] = max((v["peak_mem_gib"] for v in runs.values() if v["peak_mem_gib"]), default=None)
         arms[name] = entry
@@ -110,8 +114,9 @@ def markdown(summary: dict, study, call: dict) -> str:
              f"{study.args.final_window or study.preset['final_window']} logged intervals. Paired: the arm's final loss "
              "minus its reference's, same seed.", "",
              "| arm | base | vs | runs done | final lm loss (mean ± std) | paired diff (mean ± std, n) | rel | "
-             "> 2 x ref seed std | valid loss (paired diff) | final KL | recall@k | tok/s per run | peak GiB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "> 2 x ref seed std | valid loss (paired diff) | final KL | recall@k | previous block (oracle) | "
+             "tok/s per run | peak GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, a in s["arms"].items():
         p = a.get("paired") or {}
         exceeds = p.get("exceeds_2_seed_std")
@@ -121,7 +126,8 @@ def markdown(summary: dict, study, call: dict) -> str:
             f"({p.get('n', '-')}) | {_fmt(p.get('rel_pct'), '.2f', True)}{'%' if p.get('rel_pct') is not None else ''}"
             f" | {'-' if exceeds is None else ('yes' if exceeds else 'no')} | {_fmt(a['final_valid_loss'], '.4f')} "
             f"({_fmt(p.get('valid_mean'), '.4f', True)}) | {_fmt(a['final_kl'])} | "
-            f"{_fmt(a['recall'])} | {_fmt(a['tokens_per_s'], ',.0f')} | {_fmt(a['peak_mem_gib'], '.1f')} |")
+            f"{_fmt(a['recall'])} | {_fmt(a['previous_block'], '.2f')} ({_fmt(a['previous_block_oracle'], '.2f')}) | "
+            f"{_fmt(a['tokens_per_s'], ',.0f')} | {_fmt(a['peak_mem_gib'], '.1f')} |")
     seeds = sorted({seed for a in s["arms"].values() for seed in a["runs"]})
     lines += ["", "Per seed (final lm loss; `at N` = not finished, at step N):", "",
               "| arm | " + " | ".join(f"seed {x}" for x in seeds) + " |", "|---|" + "---|" * len(seeds)]

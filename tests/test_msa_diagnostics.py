@@ -64,6 +64,16 @@ def test_chunk_statistics_match_a_brute_force_count():
     ent = sum(float(-(ref[x][1] * ref[x][1].clamp_min(1e-300).log()).sum() / math.log(x[1] // BK + 1))
               for x in contested) / len(contested)
     first = sum(0 in ref[x][3] for x in contested) / (TOPK * len(contested))
+    previous = sum(x[1] // BK - 1 in ref[x][3] for x in contested) / len(contested)
+    previous_oracle = sum(x[1] // BK - 1 in ref[x][2] for x in contested) / len(contested)
+    assert 0 < previous < 1 and 0 < previous_oracle < 1  # random scores: neither always nor never
+    assert got["previous_block"] == pytest.approx(previous, abs=1e-9)
+    assert got["previous_block_oracle"] == pytest.approx(previous_oracle, abs=1e-9)
+    # two local blocks: the previous block is always selected
+    sel2 = select_blocks_reference(iq, ik, BK, TOPK, local_blocks=2)
+    st2 = chunk_statistics({"q": q, "k": k, "iq": iq, "ik": ik, "block_idx": sel2, "q_offset": 0, "scale": None},
+                           BK, TOPK, n_blocks, force_sink=False, local_blocks=2)
+    assert (st2["scalars"][SCALARS.index("previous_block")] == st2["scalars"][SCALARS.index("previous_block"), 1]).all()
     assert got["recall"] == pytest.approx(recall, abs=1e-6)
     assert got["captured_mass"] == pytest.approx(captured, abs=1e-5)
     assert got["oracle_mass"] == pytest.approx(oracle_mass, abs=1e-5)
@@ -385,7 +395,8 @@ def test_training_logs_diagnostics_in_range_and_a_heatmap(diag_run):
     for step in (2, 4):
         r = m[step]
         for name in ("recall", "captured_mass", "oracle_mass", "selection_entropy", "attention_entropy",
-                     "slots_first", "slots_recent", "block_popularity_max"):
+                     "slots_first", "slots_recent", "previous_block", "previous_block_oracle",
+                     "block_popularity_max"):
             for key in (f"msa/{name}", f"msa/{name}/layer_01", f"msa/{name}/layer_02"):
                 assert 0.0 <= r[key] <= 1.0, (step, key, r[key])
         assert r["msa/oracle_mass"] >= r["msa/captured_mass"] - 1e-9

@@ -227,7 +227,8 @@ def test_the_report_sets_the_block_start_excess_of_each_evaluated_arm_side_by_si
             "pt-retr": {"base": "pt", "ref": "dense-retr", "runs": {0: run(0, 0.4), 1: run(1, 0.6)}}}
     for a in arms.values():
         a.update(overrides=[], n=2, mean=2.0, std=0.0, final_kl=None, recall=None, tokens_per_s=1.0,
-                 final_valid_loss=None, peak_mem_gib=None)
+                 final_valid_loss=None, peak_mem_gib=None, previous_block=None, previous_block_oracle=None)
+    arms["pt-retr"].update(previous_block=0.42, previous_block_oracle=0.9)
     summary = {"preset": "tiny", "steps": 4, "mid": 2, "step_tokens": 2048, "tokens_per_run": 8192,
                "warmup_tokens": 0, "seeds": 2, "arms": arms}
     study = SimpleNamespace(args=SimpleNamespace(gbs=4, lr=1e-3, min_lr=1e-4, final_window=None),
@@ -236,3 +237,4 @@ def test_the_report_sets_the_block_start_excess_of_each_evaluated_arm_side_by_si
     assert "key block's offsets minus its second half" in text
     assert "dense-retr -0.010, pt-retr +0.500" in text
     assert "| pt-retr: needle block selected (random blocks) | 1.00 (0.25) |" in text
+    assert "| 0.42 (0.90) |" in text and "| - (-) |" in text

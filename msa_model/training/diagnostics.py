@@ -22,6 +22,10 @@ top-k blocks (for the others selection is trivially everything):
     slots_local / slots_first / slots_recent
                        share of filled slots on the query's own block, on block 0, and on the
                        top-k - 1 blocks right before the own block (a sliding window's choice)
+    previous_block     share of (query, group) pairs whose selection holds the block right
+                       before the query's own; previous_block_oracle: whose oracle top-k does.
+                       With one local block (model.msa.local_blocks=1) a query at its block's
+                       start reads no earlier text unless that block is selected
     block_popularity_max
                        selection rate of the most often selected key block, among the queries
                        for which it is a non-local visible block (1 = every query takes it)
@@ -56,7 +60,7 @@ from msa_model.training.callbacks import Callback
 log = logging.getLogger(__name__)
 
 SCALARS = ("recall", "captured_mass", "oracle_mass", "kl", "selection_entropy", "attention_entropy",
-           "slots_local", "slots_first", "slots_recent")
+           "slots_local", "slots_first", "slots_recent", "previous_block", "previous_block_oracle")
 
 
 class LayerCapture:
@@ -160,6 +164,8 @@ def chunk_statistics(c: dict, block_size: int, topk: int, n_blocks: int, force_s
 
     filled = (sel_l >= 0).double()
     qb = qblk_BT[:, :, None, None]
+    # the block before the query's own (a counted query sees more than top-k blocks: it exists)
+    prev_BTG1 = (qblk_BT - 1).clamp_min(0)[:, :, None, None].expand(B, T, G, 1)
     n_cont = cont.sum()
     slots = (filled.sum(-1) * cont).sum()
 
@@ -176,6 +182,8 @@ def chunk_statistics(c: dict, block_size: int, topk: int, n_blocks: int, force_s
         torch.stack([(((sel_l == qb) & (sel_l >= 0)).double().sum(-1) * cont).sum(), slots]),
         torch.stack([(((sel_l == 0) & (qb > 0)).double().sum(-1) * cont).sum(), slots]),
         torch.stack([(((sel_l < qb) & (sel_l >= qb - (topk - 1)) & (sel_l >= 0)).double().sum(-1) * cont).sum(), slots]),
+        over_cont(sel_BTGN.gather(-1, prev_BTG1).squeeze(-1)),
+        over_cont(oracle.gather(-1, prev_BTG1).squeeze(-1)),
     ])
     option_BTN = (vis_BTN & (blocks_N[None, None, :] != qblk_BT[:, :, None])).double() * cont_BT[:, :, None].double()
     popularity = torch.stack([(sel_BTGN.double() * option_BTN[:, :, None, :]).sum((0, 1, 2)),
@@ -234,10 +242,12 @@ class MSADiagnostics(Callback):
         if self.is_main:
             self._write(step, result)
             log.info("msa diagnostics step %d: recall@k %s | captured mass %s (oracle %s) | kl %s | selection "
-                     "entropy %s | slots local/first/recent %s/%s/%s | popular block %s | %.1f s", step,
+                     "entropy %s | slots local/first/recent %s/%s/%s | previous block %s (oracle %s) | popular "
+                     "block %s | %.1f s", step,
                      *(_fmt(metrics.get(f"msa/{n}")) for n in ("recall", "captured_mass", "oracle_mass", "kl",
                                                               "selection_entropy", "slots_local", "slots_first",
-                                                              "slots_recent", "block_popularity_max")),
+                                                              "slots_recent", "previous_block",
+                                                              "previous_block_oracle", "block_popularity_max")),
                      time.perf_counter() - t0)
 
     @torch.no_grad()
