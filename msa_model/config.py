@@ -365,6 +365,10 @@ class TrainerConfig:
     seed: int = 1234
     # dense attention + dense KL for this many tokens, then top-k selection (MSA only)
     indexer_warmup_tokens: int = 0
+    # after the warmup, one step in N (step numbers 1, N + 1, 2N + 1, ...) runs as a warmup step:
+    # dense attention and the KL over every causal key, which also reaches blocks the selection
+    # skipped (the sparse phase's KL covers the selected blocks only); 0: never (MiniMax's recipe)
+    indexer_dense_interval: int = 0
     # init_from's index branch decides the warmup: none when it was trained (MiniMax-M3, an MSA
     # run; msa_model/training/index_history.py), indexer_warmup_tokens otherwise; a value of
     # indexer_warmup_tokens given on the command line wins (recipe cpt sets this)

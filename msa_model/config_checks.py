@@ -159,6 +159,9 @@ def _check_data(errors: list[str], d, t, logging_cfg, dry_run: bool = False) -> 
     _check(errors, not d.reset_position_ids or d.document_mask,
            "data.reset_position_ids needs data.document_mask=true: with rotary embeddings a masked document "
            "already scores as if its positions started at 0; positions restarted without the mask are not supported")
+    _check(errors, t.indexer_dense_interval == 0 or t.indexer_dense_interval >= 2,
+           f"trainer.indexer_dense_interval must be 0 (off) or >= 2 (1 would make every step dense), got "
+           f"{t.indexer_dense_interval}")
     _check(errors, t.eval_interval >= 0, f"trainer.eval_interval must be >= 0, got {t.eval_interval}")
     if t.eval_interval > 0:
         _check(errors, t.eval_interval % logging_cfg.log_interval == 0,

@@ -95,6 +95,7 @@ def test_wrong_type_is_an_error():
     (["optim.min_lr=0.01"], r"optim.min_lr \(0.01\) must be <= optim.lr"),
     (["model.num_experts=-4"], "model.num_experts must be >= 0, got -4"),
     (["trainer.indexer_warmup_tokens=-8"], "trainer.indexer_warmup_tokens must be >= 0, got -8"),
+    (["trainer.indexer_dense_interval=1"], r"trainer.indexer_dense_interval must be 0 \(off\) or >= 2"),
     (["data.max_bytes=0"], "data.max_bytes must be positive, got 0"),
     (["checkpoint.keep=-1"], "checkpoint.keep must be >= 0"),
     (["optim.beta2=1.0"], r"optim.beta2 must be in \[0, 1\)"),

@@ -136,3 +136,27 @@ def test_relaunch_with_stop_at_step_and_a_longer_schedule(tmp_path, data_cache, 
         assert b[step]["lr"] == a[step]["lr"], step
     assert b[3]["lr"] != a[3]["lr"]
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_00000006"]
+
+
+def test_dense_steps_after_the_warmup_resume_on_their_step_numbers(tmp_path, data_cache):
+    """trainer.indexer_dense_interval=3: steps 1, 4, 7, ... past the warmup run dense attention
+    (step 4, the first after the switch) and the rest top-k; the validation after the dense step
+    runs top-k as the one after a sparse step does; a job stopped after the dense step resumes
+    into the same sparse steps with the same numbers."""
+    dense = (*COMMON, "trainer.indexer_dense_interval=3")
+    straight_run = tmp_path / "straight"
+    proc = run_train(straight_run, *dense, data_cache=data_cache)
+    a = metrics(straight_run)
+    assert [a[s]["phase"] for s in sorted(a)] == ["warmup"] * 3 + ["dense-step", "sparse", "sparse"]
+    # top-4 of 16-token blocks read at most 64 keys; the dense step reads the causal mean
+    assert a[4]["keys_per_query"] > 64 >= max(a[5]["keys_per_query"], a[6]["keys_per_query"])
+    assert a[4]["valid/keys_per_query"] == a[6]["valid/keys_per_query"] <= 64
+    assert "one step in 3 from here on (steps 4, 7, ...)" in proc.stdout + proc.stderr
+
+    split = tmp_path / "split"
+    run_train(split, *dense, "trainer.stop_at_step=4", data_cache=data_cache)
+    run_train(split, *dense, data_cache=data_cache)
+    b = metrics(split)
+    for step in a:
+        assert {k: a[step].get(k) for k in COMPARED} == {k: b[step].get(k) for k in COMPARED}, step
+    assert (split / "train.log").read_text().count("switching to sparse attention") == 1

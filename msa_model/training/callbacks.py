@@ -48,6 +48,9 @@ class Callback:
     def on_step_end(self, trainer, metrics: dict) -> None:
         pass
 
+    def on_evaluation_start(self, trainer) -> None:
+        """Before a validation pass (after the step, before on_step_end)."""
+
     def on_train_end(self, trainer) -> None:
         pass
 

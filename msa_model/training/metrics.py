@@ -121,8 +121,9 @@ class MetricsLogger(Callback):
                  world_size: int = 1, phase: Callable[[], str] | None = None):
         """flops_per_token(keys_per_query, sparse) -> model FLOPs per token (msa_model.training.flops), for
         the TFLOP/s per GPU of each record; None leaves it out. phase() -> the attention phase of
-        the step being recorded ("warmup" or "sparse": the IndexerWarmup's, which sets it at the
-        step's start); None: "dense", a model without an indexer warmup."""
+        the step being recorded ("warmup", "sparse", or "dense-step" for a dense step after the warmup:
+        the IndexerWarmup's, which sets it at the step's start); None: "dense", a model without an
+        indexer warmup."""
         self.sinks, self.log_interval, self.max_steps = sinks, log_interval, max_steps
         self.flops_per_token, self.world_size = flops_per_token, world_size
         self.phase = phase or (lambda: "dense")
@@ -244,8 +245,9 @@ class ConsoleLine(MetricsSink):
                  f" | mem {r['peak_mem_gib']:.1f} GiB" if "peak_mem_gib" in r else "", r["phase"],
                  _fmt(r.get("keys_per_query"), ".1f"))
         if f"{VALID}lm_loss" in r:
+            # validation runs in the run's phase: top-k after a dense step of trainer.indexer_dense_interval
             log.info("validation at step %d | lm %.4f | kl %s | %s", r["step"], r[f"{VALID}lm_loss"],
-                     _fmt(r.get(f"{VALID}kl_loss"), ".4f"), r["phase"])
+                     _fmt(r.get(f"{VALID}kl_loss"), ".4f"), "sparse" if r["phase"] == "dense-step" else r["phase"])
 
     def close(self) -> None:
         if self.bar is not None:

@@ -295,7 +295,8 @@ def run(cfg: DictConfig, notes: list[str] | tuple[str, ...] = ()) -> None:
             from msa_model.training.index_history import index_branch_trained
 
             warmup = IndexerWarmup(cfg.trainer.indexer_warmup_tokens, cfg.model.msa,
-                                   index_trained=bool(cfg.init_from) and bool(index_branch_trained(cfg.init_from)))
+                                   index_trained=bool(cfg.init_from) and bool(index_branch_trained(cfg.init_from)),
+                                   dense_interval=cfg.trainer.indexer_dense_interval)
             callbacks.append(warmup)
             if cfg.logging.msa_diagnostics_interval > 0:
                 from msa_model.training.diagnostics import MSADiagnostics

@@ -143,6 +143,7 @@ class Trainer:
         """The held-out losses of the next `eval_iters` global batches of the validation stream, in
         the current attention phase, without gradients: {"valid/lm_loss", "valid/kl_loss" (MSA),
         ...}. Every rank must call this; every rank gets the same result."""
+        self._call("on_evaluation_start")
         for chunk in self.model_chunks:
             chunk.eval()
         record_evaluation_metrics(self.model_chunks, True)
