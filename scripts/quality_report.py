@@ -55,7 +55,8 @@ def run_summary(study, run) -> dict:
         needle = {key: {n: _mean([per[n][key] for per in e["tasks"].values() if per.get(n, {}).get(key) is not None])
                         for n in e["accuracy_by_length"]} for key in ("needle_selected", "needle_chance")}
         out["eval"] = {"accuracy_by_length": e["accuracy_by_length"], "key_budget": e.get("key_budget"),
-                       "start_excess": by_offset.get("start_excess"), **needle}
+                       "start_excess": by_offset.get("start_excess"),
+                       "start_excess_se": by_offset.get("start_excess_se"), **needle}
     return out
 
 
@@ -164,14 +165,18 @@ def markdown(summary: dict, study, call: dict) -> str:
             if any(v is not None for v in needle.values()):
                 lines.append(f"| {name}: needle block selected (random blocks) | " + " | ".join(
                     "-" if needle[n] is None else f"{needle[n]:.2f} ({chance[n]:.2f})" for n in lengths) + " |")
-        excess = {name: _mean([v["eval"]["start_excess"] for v in a["runs"].values()
-                               if "eval" in v and v["eval"].get("start_excess") is not None])
-                  for name, a in evals.items()}
-        if any(v is not None for v in excess.values()):
+        excess = {}
+        for name, a in evals.items():
+            runs = [v["eval"] for v in a["runs"].values() if "eval" in v and v["eval"].get("start_excess") is not None]
+            # the mean over seeds, its standard error from each run's
+            se = math.sqrt(sum((r.get("start_excess_se") or 0.0) ** 2 for r in runs)) / len(runs) if runs else None
+            excess[name] = (_mean([r["start_excess"] for r in runs]), se)
+        if any(v[0] is not None for v in excess.values()):
             lines += ["", "Held-out loss at the first eighth of a key block's offsets minus its second half "
-                      "(positions past the key budget, inside the context; mean over seeds): "
-                      + ", ".join(f"{name} {_fmt(v, '+.3f')}" for name, v in excess.items())
-                      + ". Above dense's: queries at a block's start miss the text just before it."]
+                      "(positions past the key budget, inside the context; mean over seeds ± standard error): "
+                      + ", ".join(f"{name} {_fmt(m, '+.3f')} ± {_fmt(se, '.3f')}" for name, (m, se) in excess.items())
+                      + ". An MSA arm above its dense reference: queries at a block's start miss the text just "
+                      "before them."]
         for name, a in evals.items():
             budget = next((v["eval"]["key_budget"] for v in a["runs"].values() if "eval" in v), None)
             ref = a["ref"]

@@ -473,6 +473,8 @@ def test_loss_by_block_offset_finds_a_loss_at_the_blocks_start():
     assert res["buckets"][0]["loss"] == pytest.approx(3.005, abs=0.006)
     assert all(b["loss"] == pytest.approx(1.005, abs=0.006) for b in res["buckets"][1:])
     assert res["start_excess"] == pytest.approx(2.0, abs=0.01)
+    # the positions' spread (uniform on [0, 0.01]): standard error sqrt(var/28 + var/112), var = 1e-4 / 12
+    assert res["start_excess_se"] == pytest.approx(math.sqrt(1e-4 / 12 * (1 / 28 + 1 / 112)), rel=0.35)
     # too few positions, or a block too small to split
     assert loss_by_block_offset(per_pos, 32, 96, 150) is None and loss_by_block_offset(per_pos, 4, 0, 320) is None
 

@@ -221,6 +221,7 @@ def test_the_report_sets_the_block_start_excess_of_each_evaluated_arm_side_by_si
         return {"seed": seed, "done": True, "step": 4, "steps": 4, "final_lm_loss": 2.0, "final_kl": None,
                 "final_valid_loss": None, "recall": None, "tokens_per_s": 1.0, "peak_mem_gib": None,
                 "eval": {"accuracy_by_length": {"256": 0.5}, "key_budget": 64, "start_excess": excess,
+                         "start_excess_se": 0.03,
                          "needle_selected": {"256": 0.5 + excess}, "needle_chance": {"256": 0.25}}}
 
     arms = {"dense-retr": {"base": "dense", "ref": None, "runs": {0: run(0, 0.01), 1: run(1, -0.03)}},
@@ -235,6 +236,7 @@ def test_the_report_sets_the_block_start_excess_of_each_evaluated_arm_side_by_si
                             preset=qe.PRESETS["tiny"])
     text = markdown(summary, study, {"seconds": 1.0, "tokens": 8192, "runs": 4, "failed": []})
     assert "key block's offsets minus its second half" in text
-    assert "dense-retr -0.010, pt-retr +0.500" in text
+    # two seeds' standard errors of 0.03: 0.03 / sqrt(2) for their mean
+    assert "dense-retr -0.010 ± 0.021, pt-retr +0.500 ± 0.021" in text
     assert "| pt-retr: needle block selected (random blocks) | 1.00 (0.25) |" in text
     assert "| 0.42 (0.90) |" in text and "| - (-) |" in text

@@ -45,7 +45,8 @@ def markdown(results: dict) -> str:
     if by_offset:
         first, end = by_offset["positions"]
         lines += [f"Loss by offset in a {by_offset['block_size']}-token key block (positions {first}-{end}; the "
-                  f"first offsets minus the block's second half: {by_offset['start_excess']:+.3f}):", "",
+                  f"first offsets minus the block's second half: {by_offset['start_excess']:+.3f} ± "
+                  f"{by_offset['start_excess_se']:.3f}):", "",
                   "| offsets | " + " | ".join(f"{b['from']}-{b['to']}" for b in by_offset["buckets"]) + " |",
                   "|---|" + "---|" * len(by_offset["buckets"]),
                   "| loss | " + " | ".join(f"{b['loss']:.3f}" for b in by_offset["buckets"]) + " |", ""]

@@ -273,7 +273,7 @@ OFFSET_PARTS = 8  # offset buckets of a key block in the loss by block offset
 def loss_by_block_offset(per_pos: torch.Tensor, block_size: int, first: int, end: int) -> dict | None:
     """The mean loss per offset inside a key block (OFFSET_PARTS buckets of block_size / OFFSET_PARTS
     offsets) over positions [first, end), and `start_excess`: the first bucket's loss minus the
-    mean over the block's second half. A query at its block's start reads its own block only up
+    mean over the block's second half (`start_excess_se`: its standard error). A query at its block's start reads its own block only up
     to itself, so with one local block (model.msa.local_blocks=1) its nearest earlier text is
     there only if the indexer selected the block before: an MSA model that misses it loses at
     small offsets, and dense attention (no blocks) shows no excess. None when [first, end) holds
@@ -288,9 +288,11 @@ def loss_by_block_offset(per_pos: torch.Tensor, block_size: int, first: int, end
     for i in range(OFFSET_PARTS):
         a, b = i * width, block_size if i == OFFSET_PARTS - 1 else (i + 1) * width
         buckets.append({"from": a, "to": b, "loss": vals[(off >= a) & (off < b)].mean().item()})
-    second_half = vals[off >= block_size // 2].mean().item()
+    head, half = vals[off < width], vals[off >= block_size // 2]
+    # standard error of the difference, positions taken as independent samples
+    se = (head.var() / len(head) + half.var() / len(half)).sqrt().item()
     return {"block_size": block_size, "positions": [first, end], "buckets": buckets,
-            "start_excess": buckets[0]["loss"] - second_half}
+            "start_excess": buckets[0]["loss"] - half.mean().item(), "start_excess_se": se}
 
 
 @torch.no_grad()
@@ -409,9 +411,9 @@ def run_eval(args) -> dict:
         by_offset = loss.get("by_block_offset")
         if by_offset:
             log.info("held-out loss by offset in a %d-token key block (positions %d-%d): %s; first %d offsets "
-                     "minus the second half %+.3f", bk, *by_offset["positions"],
+                     "minus the second half %+.3f ± %.3f", bk, *by_offset["positions"],
                      " ".join(f"[{b['from']},{b['to']}) {b['loss']:.3f}" for b in by_offset["buckets"]),
-                     by_offset["buckets"][0]["to"], by_offset["start_excess"])
+                     by_offset["buckets"][0]["to"], by_offset["start_excess"], by_offset["start_excess_se"])
         results = {
             "label": label, "checkpoint": str(step_dir), "model": cfg.model.name, "attention": cfg.model.attention,
             "phase": args.phase if msa else "dense", "context": context,
