@@ -145,9 +145,14 @@ def checkpoint_step_dir(path: str | Path) -> Path:
 
 
 def write_model_yaml(model_cfg: ModelConfig, out: str | Path, header: str = "") -> Path:
-    """OUT/model/<name>.yaml: the model group entry, every field spelled out."""
+    """OUT/model/<name>.yaml: the model group entry, every field spelled out. It is the only one:
+    an earlier conversion's entry (--overwrite, another --name or family) goes, since readers of OUT
+    (msa-to-hf, `model=<name>`) take the model from the one entry there."""
     path = Path(out) / MODEL_DIR / f"{model_cfg.name}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
+    for old in path.parent.glob("*.yaml"):
+        if old != path:
+            old.unlink()
     body = OmegaConf.to_yaml(OmegaConf.structured(model_cfg))
     path.write_text("".join(f"# {line}\n" for line in header.splitlines()) + body)
     return path
