@@ -182,14 +182,17 @@ def find_model_config(src: str | Path) -> Path:
 
 
 def find_conversion_record(src: str | Path) -> dict | None:
-    """conversion.json of a converted checkpoint, also through a run's `init_from`."""
+    """conversion.json of a converted checkpoint, also through a run's `init_from` (a relative one
+    read from the directory the run was launched in, not this command's)."""
+    from msa_model.training.run_dir import run_path
+
     src = Path(src).resolve()
     for d in (src, src.parent, src.parent.parent):
         if (d / CONVERSION_FILE).is_file():
             return json.loads((d / CONVERSION_FILE).read_text())
         if (d / "config.yaml").is_file():
             init_from = OmegaConf.load(d / "config.yaml").get("init_from")
-            if init_from and Path(init_from).resolve() != src:
-                return find_conversion_record(init_from)
+            if init_from and run_path(d, init_from).resolve() != src:
+                return find_conversion_record(run_path(d, init_from))
             return None
     return None
