@@ -525,6 +525,29 @@ def test_eval_reads_every_file_of_a_corpus_given_to_a_blend_run(tmp_path):
         assert not (tmp_path / "eval").exists()
 
 
+def test_eval_reads_a_runs_relative_paths_from_its_launch_directory(tmp_path, monkeypatch):
+    """A run launched in WORK with data.source=corpus is evaluated from elsewhere: the corpus and
+    tokenizer paths of its config.yaml are WORK's."""
+    from omegaconf import OmegaConf
+
+    from msa_model.config import TrainConfig
+    from msa_model.eval.runner import load_config
+
+    work, run = tmp_path / "work", tmp_path / "work" / "runs" / "fd"
+    run.mkdir(parents=True)
+    cfg = OmegaConf.structured(TrainConfig)
+    cfg.data.source, cfg.data.tokenizer = "corpus", "tok"
+    (run / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    (run / "launch.sh").write_text(f"#!/usr/bin/env bash\nset -euo pipefail\ncd {work}\npython train.py\n")
+    monkeypatch.chdir(tmp_path)
+    loaded = load_config(run / "config.yaml", run / "checkpoints" / "step_00000001")
+    assert (loaded.data.source, loaded.data.tokenizer) == (str(work / "corpus"), str(work / "tok"))
+    cfg.data.source, cfg.data.tokenizer = "stdlib", "byte"
+    (run / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    loaded = load_config(run / "config.yaml", run / "checkpoints" / "step_00000001")
+    assert (loaded.data.source, loaded.data.tokenizer) == ("stdlib", "byte")
+
+
 @pytest.mark.parametrize("warmup", [False, True], ids=["sparse", "warmup"])
 def test_a_packed_row_measures_what_its_documents_measure_alone(warmup):
     """With packed documents the statistics (sums and counts) of a row are those of its documents

@@ -66,7 +66,19 @@ def load_config(config_path: Path | None, step_dir: Path):
         cfg = OmegaConf.merge(schema, OmegaConf.load(config_path))
     except Exception as e:  # noqa: BLE001 - omegaconf raises several types; name the file
         raise EvalError(f"{config_path}: not a training config ({e})") from e
+    _read_paths_as_the_run_did(cfg, config_path.parent)
     return cfg
+
+
+def _read_paths_as_the_run_did(cfg, run_dir: Path) -> None:
+    """data.source and data.tokenizer made absolute: relative ones name paths under the directory
+    the run was launched in, which need not be this command's."""
+    from msa_model.training.run_dir import run_path
+
+    for key, named in (("source", "stdlib"), ("tokenizer", "byte")):
+        value = cfg.data[key]
+        if value is not None and value != named:
+            cfg.data[key] = str(run_path(run_dir, value))
 
 
 def _conversion_config(schema, step_dir: Path):
