@@ -132,7 +132,7 @@ def check_blends(data_cfg, tokenizer_identity: dict | None = None) -> list[str]:
     """Every problem of data.blend and data.valid_blend, one line each: the entries, each prefix's
     files, and one tokenizer identity shared by all of them and by `tokenizer_identity` (the run's,
     when known; data.tokenizer_mismatch=allow lets a different one through)."""
-    problems, seen = [], {}
+    problems, seen, tokens = [], {}, {}
     for key in ("data.blend", "data.valid_blend"):
         entries = getattr(data_cfg, key.split(".")[1])
         prefixes, _, bad = parse_blend(entries, key)
@@ -142,7 +142,10 @@ def check_blends(data_cfg, tokenizer_identity: dict | None = None) -> list[str]:
             if found is not None:
                 problems.append(f"{key}: {found}")
                 continue
-            seen[prefix] = read_metadata(prefix)["tokenizer"]
+            meta = read_metadata(prefix)
+            seen[prefix] = meta["tokenizer"]
+            tokens.setdefault(key, {})[prefix] = _tokens_hash(prefix, meta)
+    problems += _validation_overlap(tokens.get("data.blend", {}), tokens.get("data.valid_blend", {}))
     if len({(t.get("sha256"), t.get("vocab_size")) for t in seen.values()}) > 1:
         listing = "; ".join(f"{p}: {describe_identity(t)}" for p, t in seen.items())
         problems.append(f"data.blend: the datasets were prepared with different tokenizers ({listing}); "
@@ -154,6 +157,23 @@ def check_blends(data_cfg, tokenizer_identity: dict | None = None) -> list[str]:
                             f"{prefix} was prepared with ({describe_identity(recorded)}); use that one, or "
                             "data.tokenizer_mismatch=allow")
     return problems
+
+
+def _tokens_hash(prefix: str, meta: dict) -> str:
+    """What identifies a dataset's tokens: the sha256 of its .bin recorded in PREFIX.json, else
+    (a description without it) the resolved prefix."""
+    recorded = meta["files"].get(f"{Path(prefix).name}.bin", {})
+    return recorded.get("sha256") or str(Path(prefix).resolve())
+
+
+def _validation_overlap(train: dict[str, str], valid: dict[str, str]) -> list[str]:
+    """A data.valid_blend dataset whose tokens are a data.blend dataset's: its validation loss would
+    be a loss on training data (the split serves training only once valid_blend is given)."""
+    by_hash = {h: prefix for prefix, h in train.items()}
+    return [f"data.valid_blend: {prefix} holds the same tokens as data.blend's {by_hash[h]}, so validation "
+            "would measure training data; leave data.valid_blend unset (data.split holds out a share of each "
+            "dataset's documents), or prepare held-out documents as a dataset of their own"
+            for prefix, h in valid.items() if h in by_hash]
 
 
 def split_problems(data_cfg, evaluating: bool) -> list[str]:
