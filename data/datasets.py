@@ -205,7 +205,7 @@ def build_datasets(data_cfg, tokenizer, seq_length: int, train_samples: int, val
         # only what the run reads is built: no test split, and a validation split only when evaluating
         # (megatron would build every split its matrix names; a split without documents never ends)
         config.split_matrix = [config.split_matrix[0], config.split_matrix[1] if valid_samples else None, None]
-        _check_split_documents(train_blend[0], config.split_matrix, data_cfg.split)
+        _check_split_documents(train_blend[0], config.split_matrix, data_cfg.split, seq_length)
     builder = BlendedMegatronDatasetBuilder(GPTDataset, [train_samples, valid_samples, 0], lambda: True, config)
     train, valid, _ = build_megatron_datasets(builder, data_cfg.verify_cache, data_cfg.cache_wait_s)
     if valid_samples and valid is None:
@@ -214,17 +214,29 @@ def build_datasets(data_cfg, tokenizer, seq_length: int, train_samples: int, val
     return train, valid
 
 
-def _check_split_documents(prefixes: list[str], split_matrix, split) -> None:
+def _check_split_documents(prefixes: list[str], split_matrix, split, seq_length: int) -> None:
     """Every split the run reads holds documents of every dataset (megatron cuts each dataset's
-    documents by the split's fractions, rounded)."""
+    documents by the split's fractions, rounded), and at least one sample's tokens: fewer would
+    be repeated to fill every sample (a file-directory corpus is counted here, once tokenized)."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from .prepared import documents_tokens
 
     for prefix in prefixes:
         n = len(IndexedDataset(prefix, mmap=True).index.sequence_lengths)
         for name, span in zip(("training", "validation"), split_matrix):
-            if span is not None and int(round(span[1] * n)) <= int(round(span[0] * n)):
+            if span is None:
+                continue
+            lo, hi = int(round(span[0] * n)), int(round(span[1] * n))
+            if hi <= lo:
                 raise DataCacheError(f"data.split {list(split)} leaves no {name} document of {prefix} ({n:,} documents); "
                                      f"give {name} a larger share, or its own datasets (data.valid_blend)")
+            tokens = documents_tokens(prefix, lo, hi)
+            if tokens <= seq_length:
+                raise DataCacheError(f"data.split {list(split)}: the {name} documents of {prefix} ({hi - lo:,} of "
+                                     f"{n:,}) hold {tokens:,} tokens, fewer than one sample (model.seq_length + 1 = "
+                                     f"{seq_length + 1:,}), which would repeat them; give more text or a larger "
+                                     f"{name} share")
 
 
 class MicroBatchSampler:

@@ -132,7 +132,7 @@ def check_blends(data_cfg, tokenizer_identity: dict | None = None) -> list[str]:
     """Every problem of data.blend and data.valid_blend, one line each: the entries, each prefix's
     files, and one tokenizer identity shared by all of them and by `tokenizer_identity` (the run's,
     when known; data.tokenizer_mismatch=allow lets a different one through)."""
-    problems, seen = [], {}
+    problems, seen, tokens = [], {}, {}
     for key in ("data.blend", "data.valid_blend"):
         entries = getattr(data_cfg, key.split(".")[1])
         prefixes, _, bad = parse_blend(entries, key)
@@ -142,7 +142,10 @@ def check_blends(data_cfg, tokenizer_identity: dict | None = None) -> list[str]:
             if found is not None:
                 problems.append(f"{key}: {found}")
                 continue
-            seen[prefix] = read_metadata(prefix)["tokenizer"]
+            meta = read_metadata(prefix)
+            seen[prefix] = meta["tokenizer"]
+            tokens.setdefault(key, {})[prefix] = _tokens_hash(prefix, meta)
+    problems += _validation_overlap(tokens.get("data.blend", {}), tokens.get("data.valid_blend", {}))
     if len({(t.get("sha256"), t.get("vocab_size")) for t in seen.values()}) > 1:
         listing = "; ".join(f"{p}: {describe_identity(t)}" for p, t in seen.items())
         problems.append(f"data.blend: the datasets were prepared with different tokenizers ({listing}); "
@@ -156,10 +159,29 @@ def check_blends(data_cfg, tokenizer_identity: dict | None = None) -> list[str]:
     return problems
 
 
-def split_problems(data_cfg, evaluating: bool) -> list[str]:
+def _tokens_hash(prefix: str, meta: dict) -> str:
+    """What identifies a dataset's tokens: the sha256 of its .bin recorded in PREFIX.json, else
+    (a description without it) the resolved prefix."""
+    recorded = meta["files"].get(f"{Path(prefix).name}.bin", {})
+    return recorded.get("sha256") or str(Path(prefix).resolve())
+
+
+def _validation_overlap(train: dict[str, str], valid: dict[str, str]) -> list[str]:
+    """A data.valid_blend dataset whose tokens are a data.blend dataset's: its validation loss would
+    be a loss on training data (the split serves training only once valid_blend is given)."""
+    by_hash = {h: prefix for prefix, h in train.items()}
+    return [f"data.valid_blend: {prefix} holds the same tokens as data.blend's {by_hash[h]}, so validation "
+            "would measure training data; leave data.valid_blend unset (data.split holds out a share of each "
+            "dataset's documents), or prepare held-out documents as a dataset of their own"
+            for prefix, h in valid.items() if h in by_hash]
+
+
+def split_problems(data_cfg, evaluating: bool, seq_length: int | None = None) -> list[str]:
     """Datasets of data.blend whose share of data.split holds no document (megatron cuts each
     dataset's documents by the split's fractions, rounded): training always, validation when the
-    run evaluates on the split."""
+    run evaluates on the split. With `seq_length`, also a share (or a data.valid_blend dataset)
+    holding fewer tokens than one sample of seq_length + 1: megatron would fill every sample with
+    those few tokens over and over, and the run would train (or validate) on that repetition."""
     problems = []
     total = sum(float(x) for x in data_cfg.split)
     bounds = [0.0]
@@ -174,10 +196,31 @@ def split_problems(data_cfg, evaluating: bool) -> list[str]:
         except (ValueError, KeyError, TypeError):
             continue  # reported by check_blends
         for name, a, b in spans:
-            if int(round(b * n)) <= int(round(a * n)):
+            lo, hi = int(round(a * n)), int(round(b * n))
+            if hi <= lo:
                 problems.append(f"data.split {list(data_cfg.split)} leaves no {name} document of {prefix} ({n:,} "
                                 f"documents): give {name} a larger share, or its own datasets (data.valid_blend)")
+            elif seq_length is not None and (tokens := documents_tokens(prefix, lo, hi)) <= seq_length:
+                problems.append(f"data.split {list(data_cfg.split)}: the {name} documents of {prefix} ({hi - lo:,} of "
+                                f"{n:,}) hold {tokens:,} tokens, fewer than one sample (model.seq_length + 1 = "
+                                f"{seq_length + 1:,}), which would repeat them; give more text or a larger {name} share")
+    if evaluating and seq_length is not None:
+        for prefix in parse_blend(data_cfg.valid_blend, "data.valid_blend")[0]:
+            tokens = documents_tokens(prefix, 0, None)
+            if tokens <= seq_length:
+                problems.append(f"data.valid_blend: {prefix} holds {tokens:,} tokens, fewer than one sample "
+                                f"(model.seq_length + 1 = {seq_length + 1:,}), which would repeat them; give more text")
     return problems
+
+
+def documents_tokens(prefix: str, lo: int, hi: int | None) -> int:
+    """Tokens of documents [lo, hi) of a prepared dataset (hi None: to the end), from its index."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    dataset = IndexedDataset(str(prefix), mmap=True)
+    docs = dataset.document_indices
+    first, last = docs[lo], docs[len(docs) - 1 if hi is None else hi]
+    return int(dataset.sequence_lengths[first:last].sum())
 
 
 def recorded_tokenizer(data_cfg) -> dict | None:

@@ -230,3 +230,33 @@ def test_an_earlier_conversion_is_replaced_only_with_overwrite(command, earlier,
     (out / earlier).rename(out / f".tmp-{earlier}")
     assert main([command, src, str(out), *extra]) == 2
     assert "already holds" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("first, second", [(5 * 2**30, 64), (64, 5 * 2**30), (64, 128)],
+                         ids=["single-then-shards", "shards-then-single", "fewer-shards"])
+def test_a_save_over_an_earlier_one_leaves_only_its_own_weight_files(first, second, tmp_path):
+    """msa-to-hf --overwrite: the earlier export's model.safetensors, shards and index go, so that
+    transformers (which prefers model.safetensors to an index) reads the new weights only."""
+    from msa_model.convert.hf_io import HFCheckpoint, save_safetensors
+
+    out = tmp_path / "export"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    tensors = {f"w{i}": torch.full((4, 4), float(i)) for i in range(3)}
+    save_safetensors({k: v + 100 for k, v in tensors.items()}, out, max_shard_bytes=first)
+    files = save_safetensors(tensors, out, max_shard_bytes=second)
+    weights = sorted(p.name for p in out.iterdir() if p.name != "config.json")
+    assert weights == sorted(files + ([] if len(files) == 1 else ["model.safetensors.index.json"]))
+    ckpt = HFCheckpoint(out)
+    assert all(torch.equal(ckpt.get(k), v) for k, v in tensors.items())
+
+
+@pytest.mark.parametrize("command", ["hf-to-msa", "dense-to-msa", "msa-to-hf"])
+def test_an_out_that_is_a_file_is_refused_in_one_line(command, tmp_path, capsys):
+    from msa_model.convert.__main__ import main
+
+    out = tmp_path / "notes.txt"
+    out.write_text("mine\n")
+    assert main([command, str(tmp_path / "missing"), str(out)]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"error: {out}: exists and is not a directory; give another OUT"
+    assert out.read_text() == "mine\n"

@@ -34,6 +34,7 @@ PARITY_MEAN_KL = 1e-6
 def _worker(root: Path) -> dict:
     """Every conversion of the tests; returns the measured numbers per family."""
     from msa_model.convert.commands import hf_to_msa, msa_to_hf
+    from msa_model.convert.hf_io import ConversionError
     from msa_model.convert.verify import verify
 
     results = {}
@@ -59,6 +60,15 @@ def _worker(root: Path) -> dict:
     hf_to_msa(str(root / "qwen3_moe" / "hf_back"), str(root / "qwen3_moe" / "msa_again"), **GEOMETRY)
     # with the defaults: the source's context (max_position_embeddings 256) and a geometry for it
     hf_to_msa(str(root / "llama" / "hf"), str(root / "llama" / "msa_defaults"))
+    # a conversion replacing another (--overwrite) of a model of another name: only its own
+    # model/*.yaml is left, so msa-to-hf finds its model
+    replaced = root / "replaced"
+    hf_to_msa(str(root / "llama" / "hf"), str(replaced / "msa"), **GEOMETRY)
+    hf_to_msa(str(root / "qwen2" / "hf"), str(replaced / "msa"), **GEOMETRY)
+    try:
+        msa_to_hf(str(replaced / "msa"), str(replaced / "hf_back"))
+    except ConversionError as e:
+        (replaced / "export_error.txt").write_text(str(e))
     return results
 
 
@@ -185,6 +195,14 @@ def test_conversions_print_no_library_notices(converted):
     for noise in ("UserWarning", "FutureWarning", "GPTModel IS DEPRECATED", "Setting accelerator to CPU",
                   "Transformer Engine and Apex are not installed. Falling back"):
         assert noise not in out, (noise, out[-3000:])
+
+
+def test_a_replaced_conversion_keeps_only_its_own_model_entry(converted):
+    root, _ = converted
+    replaced = root / "replaced"
+    assert [p.name for p in (replaced / "msa" / "model").iterdir()] == ["qwen2-converted.yaml"]
+    assert not (replaced / "export_error.txt").exists(), (replaced / "export_error.txt").read_text()
+    assert json.loads((replaced / "hf_back" / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
 
 
 def test_defaults_fit_the_source(converted):

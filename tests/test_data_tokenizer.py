@@ -146,6 +146,31 @@ def test_blend_entries_and_tokenizers_are_checked_together(tmp_path, bpe):
     assert check_blends(cfg, byte.identity) == []
 
 
+def test_a_validation_dataset_holding_training_tokens_is_refused(tmp_path):
+    """data.valid_blend naming a data.blend dataset, or a copy of one under another prefix, would
+    measure the validation loss on training data; other documents pass."""
+    from types import SimpleNamespace
+
+    from data.prepared import check_blends
+    from data.tokenizer import build_tokenizer
+
+    byte = build_tokenizer("byte")
+    train, held_out = _dataset(tmp_path, byte, "train"), _dataset(tmp_path, byte, "held", count=2)
+    copy = tmp_path / "copy" / "train"
+    copy.parent.mkdir()
+    for ext in (".bin", ".idx", ".json"):
+        shutil.copy(f"{train}{ext}", f"{copy}{ext}")
+    cfg = SimpleNamespace(blend=[[1, str(train)]], valid_blend=[[1, str(held_out)]], verify_cache=False,
+                          tokenizer_mismatch="refuse")
+    assert check_blends(cfg, byte.identity) == []
+    for valid in (train, copy):
+        cfg.valid_blend = [[1, str(held_out)], [1, str(valid)]]
+        assert check_blends(cfg, byte.identity) == [
+            f"data.valid_blend: {valid} holds the same tokens as data.blend's {train}, so validation would measure "
+            "training data; leave data.valid_blend unset (data.split holds out a share of each dataset's "
+            "documents), or prepare held-out documents as a dataset of their own"]
+
+
 def test_train_tokenizer_writes_a_tokenizer_the_trainer_and_prepare_read(tmp_path):
     """`python -m data.train_tokenizer` on a text directory: a BPE of the asked size whose EOS ends
     documents, that encodes any text (bytes it never saw too) and round-trips; bad input is one line."""

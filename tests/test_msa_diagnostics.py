@@ -479,9 +479,8 @@ def test_loss_by_block_offset_finds_a_loss_at_the_blocks_start():
     assert loss_by_block_offset(per_pos, 32, 96, 150) is None and loss_by_block_offset(per_pos, 4, 0, 320) is None
 
 
-def test_eval_of_a_run_on_prepared_datasets_asks_for_a_corpus(tmp_path):
-    """A run on data.blend keeps data.source's default (the embedded corpus) that it never read:
-    the evaluation asks for --corpus instead of calling that corpus held-out, and writes nothing."""
+def _blend_run(tmp_path):
+    """A run directory whose config trained on data.blend, with a placeholder checkpoint."""
     from omegaconf import OmegaConf
 
     from msa_model.config import TrainConfig
@@ -494,12 +493,72 @@ def test_eval_of_a_run_on_prepared_datasets_asks_for_a_corpus(tmp_path):
     cfg = OmegaConf.structured(TrainConfig)
     cfg.data.blend = [[1.0, str(tmp_path / "data" / "web")]]
     (run / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    return run, cfg
+
+
+def test_eval_of_a_run_on_prepared_datasets_asks_for_a_corpus(tmp_path):
+    """A run on data.blend keeps data.source's default (the embedded corpus) that it never read:
+    the evaluation asks for --corpus instead of calling that corpus held-out, and writes nothing."""
+    run, cfg = _blend_run(tmp_path)
     assert cfg.data.source == "stdlib"
     proc = subprocess.run([sys.executable, "-m", "msa_model.eval", str(run), "--out", str(tmp_path / "eval")],
                           cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "trained on prepared datasets (data.blend); give --corpus DIR" in proc.stderr, \
         proc.stdout[-2000:] + proc.stderr[-3000:]
     assert not (tmp_path / "eval").exists()
+
+
+def test_eval_reads_every_file_of_a_corpus_given_to_a_blend_run(tmp_path):
+    """A blend run's data.glob is the schema's `**/*.py`, not a description of --corpus: the text
+    files of --corpus are read whatever their names; a missing or empty --corpus is refused in one
+    line, exit code 2, before the output directory or the model exist."""
+    from msa_model.eval.runner import check_corpus, corpus_glob
+
+    run, cfg = _blend_run(tmp_path)
+    corpus = tmp_path / "texts"
+    corpus.mkdir()
+    for name in ("a.txt", "b.md"):
+        (corpus / name).write_text("some text\n")
+    glob = corpus_glob(cfg, str(corpus), True, None)
+    assert [p.name for p in check_corpus(str(corpus), glob, 1 << 30, "--corpus")] == ["a.txt", "b.md"]
+    assert corpus_glob(cfg, str(corpus), True, "*.md") == "*.md"
+    # the run's own file-directory corpus keeps the run's glob
+    cfg.data.blend = None
+    assert corpus_glob(cfg, None, True, None) == corpus_glob(cfg, str(corpus), True, None) == "**/*.py"
+
+    def evaluate(*args):
+        return subprocess.run([sys.executable, "-m", "msa_model.eval", str(run), "--out", str(tmp_path / "eval"),
+                               *args], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+
+    for args, message in ((["--corpus", str(tmp_path / "nope")], "no such directory"),
+                          (["--corpus", str(corpus), "--glob", "*.rst"], "no files match '*.rst'")):
+        proc = evaluate(*args)
+        assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith("error: --corpus ") \
+            and message in proc.stderr, proc.stdout[-2000:] + proc.stderr[-3000:]
+        assert not (tmp_path / "eval").exists()
+
+
+def test_eval_reads_a_runs_relative_paths_from_its_launch_directory(tmp_path, monkeypatch):
+    """A run launched in WORK with data.source=corpus is evaluated from elsewhere: the corpus and
+    tokenizer paths of its config.yaml are WORK's."""
+    from omegaconf import OmegaConf
+
+    from msa_model.config import TrainConfig
+    from msa_model.eval.runner import load_config
+
+    work, run = tmp_path / "work", tmp_path / "work" / "runs" / "fd"
+    run.mkdir(parents=True)
+    cfg = OmegaConf.structured(TrainConfig)
+    cfg.data.source, cfg.data.tokenizer = "corpus", "tok"
+    (run / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    (run / "launch.sh").write_text(f"#!/usr/bin/env bash\nset -euo pipefail\ncd {work}\npython train.py\n")
+    monkeypatch.chdir(tmp_path)
+    loaded = load_config(run / "config.yaml", run / "checkpoints" / "step_00000001")
+    assert (loaded.data.source, loaded.data.tokenizer) == (str(work / "corpus"), str(work / "tok"))
+    cfg.data.source, cfg.data.tokenizer = "stdlib", "byte"
+    (run / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    loaded = load_config(run / "config.yaml", run / "checkpoints" / "step_00000001")
+    assert (loaded.data.source, loaded.data.tokenizer) == ("stdlib", "byte")
 
 
 @pytest.mark.parametrize("warmup", [False, True], ids=["sparse", "warmup"])

@@ -64,14 +64,15 @@ def _argv(out, *args: str, cache) -> list[str]:
 
 
 def _documents(root) -> list[str]:
-    """A corpus of short files (most 256-token samples hold several documents), masked."""
+    """A corpus of short files (most 256-token samples hold several documents), masked; a tenth
+    of them for validation, which one sample's tokens need."""
     corpus = root / "corpus"
     corpus.mkdir()
     gen = torch.Generator().manual_seed(0)
     for i in range(80):
         letters = torch.randint(0, 26, (int(torch.randint(20, 300, (1,), generator=gen)),), generator=gen)
         (corpus / f"doc{i:02d}.txt").write_text("".join(chr(97 + int(c)) for c in letters))
-    return ["data.document_mask=true", f"data.source={corpus}", "data.glob=*.txt"]
+    return ["data.document_mask=true", f"data.source={corpus}", "data.glob=*.txt", "data.split=[90,10,0]"]
 
 
 DOCUMENT_LAYOUTS = ("cp2", "tp2")

@@ -1,6 +1,6 @@
 """What a relaunch does to the run directory's records: metrics.jsonl rows written after the
-checkpoint it resumes from are dropped (they are written again), and a changed configuration keeps
-the earlier config.yaml."""
+checkpoint it resumes from are dropped (they are written again), a changed configuration keeps
+the earlier config.yaml, and the config's relative paths are read from the launch directory."""
 
 from __future__ import annotations
 
@@ -96,3 +96,25 @@ def test_the_relaunch_command_keeps_the_last_setting_of_each_key(tmp_path, monke
         monkeypatch.delenv(key, raising=False)
     want = f"train.py +foo=1 model=tiny '~bar' optim.lr=2e-3 run_dir={tmp_path}"
     assert relaunch_command(str(tmp_path)).endswith(want)
+
+
+def test_a_runs_relative_init_from_is_read_from_its_launch_directory(tmp_path, monkeypatch):
+    """msa-to-hf finds the family of a CPT run through its init_from; a relative init_from is
+    relative to where the run was launched (launch.sh's cd), wherever the export runs from."""
+    import sys
+
+    from msa_model.convert.megatron_io import CONVERSION_FILE, find_conversion_record
+
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    (work / "runs" / "llama-msa").mkdir(parents=True)
+    (work / "runs" / "llama-msa" / CONVERSION_FILE).write_text(json.dumps({"family": "llama"}))
+    run_dir = work / "runs" / "cpt"
+    (run_dir / "checkpoints" / "step_00000004").mkdir(parents=True)
+    elsewhere.mkdir()
+    monkeypatch.setattr(sys, "argv", ["train.py", "init_from=runs/llama-msa"])
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.chdir(work)
+    write_run_files(OmegaConf.create({"init_from": "runs/llama-msa"}), run_dir)
+    monkeypatch.chdir(elsewhere)
+    for src in (run_dir / "checkpoints", run_dir / "checkpoints" / "step_00000004"):
+        assert find_conversion_record(src) == {"family": "llama"}

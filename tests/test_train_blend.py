@@ -89,6 +89,15 @@ def test_bad_blends_are_refused_before_anything_is_written(tmp_path, prepared):
     # 3 documents: 1% of them for validation rounds to none
     lines = _refused(tmp_path, f"data.blend=[{byte_set}]", "data.tokenizer=byte")
     assert any(f"leaves no validation document of {byte_set} (3 documents)" in line for line in lines)
+    # datasets shorter than one 257-token sample: every sample would repeat their few tokens
+    tok = build_tokenizer(str(tok_dir))
+    short, short_valid = (write_prepared(tmp_path / name, [text] * 3, tok)
+                          for name, text in (("short", "x = 1\n"), ("short-valid", "y = 2\n")))
+    lines = _refused(tmp_path, f"data.blend=[{short}]", f"data.valid_blend=[{short_valid}]")
+    assert any(f"the training documents of {short} (3 of 3) hold " in line and "fewer than one sample "
+               "(model.seq_length + 1 = 257)" in line for line in lines), lines
+    assert any(f"data.valid_blend: {short_valid} holds " in line and "fewer than one sample" in line
+               for line in lines), lines
 
 
 def test_bad_tokenizers_are_refused_before_anything_is_written(tmp_path, prepared):

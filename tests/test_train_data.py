@@ -1,5 +1,6 @@
 """The training data's position: a run resumed at `consumed_samples` reads on exactly where the
-interrupted one stopped, on every data-parallel rank, and the dataset is built only when read."""
+interrupted one stopped, on every data-parallel rank, and the dataset is built only when read; a
+corpus shorter than one sample is refused."""
 
 from __future__ import annotations
 
@@ -51,3 +52,26 @@ def test_a_resumed_iterator_continues_where_the_first_stopped():
     read = sorted(s for rank in range(dp) for batch in whole[rank] for s in batch)
     assert read == list(range(2 * steps * global_batch))
     assert resumed[0][0] == [steps * global_batch, steps * global_batch + 1]
+
+
+def test_a_corpus_shorter_than_one_sample_is_refused(tmp_path):
+    """A file-directory corpus of 13 bytes for 65-token samples: megatron would fill every sample
+    with the same 13 tokens over and over; the build says so instead, naming the count."""
+    import pytest
+    from omegaconf import OmegaConf
+
+    from data.cache_check import DataCacheError
+    from data.datasets import build_datasets
+    from data.tokenizer import build_tokenizer
+    from msa_model.config import DataConfig
+
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.py").write_text("print('hi')\n")
+    cfg = OmegaConf.structured(DataConfig)
+    cfg.source, cfg.cache_dir, cfg.split = str(tmp_path / "corpus"), str(tmp_path / "cache"), [100.0, 0.0, 0.0]
+    with pytest.raises(DataCacheError, match=r"the training documents of .* \(1 of 1\) hold 13 tokens, fewer than one "
+                                             r"sample \(model.seq_length \+ 1 = 65\)"):
+        build_datasets(cfg, build_tokenizer("byte"), 64, train_samples=8)
+    # 13 tokens make samples of 12
+    train, _ = build_datasets(cfg, build_tokenizer("byte"), 12, train_samples=8)
+    assert len(train) >= 8

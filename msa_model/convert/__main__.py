@@ -130,6 +130,8 @@ def main(argv=None) -> int:
     from msa_model.convert.verify import verify
 
     try:
+        if args.command != "verify" and Path(args.out).exists() and not Path(args.out).is_dir():
+            raise ConversionError(f"{args.out}: exists and is not a directory; give another OUT")
         found = earlier_result(args.command, args.out) if args.command != "verify" else None
         if found and not args.overwrite:
             raise ConversionError(f"{args.out} already holds a conversion ({found}): pass --overwrite to replace "

@@ -159,10 +159,14 @@ class TensorDict:
 def save_safetensors(tensors: dict[str, torch.Tensor], out: str | Path, max_shard_bytes: int = 5 * 2**30) -> list[str]:
     """Write `tensors` as model.safetensors, or as shards + index when larger than one shard.
 
-    Returns the written file names. Tensors keep their dtype; they are made contiguous.
+    Returns the written file names. Tensors keep their dtype; they are made contiguous. The weight
+    files of an earlier save in `out` go first: a stale model.safetensors beside new shards is what
+    transformers would load, and a stale index would name shards of another save.
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    for old in [out / SINGLE_FILE, out / INDEX_FILE, *out.glob("model-*-of-*.safetensors")]:
+        old.unlink(missing_ok=True)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name in tensors:

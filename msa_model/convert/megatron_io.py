@@ -145,9 +145,14 @@ def checkpoint_step_dir(path: str | Path) -> Path:
 
 
 def write_model_yaml(model_cfg: ModelConfig, out: str | Path, header: str = "") -> Path:
-    """OUT/model/<name>.yaml: the model group entry, every field spelled out."""
+    """OUT/model/<name>.yaml: the model group entry, every field spelled out. It is the only one:
+    an earlier conversion's entry (--overwrite, another --name or family) goes, since readers of OUT
+    (msa-to-hf, `model=<name>`) take the model from the one entry there."""
     path = Path(out) / MODEL_DIR / f"{model_cfg.name}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
+    for old in path.parent.glob("*.yaml"):
+        if old != path:
+            old.unlink()
     body = OmegaConf.to_yaml(OmegaConf.structured(model_cfg))
     path.write_text("".join(f"# {line}\n" for line in header.splitlines()) + body)
     return path
@@ -177,14 +182,17 @@ def find_model_config(src: str | Path) -> Path:
 
 
 def find_conversion_record(src: str | Path) -> dict | None:
-    """conversion.json of a converted checkpoint, also through a run's `init_from`."""
+    """conversion.json of a converted checkpoint, also through a run's `init_from` (a relative one
+    read from the directory the run was launched in, not this command's)."""
+    from msa_model.training.run_dir import run_path
+
     src = Path(src).resolve()
     for d in (src, src.parent, src.parent.parent):
         if (d / CONVERSION_FILE).is_file():
             return json.loads((d / CONVERSION_FILE).read_text())
         if (d / "config.yaml").is_file():
             init_from = OmegaConf.load(d / "config.yaml").get("init_from")
-            if init_from and Path(init_from).resolve() != src:
-                return find_conversion_record(init_from)
+            if init_from and run_path(d, init_from).resolve() != src:
+                return find_conversion_record(run_path(d, init_from))
             return None
     return None

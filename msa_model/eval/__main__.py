@@ -40,6 +40,8 @@ def main(argv=None) -> int:
     p.add_argument("--loss-sequences", type=int, default=8, help="held-out sequences for the loss by position")
     p.add_argument("--loss-length", type=int, default=None, help="their length (default: the longest of --lengths)")
     p.add_argument("--corpus", default=None, help="haystack/held-out source directory (default: the run's data.source)")
+    p.add_argument("--glob", default=None, help="the corpus's text files (default: the run's data.glob for a run on a "
+                                                "file-directory corpus, else every file)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--label", default=None, help="name of this model in the report (default: the run directory's name)")
     args = p.parse_args(argv)

@@ -66,7 +66,19 @@ def load_config(config_path: Path | None, step_dir: Path):
         cfg = OmegaConf.merge(schema, OmegaConf.load(config_path))
     except Exception as e:  # noqa: BLE001 - omegaconf raises several types; name the file
         raise EvalError(f"{config_path}: not a training config ({e})") from e
+    _read_paths_as_the_run_did(cfg, config_path.parent)
     return cfg
+
+
+def _read_paths_as_the_run_did(cfg, run_dir: Path) -> None:
+    """data.source and data.tokenizer made absolute: relative ones name paths under the directory
+    the run was launched in, which need not be this command's."""
+    from msa_model.training.run_dir import run_path
+
+    for key, named in (("source", "stdlib"), ("tokenizer", "byte")):
+        value = cfg.data[key]
+        if value is not None and value != named:
+            cfg.data[key] = str(run_path(run_dir, value))
 
 
 def _conversion_config(schema, step_dir: Path):
@@ -324,16 +336,41 @@ def loss_by_position(model, device, docs: list[bytes], length: int, sequences: i
     return out
 
 
-def _heldout_docs(cfg, corpus: str | None, need_bytes: int) -> tuple[list[bytes], str]:
+def corpus_glob(cfg, corpus: str | None, from_run: bool, glob: str | None) -> str:
+    """Which files of the evaluation's corpus are text: `glob` (--glob) when given; the run's
+    data.glob for the run's own corpus (no --corpus) or a run that read a file-directory corpus
+    (`from_run`: a run config without a blend); else every file: a blend run's or a conversion's
+    data.glob is the schema's default (`**/*.py`), which says nothing of a --corpus directory."""
+    if glob:
+        return glob
+    return cfg.data.glob if corpus is None or (from_run and not cfg.data.blend) else "**/*"
+
+
+def check_corpus(source: str, glob: str, max_bytes: int, option: str) -> list[Path]:
+    """The corpus files (data.corpus.list_corpus_files), or EvalError naming `option` (where the
+    directory came from), the directory and the glob."""
+    from data.corpus import list_corpus_files
+
+    try:
+        return list_corpus_files(source, glob, max_bytes)[1]
+    except FileNotFoundError:
+        if not Path(source).is_dir() and source != "stdlib":
+            raise EvalError(f"{option} {source}: no such directory") from None
+        raise EvalError(f"{option} {source}: no files match {glob!r} (--glob chooses them)") from None
+
+
+def _heldout_docs(cfg, corpus: str | None, glob: str, need_bytes: int) -> tuple[list[bytes], str]:
     """Documents the run did not train on: the corpus files past `data.max_bytes` (the corpus is
     taken in sorted order); the training files, said so, when there are none."""
     from data.corpus import corpus_root, list_corpus_files
 
     source = corpus or cfg.data.source
-    _, train_files = list_corpus_files(source, cfg.data.glob, cfg.data.max_bytes)
-    _, all_files = list_corpus_files(source, cfg.data.glob, 1 << 62)
-    same = corpus is None or (not cfg.data.blend and cfg.data.source is not None
-                              and Path(corpus).resolve() == corpus_root(cfg.data.source).resolve())
+    _, train_files = list_corpus_files(source, glob, cfg.data.max_bytes)
+    _, all_files = list_corpus_files(source, glob, 1 << 62)
+    # the run's own files past data.max_bytes are held out only when read as the run read them
+    same = glob == cfg.data.glob and (corpus is None or (
+        not cfg.data.blend and cfg.data.source is not None
+        and Path(corpus).resolve() == corpus_root(cfg.data.source).resolve()))
     if not same:
         files, kind = all_files, "given corpus"
     else:
@@ -350,7 +387,6 @@ def _heldout_docs(cfg, corpus: str | None, need_bytes: int) -> tuple[list[bytes]
 
 
 def run_eval(args) -> dict:
-    from data.corpus import list_corpus_files
     from data.retrieval import TASKS, Haystack
     from msa_model.model.attention import msa_layers, set_msa_phase
     from msa_model.eval.report import write_report
@@ -377,6 +413,8 @@ def run_eval(args) -> dict:
     if source is None:
         raise EvalError(f"{config_path}: the run trained on prepared datasets (data.blend); give --corpus DIR, "
                         "a directory of text files for the haystacks and the held-out loss")
+    glob = corpus_glob(cfg, args.corpus, config_path is not None, args.glob)
+    files = check_corpus(source, glob, cfg.data.max_bytes, "--corpus" if args.corpus else "data.source")
     tokenizer = checkpoint_run_tokenizer(cfg, step_dir)
     msa = cfg.model.attention == "msa"
     # a run is named by its directory; a conversion by its output directory
@@ -392,14 +430,13 @@ def run_eval(args) -> dict:
     try:
         if msa:
             set_msa_phase(model, args.phase == "sparse")
-        _, files = list_corpus_files(source, cfg.data.glob, cfg.data.max_bytes)
         haystack = Haystack(files, pool_bytes=max(4_000_000, 4 * max(lengths)), seed=args.seed)
         t0 = time.perf_counter()
         budget = keys_per_query(cfg.model.msa.block_size, cfg.model.msa.topk) if msa and msa_layers(model) else None
         retrieval = retrieval_results(model, device, haystack, tasks, lengths, args.depths, args.samples, args.seed,
                                       tokenizer, msa=cfg.model.msa if budget and args.phase == "sparse" else None)
         loss_length = args.loss_length or max(lengths)
-        docs, kind = _heldout_docs(cfg, args.corpus, (args.loss_sequences + 1) * loss_length)
+        docs, kind = _heldout_docs(cfg, args.corpus, glob, (args.loss_sequences + 1) * loss_length)
         # the loss by block offset where selection can miss (a query sees more than top-k blocks)
         # and inside the training context; a dense run is measured on its config's blocks alike
         bk = cfg.model.msa.block_size

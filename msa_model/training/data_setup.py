@@ -122,7 +122,7 @@ def tokenizer_problems(cfg, resume_dir: Path | None, init_dir: Path | None):
     if cfg.data.blend or cfg.data.valid_blend:
         problems += check_blends(cfg.data, mine)
     if cfg.data.blend and not problems:
-        problems += split_problems(cfg.data, evaluating=cfg.trainer.eval_interval > 0)
+        problems += split_problems(cfg.data, evaluating=cfg.trainer.eval_interval > 0, seq_length=cfg.model.seq_length)
     return tokenizer, source, problems
 
 

@@ -160,6 +160,26 @@ def write_run_files(cfg, run_dir: Path) -> None:
     os.replace(tmp, launch)
 
 
+def launch_directory(run_dir: str | Path) -> Path | None:
+    """The directory the run was launched from (launch.sh's `cd`), against which the relative paths
+    of its config.yaml (init_from, data.blend, ...) were read; None without a launch.sh."""
+    launch = Path(run_dir) / "launch.sh"
+    if not launch.is_file():
+        return None
+    for line in launch.read_text().splitlines():
+        if line.startswith("cd "):
+            return Path(shlex.split(line)[1])
+    return None
+
+
+def run_path(run_dir: str | Path, value: str) -> Path:
+    """A path of a run's config.yaml as the run read it: relative ones from its launch directory."""
+    path = Path(value)
+    if path.is_absolute():
+        return path
+    return (launch_directory(run_dir) or Path.cwd()) / path
+
+
 class RunDirBusy(RuntimeError):
     """Another live process trains in this run directory."""
 
