@@ -18,6 +18,7 @@ run's. A dataset made elsewhere (Megatron-LM's preprocess_data.py) gets its .jso
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -114,6 +115,10 @@ def parse_blend(entries, key: str) -> tuple[list[str], list[float], list[str]]:
         if not weight > 0:
             problems.append(f"{key}[{i}]: weight {weight} of {prefix} must be > 0")
             continue
+        # megatron normalises the weights by their sum: an infinite one would make them NaN
+        if not math.isfinite(weight):
+            problems.append(f"{key}[{i}]: weight {weight} of {prefix} must be finite")
+            continue
         prefix = str(prefix)
         if prefix.endswith((".bin", ".idx", ".json")):
             problems.append(f"{key}[{i}]: {prefix} names a file; give the prefix without its extension")
@@ -125,6 +130,8 @@ def parse_blend(entries, key: str) -> tuple[list[str], list[float], list[str]]:
         weights.append(weight)
     if entries is not None and not prefixes and not problems:
         problems.append(f"{key} is empty")
+    if not math.isfinite(sum(weights)):
+        problems.append(f"{key}: the weights {weights} sum past the largest float; scale them down")
     return prefixes, weights, problems
 
 
@@ -156,15 +163,27 @@ def check_blends(data_cfg, tokenizer_identity: dict | None = None) -> list[str]:
     return problems
 
 
+def split_shares(split) -> list[float] | None:
+    """data.split [train, validation, test] as three shares summing to 1, or None when it is not
+    three finite non-negative numbers with a positive train share."""
+    shares = [float(x) for x in split]
+    if len(shares) != 3 or not all(math.isfinite(x) and x >= 0 for x in shares) or shares[0] <= 0 \
+            or not math.isfinite(sum(shares)):
+        return None
+    return [x / sum(shares) for x in shares]
+
+
 def split_problems(data_cfg, evaluating: bool) -> list[str]:
     """Datasets of data.blend whose share of data.split holds no document (megatron cuts each
     dataset's documents by the split's fractions, rounded): training always, validation when the
-    run evaluates on the split."""
+    run evaluates on the split. A split that is not one is the configuration check's to report."""
+    shares = split_shares(data_cfg.split)
+    if shares is None:
+        return []
     problems = []
-    total = sum(float(x) for x in data_cfg.split)
     bounds = [0.0]
-    for x in data_cfg.split:
-        bounds.append(bounds[-1] + float(x) / total)
+    for x in shares:
+        bounds.append(bounds[-1] + x)
     spans = [("training", bounds[0], bounds[1])]
     if evaluating and not data_cfg.valid_blend:
         spans.append(("validation", bounds[1], bounds[2]))
