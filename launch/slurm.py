@@ -77,6 +77,26 @@ def compose_config(overrides: list[str]):
         return compose(config_name="train", overrides=overrides)
 
 
+def composed(overrides: list[str]):
+    """compose_config, refusing what train.py refuses before it runs, in its words: a composition
+    error (unknown key, no such recipe or model, a value of the wrong type) and a `+key=value`
+    the schema does not have, each as one line naming the override (ConfigError)."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from msa_model.config import ConfigError
+    from msa_model.training.inputs import composition_error, unknown_keys
+
+    try:
+        cfg = compose_config(overrides)
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ConfigError(composition_error(e, overrides)) from e
+    unknown = unknown_keys(cfg, overrides)
+    if unknown:
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(unknown))
+    return cfg
+
+
 def job_overrides(overrides: list[str], run_dir: Path) -> list[str]:
     """The overrides the job runs with: the user's, with run_dir pinned to an absolute path so that
     every attempt of the job (and a manual relaunch) finds the same checkpoints."""
@@ -180,12 +200,12 @@ def prepare(overrides: list[str], env: dict[str, str] | None = None,
 
     from msa_model.config import validate
 
-    cfg = compose_config(overrides)
+    cfg = composed(overrides)
     run_dir = Path(str(cfg.run_dir))
     if not run_dir.is_absolute():
         run_dir = (Path.cwd() / run_dir).resolve()
     args = job_overrides(overrides, run_dir)
-    cfg = compose_config(args)
+    cfg = composed(args)
     OmegaConf.resolve(cfg)
     validate(cfg, world_size(cfg.launch), gpu=bool(cfg.launch.gpus_per_node))
     return run_dir, render(cfg.launch, args, run_dir, env, sbatch_args), cfg
@@ -278,7 +298,13 @@ def main(argv: list[str] | None = None) -> None:
     try:
         run_dir, script, cfg = prepare(request.overrides, request.env, request.sbatch_args)
     except (ConfigError, ValueError) as e:
-        sys.exit(f"launch.slurm: {e}")
+        print(f"launch.slurm: {e}", file=sys.stderr)
+        sys.exit(2)
+    from msa_model.training.run import input_problems
+
+    # what the job would stop at once it starts, after its wait in the queue
+    for line in input_problems(cfg, request.overrides):
+        print(f"warning: {line}", file=sys.stderr)
     if request.dry_run:
         print(script, end="")
         return

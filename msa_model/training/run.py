@@ -174,6 +174,15 @@ def _tokenizer(cfg):
     return tokenizer_problems(cfg, resume_dir, init_dir)
 
 
+def input_problems(cfg, overrides: list[str] | None = None) -> list[str]:
+    """What a launch of `cfg` would stop at on its inputs (corpus or datasets, checkpoints,
+    tokenizer), one line each; the dry run and `python -m launch.slurm` show them as warnings,
+    since either may be made away from the data. `overrides`: as for check_inputs."""
+    from msa_model.training.inputs import check_inputs
+
+    return check_inputs(cfg, overrides) + _tokenizer(cfg)[2]
+
+
 def run(cfg: DictConfig, notes: list[str] | tuple[str, ...] = ()) -> None:
     """`notes`: lines about how the config was made (e.g. the model taken from a checkpoint), logged
     once the console log is set up."""
@@ -190,10 +199,9 @@ def run(cfg: DictConfig, notes: list[str] | tuple[str, ...] = ()) -> None:
         validate(cfg, layout_world)
         if rank == 0:
             from msa_model.training.dry_run import dry_run_report
-            from msa_model.training.inputs import check_inputs
 
             # inputs a launch from here would stop at (a dry run may be made away from the data)
-            input_warnings = [f"warning: {p}" for p in check_inputs(cfg) + _tokenizer(cfg)[2]]
+            input_warnings = [f"warning: {p}" for p in input_problems(cfg)]
             report = dry_run_report(cfg, layout_world)
             print("\n".join([*(f"# {n}" for n in notes), report, *([warmup_note] if warmup_note else []),
                              *input_warnings]), flush=True)
