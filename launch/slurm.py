@@ -171,12 +171,13 @@ def render(launch, overrides: list[str], run_dir: Path, env: dict[str, str] | No
 
 def write_run_dir(run_dir: Path, cfg, script: str) -> Path:
     """config.yaml, git.txt and submit.sbatch; the trainer rewrites the first two identically."""
-    from omegaconf import OmegaConf
-
-    from msa_model.training.run_dir import git_description
+    from msa_model.training.run_dir import git_description, write_config
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    # a run directory in use keeps its earlier configuration, as a relaunch by train.py does
+    kept, _ = write_config(cfg, run_dir)
+    if kept is not None:
+        print(f"{run_dir}/config.yaml changed; the earlier one is kept as {kept.name}")
     (run_dir / "git.txt").write_text(git_description())
     path = run_dir / "submit.sbatch"
     path.write_text(script)

@@ -96,3 +96,28 @@ def test_the_relaunch_command_keeps_the_last_setting_of_each_key(tmp_path, monke
         monkeypatch.delenv(key, raising=False)
     want = f"train.py +foo=1 model=tiny '~bar' optim.lr=2e-3 run_dir={tmp_path}"
     assert relaunch_command(str(tmp_path)).endswith(want)
+
+
+def test_a_changed_config_names_its_keys_and_a_resume_on_another_data_stream_is_warned_of(tmp_path, caplog):
+    """A relaunch that leaves out data.blend (or changes the split, the context) would continue the
+    step count on other samples without a word."""
+    first = OmegaConf.create({"data": {"blend": [[0.7, "runs/data/web"]], "split": [98, 2, 0]},
+                              "trainer": {"max_steps": 6}})
+    schedule = OmegaConf.merge(first, {"trainer": {"max_steps": 8}})
+    other_data = OmegaConf.merge(schedule, {"data": {"blend": None}})
+    write_run_files(first, tmp_path)
+    with caplog.at_level("INFO", logger="msa_model.training.run_dir"):
+        write_run_files(schedule, tmp_path, resuming=True)
+    assert [r.levelname for r in caplog.records] == ["INFO"]
+    assert "kept as config.yaml.1): trainer.max_steps: 6 -> 8" in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger="msa_model.training.run_dir"):
+        write_run_files(other_data, tmp_path, resuming=True)
+    warning = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warning) == 1 and "the data stream changed since the last launch (data.blend)" in warning[0]
+    assert "data.blend: [[0.7, 'runs/data/web']] -> None" in caplog.text
+    # a new run (nothing to resume) is told what changed, without the warning
+    caplog.clear()
+    with caplog.at_level("INFO", logger="msa_model.training.run_dir"):
+        write_run_files(first, tmp_path, resuming=False)
+    assert [r.levelname for r in caplog.records] == ["INFO"]

@@ -189,3 +189,17 @@ def test_inputs_the_job_would_stop_at_are_warned_of_before_submission(tmp_path, 
     assert out.out.startswith("#!/usr/bin/env bash")
     assert f"warning: data.blend: {tmp_path}/nothing.json is missing" in out.err, out.err
     assert not (tmp_path / "run").exists()
+
+
+def test_submitting_into_a_used_run_dir_keeps_its_earlier_config(tmp_path):
+    """As a relaunch by train.py does: the config a run trained with is not overwritten unseen."""
+    from launch.slurm import write_run_dir
+
+    run_dir, script, cfg = prepare([f"run_dir={tmp_path}/run", "optim.lr=1e-3"])
+    write_run_dir(run_dir, cfg, script)
+    _, script, changed = prepare([f"run_dir={tmp_path}/run", "optim.lr=2e-3"])
+    write_run_dir(run_dir, changed, script)
+    assert (run_dir / "config.yaml.1").read_text().count("lr: 0.001") == 1
+    assert "lr: 0.002" in (run_dir / "config.yaml").read_text()
+    write_run_dir(run_dir, changed, script)
+    assert not (run_dir / "config.yaml.2").exists()

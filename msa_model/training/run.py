@@ -274,7 +274,7 @@ def run(cfg: DictConfig, notes: list[str] | tuple[str, ...] = ()) -> None:
         if env.is_main:
             from msa_model.training.data_setup import document_mask_line
 
-            write_run_files(cfg, run_dir)
+            write_run_files(cfg, run_dir, resuming=latest is not None)
             ckpt.cleanup_partial_saves(ckpt_root)
             log.info("run dir %s | %s | %s", run_dir,
                      " ".join(f"{k}={v}" for k, v in parallel_layout(cfg.parallel, world_size).items()),
