@@ -204,3 +204,31 @@ def test_init_from_without_a_recorded_tokenizer_needs_one_named(tmp_path):
     assert problems(bare, tokenizer="byte") == []
     assert problems(bare, mismatch="allow") == []
     assert problems(recorded) == [] and problems(None) == []
+
+
+def test_train_tokenizer_refuses_inputs_without_documents_and_says_what_it_did(tmp_path, capsys, caplog, monkeypatch):
+    """A --field the records do not have trained a 258-entry tokenizer on nothing and wrote it; a
+    file as --output was a traceback; an unreached --vocab-size and a long read without a terminal
+    were silent."""
+    import json
+
+    from data import train_tokenizer as module
+
+    records = tmp_path / "a.jsonl"
+    records.write_text("".join(json.dumps({"text": t}) + "\n" for t in stdlib_texts(6)))
+    out = tmp_path / "tok"
+    assert module.main([str(records), "--field", "body", "--vocab-size", "400", "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "no documents to train on (6 no field skipped; --field is 'body'" in err and not out.exists(), err
+    assert module.main([str(records), "--vocab-size", "400", "--output", str(records)]) == 2
+    assert "is not an empty directory" in capsys.readouterr().err
+
+    # a progress line at every read (as if 30 s passed each time), then one before the merges
+    monkeypatch.setattr(module, "PLAIN_PROGRESS_SECONDS", 0.0)
+    monkeypatch.setattr(module.sys.stderr, "isatty", lambda: False, raising=False)
+    with caplog.at_level("INFO", logger="data.train_tokenizer"):
+        assert module.main([str(records), "--vocab-size", "100000", "--output", str(out)]) == 0
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(line.startswith("train_tokenizer: read 1 documents") for line in lines), lines
+    assert any(line.startswith("train_tokenizer: read 6 documents") and "computing the merges" in line for line in lines)
+    assert any("--vocab-size 100000 not reached" in line for line in lines), lines
