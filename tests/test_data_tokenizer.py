@@ -232,3 +232,27 @@ def test_train_tokenizer_refuses_inputs_without_documents_and_says_what_it_did(t
     assert any(line.startswith("train_tokenizer: read 1 documents") for line in lines), lines
     assert any(line.startswith("train_tokenizer: read 6 documents") and "computing the merges" in line for line in lines)
     assert any("--vocab-size 100000 not reached" in line for line in lines), lines
+
+
+def test_a_blend_whose_tokenizer_directory_moved_is_named_as_such(tmp_path, bpe):
+    """Not "data.tokenizer: byte-v1 is not the tokenizer ... was prepared with": the run fell back
+    on the byte tokenizer because the recorded directory is gone, and data.tokenizer was never set."""
+    from types import SimpleNamespace
+
+    from data.tokenizer import build_tokenizer
+    from msa_model.training.data_setup import tokenizer_problems
+
+    shutil.copytree(bpe, tmp_path / "tok")
+    prefix = _dataset(tmp_path, build_tokenizer(str(tmp_path / "tok")))
+    (tmp_path / "tok").rename(tmp_path / "moved")
+
+    def problems(tokenizer=None):
+        data = SimpleNamespace(tokenizer=tokenizer, eod_token=None, add_bos=False, blend=[str(prefix)], valid_blend=None,
+                               tokenizer_mismatch="refuse", verify_cache=False, split=[99, 1, 0])
+        cfg = SimpleNamespace(data=data, model=SimpleNamespace(vocab_size=None), trainer=SimpleNamespace(eval_interval=0))
+        return tokenizer_problems(cfg, None, None)[2]
+
+    assert problems() == [f"data.blend: the tokenizer its datasets were prepared with, {tmp_path / 'tok'}, no longer "
+                          "exists; name it where it is now: data.tokenizer=DIR"]
+    assert problems(str(tmp_path / "moved")) == []
+    assert "is not the tokenizer" in problems("byte")[0]

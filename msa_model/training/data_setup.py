@@ -79,6 +79,16 @@ def resolve_tokenizer(data_cfg, resume_dir: Path | None, init_dir: Path | None) 
     return BYTE, "default"
 
 
+def _blend_tokenizer_gone(data_cfg) -> str | None:
+    """The tokenizer directory data.blend's datasets record when it no longer exists, else None."""
+    if not data_cfg.blend:
+        return None
+    from data.prepared import recorded_tokenizer
+
+    path = (recorded_tokenizer(data_cfg) or {}).get("path")
+    return path if path and path != BYTE and not Path(path).is_dir() else None
+
+
 def checkpoint_run_tokenizer(cfg, step_dir: Path | None = None):
     """The tokenizer a tool (eval, dry run, tests) uses for the run config `cfg` (of the checkpoint
     `step_dir`, when given)."""
@@ -119,8 +129,13 @@ def tokenizer_problems(cfg, resume_dir: Path | None, init_dir: Path | None):
                                 f"{what} checkpoint {step_dir} ({describe_identity(recorded)}): its embedding rows "
                                 "belong to that one; use it (leave data.tokenizer unset), or "
                                 "data.tokenizer_mismatch=allow")
+    gone = _blend_tokenizer_gone(cfg.data) if source == "default" else None
+    if gone is not None:
+        # not "the byte tokenizer is not the datasets'": the user named none
+        problems.append(f"data.blend: the tokenizer its datasets were prepared with, {gone}, no longer exists; "
+                        "name it where it is now: data.tokenizer=DIR")
     if cfg.data.blend or cfg.data.valid_blend:
-        problems += check_blends(cfg.data, mine)
+        problems += check_blends(cfg.data, None if gone is not None else mine)
     if cfg.data.blend and not problems:
         problems += split_problems(cfg.data, evaluating=cfg.trainer.eval_interval > 0)
     return tokenizer, source, problems
