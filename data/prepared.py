@@ -199,6 +199,21 @@ def split_problems(data_cfg, evaluating: bool) -> list[str]:
     return problems
 
 
+def contents_key(prefixes: list[str]) -> str:
+    """16 hex digits naming the contents of the prepared datasets `prefixes` (the sha256 of each
+    one's .bin and .idx, as its PREFIX.json records them). megatron names its sample indices by
+    the dataset's path, sizes and settings, not by its bytes: a dataset prepared again under the
+    same prefix (--overwrite) would be read through the old one's indices."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for prefix in prefixes:
+        files = read_metadata(prefix)["files"]
+        h.update(json.dumps([[name, files[name].get("sha256"), files[name].get("size")] for name in sorted(files)])
+                 .encode())
+    return h.hexdigest()[:16]
+
+
 def recorded_tokenizer(data_cfg) -> dict | None:
     """The tokenizer identity the blend's first dataset records (with its `path` when the prepare
     step knew one), or None without a readable blend."""
