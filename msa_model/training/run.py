@@ -150,16 +150,17 @@ def _start_fresh(cfg, trainer, model_chunks, optimizer, scheduler, model_config)
 
 def check_configuration(cfg, world_size: int) -> list[str]:
     """Every problem of the configuration (msa_model.config.validate) and of the corpus and
-    checkpoints it names (msa_model.training.inputs.check_inputs), one line each. Nothing is written; the
-    tokenizer and prepared datasets are `_tokenizer`'s."""
-    from msa_model.training.inputs import check_inputs
+    checkpoints it names (msa_model.training.inputs.check_inputs), and of the directories it writes
+    (output_problems), one line each. Nothing is written; the tokenizer and prepared datasets are
+    `_tokenizer`'s."""
+    from msa_model.training.inputs import check_inputs, output_problems
 
     problems = []
     try:
         validate(cfg, world_size)
     except ConfigError as e:
         problems += config_problems(e)
-    return problems + check_inputs(cfg)
+    return problems + output_problems(cfg) + check_inputs(cfg)
 
 
 def _tokenizer(cfg):
