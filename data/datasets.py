@@ -215,10 +215,27 @@ def build_datasets(data_cfg, tokenizer, seq_length: int, train_samples: int, val
         _check_split_documents(train_blend[0], config.split_matrix, data_cfg.split)
     builder = BlendedMegatronDatasetBuilder(GPTDataset, [train_samples, valid_samples, 0], lambda: True, config)
     train, valid, _ = build_megatron_datasets(builder, data_cfg.verify_cache, data_cfg.cache_wait_s)
+    if rank == 0:
+        for line in repeat_lines(train, "training") + repeat_lines(valid, "validation"):
+            log.info("%s", line)
     if valid_samples and valid is None:
         raise DataCacheError(f"no validation data: data.split {list(data_cfg.split)} leaves no document for "
                              "validation; give it a larger second share, or data.valid_blend")
     return train, valid
+
+
+def repeat_lines(dataset, split: str) -> list[str]:
+    """One line per dataset of `dataset` (a GPTDataset, or a BlendedDataset of them) whose share of
+    `split` the run reads more than once (megatron repeats it in shuffled passes, saying so only in
+    its own log): a corpus smaller than the run, or a context longer than its text."""
+    lines = []
+    for part in getattr(dataset, "datasets", [dataset] if dataset is not None else []):
+        tokens = int(np.asarray(part.dataset.sequence_lengths)[part.indices].sum())
+        wanted = part.num_samples * part.config.sequence_length + 1
+        if tokens and wanted > tokens:
+            lines.append(f"data: the {split} share of {part.dataset_path} holds {tokens:,} tokens; the run reads "
+                         f"{wanted:,} of it, about {wanted / tokens:,.1f} passes")
+    return lines
 
 
 def _check_split_documents(prefixes: list[str], split_matrix, split) -> None:

@@ -41,7 +41,8 @@ class _TqdmHandler(logging.StreamHandler):
 
 
 # megatron notices that concern its own roadmap, not this run, repeated on every build or save
-_LIBRARY_NOISE = ("full_param_layout not provided", "async save is deprecated")
+_LIBRARY_NOISE = ("full_param_layout not provided", "async save is deprecated",
+                  "Building a BlendedDataset for a single MegatronDataset")
 
 
 def _not_noise(record: logging.LogRecord) -> bool:
