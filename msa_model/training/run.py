@@ -321,7 +321,8 @@ def run(cfg: DictConfig, notes: list[str] | tuple[str, ...] = ()) -> None:
         callbacks.append(metrics_logger)
         # the train dataset ends start_samples (read at its first use, after any checkpoint is
         # loaded) + max_steps global batches after the start of the stream
-        train_data, valid_data = build_data(cfg, tokenizer, lambda: trainer.state.start_samples)
+        train_data, valid_data = build_data(cfg, tokenizer, lambda: trainer.state.start_samples,
+                                            lambda: (trainer.state.step, trainer.state.consumed_valid_samples))
         trainer = Trainer(cfg.trainer, cfg.parallel, cfg.model, model_chunks=model_chunks, optimizer=optimizer,
                           scheduler=scheduler, data=train_data, valid_data=valid_data, callbacks=callbacks,
                           device=env.device, stop_signal=stop_signal)
