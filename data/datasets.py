@@ -3,7 +3,10 @@
 Cache layout (under data.cache_dir, default $MSA_DATA_CACHE_DIR or .cache/data):
     <source>-<key>/tokens.bin, tokens.idx   int32 token ids, one document per file + EOD
     <source>-<key>/manifest.json            their sizes and hashes, recorded at build
-    <source>-<key>/index/                   GPTDataset's document/sample/shuffle indices (+ manifest.json)
+    <source>-<key>/index/                   GPTDataset's document/sample/shuffle indices (+ manifest.json;
+                                            with data.valid_blend, in index/<contents key>/)
+    indices/<contents key>/                 the same for data.blend's prepared datasets, one directory
+                                            per set of dataset contents (data.prepared.contents_key)
 where <key> hashes the tokenizer name and every file's relative path and contents, so a change to
 either builds a new dataset and a stale one is never read. The build writes a temporary
 directory and renames it into place, so an interrupted build leaves nothing behind. Before use,
@@ -171,12 +174,14 @@ def build_datasets(data_cfg, tokenizer, seq_length: int, train_samples: int, val
     [seq_length], position_ids int64 [seq_length].
     """
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    from .prepared import parse_blend
+    from .prepared import contents_key, parse_blend
 
     if data_cfg.blend:
         # checked before the run started (data.prepared.check_blends); megatron reads them as they are
         train_blend = tuple(parse_blend(data_cfg.blend, "data.blend")[:2])
-        index_dir = Path(data_cfg.cache_dir) / "indices"
+        valid_prefixes = parse_blend(data_cfg.valid_blend, "data.valid_blend")[0]
+        # one directory per set of dataset contents: a prefix prepared again gets indices of its own
+        index_dir = Path(data_cfg.cache_dir) / "indices" / contents_key([*train_blend[0], *valid_prefixes])
     else:
         if rank == 0:
             prefix = prepare_tokens(data_cfg, tokenizer, build=True, seq_length=seq_length)
@@ -185,6 +190,8 @@ def build_datasets(data_cfg, tokenizer, seq_length: int, train_samples: int, val
             prefix = prepare_tokens(data_cfg, tokenizer, build=False, seq_length=seq_length)
         train_blend = ([prefix], None)
         index_dir = Path(prefix).parent / "index"
+        if data_cfg.valid_blend:
+            index_dir = index_dir / contents_key(parse_blend(data_cfg.valid_blend, "data.valid_blend")[0])
     split = {"blend": train_blend, "split": ",".join(f"{float(x):g}" for x in data_cfg.split)}
     if data_cfg.valid_blend:
         split = {"blend_per_split": [train_blend, tuple(parse_blend(data_cfg.valid_blend, "data.valid_blend")[:2]),
@@ -208,10 +215,27 @@ def build_datasets(data_cfg, tokenizer, seq_length: int, train_samples: int, val
         _check_split_documents(train_blend[0], config.split_matrix, data_cfg.split, seq_length)
     builder = BlendedMegatronDatasetBuilder(GPTDataset, [train_samples, valid_samples, 0], lambda: True, config)
     train, valid, _ = build_megatron_datasets(builder, data_cfg.verify_cache, data_cfg.cache_wait_s)
+    if rank == 0:
+        for line in repeat_lines(train, "training") + repeat_lines(valid, "validation"):
+            log.info("%s", line)
     if valid_samples and valid is None:
         raise DataCacheError(f"no validation data: data.split {list(data_cfg.split)} leaves no document for "
                              "validation; give it a larger second share, or data.valid_blend")
     return train, valid
+
+
+def repeat_lines(dataset, split: str) -> list[str]:
+    """One line per dataset of `dataset` (a GPTDataset, or a BlendedDataset of them) whose share of
+    `split` the run reads more than once (megatron repeats it in shuffled passes, saying so only in
+    its own log): a corpus smaller than the run, or a context longer than its text."""
+    lines = []
+    for part in getattr(dataset, "datasets", [dataset] if dataset is not None else []):
+        tokens = int(np.asarray(part.dataset.sequence_lengths)[part.indices].sum())
+        wanted = part.num_samples * part.config.sequence_length + 1
+        if tokens and wanted > tokens:
+            lines.append(f"data: the {split} share of {part.dataset_path} holds {tokens:,} tokens; the run reads "
+                         f"{wanted:,} of it, about {wanted / tokens:,.1f} passes")
+    return lines
 
 
 def _check_split_documents(prefixes: list[str], split_matrix, split, seq_length: int) -> None:

@@ -129,7 +129,7 @@ def prepare(args, started: float) -> int:
         raise InputError("give INPUT... and --output-prefix PREFIX (or --describe PREFIX)")
     if args.workers < 1:
         raise InputError(f"--workers {args.workers}: must be at least 1")
-    prefix = Path(args.output_prefix).expanduser().absolute()
+    prefix = _prefix("--output-prefix", args.output_prefix)
     _check_free(prefix, args.overwrite, (".bin", ".idx", ".json"))
     sources = list_sources(args.inputs, args.glob, args.column)
     tokenizer = _tokenizer(args.tokenizer, args.eod_token)
@@ -184,6 +184,15 @@ def prepare(args, started: float) -> int:
           f"({stats.tokens / stats.documents:,.1f} tokens/document), {size} of input in {seconds:,.1f} s "
           f"({mb / seconds:,.2f} MB/s); wrote {', '.join(str(p) for p in written)}", flush=True)
     return 0
+
+
+def _prefix(option: str, text: str) -> Path:
+    """PREFIX as an absolute path. One that ends in a separator names a directory: Path would drop
+    the separator and write DIR.bin beside the directory instead of a dataset in it."""
+    if text.endswith(("/", os.sep)):
+        raise InputError(f"{option} {text} names a directory; give a prefix in it, e.g. {text}web "
+                         f"({text}web.bin, .idx and .json)")
+    return Path(text).expanduser().absolute()
 
 
 def _check_free(prefix: Path, overwrite: bool, extensions) -> None:
@@ -578,7 +587,7 @@ def describe(args) -> int:
     checked against the tokenizer's vocabulary, BOS/EOD framing reported."""
     if args.inputs or args.output_prefix:
         raise InputError("--describe PREFIX takes no INPUT or --output-prefix")
-    prefix = Path(args.describe).expanduser().absolute()
+    prefix = _prefix("--describe", args.describe)
     from .prepared import index_problem, write_metadata
 
     found = index_problem(prefix)

@@ -18,6 +18,7 @@ run's. A dataset made elsewhere (Megatron-LM's preprocess_data.py) gets its .jso
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -114,6 +115,10 @@ def parse_blend(entries, key: str) -> tuple[list[str], list[float], list[str]]:
         if not weight > 0:
             problems.append(f"{key}[{i}]: weight {weight} of {prefix} must be > 0")
             continue
+        # megatron normalises the weights by their sum: an infinite one would make them NaN
+        if not math.isfinite(weight):
+            problems.append(f"{key}[{i}]: weight {weight} of {prefix} must be finite")
+            continue
         prefix = str(prefix)
         if prefix.endswith((".bin", ".idx", ".json")):
             problems.append(f"{key}[{i}]: {prefix} names a file; give the prefix without its extension")
@@ -125,6 +130,8 @@ def parse_blend(entries, key: str) -> tuple[list[str], list[float], list[str]]:
         weights.append(weight)
     if entries is not None and not prefixes and not problems:
         problems.append(f"{key} is empty")
+    if not math.isfinite(sum(weights)):
+        problems.append(f"{key}: the weights {weights} sum past the largest float; scale them down")
     return prefixes, weights, problems
 
 
@@ -176,17 +183,30 @@ def _validation_overlap(train: dict[str, str], valid: dict[str, str]) -> list[st
             for prefix, h in valid.items() if h in by_hash]
 
 
+def split_shares(split) -> list[float] | None:
+    """data.split [train, validation, test] as three shares summing to 1, or None when it is not
+    three finite non-negative numbers with a positive train share."""
+    shares = [float(x) for x in split]
+    if len(shares) != 3 or not all(math.isfinite(x) and x >= 0 for x in shares) or shares[0] <= 0 \
+            or not math.isfinite(sum(shares)):
+        return None
+    return [x / sum(shares) for x in shares]
+
+
 def split_problems(data_cfg, evaluating: bool, seq_length: int | None = None) -> list[str]:
     """Datasets of data.blend whose share of data.split holds no document (megatron cuts each
     dataset's documents by the split's fractions, rounded): training always, validation when the
     run evaluates on the split. With `seq_length`, also a share (or a data.valid_blend dataset)
     holding fewer tokens than one sample of seq_length + 1: megatron would fill every sample with
-    those few tokens over and over, and the run would train (or validate) on that repetition."""
+    those few tokens over and over, and the run would train (or validate) on that repetition.
+    A split that is not one is the configuration check's to report."""
+    shares = split_shares(data_cfg.split)
+    if shares is None:
+        return []
     problems = []
-    total = sum(float(x) for x in data_cfg.split)
     bounds = [0.0]
-    for x in data_cfg.split:
-        bounds.append(bounds[-1] + float(x) / total)
+    for x in shares:
+        bounds.append(bounds[-1] + x)
     spans = [("training", bounds[0], bounds[1])]
     if evaluating and not data_cfg.valid_blend:
         spans.append(("validation", bounds[1], bounds[2]))
@@ -221,6 +241,21 @@ def documents_tokens(prefix: str, lo: int, hi: int | None) -> int:
     docs = dataset.document_indices
     first, last = docs[lo], docs[len(docs) - 1 if hi is None else hi]
     return int(dataset.sequence_lengths[first:last].sum())
+
+
+def contents_key(prefixes: list[str]) -> str:
+    """16 hex digits naming the contents of the prepared datasets `prefixes` (the sha256 of each
+    one's .bin and .idx, as its PREFIX.json records them). megatron names its sample indices by
+    the dataset's path, sizes and settings, not by its bytes: a dataset prepared again under the
+    same prefix (--overwrite) would be read through the old one's indices."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for prefix in prefixes:
+        files = read_metadata(prefix)["files"]
+        h.update(json.dumps([[name, files[name].get("sha256"), files[name].get("size")] for name in sorted(files)])
+                 .encode())
+    return h.hexdigest()[:16]
 
 
 def recorded_tokenizer(data_cfg) -> dict | None:

@@ -77,6 +77,26 @@ def compose_config(overrides: list[str]):
         return compose(config_name="train", overrides=overrides)
 
 
+def composed(overrides: list[str]):
+    """compose_config, refusing what train.py refuses before it runs, in its words: a composition
+    error (unknown key, no such recipe or model, a value of the wrong type) and a `+key=value`
+    the schema does not have, each as one line naming the override (ConfigError)."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from msa_model.config import ConfigError
+    from msa_model.training.inputs import composition_error, unknown_keys
+
+    try:
+        cfg = compose_config(overrides)
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ConfigError(composition_error(e, overrides)) from e
+    unknown = unknown_keys(cfg, overrides)
+    if unknown:
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(unknown))
+    return cfg
+
+
 def job_overrides(overrides: list[str], run_dir: Path) -> list[str]:
     """The overrides the job runs with: the user's, with run_dir pinned to an absolute path so that
     every attempt of the job (and a manual relaunch) finds the same checkpoints."""
@@ -151,12 +171,13 @@ def render(launch, overrides: list[str], run_dir: Path, env: dict[str, str] | No
 
 def write_run_dir(run_dir: Path, cfg, script: str) -> Path:
     """config.yaml, git.txt and submit.sbatch; the trainer rewrites the first two identically."""
-    from omegaconf import OmegaConf
-
-    from msa_model.training.run_dir import git_description
+    from msa_model.training.run_dir import git_description, write_config
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    # a run directory in use keeps its earlier configuration, as a relaunch by train.py does
+    kept, _ = write_config(cfg, run_dir)
+    if kept is not None:
+        print(f"{run_dir}/config.yaml changed; the earlier one is kept as {kept.name}")
     (run_dir / "git.txt").write_text(git_description())
     path = run_dir / "submit.sbatch"
     path.write_text(script)
@@ -180,12 +201,12 @@ def prepare(overrides: list[str], env: dict[str, str] | None = None,
 
     from msa_model.config import validate
 
-    cfg = compose_config(overrides)
+    cfg = composed(overrides)
     run_dir = Path(str(cfg.run_dir))
     if not run_dir.is_absolute():
         run_dir = (Path.cwd() / run_dir).resolve()
     args = job_overrides(overrides, run_dir)
-    cfg = compose_config(args)
+    cfg = composed(args)
     OmegaConf.resolve(cfg)
     validate(cfg, world_size(cfg.launch), gpu=bool(cfg.launch.gpus_per_node))
     return run_dir, render(cfg.launch, args, run_dir, env, sbatch_args), cfg
@@ -278,7 +299,13 @@ def main(argv: list[str] | None = None) -> None:
     try:
         run_dir, script, cfg = prepare(request.overrides, request.env, request.sbatch_args)
     except (ConfigError, ValueError) as e:
-        sys.exit(f"launch.slurm: {e}")
+        print(f"launch.slurm: {e}", file=sys.stderr)
+        sys.exit(2)
+    from msa_model.training.run import input_problems
+
+    # what the job would stop at once it starts, after its wait in the queue
+    for line in input_problems(cfg, request.overrides):
+        print(f"warning: {line}", file=sys.stderr)
     if request.dry_run:
         print(script, end="")
         return

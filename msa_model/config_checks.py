@@ -124,24 +124,16 @@ def _check_m3_options(errors: list[str], m) -> None:
            "model.mlp_types names moe layers but model.num_experts is 0")
 
 
-def split_shares(split) -> list[float] | None:
-    """data.split [train, validation, test] as three shares summing to 1, or None."""
-    shares = [float(x) for x in split]
-    if len(shares) != 3 or min(shares) < 0 or shares[0] <= 0:
-        return None
-    return [x / sum(shares) for x in shares]
-
-
 def _check_data(errors: list[str], d, t, logging_cfg, dry_run: bool = False) -> None:
     """The data keys and the validation schedule (the files themselves: data.prepared.check_blends)."""
-    from data.prepared import parse_blend
+    from data.prepared import parse_blend, split_shares
 
     # a dry run shows a full-scale recipe as it stands; a run needs the user's datasets
     _check(errors, dry_run or bool(d.blend) or d.source is not None,
            "no training data: set data.blend=[[weight,prefix],...] (datasets made by `python -m data.prepare`, "
            "docs/data.md), or data.source=DIR (a directory of text files)")
     shares = split_shares(d.split)
-    _check(errors, shares is not None, f"data.split must be three non-negative numbers [train, validation, test] "
+    _check(errors, shares is not None, f"data.split must be three finite non-negative numbers [train, validation, test] "
            f"with a positive train share (e.g. [98,2,0]), got {list(d.split)}")
     _check(errors, d.tokenizer_mismatch in ("refuse", "allow"),
            f"data.tokenizer_mismatch must be refuse or allow, got {d.tokenizer_mismatch!r}")
@@ -343,7 +335,8 @@ def check_config(cfg, world_size: Optional[int] = None, gpu: Optional[bool] = No
     _check(errors, cfg.logging.wandb_mode in ("offline", "online", "disabled"),
            f"logging.wandb_mode must be offline, online or disabled, got {cfg.logging.wandb_mode!r}")
     _check_launch(errors, cfg.launch)
-    if world_size is not None:
+    # a world of no ranks (launch.nodes=0) is reported by _check_launch; nothing divides it
+    if world_size is not None and world_size > 0:
         model_parallel = p.tp * p.pp * p.cp
         _check(errors, world_size % model_parallel == 0,
                f"world size {world_size} must be a multiple of parallel.tp * parallel.pp * parallel.cp ({model_parallel})")

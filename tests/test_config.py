@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
@@ -233,3 +235,28 @@ def test_cuda_graph_names_each_setting_it_cannot_replay():
     cpu = _compose("recipe=pt", "model=tiny", "model.msa.cuda_graph=true", "data.document_mask=false")
     with pytest.raises(ConfigError, match="model.msa.cuda_graph=true needs a GPU"):
         validate(cpu, world_size=1, gpu=False)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("data.blend=[[inf,/d/a]]", "data.blend[0]: weight inf of /d/a must be finite"),
+    ("data.valid_blend=[[1e308,/d/a],[1e308,/d/b]]", "data.valid_blend: the weights [1e+308, 1e+308] sum past"),
+    ("data.split=[inf,2,0]", "data.split must be three finite non-negative numbers"),
+    ("data.split=[98,nan,0]", "data.split must be three finite non-negative numbers"),
+])
+def test_non_finite_blend_weights_and_splits_are_refused(override, message, monkeypatch):
+    """megatron normalises both by their sum: inf or nan would reach its assertion (or a NaN split)
+    after the run directory exists."""
+    from data import prepared
+
+    monkeypatch.setattr(prepared, "read_metadata", lambda prefix: {"documents": 100})
+    cfg = _compose("data.blend=[/d/a]", override)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        validate(cfg, world_size=1)
+    # the datasets' check leaves a split that is none to the configuration's
+    assert prepared.split_problems(cfg.data, evaluating=True) == []
+
+
+def test_a_job_of_no_nodes_is_refused_naming_the_key():
+    cfg = _compose("launch.nodes=0")
+    with pytest.raises(ConfigError, match="launch.nodes must be positive, got 0"):
+        validate(cfg, world_size=0)

@@ -135,3 +135,41 @@ def test_a_build_that_died_leaves_nothing_the_next_one_keeps(tmp_path, corpus):
     assert Path(prepare_tokens(cfg)).parent == out
     assert sorted(p.name for p in out.parent.iterdir()) == [out.name]
 
+
+
+def test_a_dataset_prepared_again_under_its_prefix_gets_sample_indices_of_its_own(tmp_path):
+    """megatron names its indices by path, sizes and settings: without the contents in the key, the
+    second dataset was read through the first one's indices (an IndexError, or, at the same
+    document count, other documents' tokens)."""
+    from tokenizer_fixtures import write_prepared
+
+    byte = build_tokenizer("byte")
+    prefix = tmp_path / "data" / "web"
+    cfg = OmegaConf.structured(DataConfig(blend=[str(prefix)], split=[100.0, 0.0, 0.0], cache_dir=str(tmp_path / "c")))
+    write_prepared(prefix, ["a" * 300 + str(i) for i in range(40)], byte)
+    first = build_datasets(cfg, byte, 64, 8)[0]
+    assert set(first[0]["tokens"].tolist()) <= set(byte.tokenize("a0123456789")) | {byte.eod}
+    for ext in (".bin", ".idx", ".json"):
+        Path(f"{prefix}{ext}").unlink()
+    write_prepared(prefix, ["b" * 40, "c" * 30], byte)  # as `data.prepare --overwrite` would
+    second = build_datasets(cfg, byte, 64, 8)[0]
+    for i in range(8):
+        assert set(second[i]["tokens"].tolist()) <= {*byte.tokenize("bc"), byte.eod}
+
+
+def test_a_dataset_the_run_reads_more_than_once_is_said(tmp_path):
+    """megatron repeats a split smaller than the run in shuffled passes and says so only in its own
+    (silenced) log: 14 tokens read for a 2-sample run of 64 tokens."""
+    from data.datasets import repeat_lines
+    from tokenizer_fixtures import write_prepared
+
+    byte = build_tokenizer("byte")
+    prefix = write_prepared(tmp_path / "small", ["hello world", "x"], byte)
+    cfg = OmegaConf.structured(DataConfig(blend=[str(prefix)], split=[100.0, 0.0, 0.0], cache_dir=str(tmp_path / "c")))
+    train = build_datasets(cfg, byte, 64, 2)[0]
+    (line,) = repeat_lines(train, "training")
+    assert line.startswith(f"data: the training share of {prefix} holds 14 tokens; the run reads ")
+    assert repeat_lines(None, "validation") == []
+    large = write_prepared(tmp_path / "large", ["y" * 2000], byte)
+    cfg.blend = [str(large)]
+    assert repeat_lines(build_datasets(cfg, byte, 64, 2)[0], "training") == []

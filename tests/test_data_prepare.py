@@ -234,6 +234,9 @@ def _bad_inputs(tmp: Path, tok_dir: Path):
         ("no tokenizer files", [ok, "--tokenizer", tmp / "no_tokenizer", *out], "no_tokenizer holds no tokenizer"),
         ("output not writable", [ok, *tok, "--output-prefix", tmp / "a_file" / "x"], "a_file"),
         ("output exists", [ok, *tok, "--output-prefix", tmp / "taken"], "taken.bin exists"),
+        # not a sibling DIR.bin of the directory
+        ("output a directory", [ok, *tok, "--output-prefix", f"{tmp}/out/"], f"{tmp}/out/ names a directory"),
+        ("described a directory", ["--describe", f"{tmp}/", *tok], f"{tmp}/ names a directory"),
     ]
 
 

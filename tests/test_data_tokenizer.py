@@ -229,3 +229,55 @@ def test_init_from_without_a_recorded_tokenizer_needs_one_named(tmp_path):
     assert problems(bare, tokenizer="byte") == []
     assert problems(bare, mismatch="allow") == []
     assert problems(recorded) == [] and problems(None) == []
+
+
+def test_train_tokenizer_refuses_inputs_without_documents_and_says_what_it_did(tmp_path, capsys, caplog, monkeypatch):
+    """A --field the records do not have trained a 258-entry tokenizer on nothing and wrote it; a
+    file as --output was a traceback; an unreached --vocab-size and a long read without a terminal
+    were silent."""
+    import json
+
+    from data import train_tokenizer as module
+
+    records = tmp_path / "a.jsonl"
+    records.write_text("".join(json.dumps({"text": t}) + "\n" for t in stdlib_texts(6)))
+    out = tmp_path / "tok"
+    assert module.main([str(records), "--field", "body", "--vocab-size", "400", "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "no documents to train on (6 no field skipped; --field is 'body'" in err and not out.exists(), err
+    assert module.main([str(records), "--vocab-size", "400", "--output", str(records)]) == 2
+    assert "is not an empty directory" in capsys.readouterr().err
+
+    # a progress line at every read (as if 30 s passed each time), then one before the merges
+    monkeypatch.setattr(module, "PLAIN_PROGRESS_SECONDS", 0.0)
+    monkeypatch.setattr(module.sys.stderr, "isatty", lambda: False, raising=False)
+    with caplog.at_level("INFO", logger="data.train_tokenizer"):
+        assert module.main([str(records), "--vocab-size", "100000", "--output", str(out)]) == 0
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(line.startswith("train_tokenizer: read 1 documents") for line in lines), lines
+    assert any(line.startswith("train_tokenizer: read 6 documents") and "computing the merges" in line for line in lines)
+    assert any("--vocab-size 100000 not reached" in line for line in lines), lines
+
+
+def test_a_blend_whose_tokenizer_directory_moved_is_named_as_such(tmp_path, bpe):
+    """Not "data.tokenizer: byte-v1 is not the tokenizer ... was prepared with": the run fell back
+    on the byte tokenizer because the recorded directory is gone, and data.tokenizer was never set."""
+    from types import SimpleNamespace
+
+    from data.tokenizer import build_tokenizer
+    from msa_model.training.data_setup import tokenizer_problems
+
+    shutil.copytree(bpe, tmp_path / "tok")
+    prefix = _dataset(tmp_path, build_tokenizer(str(tmp_path / "tok")))
+    (tmp_path / "tok").rename(tmp_path / "moved")
+
+    def problems(tokenizer=None):
+        data = SimpleNamespace(tokenizer=tokenizer, eod_token=None, add_bos=False, blend=[str(prefix)], valid_blend=None,
+                               tokenizer_mismatch="refuse", verify_cache=False, split=[99, 1, 0])
+        cfg = SimpleNamespace(data=data, model=SimpleNamespace(vocab_size=None), trainer=SimpleNamespace(eval_interval=0))
+        return tokenizer_problems(cfg, None, None)[2]
+
+    assert problems() == [f"data.blend: the tokenizer its datasets were prepared with, {tmp_path / 'tok'}, no longer "
+                          "exists; name it where it is now: data.tokenizer=DIR"]
+    assert problems(str(tmp_path / "moved")) == []
+    assert "is not the tokenizer" in problems("byte")[0]

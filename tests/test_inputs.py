@@ -169,3 +169,20 @@ def test_a_cpu_run_where_a_gpu_is_present_is_refused_with_the_way_out(monkeypatc
     assert device_lines("trainer.device=auto") == device_lines("trainer.device=cuda") == []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert device_lines("trainer.device=cpu") == []
+
+
+def test_directories_the_run_writes_are_checked_before_any_is_made(tmp_path):
+    """A file where run_dir, checkpoint.dir or data.cache_dir goes was a traceback from mkdir (the
+    data cache's after the run directory existed)."""
+    from msa_model.training.inputs import output_problems
+
+    (tmp_path / "file").write_text("x")
+    cfg = _compose(f"run_dir={tmp_path / 'file'}", f"checkpoint.dir={tmp_path / 'file' / 'a' / 'b'}",
+                   f"data.cache_dir={tmp_path / 'new' / 'cache'}")
+    assert output_problems(cfg) == [f"run_dir={tmp_path / 'file'}: {tmp_path / 'file'} is a file, not a directory",
+                                    f"checkpoint.dir={tmp_path / 'file' / 'a' / 'b'}: cannot be made, "
+                                    f"{tmp_path / 'file'} is a file"]
+    proc = _train(tmp_path, f"data.cache_dir={tmp_path / 'file'}")
+    assert proc.returncode == 2 and _problem_lines(proc) == [
+        f"data.cache_dir={tmp_path / 'file'}: {tmp_path / 'file'} is a file, not a directory"]
+    assert not (tmp_path / "run").exists()

@@ -118,3 +118,28 @@ def test_a_runs_relative_init_from_is_read_from_its_launch_directory(tmp_path, m
     monkeypatch.chdir(elsewhere)
     for src in (run_dir / "checkpoints", run_dir / "checkpoints" / "step_00000004"):
         assert find_conversion_record(src) == {"family": "llama"}
+
+
+def test_a_changed_config_names_its_keys_and_a_resume_on_another_data_stream_is_warned_of(tmp_path, caplog):
+    """A relaunch that leaves out data.blend (or changes the split, the context) would continue the
+    step count on other samples without a word."""
+    first = OmegaConf.create({"data": {"blend": [[0.7, "runs/data/web"]], "split": [98, 2, 0]},
+                              "trainer": {"max_steps": 6}})
+    schedule = OmegaConf.merge(first, {"trainer": {"max_steps": 8}})
+    other_data = OmegaConf.merge(schedule, {"data": {"blend": None}})
+    write_run_files(first, tmp_path)
+    with caplog.at_level("INFO", logger="msa_model.training.run_dir"):
+        write_run_files(schedule, tmp_path, resuming=True)
+    assert [r.levelname for r in caplog.records] == ["INFO"]
+    assert "kept as config.yaml.1): trainer.max_steps: 6 -> 8" in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger="msa_model.training.run_dir"):
+        write_run_files(other_data, tmp_path, resuming=True)
+    warning = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warning) == 1 and "the data stream changed since the last launch (data.blend)" in warning[0]
+    assert "data.blend: [[0.7, 'runs/data/web']] -> None" in caplog.text
+    # a new run (nothing to resume) is told what changed, without the warning
+    caplog.clear()
+    with caplog.at_level("INFO", logger="msa_model.training.run_dir"):
+        write_run_files(first, tmp_path, resuming=False)
+    assert [r.levelname for r in caplog.records] == ["INFO"]

@@ -163,3 +163,43 @@ def test_submitit_jobs_take_a_port_below_the_ephemeral_range(monkeypatch):
     assert os.environ["MASTER_PORT"] == str(20000 + (4711 * 16 + 1) % 12768)
     rule = (REPO / "launch" / "submit.sbatch.in").read_text()
     assert "export MASTER_PORT=$(( 20000 + (SLURM_JOB_ID * 16 + ${SLURM_RESTART_COUNT:-0}) % 12768 ))" in rule
+
+
+@pytest.mark.parametrize("override, message", [
+    ("recipe=pts", "recipe=pts: no recipe named 'pts' (available: "),
+    ("optim.lrr=1", "optim.lrr=1: unknown key optim.lrr (did you mean optim.lr?)"),
+    ("+data.foo=1", "+data.foo=1: unknown key data.foo"),
+])
+def test_composition_errors_are_one_line_as_train_py_says_them(tmp_path, capsys, override, message):
+    """Not Hydra's traceback: the line names the override, exit status 2, nothing written."""
+    from launch.slurm import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["--dry-run", "--", override, f"run_dir={tmp_path}/run"])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and message in err and "Traceback" not in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_inputs_the_job_would_stop_at_are_warned_of_before_submission(tmp_path, capsys):
+    from launch.slurm import main
+
+    main(["--dry-run", "--", f"data.blend=[[0.5,{tmp_path}/nothing]]", f"run_dir={tmp_path}/run"])
+    out = capsys.readouterr()
+    assert out.out.startswith("#!/usr/bin/env bash")
+    assert f"warning: data.blend: {tmp_path}/nothing.json is missing" in out.err, out.err
+    assert not (tmp_path / "run").exists()
+
+
+def test_submitting_into_a_used_run_dir_keeps_its_earlier_config(tmp_path):
+    """As a relaunch by train.py does: the config a run trained with is not overwritten unseen."""
+    from launch.slurm import write_run_dir
+
+    run_dir, script, cfg = prepare([f"run_dir={tmp_path}/run", "optim.lr=1e-3"])
+    write_run_dir(run_dir, cfg, script)
+    _, script, changed = prepare([f"run_dir={tmp_path}/run", "optim.lr=2e-3"])
+    write_run_dir(run_dir, changed, script)
+    assert (run_dir / "config.yaml.1").read_text().count("lr: 0.001") == 1
+    assert "lr: 0.002" in (run_dir / "config.yaml").read_text()
+    write_run_dir(run_dir, changed, script)
+    assert not (run_dir / "config.yaml.2").exists()

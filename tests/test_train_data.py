@@ -75,3 +75,23 @@ def test_a_corpus_shorter_than_one_sample_is_refused(tmp_path):
     # 13 tokens make samples of 12
     train, _ = build_datasets(cfg, build_tokenizer("byte"), 12, train_samples=8)
     assert len(train) >= 8
+
+
+def test_the_validation_stream_holds_what_a_relaunch_with_more_steps_reads():
+    """The README's relaunch `launch.sh trainer.max_steps=120` of a run of 80 steps evaluating every
+    100: the first launch evaluated at its end (step 80), the relaunch at 100 and 120; sized for an
+    uninterrupted 120-step run (two evaluations), the stream ran out at step 120 (StopIteration)
+    after the 40 steps were trained and before they were saved."""
+    from types import SimpleNamespace
+
+    from msa_model.training.data_setup import validation_samples
+
+    def evaluating(max_steps, eval_interval=100, eval_iters=4):
+        return SimpleNamespace(max_steps=max_steps, eval_interval=eval_interval, eval_iters=eval_iters)
+
+    per = 4 * 8  # one evaluation: eval_iters global batches of 8
+    assert validation_samples(evaluating(80), 8) == per  # its end
+    assert validation_samples(evaluating(120), 8, step=80, consumed=per) == 3 * per
+    # a resume of the same schedule builds the uninterrupted run's dataset (same samples, same order)
+    assert validation_samples(evaluating(400), 8, step=200, consumed=2 * per) == validation_samples(evaluating(400), 8)
+    assert validation_samples(evaluating(120, eval_interval=0), 8, step=80, consumed=per) == 0

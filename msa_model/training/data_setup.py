@@ -79,6 +79,16 @@ def resolve_tokenizer(data_cfg, resume_dir: Path | None, init_dir: Path | None) 
     return BYTE, "default"
 
 
+def _blend_tokenizer_gone(data_cfg) -> str | None:
+    """The tokenizer directory data.blend's datasets record when it no longer exists, else None."""
+    if not data_cfg.blend:
+        return None
+    from data.prepared import recorded_tokenizer
+
+    path = (recorded_tokenizer(data_cfg) or {}).get("path")
+    return path if path and path != BYTE and not Path(path).is_dir() else None
+
+
 def checkpoint_run_tokenizer(cfg, step_dir: Path | None = None):
     """The tokenizer a tool (eval, dry run, tests) uses for the run config `cfg` (of the checkpoint
     `step_dir`, when given)."""
@@ -119,8 +129,13 @@ def tokenizer_problems(cfg, resume_dir: Path | None, init_dir: Path | None):
                                 f"{what} checkpoint {step_dir} ({describe_identity(recorded)}): its embedding rows "
                                 "belong to that one; use it (leave data.tokenizer unset), or "
                                 "data.tokenizer_mismatch=allow")
+    gone = _blend_tokenizer_gone(cfg.data) if source == "default" else None
+    if gone is not None:
+        # not "the byte tokenizer is not the datasets'": the user named none
+        problems.append(f"data.blend: the tokenizer its datasets were prepared with, {gone}, no longer exists; "
+                        "name it where it is now: data.tokenizer=DIR")
     if cfg.data.blend or cfg.data.valid_blend:
-        problems += check_blends(cfg.data, mine)
+        problems += check_blends(cfg.data, None if gone is not None else mine)
     if cfg.data.blend and not problems:
         problems += split_problems(cfg.data, evaluating=cfg.trainer.eval_interval > 0, seq_length=cfg.model.seq_length)
     return tokenizer, source, problems
@@ -140,27 +155,42 @@ def document_mask_line(cfg) -> str:
             "before theirs in a sequence")
 
 
-def build_data(cfg, tokenizer, start_samples=lambda: 0):
+def validation_samples(trainer_cfg, global_batch_size: int, step: int = 0, consumed: int = 0) -> int:
+    """Samples of the validation stream a run reads, 0 without evaluation. Every evaluation reads
+    eval_iters global batches further (megatron's count: one per interval and one at the end).
+    A run resumed at `step` having read `consumed` of them needs those plus its remaining
+    evaluations: more than an uninterrupted run's count when an earlier launch evaluated at its own
+    end (a relaunch with a longer trainer.max_steps). The larger of the two, so that a resume of an
+    unchanged schedule builds the uninterrupted run's dataset (the same samples in the same order)."""
+    t = trainer_cfg
+    if not t.eval_interval:
+        return 0
+    per_evaluation = t.eval_iters * global_batch_size
+    remaining = t.max_steps // t.eval_interval - step // t.eval_interval + (1 if t.max_steps % t.eval_interval else 0)
+    return max((t.max_steps // t.eval_interval + 1) * per_evaluation, consumed + remaining * per_evaluation)
+
+
+def build_data(cfg, tokenizer, start_samples=lambda: 0, valid_position=lambda: (0, 0)):
     """(train, valid or None): this data-parallel rank's micro-batch streams (data.datasets.TrainData),
     the datasets built at their first use. valid exists when trainer.eval_interval > 0. The train
     stream starts at `start_samples()` (init_from_data_position; read when the datasets are built),
-    so its dataset holds that many samples more than the run's max_steps global batches."""
+    so its dataset holds that many samples more than the run's max_steps global batches;
+    `valid_position()` is (the step, the validation samples read), read then too (after a resumed
+    checkpoint has set them): see validation_samples."""
     from data.datasets import TrainData, build_datasets
     from msa_model.training.distributed import data_parallel_info
 
     t, p = cfg.trainer, cfg.parallel
-    # every evaluation reads eval_iters global batches further (megatron's count: one per interval
-    # and one at the end)
-    valid_samples = (t.max_steps // t.eval_interval + 1) * t.eval_iters * p.global_batch_size if t.eval_interval else 0
     datasets = {}
 
     def dataset(index: int):
         if not datasets:
             train_samples = start_samples() + t.max_steps * p.global_batch_size
+            valid_samples = validation_samples(t, p.global_batch_size, *valid_position())
             datasets["all"] = build_datasets(cfg.data, tokenizer, cfg.model.seq_length, train_samples, valid_samples)
         return datasets["all"][index]
 
     dp_rank, dp_size = data_parallel_info()
     make = partial(TrainData, micro_batch_size=p.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size,
                    document_mask=cfg.data.document_mask)
-    return make(partial(dataset, 0)), make(partial(dataset, 1)) if valid_samples else None
+    return make(partial(dataset, 0)), make(partial(dataset, 1)) if t.eval_interval else None

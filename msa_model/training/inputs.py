@@ -9,6 +9,8 @@ the run builds is the one such a checkpoint holds. run.py calls it next to
 data.tokenizer, prepared datasets) before the run directory, the data cache or the lock exist, and
 reports every problem of them at once (exit code 2).
 
+`output_problems(cfg)` checks that the directories the run writes can be made: no file in the way.
+
 `unknown_keys` finds keys that `+key=value` / `++key=value` put beside the schema (Hydra lets `+`
 add keys to any node): they would be silently ignored, so they are refused like a misspelled key.
 `composition_error` turns Hydra's multi-line composition errors (unknown key, wrong type, unknown
@@ -18,6 +20,7 @@ config group option, unparsable override) into one line naming the override.
 from __future__ import annotations
 
 import difflib
+import os
 import re
 import shlex
 from pathlib import Path
@@ -155,6 +158,26 @@ def _corpus_problems(data) -> list[str]:
             return []
     return [f"data.glob={data.glob!r}: no file under data.source={data.source} matches it "
             "(e.g. data.glob='**/*.txt')"]
+
+
+def _directory_problem(key: str, path: str | Path) -> str | None:
+    """Why the directory `path` (of config key `key`) cannot be used or made, or None: it, or the
+    nearest of its parents that exists, must be a directory this process can write into."""
+    p = Path(path).absolute()
+    existing = next(q for q in (p, *p.parents) if q.exists())
+    if not existing.is_dir():
+        return (f"{key}={path}: {existing} is a file, not a directory" if existing == p else
+                f"{key}={path}: cannot be made, {existing} is a file")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{key}={path}: {existing} is not writable"
+    return None
+
+
+def output_problems(cfg) -> list[str]:
+    """The directories a run writes (run_dir, checkpoint.dir, data.cache_dir), checked before any
+    of them is made (by the run only: a dry run or a submission may be made on another machine)."""
+    dirs = [("run_dir", cfg.run_dir), ("checkpoint.dir", cfg.checkpoint.dir), ("data.cache_dir", cfg.data.cache_dir)]
+    return [problem for key, path in dirs if path is not None and (problem := _directory_problem(key, path))]
 
 
 def checkpoint_step(key: str, path: str | Path) -> tuple[Path | None, str | None]:

@@ -150,16 +150,17 @@ def _start_fresh(cfg, trainer, model_chunks, optimizer, scheduler, model_config)
 
 def check_configuration(cfg, world_size: int) -> list[str]:
     """Every problem of the configuration (msa_model.config.validate) and of the corpus and
-    checkpoints it names (msa_model.training.inputs.check_inputs), one line each. Nothing is written; the
-    tokenizer and prepared datasets are `_tokenizer`'s."""
-    from msa_model.training.inputs import check_inputs
+    checkpoints it names (msa_model.training.inputs.check_inputs), and of the directories it writes
+    (output_problems), one line each. Nothing is written; the tokenizer and prepared datasets are
+    `_tokenizer`'s."""
+    from msa_model.training.inputs import check_inputs, output_problems
 
     problems = []
     try:
         validate(cfg, world_size)
     except ConfigError as e:
         problems += config_problems(e)
-    return problems + check_inputs(cfg)
+    return problems + output_problems(cfg) + check_inputs(cfg)
 
 
 def _tokenizer(cfg):
@@ -172,6 +173,15 @@ def _tokenizer(cfg):
     # an init_from that is no checkpoint is reported by check_inputs, not as one without a tokenizer
     init_dir = checkpoint_step("init_from", cfg.init_from)[0] if cfg.init_from else None
     return tokenizer_problems(cfg, resume_dir, init_dir)
+
+
+def input_problems(cfg, overrides: list[str] | None = None) -> list[str]:
+    """What a launch of `cfg` would stop at on its inputs (corpus or datasets, checkpoints,
+    tokenizer), one line each; the dry run and `python -m launch.slurm` show them as warnings,
+    since either may be made away from the data. `overrides`: as for check_inputs."""
+    from msa_model.training.inputs import check_inputs
+
+    return check_inputs(cfg, overrides) + _tokenizer(cfg)[2]
 
 
 def run(cfg: DictConfig, notes: list[str] | tuple[str, ...] = ()) -> None:
@@ -190,10 +200,9 @@ def run(cfg: DictConfig, notes: list[str] | tuple[str, ...] = ()) -> None:
         validate(cfg, layout_world)
         if rank == 0:
             from msa_model.training.dry_run import dry_run_report
-            from msa_model.training.inputs import check_inputs
 
             # inputs a launch from here would stop at (a dry run may be made away from the data)
-            input_warnings = [f"warning: {p}" for p in check_inputs(cfg) + _tokenizer(cfg)[2]]
+            input_warnings = [f"warning: {p}" for p in input_problems(cfg)]
             report = dry_run_report(cfg, layout_world)
             print("\n".join([*(f"# {n}" for n in notes), report, *([warmup_note] if warmup_note else []),
                              *input_warnings]), flush=True)
@@ -266,7 +275,7 @@ def run(cfg: DictConfig, notes: list[str] | tuple[str, ...] = ()) -> None:
         if env.is_main:
             from msa_model.training.data_setup import document_mask_line
 
-            write_run_files(cfg, run_dir)
+            write_run_files(cfg, run_dir, resuming=latest is not None)
             ckpt.cleanup_partial_saves(ckpt_root)
             log.info("run dir %s | %s | %s", run_dir,
                      " ".join(f"{k}={v}" for k, v in parallel_layout(cfg.parallel, world_size).items()),
@@ -313,7 +322,8 @@ def run(cfg: DictConfig, notes: list[str] | tuple[str, ...] = ()) -> None:
         callbacks.append(metrics_logger)
         # the train dataset ends start_samples (read at its first use, after any checkpoint is
         # loaded) + max_steps global batches after the start of the stream
-        train_data, valid_data = build_data(cfg, tokenizer, lambda: trainer.state.start_samples)
+        train_data, valid_data = build_data(cfg, tokenizer, lambda: trainer.state.start_samples,
+                                            lambda: (trainer.state.step, trainer.state.consumed_valid_samples))
         trainer = Trainer(cfg.trainer, cfg.parallel, cfg.model, model_chunks=model_chunks, optimizer=optimizer,
                           scheduler=scheduler, data=train_data, valid_data=valid_data, callbacks=callbacks,
                           device=env.device, stop_signal=stop_signal)

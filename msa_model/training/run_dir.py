@@ -41,7 +41,8 @@ class _TqdmHandler(logging.StreamHandler):
 
 
 # megatron notices that concern its own roadmap, not this run, repeated on every build or save
-_LIBRARY_NOISE = ("full_param_layout not provided", "async save is deprecated")
+_LIBRARY_NOISE = ("full_param_layout not provided", "async save is deprecated",
+                  "Building a BlendedDataset for a single MegatronDataset")
 
 
 def _not_noise(record: logging.LogRecord) -> bool:
@@ -132,17 +133,60 @@ def relaunch_command(run_dir: str) -> str:
     return " ".join(shlex.quote(a) for a in [*launcher, entry, *args])
 
 
-def write_run_files(cfg, run_dir: Path) -> None:
-    """config.yaml, git.txt and launch.sh (rank 0 only). A relaunch with a different configuration
-    keeps the earlier one as config.yaml.1, .2, ... (oldest first)."""
+# what decides which tokens the samples after a saved data position hold: a resume with another
+# value reads other samples than the run it continues would have
+DATA_STREAM_KEYS = ("data.source", "data.glob", "data.max_bytes", "data.blend", "data.split", "data.valid_blend",
+                    "data.seed", "data.add_bos", "data.eod_token", "data.retrieval_share", "data.retrieval_tasks",
+                    "model.seq_length")
+
+
+def _flat(node, prefix: str = "") -> dict:
+    """{dotted key: value} of a config container; lists are values."""
+    if not isinstance(node, dict):
+        return {prefix[:-1]: node}
+    return {k: v for key, child in node.items() for k, v in _flat(child, f"{prefix}{key}.").items()}
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def write_config(cfg, run_dir: Path) -> tuple[Path | None, list[str]]:
+    """Write the resolved `cfg` as run_dir/config.yaml. An earlier, different one is kept as
+    config.yaml.1, .2, ... (oldest first). Returns (the kept file or None, one `key: old -> new`
+    line per changed key)."""
     config = run_dir / "config.yaml"
     text = OmegaConf.to_yaml(cfg, resolve=True)
+    kept, changes = None, []
     if config.exists() and config.read_text() != text:
+        before = _flat(OmegaConf.to_container(OmegaConf.create(config.read_text())))
+        after = _flat(OmegaConf.to_container(OmegaConf.create(text)))
+        changes = [f"{key}: {_short(before.get(key))} -> {_short(after.get(key))}"
+                   for key in sorted(before.keys() | after.keys()) if before.get(key) != after.get(key)]
         n = 1
         while (run_dir / f"config.yaml.{n}").exists():
             n += 1
-        config.rename(run_dir / f"config.yaml.{n}")
+        kept = run_dir / f"config.yaml.{n}"
+        config.rename(kept)
     config.write_text(text)
+    return kept, changes
+
+
+def write_run_files(cfg, run_dir: Path, resuming: bool = False) -> None:
+    """config.yaml, git.txt and launch.sh (rank 0 only). A relaunch with a different configuration
+    keeps the earlier one as config.yaml.1, .2, ... (oldest first) and says what changed; a
+    resume (`resuming`) whose data stream changed (DATA_STREAM_KEYS: e.g. a relaunch that left
+    out data.blend) is a warning, since it does not continue the samples of the run."""
+    kept, changes = write_config(cfg, run_dir)
+    if kept is not None:
+        stream = sorted({c.split(":")[0] for c in changes} & set(DATA_STREAM_KEYS))
+        if resuming and stream:
+            log.warning("the data stream changed since the last launch (%s): this resume reads other samples "
+                        "than the run it continues would have; the earlier configuration is %s",
+                        ", ".join(stream), kept)
+        log.info("configuration changed since the last launch (the earlier one kept as %s): %s", kept.name,
+                 "; ".join(changes))
     (run_dir / "git.txt").write_text(git_description())
     launch = run_dir / "launch.sh"
     command = relaunch_command(str(run_dir.resolve()))
