@@ -159,16 +159,17 @@ def test_a_dataset_prepared_again_under_its_prefix_gets_sample_indices_of_its_ow
 
 def test_a_dataset_the_run_reads_more_than_once_is_said(tmp_path):
     """megatron repeats a split smaller than the run in shuffled passes and says so only in its own
-    (silenced) log: 14 tokens read for a 2-sample run of 64 tokens."""
+    (silenced) log: 113 tokens (more than one sample: fewer are refused) read for a 4-sample run of
+    64 tokens."""
     from data.datasets import repeat_lines
     from tokenizer_fixtures import write_prepared
 
     byte = build_tokenizer("byte")
-    prefix = write_prepared(tmp_path / "small", ["hello world", "x"], byte)
+    prefix = write_prepared(tmp_path / "small", ["hello world" * 10, "x"], byte)
     cfg = OmegaConf.structured(DataConfig(blend=[str(prefix)], split=[100.0, 0.0, 0.0], cache_dir=str(tmp_path / "c")))
-    train = build_datasets(cfg, byte, 64, 2)[0]
+    train = build_datasets(cfg, byte, 64, 4)[0]
     (line,) = repeat_lines(train, "training")
-    assert line.startswith(f"data: the training share of {prefix} holds 14 tokens; the run reads ")
+    assert line.startswith(f"data: the training share of {prefix} holds 113 tokens; the run reads ")
     assert repeat_lines(None, "validation") == []
     large = write_prepared(tmp_path / "large", ["y" * 2000], byte)
     cfg.blend = [str(large)]

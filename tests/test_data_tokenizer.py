@@ -274,7 +274,8 @@ def test_a_blend_whose_tokenizer_directory_moved_is_named_as_such(tmp_path, bpe)
     def problems(tokenizer=None):
         data = SimpleNamespace(tokenizer=tokenizer, eod_token=None, add_bos=False, blend=[str(prefix)], valid_blend=None,
                                tokenizer_mismatch="refuse", verify_cache=False, split=[99, 1, 0])
-        cfg = SimpleNamespace(data=data, model=SimpleNamespace(vocab_size=None), trainer=SimpleNamespace(eval_interval=0))
+        cfg = SimpleNamespace(data=data, model=SimpleNamespace(vocab_size=None, seq_length=64),
+                              trainer=SimpleNamespace(eval_interval=0))
         return tokenizer_problems(cfg, None, None)[2]
 
     assert problems() == [f"data.blend: the tokenizer its datasets were prepared with, {tmp_path / 'tok'}, no longer "
