@@ -143,3 +143,20 @@ def test_a_changed_config_names_its_keys_and_a_resume_on_another_data_stream_is_
     with caplog.at_level("INFO", logger="msa_model.training.run_dir"):
         write_run_files(first, tmp_path, resuming=False)
     assert [r.levelname for r in caplog.records] == ["INFO"]
+
+
+def test_the_relaunch_of_a_relative_run_dir_is_not_a_change(tmp_path, monkeypatch, caplog):
+    """launch.sh relaunches with the absolute run_dir of a run started with a relative one: the
+    same configuration, so nothing is kept aside and no change is logged."""
+    monkeypatch.chdir(tmp_path)
+    run_dir = tmp_path / "runs" / "a"
+    run_dir.mkdir(parents=True)
+    first = OmegaConf.create({"run_dir": "runs/a", "trainer": {"max_steps": 6}})
+    write_run_files(first, run_dir)
+    with caplog.at_level("INFO", logger="msa_model.training.run_dir"):
+        write_run_files(OmegaConf.merge(first, {"run_dir": str(run_dir)}), run_dir, resuming=True)
+    assert caplog.records == [] and not (run_dir / "config.yaml.1").exists()
+    assert f"run_dir: {run_dir}" in (run_dir / "config.yaml").read_text()
+    with caplog.at_level("INFO", logger="msa_model.training.run_dir"):
+        write_run_files(OmegaConf.merge(first, {"run_dir": str(tmp_path / "other")}), run_dir, resuming=True)
+    assert "run_dir: " in caplog.text and (run_dir / "config.yaml.1").exists()

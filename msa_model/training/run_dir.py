@@ -152,10 +152,17 @@ def _short(value) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+def _same_run_dir(key: str, old, new) -> bool:
+    """The run directory as given first (relative) and as launch.sh's relaunch gives it (absolute,
+    from the same directory): the same run, not a change."""
+    return key == "run_dir" and isinstance(old, str) and isinstance(new, str) and \
+        Path(old).resolve() == Path(new).resolve()
+
+
 def write_config(cfg, run_dir: Path) -> tuple[Path | None, list[str]]:
     """Write the resolved `cfg` as run_dir/config.yaml. An earlier, different one is kept as
-    config.yaml.1, .2, ... (oldest first). Returns (the kept file or None, one `key: old -> new`
-    line per changed key)."""
+    config.yaml.1, .2, ... (oldest first); one that differs only in how run_dir is spelt is
+    replaced. Returns (the kept file or None, one `key: old -> new` line per changed key)."""
     config = run_dir / "config.yaml"
     text = OmegaConf.to_yaml(cfg, resolve=True)
     kept, changes = None, []
@@ -163,7 +170,9 @@ def write_config(cfg, run_dir: Path) -> tuple[Path | None, list[str]]:
         before = _flat(OmegaConf.to_container(OmegaConf.create(config.read_text())))
         after = _flat(OmegaConf.to_container(OmegaConf.create(text)))
         changes = [f"{key}: {_short(before.get(key))} -> {_short(after.get(key))}"
-                   for key in sorted(before.keys() | after.keys()) if before.get(key) != after.get(key)]
+                   for key in sorted(before.keys() | after.keys())
+                   if before.get(key) != after.get(key) and not _same_run_dir(key, before.get(key), after.get(key))]
+    if changes:
         n = 1
         while (run_dir / f"config.yaml.{n}").exists():
             n += 1
