@@ -108,7 +108,7 @@ def _launch_command(launch) -> str:
     # --quiet: srun's own notes ("forcing job termination", ...) when SLURM ends or requeues the
     # job read like failures; its errors still show
     if launch.mode == "srun":
-        return 'srun --quiet --kill-on-bad-exit=1 "$PYTHON" train.py "${TRAIN_ARGS[@]}"'
+        return 'srun --quiet --kill-on-bad-exit=1 "$PYTHON" "$TRAIN_PY" "${TRAIN_ARGS[@]}"'
     # stop signals reach every process of the step. torchrun would die of USR1 and turn TERM into
     # a SIGTERM-then-SIGKILL of its workers, so it starts with both ignored (that survives exec)
     # and is told not to handle TERM itself; the trainers install their handlers, save and exit
@@ -120,15 +120,18 @@ def _launch_command(launch) -> str:
         f"--nproc-per-node={launch.ranks_per_node} \\\n"
         '    --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" '
         '--rdzv-id="$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}" \\\n'
-        '    train.py "${TRAIN_ARGS[@]}"'
+        '    "$TRAIN_PY" "${TRAIN_ARGS[@]}"'
     )
 
 
 def render(launch, overrides: list[str], run_dir: Path, env: dict[str, str] | None = None,
-           sbatch_args: list[str] | None = None, python: str = sys.executable, workdir: Path = REPO_ROOT) -> str:
+           sbatch_args: list[str] | None = None, python: str = sys.executable, workdir: Path | None = None) -> str:
     """The submit script for `overrides` (already including run_dir=...) under `launch`, the
     resolved and validated launch settings (a LaunchConfig); `env` is exported in the job and
-    `sbatch_args` are passed to sbatch as they are."""
+    `sbatch_args` are passed to sbatch as they are. The job runs in `workdir` (default: this
+    process's directory, so relative paths in the overrides mean what they meant here, as in
+    launch.sh's relaunch) and starts the repository's train.py by its absolute path."""
+    workdir = Path.cwd() if workdir is None else workdir
     for what, path in (("run_dir", run_dir), ("workdir", workdir)):
         if re.search(r"\s", str(path)):
             raise ValueError(f"{what} {path} contains whitespace, which #SBATCH lines cannot hold")
@@ -157,6 +160,7 @@ def render(launch, overrides: list[str], run_dir: Path, env: dict[str, str] | No
         "comm_env": COMM_ENV.read_text().split("\n\n", 1)[1].rstrip(),
         "env_exports": "\n".join(f"export {k}={shlex.quote(v)}" for k, v in (env or {}).items()),
         "python": shlex.quote(python),
+        "train_py": shlex.quote(str(REPO_ROOT / "train.py")),
         "train_args": " ".join(shlex.quote(o) for o in overrides),
         "launch_command": _launch_command(launch),
     }

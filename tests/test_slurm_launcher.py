@@ -78,14 +78,18 @@ def test_srun_mode_runs_one_task_per_rank(tmp_path):
                                   "launch.gpus_per_node=4", "launch.ranks_per_node=4", "launch.mode=srun"])
     assert run_dir == tmp_path / "r"
     assert "#SBATCH --ntasks-per-node=4" in script
-    assert "torch.distributed.run" not in script and 'srun --quiet --kill-on-bad-exit=1 "$PYTHON" train.py' in script
+    assert "torch.distributed.run" not in script and 'srun --quiet --kill-on-bad-exit=1 "$PYTHON" "$TRAIN_PY"' in script
 
 
 def test_relative_run_dir_is_pinned_to_an_absolute_path(tmp_path, monkeypatch):
+    """The run directory is absolute; the job runs where it was submitted from (other relative
+    paths, data.blend's, mean what they meant there) and starts the repository's train.py."""
     monkeypatch.chdir(tmp_path)
-    run_dir, script, cfg = prepare(["run_dir=rel/run"])
+    run_dir, script, cfg = prepare(["run_dir=rel/run", "data.tokenizer=tok"])
     assert run_dir == tmp_path / "rel" / "run" and cfg.run_dir == str(run_dir)
     assert f"run_dir={run_dir}" in script and "run_dir=rel/run" not in script
+    assert f"#SBATCH --chdir={tmp_path}\n" in script and "data.tokenizer=tok" in script
+    assert f"TRAIN_PY={REPO / 'train.py'}\n" in script and '"$TRAIN_PY" "${TRAIN_ARGS[@]}"' in script
 
 
 def test_invalid_jobs_are_refused_before_submission(tmp_path):
@@ -117,7 +121,7 @@ def test_the_script_survives_stop_signals_and_requeues_after_the_step(tmp_path):
     assert "trap 'forward USR1' USR1" in script and "trap 'forward TERM' TERM" in script
     assert 'scancel --signal="$1" "$SLURM_JOB_ID"' in script
     # the step runs in the background so the traps run while it does
-    assert re.search(r'train.py "\$\{TRAIN_ARGS\[@\]\}" &\nstep=\$!', script)
+    assert re.search(r'"\$TRAIN_PY" "\$\{TRAIN_ARGS\[@\]\}" &\nstep=\$!', script)
     # torchrun ignores USR1 and TERM and leaves TERM to the trainers
     assert "trap \"\" USR1 TERM; exec" in script and "--signals-to-handle=SIGINT,SIGHUP,SIGQUIT" in script
     # rank 0 asks, the shell requeues once the step is over
