@@ -4,6 +4,8 @@ the mean and std of the final loss and the paired difference to its reference (s
 
     python scripts/quality_experiment.py --work runs/quality --out OUT --budget 540 --tokens 10e6 --seeds 3 --lanes 6
     python scripts/quality_experiment.py --preset tiny --corpus stdlib --work /tmp/q --out /tmp/q/out --tokens 16384
+    # retrieval at 4x a 512-key budget in a 2K context: several times the tokens per GPU-second of 8K
+    python scripts/quality_experiment.py --arms dense-retr,pt-retr --seq-length 2048 --override model.msa.topk=4 ...
 
 Arms (`--arms`, default dense,pt,cpt; `--arm "NAME=BASE KEY=VALUE ..."` adds one, repeatable):
     dense   recipe=dense
@@ -191,7 +193,7 @@ class Study:
         self.args = args
         p = self.preset = PRESETS[args.preset]
         self.work = Path(args.work).resolve()
-        self.step_tokens = args.gbs * p["seq"]
+        self.step_tokens = args.gbs * args.seq_length
         steps = max(4, round(args.tokens / self.step_tokens))
         self.steps = steps + steps % 2
         self.mid = self.steps // 2
@@ -203,7 +205,8 @@ class Study:
             "logging.tensorboard=false", "checkpoint.interval=0", "checkpoint.keep=1",
             f"data.source={args.corpus}", f"data.max_bytes={p['max_bytes']}", f"data.cache_dir={self.work / 'data'}",
             f"data.retrieval_share={args.retrieval_share}", f"optim.lr={args.lr}", f"optim.min_lr={args.min_lr}",
-            f"optim.warmup_steps={p['warmup_steps']}"]
+            f"optim.warmup_steps={p['warmup_steps']}"] + (
+            [f"model.seq_length={args.seq_length}"] if args.seq_length != p["seq"] else [])
         self.msa = [f"trainer.indexer_warmup_tokens={self.warmup_tokens}",
                     f"logging.msa_diagnostics_interval={p['diag']}"]
         known = builtin_arms(args)
@@ -452,7 +455,9 @@ class Scheduler:
 
     def eval_job(self, run: Run) -> Job:
         p, out = self.s.preset, self.s.eval_dir(run)
-        lengths = self.args.eval_lengths or ",".join(str(n) for n in p["lengths"])
+        # the preset's lengths for its context, scaled to this study's
+        scaled = [max(256, n * self.args.seq_length // p["seq"]) for n in p["lengths"]]
+        lengths = self.args.eval_lengths or ",".join(str(n) for n in scaled)
         samples = self.args.eval_samples or p["samples"]
         cmd = [sys.executable, "-m", "msa_model.eval", str(run.dir), "--out", str(out), "--lengths", lengths,
                "--samples", str(samples), "--loss-sequences", str(p["loss_sequences"]), "--label", run.name]
@@ -686,6 +691,9 @@ def parse(argv):
                    help="a train.py override for every run (repeatable); --data.KEY=VALUE is the same for data.*")
     p.add_argument("--lanes", type=int, default=None, help="runs side by side on each GPU (small: 6, tiny: 2)")
     p.add_argument("--gpus", default="", help="GPUs for the lanes, e.g. 0 or 0,1 (default: 0 for small, CPU for tiny)")
+    p.add_argument("--seq-length", type=int, default=None,
+                   help="context of every run (model.seq_length; default: the preset's); the default eval lengths "
+                        "scale with it")
     p.add_argument("--micro", type=int, default=None, help="micro-batch size (default: the preset's)")
     p.add_argument("--gbs", type=int, default=None, help="global batch size in sequences (default: the preset's)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak lr of every arm (CPT: the dense run's schedule)")
@@ -734,11 +742,15 @@ def parse(argv):
     args.gpus = args.gpus or preset["gpus"]
     args.micro = args.micro or preset["micro"]
     args.gbs = args.gbs or preset["gbs"]
-    if args.seeds < 1 or args.lanes < 1:
-        p.error("--seeds and --lanes must be >= 1")
+    args.seq_length = args.seq_length or preset["seq"]
+    if args.seeds < 1 or args.lanes < 1 or args.seq_length < 1:
+        p.error("--seeds, --lanes and --seq-length must be >= 1")
     bad = [o for o in args.override if "=" not in o]
     if bad:
         p.error(f"--override takes KEY=VALUE, got {bad}")
+    if any(key_of(o) == "model.seq_length" for o in args.override):
+        # the study counts its steps and tokens in the context
+        p.error("set the context with --seq-length, not --override model.seq_length")
     return args
 
 

@@ -106,7 +106,7 @@ def _fmt(v, spec=".3f", signed=False):
 def markdown(summary: dict, study, call: dict) -> str:
     s = summary
     lines = [f"# Quality study ({s['preset']})", "",
-             f"{s['steps']} steps of {study.args.gbs} x {study.preset['seq']} tokens = {s['tokens_per_run'] / 1e6:.2f}M "
+             f"{s['steps']} steps of {study.args.gbs} x {study.args.seq_length} tokens = {s['tokens_per_run'] / 1e6:.2f}M "
              f"tokens per run" + (f" (CPT: the dense run's last {s['steps'] - s['mid']} steps)"
                                   if any(a["base"] == "cpt" for a in s["arms"].values()) else "")
              + f"; seeds 0-{s['seeds'] - 1} "

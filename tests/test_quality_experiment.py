@@ -128,6 +128,22 @@ def test_arms_are_composed_from_overrides(capsys):
     assert not any("data.seed" in o for o in runs.values())  # one data order unless asked
 
 
+def test_a_study_at_another_context_counts_its_tokens_in_it(capsys):
+    """--seq-length: every run's model.seq_length, the steps for --tokens counted in that context,
+    and the default eval lengths scaled from the preset's (tiny: 256 and 512 at 512)."""
+    qe = _module()
+    study = qe.Study(qe.parse([*TINY, "--seeds", "1", "--arms", "dense-retr,pt-retr", "--work", "/nonexistent/q",
+                               "--seq-length", "1024", "--arm", "pt-k2=pt-retr model.msa.topk=2 vs=dense-retr"]))
+    assert study.step_tokens == 4 * 1024 and study.steps == 4  # 16384 tokens
+    for run in study.runs.values():
+        assert qe.value_of(run.overrides, "model.seq_length") == "1024", run.name
+    cmd = qe.Scheduler(study, qe.Budget(60)).eval_job(study.runs["pt-k2-s0"]).cmd
+    assert cmd[cmd.index("--lengths") + 1] == "512,1024"
+    with pytest.raises(SystemExit) as stop:
+        qe.main([*TINY, "--work", "/nonexistent/q", "--dry-run", "--override", "model.seq_length=1024"])
+    assert stop.value.code == 2 and "set the context with --seq-length" in capsys.readouterr().err
+
+
 def test_vary_data_gives_each_seed_its_own_order_and_its_arms_the_same(capsys):
     qe = _module()
     assert qe.main([*TINY, "--seeds", "2", "--arms", "dense,pt,cpt", "--work", "/nonexistent/q", "--dry-run",
@@ -232,7 +248,7 @@ def test_the_report_sets_the_block_start_excess_of_each_evaluated_arm_side_by_si
     arms["pt-retr"].update(previous_block=0.42, previous_block_oracle=0.9)
     summary = {"preset": "tiny", "steps": 4, "mid": 2, "step_tokens": 2048, "tokens_per_run": 8192,
                "warmup_tokens": 0, "seeds": 2, "arms": arms}
-    study = SimpleNamespace(args=SimpleNamespace(gbs=4, lr=1e-3, min_lr=1e-4, final_window=None),
+    study = SimpleNamespace(args=SimpleNamespace(gbs=4, seq_length=512, lr=1e-3, min_lr=1e-4, final_window=None),
                             preset=qe.PRESETS["tiny"])
     text = markdown(summary, study, {"seconds": 1.0, "tokens": 8192, "runs": 4, "failed": []})
     assert "key block's offsets minus its second half" in text
