@@ -4,7 +4,7 @@ the mean and std of the final loss and the paired difference to its reference (s
 
     python scripts/quality_experiment.py --work runs/quality --out OUT --budget 540 --tokens 10e6 --seeds 3 --lanes 6
     python scripts/quality_experiment.py --preset tiny --corpus stdlib --work /tmp/q --out /tmp/q/out --tokens 16384
-    # retrieval at 4x a 512-key budget in a 2K context: several times the tokens per GPU-second of 8K
+    # retrieval at 4x a 512-key budget, in a 2K context
     python scripts/quality_experiment.py --arms dense-retr,pt-retr --seq-length 2048 --override model.msa.topk=4 ...
 
 Arms (`--arms`, default dense,pt,cpt; `--arm "NAME=BASE KEY=VALUE ..."` adds one, repeatable):
