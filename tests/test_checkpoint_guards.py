@@ -101,6 +101,22 @@ def test_a_resume_takes_the_model_its_checkpoint_records(base):
         assert cfg.model.num_layers == 4 and note is None
 
 
+def test_launch_slurm_checks_the_job_train_py_would_run(base, tmp_path):
+    """launch.slurm composes the model the init_from checkpoint records (2 layers, 256 tokens), not
+    the preset's, and skips the warmup of its trained index branch, as the job's train.py will:
+    it validated and wrote config.yaml for the preset and warned that the checkpoint holds
+    another model."""
+    from launch.slurm import prepare
+    from msa_model.training.run import input_problems
+
+    overrides = ["recipe=cpt", f"init_from={base / 'checkpoints'}", f"run_dir={tmp_path / 'cpt'}",
+                 "launch.gpus_per_node=0"]
+    _, script, cfg = prepare(overrides)
+    assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.model.seq_length) == (2, 128, 256)
+    assert cfg.trainer.indexer_warmup_tokens == 0
+    assert input_problems(cfg, overrides) == []
+
+
 def test_init_from_refuses_a_larger_model_unless_partial(base, tmp_path, data_cache):
     args = ("trainer.max_steps=2", "trainer.indexer_warmup_tokens=1024", "model.num_layers=1",
             f"init_from={base / 'checkpoints'}")
