@@ -142,6 +142,21 @@ def test_109b_script_submits_the_recipe(recipe, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_109b_script_dry_run_converts_nothing(tmp_path):
+    """DRY_RUN=1 prints the job script only: for CPT it names the conversion of the dense checkpoint
+    instead of running it (at 109B, hundreds of GB written by a dry run)."""
+    (tmp_path / "dense").mkdir()
+    env = {**_env(), "PYTHON": sys.executable, "DRY_RUN": "1"}
+    proc = subprocess.run(["bash", "recipes/msa_109b.sh", "cpt", str(tmp_path / "dense"), BLEND_109B,
+                           f"run_dir={tmp_path / 'run'}"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"the submission would first run: {sys.executable} -m msa_model.convert dense-to-msa {tmp_path / 'dense'} " \
+           f"{tmp_path / 'dense-msa'}" in proc.stderr, proc.stderr
+    assert f"init_from={tmp_path / 'dense-msa'}" in proc.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dense"]
+
+
 @pytest.mark.parametrize("layout, seq", [("msa_109b_8k", 8192), ("msa_109b_128k", 131072)])
 def test_109b_layouts_fit_on_80gb(layout, seq):
     from msa_model.training.estimate import memory_estimate
