@@ -104,6 +104,8 @@ def test_109b_recipes_validate_on_the_gpus_they_launch_on(recipe):
     assert (cfg.name, cfg.model.name, cfg.trainer.indexer_warmup_tokens, cfg.optim.lr) == \
         (recipe, "msa_109b", warmup_tokens, lr)
     assert cfg.optim.min_lr == pytest.approx(cfg.optim.lr / 10)
+    # a 1.5 TB save every 1000 steps, not the tiny model's every 40 (a step takes seconds at 512 GPUs)
+    assert cfg.checkpoint.interval == 1000
 
 
 def test_109b_recipe_names_the_cpt_checkpoint():
