@@ -211,6 +211,8 @@ def test_memory_advice_follows_the_target_gpu():
 @pytest.mark.parametrize("overrides, message", [
     (["model.num_attention_heads=6", "model.num_query_groups=4"], "model.num_query_groups"),
     (["parallel.ep=3"], r"model.num_experts \(4\) must be a multiple of parallel.ep \(3\)"),
+    (["recipe=dense", "parallel.tp=8", "parallel.sequence_parallel=true"],
+     r"model.num_attention_heads \(4\) must be a multiple of parallel.tp \(8\)"),
     (["model.msa.topk=16"], r"model.msa.topk \* model.msa.block_size"),
     (["trainer.indexer_warmup_tokens=100000000"], "trainer.indexer_warmup_tokens"),
     (["recipe=cpt"], "init_from=PATH"),
