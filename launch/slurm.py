@@ -65,16 +65,19 @@ def world_size(launch) -> int:
 
 
 def compose_config(overrides: list[str]):
-    """The config train.py would run with these overrides (struct mode: typos are errors)."""
+    """The config train.py would run with these overrides (struct mode: typos are errors), on the
+    model its init_from or resume checkpoint records when no model= is given, as train.py takes it:
+    otherwise the job would be checked, and its config.yaml written, for the preset's model."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     from msa_model.config import register_configs
+    from msa_model.training.model_source import take_model_from_checkpoint
 
     register_configs()
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(REPO_ROOT / "configs"), version_base=None):
-        return compose(config_name="train", overrides=overrides)
+        return take_model_from_checkpoint(compose(config_name="train", overrides=overrides), overrides)[0]
 
 
 def composed(overrides: list[str]):
@@ -204,6 +207,8 @@ def prepare(overrides: list[str], env: dict[str, str] | None = None,
     from omegaconf import OmegaConf
 
     from msa_model.config import validate
+    from msa_model.training.index_history import WARMUP_KEY, plan_indexer_warmup
+    from msa_model.training.inputs import override_for
 
     cfg = composed(overrides)
     run_dir = Path(str(cfg.run_dir))
@@ -212,6 +217,8 @@ def prepare(overrides: list[str], env: dict[str, str] | None = None,
     args = job_overrides(overrides, run_dir)
     cfg = composed(args)
     OmegaConf.resolve(cfg)
+    # init_from's trained index branch skips the recipe's warmup, as train.py decides it
+    plan_indexer_warmup(cfg, override_for(WARMUP_KEY, args) is not None)
     validate(cfg, world_size(cfg.launch), gpu=bool(cfg.launch.gpus_per_node))
     return run_dir, render(cfg.launch, args, run_dir, env, sbatch_args), cfg
 

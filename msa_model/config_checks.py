@@ -282,6 +282,9 @@ def check_config(cfg, world_size: Optional[int] = None, gpu: Optional[bool] = No
            f"divide model.num_query_groups ({m.num_query_groups}) (so tp <= num_query_groups)")
     _check(errors, m.num_query_groups % p.tp == 0 or p.tp % m.num_query_groups == 0,
            f"model.num_query_groups ({m.num_query_groups}) and parallel.tp ({p.tp}) must divide one another")
+    # megatron splits the query heads over TP (its own check, a traceback once the run has started)
+    _check(errors, m.num_attention_heads % p.tp == 0,
+           f"model.num_attention_heads ({m.num_attention_heads}) must be a multiple of parallel.tp ({p.tp})")
     _check(errors, m.num_layers % p.pp == 0, f"model.num_layers ({m.num_layers}) must be a multiple of parallel.pp ({p.pp})")
     if p.ep > 1 and p.pp > 1 and m.num_layers % p.pp == 0:
         # with EP the experts have an optimizer of their own; on a stage without experts it holds no

@@ -10,7 +10,8 @@
 # recipe=msa_109b_pt dry_run=true` prints it); this script converts the dense checkpoint for CPT
 # and submits with `python -m launch.slurm`. Extra Hydra overrides after the recipe's arguments are
 # passed on (e.g. data.blend=[[0.7,/data/web],[0.3,/data/code]] run_dir=...). Set PARTITION / ACCOUNT / TIME (a SLURM
-# time; the recipe's is 48:00:00) in the environment; DRY_RUN=1 prints the job script only.
+# time; the recipe's is 48:00:00) in the environment; DRY_RUN=1 prints the job script only (for CPT
+# it names the conversion it would run, without running it).
 set -euo pipefail
 PY=${PYTHON:-python}  # the project virtualenv's python (.venv/bin/python) unless activated
 cd "$(dirname "$0")/.."
@@ -24,7 +25,12 @@ case "$recipe" in
     dense_ckpt=${1:?cpt needs the dense checkpoint directory}
     shift
     converted="${dense_ckpt%/}-msa"
-    [ -d "$converted" ] || "$PY" -m msa_model.convert dense-to-msa "$dense_ckpt" "$converted"
+    convert=("$PY" -m msa_model.convert dense-to-msa "$dense_ckpt" "$converted")
+    if [ -n "${DRY_RUN:-}" ] && [ ! -d "$converted" ]; then
+      echo "DRY_RUN: not converting; the submission would first run: ${convert[*]}" >&2
+    elif [ ! -d "$converted" ]; then
+      "${convert[@]}"
+    fi
     overrides+=("init_from=$converted") ;;
   *) echo "unknown recipe $recipe (dense | pt | cpt)" >&2; exit 2 ;;
 esac

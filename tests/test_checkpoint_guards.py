@@ -101,6 +101,40 @@ def test_a_resume_takes_the_model_its_checkpoint_records(base):
         assert cfg.model.num_layers == 4 and note is None
 
 
+def test_launch_slurm_checks_the_job_train_py_would_run(base, tmp_path):
+    """launch.slurm composes the model the init_from checkpoint records (2 layers, 256 tokens), not
+    the preset's, and skips the warmup of its trained index branch, as the job's train.py will:
+    it validated and wrote config.yaml for the preset and warned that the checkpoint holds
+    another model."""
+    from launch.slurm import prepare
+    from msa_model.training.run import input_problems
+
+    overrides = ["recipe=cpt", f"init_from={base / 'checkpoints'}", f"run_dir={tmp_path / 'cpt'}",
+                 "launch.gpus_per_node=0"]
+    _, script, cfg = prepare(overrides)
+    assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.model.seq_length) == (2, 128, 256)
+    assert cfg.trainer.indexer_warmup_tokens == 0
+    assert input_problems(cfg, overrides) == []
+
+
+def test_a_resume_on_another_tp_names_the_vocabulary_padding(base):
+    """The vocabulary (257) is padded to a multiple of make_vocab_size_divisible_by x TP: 320 rows
+    at TP=1, 384 at TP=2. A relaunch at TP=2 stopped at the load, after rewriting config.yaml,
+    saying the checkpoint was written by a different model; it is named before, with the divisor
+    that keeps the checkpoint's rows."""
+    from launch.slurm import prepare
+    from msa_model.training.run import input_problems
+
+    overrides = [*COMMON, "optim.warmup_steps=1", f"run_dir={base}", "launch.gpus_per_node=0", "launch.ranks_per_node=2", "parallel.tp=2",
+                 "parallel.sequence_parallel=true"]
+    (line,) = input_problems(prepare(overrides)[2], overrides)
+    assert line.startswith(f"resume: {base / 'checkpoints' / 'step_00000004'}: the checkpoint's embedding has 320 "
+                           "rows, this run's would have 384"), line
+    assert line.endswith("model.make_vocab_size_divisible_by=32 keeps its 320 rows at parallel.tp=2"), line
+    overrides.append("model.make_vocab_size_divisible_by=32")
+    assert input_problems(prepare(overrides)[2], overrides) == []
+
+
 def test_init_from_refuses_a_larger_model_unless_partial(base, tmp_path, data_cache):
     args = ("trainer.max_steps=2", "trainer.indexer_warmup_tokens=1024", "model.num_layers=1",
             f"init_from={base / 'checkpoints'}")

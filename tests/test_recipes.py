@@ -104,6 +104,8 @@ def test_109b_recipes_validate_on_the_gpus_they_launch_on(recipe):
     assert (cfg.name, cfg.model.name, cfg.trainer.indexer_warmup_tokens, cfg.optim.lr) == \
         (recipe, "msa_109b", warmup_tokens, lr)
     assert cfg.optim.min_lr == pytest.approx(cfg.optim.lr / 10)
+    # a 1.5 TB save every 1000 steps, not the tiny model's every 40 (a step takes seconds at 512 GPUs)
+    assert cfg.checkpoint.interval == 1000
 
 
 def test_109b_recipe_names_the_cpt_checkpoint():
@@ -140,6 +142,21 @@ def test_109b_script_submits_the_recipe(recipe, tmp_path):
     assert train_args == f"recipe=msa_109b_{recipe}{init} '{BLEND_109B}' launch.partition=gpu " \
                          f"launch.time_min=720 run_dir={tmp_path / 'run'}"
     assert not (tmp_path / "run").exists()
+
+
+def test_109b_script_dry_run_converts_nothing(tmp_path):
+    """DRY_RUN=1 prints the job script only: for CPT it names the conversion of the dense checkpoint
+    instead of running it (at 109B, hundreds of GB written by a dry run)."""
+    (tmp_path / "dense").mkdir()
+    env = {**_env(), "PYTHON": sys.executable, "DRY_RUN": "1"}
+    proc = subprocess.run(["bash", "recipes/msa_109b.sh", "cpt", str(tmp_path / "dense"), BLEND_109B,
+                           f"run_dir={tmp_path / 'run'}"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"the submission would first run: {sys.executable} -m msa_model.convert dense-to-msa {tmp_path / 'dense'} " \
+           f"{tmp_path / 'dense-msa'}" in proc.stderr, proc.stderr
+    assert f"init_from={tmp_path / 'dense-msa'}" in proc.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dense"]
 
 
 @pytest.mark.parametrize("layout, seq", [("msa_109b_8k", 8192), ("msa_109b_128k", 131072)])
@@ -194,6 +211,8 @@ def test_memory_advice_follows_the_target_gpu():
 @pytest.mark.parametrize("overrides, message", [
     (["model.num_attention_heads=6", "model.num_query_groups=4"], "model.num_query_groups"),
     (["parallel.ep=3"], r"model.num_experts \(4\) must be a multiple of parallel.ep \(3\)"),
+    (["recipe=dense", "parallel.tp=8", "parallel.sequence_parallel=true"],
+     r"model.num_attention_heads \(4\) must be a multiple of parallel.tp \(8\)"),
     (["model.msa.topk=16"], r"model.msa.topk \* model.msa.block_size"),
     (["trainer.indexer_warmup_tokens=100000000"], "trainer.indexer_warmup_tokens"),
     (["recipe=cpt"], "init_from=PATH"),

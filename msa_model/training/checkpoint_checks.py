@@ -19,6 +19,7 @@ import logging
 import pickle
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -132,6 +133,43 @@ def tensor_diff(module, step_dir: str | Path, ignore_missing=lambda key: False) 
         if keys:
             out.append(f"{what}: {', '.join(keys[:4])}{f' and {len(keys) - 4} more' if len(keys) > 4 else ''}")
     return out
+
+
+# the tensors whose rows are the padded vocabulary (megatron's names)
+VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def vocab_rows_problem(where: str, step_dir: Path, model_cfg, tokenizer_vocab: int, tp: int) -> str | None:
+    """Why the checkpoint's embedding rows differ from those this run builds, or None.
+
+    The vocabulary is padded to a multiple of `model.make_vocab_size_divisible_by` times TP, so a
+    resume (or init_from) on another tensor-parallel size than the checkpoint's builds an embedding
+    of another shape although the model is the same; the line names the divisor that keeps the
+    checkpoint's rows on this layout."""
+    from msa_model.model.gpt import model_vocab_size, padded_vocab_size
+
+    try:
+        stored = stored_model_shapes(step_dir)
+    except CHECKPOINT_FAILURES:
+        return None  # a damaged checkpoint is reported where it is loaded
+    shapes = [stored[k] for k in VOCAB_KEYS if k in stored]
+    try:
+        rows = model_vocab_size(model_cfg, tokenizer_vocab)
+    except ValueError:
+        return None  # a model.vocab_size below the tokenizer's is the tokenizer checks' to report
+    mine = padded_vocab_size(rows, model_cfg, tp)
+    if not shapes or shapes[0][1:] != (model_cfg.hidden_size,) or shapes[0][0] == mine:
+        return None  # another hidden size is the architecture checks' to report
+    theirs = shapes[0][0]
+    divisor = model_cfg.make_vocab_size_divisible_by
+    head = (f"{where}: the checkpoint's embedding has {theirs} rows, this run's would have {mine} (the vocabulary, "
+            f"{rows}, padded to a multiple of model.make_vocab_size_divisible_by x parallel.tp = {divisor} x {tp}: "
+            "the padding follows the tensor-parallel size)")
+    fits = [2**i for i in range(theirs.bit_length(), -1, -1)
+            if padded_vocab_size(rows, SimpleNamespace(make_vocab_size_divisible_by=2**i), tp) == theirs]
+    if fits:
+        return f"{head}; model.make_vocab_size_divisible_by={fits[0]} keeps its {theirs} rows at parallel.tp={tp}"
+    return f"{head}; no model.make_vocab_size_divisible_by gives {theirs} rows at parallel.tp={tp}: use the checkpoint's layout"
 
 
 def check_resume_architecture(module, step_dir: Path, saved: dict | None, current: dict | None) -> None:

@@ -175,13 +175,38 @@ def _tokenizer(cfg):
     return tokenizer_problems(cfg, resume_dir, init_dir)
 
 
+def _vocab_rows(cfg, tokenizer) -> list[str]:
+    """The checkpoint a run resumes (else its init_from) against the embedding rows this layout
+    builds: the padded vocabulary follows parallel.tp, so a relaunch on another TP would stop at
+    the load, after the run's records are rewritten."""
+    from msa_model.training.checkpoint_checks import vocab_rows_problem
+    from msa_model.training.data_setup import step_dir_of
+    from msa_model.training.inputs import checkpoint_step
+
+    if tokenizer is None:
+        return []
+    ckpt_root = Path(cfg.checkpoint.dir or Path(cfg.run_dir) / "checkpoints")
+    resume_dir = step_dir_of(ckpt_root) if cfg.resume != "never" else None
+    if resume_dir is not None:
+        where, step = f"resume: {resume_dir}", resume_dir
+    elif cfg.init_from and not cfg.init_from_partial:
+        where, step = f"init_from={cfg.init_from}", checkpoint_step("init_from", cfg.init_from)[0]
+    else:
+        return []
+    if step is None:
+        return []  # no checkpoint there: check_inputs says so
+    problem = vocab_rows_problem(where, step, cfg.model, tokenizer.vocab_size, cfg.parallel.tp)
+    return [problem] if problem else []
+
+
 def input_problems(cfg, overrides: list[str] | None = None) -> list[str]:
     """What a launch of `cfg` would stop at on its inputs (corpus or datasets, checkpoints,
     tokenizer), one line each; the dry run and `python -m launch.slurm` show them as warnings,
     since either may be made away from the data. `overrides`: as for check_inputs."""
     from msa_model.training.inputs import check_inputs
 
-    return check_inputs(cfg, overrides) + _tokenizer(cfg)[2]
+    tokenizer, _, problems = _tokenizer(cfg)
+    return check_inputs(cfg, overrides) + problems + _vocab_rows(cfg, tokenizer)
 
 
 def run(cfg: DictConfig, notes: list[str] | tuple[str, ...] = ()) -> None:
@@ -214,6 +239,7 @@ def run(cfg: DictConfig, notes: list[str] | tuple[str, ...] = ()) -> None:
     # train the embedding rows of another vocabulary)
     ckpt_root = Path(cfg.checkpoint.dir or Path(cfg.run_dir) / "checkpoints")
     tokenizer, tokenizer_source, more = _tokenizer(cfg)
+    more += _vocab_rows(cfg, tokenizer)
     if problems or more:
         # the blend's entries are the schema's and the datasets' check both: each line once
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(dict.fromkeys(problems + more)))
