@@ -260,3 +260,16 @@ def test_an_out_that_is_a_file_is_refused_in_one_line(command, tmp_path, capsys)
     assert main([command, str(tmp_path / "missing"), str(out)]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == f"error: {out}: exists and is not a directory; give another OUT"
     assert out.read_text() == "mine\n"
+
+
+def test_an_incomplete_index_branch_is_refused_not_reinitialised(tmp_path):
+    """An M3 checkpoint (index head dim = head dim, so a derived init would fit) missing one of its
+    index tensors: refused naming it, not converted with the whole trained branch re-derived."""
+    from convert_fixtures import save_tiny_m3
+
+    src = save_tiny_m3(tmp_path / "m3", index_head_dim=16)
+    _edit_tensors(src, lambda t: t.pop("model.layers.2.self_attn.indexer.k_norm.weight"))
+    with pytest.raises(ConversionError, match=r"the index branch is incomplete: 7 of its 8 tensors are here, missing "
+                                              r"\['model.layers.2.self_attn.indexer.k_norm.weight'\]"):
+        hf_to_msa(str(src), str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()

@@ -162,7 +162,7 @@ def convert_hf_tensors(ckpt, hf_cfg: dict, out: str, *, source: str, where: str,
 
     msa = model.attention == "msa"
     index_names = set(fam.hf_shapes(model, with_index=True)) - set(fam.hf_shapes(model, with_index=False))
-    has_index = msa and bool(index_names) and all(n in ckpt for n in index_names)
+    has_index = msa and _source_index_branch(ckpt, index_names, source)
     if msa and not has_index:
         check_method(model, index_init)
     expected = fam.hf_shapes(model, with_index=has_index)
@@ -191,6 +191,18 @@ def convert_hf_tensors(ckpt, hf_cfg: dict, out: str, *, source: str, where: str,
     _write(megatron_model, model, out, record,
            header=f"{fam.architecture} converted from {source} ({model.attention} attention)", tokenizer=hf_tokenizer)
     return Path(out)
+
+
+def _source_index_branch(ckpt, index_names: set[str], source: str) -> bool:
+    """Whether the source carries the index branch (read from it, not initialised). Some of its
+    tensors without the others is refused naming the missing ones: initialising the whole branch
+    instead would drop the trained tensors that are there, and mixing the two is neither model."""
+    present = {n for n in index_names if n in ckpt}
+    if present and present != index_names:
+        missing = sorted(index_names - present)
+        raise ConversionError(f"{source}: the index branch is incomplete: {len(present)} of its {len(index_names)} "
+                              f"tensors are here, missing {missing[:3]}{' ...' if len(missing) > 3 else ''}")
+    return bool(present)
 
 
 def source_tokenizer(directory: str | None, vocab_size: int | None):
