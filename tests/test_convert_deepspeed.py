@@ -1,5 +1,5 @@
-"""deepspeed-to-msa: a tiny Hugging Face Llama trained one step by DeepSpeed ZeRO-2 and ZeRO-3 on two
-gloo ranks (tests/deepspeed_main.py), saved, converted with DeepSpeed's own loader, and checked by
+"""deepspeed-to-msa: a tiny Hugging Face Llama trained one step by DeepSpeed without ZeRO (stage 0),
+ZeRO-2 and ZeRO-3 on two gloo ranks (tests/deepspeed_main.py), saved, converted with DeepSpeed's own loader, and checked by
 logits against the DeepSpeed model itself.
 
 The conversions and our forward passes run in one worker process (this file as a script).
@@ -21,7 +21,8 @@ sys.path.insert(0, str(REPO))
 
 from convert_fixtures import save_tiny_hf  # noqa: E402
 
-STAGES = (2, 3)
+# stage 0 saves no partitions: the module's weights are read from its model-states file
+STAGES = (0, 2, 3)
 GEOMETRY = dict(seq_length=128, block_size=16, topk=2)
 
 
