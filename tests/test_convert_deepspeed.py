@@ -84,6 +84,27 @@ def test_not_a_deepspeed_checkpoint(converted, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_config_found_in_a_trainer_checkpoint(converted, tmp_path):
+    """The Hugging Face Trainer's checkpoint-N/ holds config.json beside `latest`: no --hf-config needed.
+    Without one there, the error says to pass it, before anything is written."""
+    import shutil
+
+    root, _ = converted
+    ckpt = tmp_path / "checkpoint-1"
+    shutil.copytree(root / "zero2", ckpt)
+    command = [sys.executable, "-m", "msa_model.convert", "deepspeed-to-msa", str(ckpt), str(tmp_path / "out"),
+               "--seq-length", "128", "--block-size", "16", "--topk", "2"]
+    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and not (tmp_path / "out").exists()
+    assert proc.stderr.strip().splitlines()[-1] == (f"error: {ckpt}: no config.json beside the ZeRO checkpoint; pass "
+                                                    "--hf-config DIR, the directory of the model's Hugging Face config.json")
+    shutil.copy(root / "hf" / "config.json", ckpt)
+    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads((tmp_path / "out" / "conversion.json").read_text())
+    assert record["family"] == "llama" and record["hf_config"] == json.loads((root / "hf" / "config.json").read_text())
+
+
 if __name__ == "__main__":
     root_dir, out_file = Path(sys.argv[1]), Path(sys.argv[2])
     out_file.write_text(json.dumps(_worker(root_dir), indent=2))

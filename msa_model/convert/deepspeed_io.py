@@ -69,11 +69,18 @@ def load_zero_checkpoint(ckpt_dir: str | Path, tag: str | None = None) -> dict:
     return state
 
 
-def deepspeed_to_msa(ckpt_dir: str, out: str, *, hf_config: str, tag: str | None = None, **convert_kw) -> Path:
-    """A ZeRO checkpoint of a Hugging Face model (config.json in `hf_config`) -> our checkpoint in
+def deepspeed_to_msa(ckpt_dir: str, out: str, *, hf_config: str | None = None, tag: str | None = None,
+                     **convert_kw) -> Path:
+    """A ZeRO checkpoint of a Hugging Face model (config.json in `hf_config`, by default in
+    `ckpt_dir` itself, where the Hugging Face Trainer's checkpoint-N/ has it) -> our checkpoint in
     `out`; keywords as for `hf_to_msa` (attention, index_init, geometry, layout checks)."""
     from msa_model.convert.commands import convert_hf_tensors
 
+    if hf_config is None:
+        if not (Path(ckpt_dir) / CONFIG_FILE).is_file():
+            raise ConversionError(f"{ckpt_dir}: no {CONFIG_FILE} beside the ZeRO checkpoint; pass --hf-config DIR, "
+                                  "the directory of the model's Hugging Face config.json")
+        hf_config = ckpt_dir
     cfg = read_config(hf_config)
     state = load_zero_checkpoint(ckpt_dir, tag)
     if not state:
