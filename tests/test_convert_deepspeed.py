@@ -1,5 +1,5 @@
-"""deepspeed-to-msa: a tiny Hugging Face Llama trained one step by DeepSpeed ZeRO-2 and ZeRO-3 on two
-gloo ranks (tests/deepspeed_main.py), saved, converted with DeepSpeed's own loader, and checked by
+"""deepspeed-to-msa: a tiny Hugging Face Llama trained one step by DeepSpeed without ZeRO (stage 0),
+ZeRO-2 and ZeRO-3 on two gloo ranks (tests/deepspeed_main.py), saved, converted with DeepSpeed's own loader, and checked by
 logits against the DeepSpeed model itself.
 
 The conversions and our forward passes run in one worker process (this file as a script).
@@ -21,7 +21,8 @@ sys.path.insert(0, str(REPO))
 
 from convert_fixtures import save_tiny_hf  # noqa: E402
 
-STAGES = (2, 3)
+# stage 0 saves no partitions: the module's weights are read from its model-states file
+STAGES = (0, 2, 3)
 GEOMETRY = dict(seq_length=128, block_size=16, topk=2)
 
 
@@ -81,6 +82,27 @@ def test_not_a_deepspeed_checkpoint(converted, tmp_path):
     assert proc.stderr.strip().splitlines()[-1].startswith(
         f"error: {root / 'zero2' / 'global_step1'}: not a DeepSpeed checkpoint directory (no `latest` file)")
     assert not (tmp_path / "out").exists()
+
+
+def test_config_found_in_a_trainer_checkpoint(converted, tmp_path):
+    """The Hugging Face Trainer's checkpoint-N/ holds config.json beside `latest`: no --hf-config needed.
+    Without one there, the error says to pass it, before anything is written."""
+    import shutil
+
+    root, _ = converted
+    ckpt = tmp_path / "checkpoint-1"
+    shutil.copytree(root / "zero2", ckpt)
+    command = [sys.executable, "-m", "msa_model.convert", "deepspeed-to-msa", str(ckpt), str(tmp_path / "out"),
+               "--seq-length", "128", "--block-size", "16", "--topk", "2"]
+    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and not (tmp_path / "out").exists()
+    assert proc.stderr.strip().splitlines()[-1] == (f"error: {ckpt}: no config.json beside the ZeRO checkpoint; pass "
+                                                    "--hf-config DIR, the directory of the model's Hugging Face config.json")
+    shutil.copy(root / "hf" / "config.json", ckpt)
+    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads((tmp_path / "out" / "conversion.json").read_text())
+    assert record["family"] == "llama" and record["hf_config"] == json.loads((root / "hf" / "config.json").read_text())
 
 
 if __name__ == "__main__":

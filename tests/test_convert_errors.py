@@ -260,3 +260,24 @@ def test_an_out_that_is_a_file_is_refused_in_one_line(command, tmp_path, capsys)
     assert main([command, str(tmp_path / "missing"), str(out)]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == f"error: {out}: exists and is not a directory; give another OUT"
     assert out.read_text() == "mine\n"
+
+
+def _drop_index_tensors(tensors, keep):
+    for name in [n for n in tensors if ".indexer." in n][keep:]:
+        tensors.pop(name)
+
+
+@pytest.mark.parametrize("keep, message", [
+    (7, r"7 of its 8 tensors are here, missing \['model.layers.2.self_attn.indexer.q_proj.weight'\]"),
+    (0, r"0 of its 8 tensors are here, missing \['model.layers.0.self_attn.indexer.k_norm.weight', .* \.\.\.")])
+def test_an_incomplete_index_branch_is_refused_not_reinitialised(keep, message, tmp_path):
+    """An M3 checkpoint (index head dim = head dim, so a derived init would fit) missing one or all
+    of its index tensors: refused naming them, not converted with the branch re-derived (dropping
+    the trained tensors that are there; an M3 checkpoint always has its index branch)."""
+    from convert_fixtures import save_tiny_m3
+
+    src = save_tiny_m3(tmp_path / "m3", index_head_dim=16)
+    _edit_tensors(src, lambda t: _drop_index_tensors(t, keep))
+    with pytest.raises(ConversionError, match="the index branch is incomplete: " + message):
+        hf_to_msa(str(src), str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()

@@ -333,6 +333,34 @@ def test_config_refusals():
     assert model.mlp_types == ["moe", "dense", "moe"] and model.rotary_dim == 8 and model.msa.local_blocks == 2
 
 
+def test_config_reads_as_transformers_reads_it():
+    """MiniMax's release config.json (index geometry in `sparse_attention_config`, layer types as 0/1
+    `sparse_attention_freq` / `moe_layer_freq`) and keys a config leaves out read as transformers'
+    MiniMaxM3VLTextConfig reads them: the model converted is the model transformers runs."""
+    import transformers
+
+    from msa_model.convert.families import model_config_from_hf
+
+    left_out = ("layer_types", "mlp_layer_types", "index_n_heads", "index_head_dim", "index_block_size",
+                "index_topk_blocks", "index_local_blocks", "routed_scaling_factor", "num_experts_per_tok",
+                "shared_intermediate_size", "dense_intermediate_size", "num_local_experts", "rope_parameters")
+    cfg = {k: v for k, v in M3_TINY.items() if k not in left_out}
+    cfg.update(partial_rotary_factor=0.5, moe_layer_freq=[1, 0, 1], sparse_attention_config=dict(
+        sparse_attention_freq=[0, 1, 1], sparse_num_index_heads=2, sparse_index_dim=24, sparse_block_size=32,
+        sparse_topk_blocks=4, sparse_local_block=2))
+    theirs = transformers.MiniMaxM3VLTextConfig(**cfg)
+    _, ours = model_config_from_hf({"architectures": ["MiniMaxM3VLForCausalLM"], **cfg})
+    assert ours.attention_types == [{"full_attention": "full", "minimax_m3_sparse": "msa"}[t] for t in theirs.layer_types]
+    assert ours.mlp_types == [{"dense": "dense", "sparse": "moe"}[t] for t in theirs.mlp_layer_types]
+    assert (ours.msa.index_head_dim, ours.msa.block_size, ours.msa.topk, ours.msa.local_blocks) == (
+        theirs.index_head_dim, theirs.index_block_size, theirs.index_topk_blocks, theirs.index_local_blocks)
+    assert (ours.moe_router_topk_scaling_factor, ours.moe_router_topk, ours.moe_shared_expert_size,
+            ours.ffn_hidden_size, ours.num_experts) == (
+        theirs.routed_scaling_factor, theirs.num_experts_per_tok, theirs.shared_intermediate_size,
+        theirs.dense_intermediate_size, theirs.num_local_experts)
+    assert ours.rotary_base == theirs.rope_parameters["rope_theta"] and ours.rotary_dim == 8
+
+
 def test_export_refuses_what_m3_cannot_express():
     from msa_model.config import ModelConfig
     from msa_model.convert.families import FAMILIES

@@ -1,7 +1,7 @@
 """`python -m msa_model.convert <command> ...`: checkpoint conversion (see README, "Converting dense checkpoints").
 
     hf-to-msa SRC OUT       Hugging Face Llama/Mistral/Qwen2/Qwen3/Qwen3-MoE/Mixtral/MiniMax-M3 dir -> our checkpoint
-    deepspeed-to-msa CKPT_DIR OUT --hf-config DIR   a DeepSpeed ZeRO checkpoint of such a model -> our checkpoint
+    deepspeed-to-msa CKPT_DIR OUT [--hf-config DIR] a DeepSpeed ZeRO checkpoint of such a model -> our checkpoint
     dense-to-msa SRC OUT    our dense-baseline checkpoint -> MSA, index projections added
     msa-to-hf SRC OUT       our checkpoint -> Hugging Face safetensors + config.json (--format minimax_m3 keeps MSA)
     verify HF_DIR SRC       logits parity of our checkpoint with the transformers model
@@ -69,7 +69,8 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("src", help="ZeRO checkpoint directory (holds `latest` and global_stepN/)")
     q.add_argument("out")
     q.add_argument("--overwrite", action="store_true", help="replace what an earlier conversion wrote to OUT")
-    q.add_argument("--hf-config", required=True, help="directory with the model's config.json")
+    q.add_argument("--hf-config", default=None, help="directory with the model's config.json (default: the "
+                   "checkpoint directory, where the Hugging Face Trainer's checkpoint-N/ has it)")
     q.add_argument("--tag", default=None, help="checkpoint tag, e.g. global_step100 (default: `latest`)")
     hf_args(q)
 

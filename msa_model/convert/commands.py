@@ -162,15 +162,17 @@ def convert_hf_tensors(ckpt, hf_cfg: dict, out: str, *, source: str, where: str,
 
     msa = model.attention == "msa"
     index_names = set(fam.hf_shapes(model, with_index=True)) - set(fam.hf_shapes(model, with_index=False))
-    has_index = msa and bool(index_names) and all(n in ckpt for n in index_names)
-    if msa and not has_index:
-        check_method(model, index_init)
+    # the model's own tensors first: weights of another model are named as such
+    check_hf_shapes(ckpt, fam.hf_shapes(model, with_index=False), source)
+    has_index = msa and _source_index_branch(ckpt, index_names, source, required=fam.runs_msa)
     expected = fam.hf_shapes(model, with_index=has_index)
     check_hf_shapes(ckpt, expected, source)
     unexpected = [n for n in ckpt.names if n not in expected and n not in index_names and not n.endswith(_IGNORED_HF_SUFFIXES)]
     if unexpected:
         raise ConversionError(f"{source}: tensors the {fam.name} mapping does not know: {unexpected[:6]}"
                               f"{' ...' if len(unexpected) > 6 else ''}")
+    if msa and not has_index:
+        check_method(model, index_init)
     source_dtype = _SAFETENSORS_DTYPES.get(ckpt.dtype(ckpt.names[0]), "float32")
 
     # tensors are read and fused one at a time, as the model asks for them: memory stays at one model
@@ -191,6 +193,19 @@ def convert_hf_tensors(ckpt, hf_cfg: dict, out: str, *, source: str, where: str,
     _write(megatron_model, model, out, record,
            header=f"{fam.architecture} converted from {source} ({model.attention} attention)", tokenizer=hf_tokenizer)
     return Path(out)
+
+
+def _source_index_branch(ckpt, index_names: set[str], source: str, required: bool) -> bool:
+    """Whether the source carries the index branch (read from it, not initialised). Some of its
+    tensors without the others is refused naming the missing ones: initialising the whole branch
+    instead would drop the trained tensors that are there, and mixing the two is neither model.
+    `required` (a family whose format runs MSA, MiniMax-M3): none of them is refused too."""
+    present = {n for n in index_names if n in ckpt}
+    if (present or required) and present != index_names:
+        missing = sorted(index_names - present)
+        raise ConversionError(f"{source}: the index branch is incomplete: {len(present)} of its {len(index_names)} "
+                              f"tensors are here, missing {missing[:3]}{' ...' if len(missing) > 3 else ''}")
+    return bool(present)
 
 
 def source_tokenizer(directory: str | None, vocab_size: int | None):

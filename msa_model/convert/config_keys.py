@@ -68,11 +68,12 @@ def text_config(hf_config: dict) -> dict:
     return hf_config.get("text_config") or hf_config
 
 
-def rope_from_hf(cfg: dict, where: str) -> tuple[float, RopeScalingConfig]:
-    """(theta, scaling) from `rope_parameters` (transformers >= 5) or `rope_theta`/`rope_scaling`."""
+def rope_from_hf(cfg: dict, where: str, default_theta: float = 10000.0) -> tuple[float, RopeScalingConfig]:
+    """(theta, scaling) from `rope_parameters` (transformers >= 5) or `rope_theta`/`rope_scaling`;
+    a config without a theta has its model's `default_theta` in transformers."""
     params = dict(cfg.get("rope_parameters") or {})
     legacy = cfg.get("rope_scaling") or {}
-    theta = float(lookup(params, "rope_theta", default=lookup(cfg, "rope_theta", default=10000.0)))
+    theta = float(lookup(params, "rope_theta", default=lookup(cfg, "rope_theta", default=default_theta)))
     kind = lookup(params, "rope_type", "type", default=None) or lookup(legacy, "rope_type", "type", default="default")
     source = params if params.get("factor") is not None or not legacy else legacy
     if kind == "default":

@@ -62,14 +62,16 @@ _ATTENTION = {"full_attention": "full", "minimax_m3_sparse": "msa"}
 _MLP = {"dense": "dense", "sparse": "moe"}
 
 # the text config's keys <-> ModelConfig fields (msa_model.convert.config_keys); the rest of the
-# translation (layer types, RoPE, the router, what M3 fixes) is code below
+# translation (layer types, RoPE, the router, what M3 fixes) is code below. A key a config.json
+# leaves out reads as transformers' MiniMaxM3VLTextConfig default: what the reference model runs
+# with (a default of our own converted silently into another model, e.g. routed scaling 1 for 2)
 CONFIG_KEYS = (
     Key("num_hidden_layers", "num_layers"),
     Key("hidden_size", "hidden_size"),
     Key("num_attention_heads", "num_attention_heads"),
     Key("num_key_value_heads", "num_query_groups"),
-    Key("head_dim", "head_dim", default=lambda f: f["hidden_size"] // f["num_attention_heads"]),
-    Key("dense_intermediate_size", "ffn_hidden_size", aliases=("intermediate_size",)),
+    Key("head_dim", "head_dim", default=128),
+    Key("dense_intermediate_size", "ffn_hidden_size", default=12288),
     Key("rms_norm_eps", "norm_eps", float, 1e-6),
     Key("swiglu_alpha", "glu_alpha", float, 1.702),
     Key("swiglu_limit", "activation_clamp", float, 7.0),
@@ -78,19 +80,27 @@ CONFIG_KEYS = (
 )
 # read where the model has experts
 MOE_KEYS = (
-    Key("num_experts_per_tok", "moe_router_topk", default=1),
-    Key("intermediate_size", "moe_ffn_hidden_size"),
-    Key("shared_intermediate_size", "moe_shared_expert_size", default=0),
-    Key("routed_scaling_factor", "moe_router_topk_scaling_factor", float, 1.0, to_hf=lambda v: v or 1.0),
+    Key("num_experts_per_tok", "moe_router_topk", default=4),
+    Key("intermediate_size", "moe_ffn_hidden_size", default=3072),
+    Key("shared_intermediate_size", "moe_shared_expert_size", default=3072),
+    Key("routed_scaling_factor", "moe_router_topk_scaling_factor", float, 2.0, to_hf=lambda v: v or 1.0),
     Key("router_aux_loss_coef", "moe_aux_loss_coeff", float, 1e-3),
 )
 # config.json keys <-> MSAConfig fields
 MSA_KEYS = (
-    Key("index_head_dim", "index_head_dim", default=lambda f: f["head_dim"]),
+    Key("index_head_dim", "index_head_dim", default=128),
     Key("index_block_size", "block_size", default=PRODUCTION_BLOCK_SIZE),
     Key("index_topk_blocks", "topk", default=PRODUCTION_TOPK),
     Key("index_local_blocks", "local_blocks", default=1),
 )
+
+# transformers' MiniMaxM3VLTextConfig.default_theta: the RoPE base of a config.json without one
+DEFAULT_THETA = 5_000_000.0
+# MiniMax's release config.json holds the index geometry in `sparse_attention_config` under these
+# names (and the layer types as 0/1 lists); transformers reads them as the flat keys
+_LEGACY_INDEX_KEYS = {"index_n_heads": "sparse_num_index_heads", "index_head_dim": "sparse_index_dim",
+                      "index_block_size": "sparse_block_size", "index_topk_blocks": "sparse_topk_blocks",
+                      "index_local_blocks": "sparse_local_block"}
 
 # release name (after the language_model prefix) -> canonical name, or (canonical, part) for the
 # two halves of a fused [gate; up] weight
@@ -218,6 +228,21 @@ def _rotary_dim(c: dict, head_dim: int, where: str) -> int:
     return dim
 
 
+def _flat_keys(c: dict) -> dict:
+    """The text config with the release config.json's older keys read as transformers reads them
+    (MiniMaxM3VLTextConfig.__post_init__): the index geometry of `sparse_attention_config` over the
+    flat `index_*` keys, its `sparse_attention_freq` and `moe_layer_freq` (one 0/1 per layer) as
+    `layer_types` / `mlp_layer_types` where those are not given. Without this a release config
+    read as all full-attention layers with MoE MLPs and the default geometry."""
+    sparse = c.get("sparse_attention_config") or {}
+    flat = {**c, **{key: sparse[old] for key, old in _LEGACY_INDEX_KEYS.items() if old in sparse}}
+    if flat.get("layer_types") is None and "sparse_attention_freq" in sparse:
+        flat["layer_types"] = ["minimax_m3_sparse" if f else "full_attention" for f in sparse["sparse_attention_freq"]]
+    if flat.get("mlp_layer_types") is None and c.get("moe_layer_freq") is not None:
+        flat["mlp_layer_types"] = ["sparse" if f else "dense" for f in c["moe_layer_freq"]]
+    return flat
+
+
 def _types(c: dict, key: str, table: dict, layers: int, default: str, where: str) -> list[str]:
     values = c.get(key) or [default] * layers
     if len(values) != layers:
@@ -243,6 +268,7 @@ class MiniMaxM3(Family):
         c = text_config(hf_config)
         if c is not hf_config:
             where = f"{where} (text_config)"
+        c = _flat_keys(c)
         fields = read_keys(CONFIG_KEYS, c, where)
         layers, heads, kv_heads = fields["num_layers"], fields["num_attention_heads"], fields["num_query_groups"]
         head_dim = fields["head_dim"]
@@ -252,7 +278,7 @@ class MiniMaxM3(Family):
         attn_types = _types(c, "layer_types", _ATTENTION, layers, "full_attention", where)
         mlp_types = _types(c, "mlp_layer_types", _MLP, layers, "sparse", where)
         has_msa = "msa" in attn_types and attention == "msa"
-        index_heads = int(lookup(c, "index_n_heads", default=kv_heads))
+        index_heads = int(lookup(c, "index_n_heads", default=4))
         if has_msa and index_heads != kv_heads:
             raise ConversionError(f"{where}: index_n_heads ({index_heads}) != num_key_value_heads ({kv_heads}); MSA "
                                   "has one index head per GQA group")
@@ -264,8 +290,8 @@ class MiniMaxM3(Family):
         if has_msa and rotary_dim > msa.index_head_dim:
             raise ConversionError(f"{where}: {rotary_dim} rotated channels do not fit "
                                   f"index_head_dim={msa.index_head_dim}")
-        theta, scaling = rope_from_hf(c, where)
-        experts = int(lookup(c, "num_local_experts", "num_experts", default=0)) if "moe" in mlp_types else 0
+        theta, scaling = rope_from_hf(c, where, default_theta=DEFAULT_THETA)
+        experts = int(lookup(c, "num_local_experts", "num_experts", default=128)) if "moe" in mlp_types else 0
         moe_kw = {}
         if experts:
             moe_kw = dict(num_experts=experts, **read_keys(MOE_KEYS, c, where), moe_router_score_function="sigmoid",
