@@ -132,6 +132,17 @@ def test_round_trip_bit_identical(converted, family):
     assert config["msa"] == {"block_size": 16, "topk": 2, "index_head_dim": config["head_dim"], "force_sink": False}
 
 
+def test_an_untrained_index_branch_stays_untrained_through_export_and_back(converted):
+    """hf-to-msa derives the index branch of a dense source (untrained); its export says so in
+    config.json, and converting the export back records it untrained again, so recipe=cpt still
+    warms it up (a branch read from a source is otherwise taken as trained, as MiniMax-M3's)."""
+    root, _ = converted
+    for fam in FAMILIES:
+        assert json.loads((root / fam / "hf_back" / "config.json").read_text())["msa_index_trained"] is False, fam
+    record = json.loads((root / "qwen3_moe" / "msa_again" / "conversion.json").read_text())
+    assert record["index_init"] == "from checkpoint" and record["index_trained"] is False
+
+
 def test_sharded_export(converted):
     root, _ = converted
     back = root / "mixtral" / "hf_back"
@@ -170,8 +181,9 @@ def test_cpt_from_a_converted_llama_keeps_the_warmup(converted):
     msa, dense = root / "llama" / "msa", root / "qwen3" / "dense"
     assert json.loads((msa / "conversion.json").read_text())["index_trained"] is False
     assert index_branch_trained(msa) is False and index_branch_trained(dense) is False
-    # an exported MSA model read back carries index weights: they count as trained
-    assert index_branch_trained(root / "qwen3_moe" / "msa_again") is True
+    # an exported MSA model read back carries index weights, and its export's word that they are
+    # untrained (index weights without it count as trained: tests/test_convert_m3.py)
+    assert index_branch_trained(root / "qwen3_moe" / "msa_again") is False
     register_configs()
     with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "configs"), version_base=None):
         cfg = compose("train", overrides=["recipe=cpt", f"init_from={msa}"])

@@ -23,6 +23,7 @@ from msa_model.convert.families import FAMILIES, model_config_from_hf
 from msa_model.convert.hf_io import CONFIG_FILE, ConversionError, HFCheckpoint, read_config, save_safetensors
 from msa_model.convert.hf_mapping import Rule, check_hf_shapes, fuse, split
 from msa_model.convert.index_init import DEFAULT, check_method, index_weight_names, index_weights
+from msa_model.training.index_history import index_branch_trained
 
 log = logging.getLogger(__name__)
 
@@ -185,9 +186,14 @@ def convert_hf_tensors(ckpt, hf_cfg: dict, out: str, *, source: str, where: str,
     megatron_model = mio.build(model, parallel)
     mio.assign(megatron_model, tensors, source)
     init = ("from checkpoint" if has_index else index_init) if msa else None
-    # an index branch read from the source was trained there (MiniMax-M3); a derived or drawn one
-    # was not (msa_model/training/index_history.py: recipe=cpt skips the warmup for a trained one)
-    record = _metadata(kind=kind, source=source, family=fam.name, index_init=init, index_trained=msa and has_index,
+    # an index branch read from the source was trained there (MiniMax-M3), unless our export says
+    # it was not (UNTRAINED_KEY); a derived or drawn one was not (msa_model/training/index_history.py:
+    # recipe=cpt skips the warmup for a trained one)
+    trained = msa and has_index and hf_cfg.get(UNTRAINED_KEY) is not False
+    if msa and has_index and not trained:
+        log.info("%s: its index branch is read but recorded untrained (%s: false in config.json, written by "
+                 "msa-to-hf): recipe=cpt warms it up", source, UNTRAINED_KEY)
+    record = _metadata(kind=kind, source=source, family=fam.name, index_init=init, index_trained=trained,
                        source_dtype=source_dtype, skipped=skipped or None, hf_config=hf_cfg,
                        target_layout={"tp": tp, "pp": pp, "ep": ep})
     _write(megatron_model, model, out, record,
@@ -304,6 +310,11 @@ def _checkpoint_tokenizer(src: str):
     return build_tokenizer(spec) if spec is not None else None
 
 
+# config.json key of an export whose index branch is untrained (derived by a conversion, or still in
+# its run's indexer warmup), so that converting it back keeps the warmup; absent: trained
+UNTRAINED_KEY = "msa_index_trained"
+
+
 def msa_to_hf(src: str, out: str, *, family: str | None = None, model_config: str | None = None,
               dtype: str | None = None, max_shard_size: int = 5 * 2**30) -> Path:
     """One of our checkpoints (MSA or dense) -> a Hugging Face directory in the source family's names."""
@@ -332,6 +343,8 @@ def msa_to_hf(src: str, out: str, *, family: str | None = None, model_config: st
     files = save_safetensors(tensors, out, max_shard_bytes=max_shard_size)
     hf_cfg = fam.hf_config(build_cfg, record.get("hf_config"))
     hf_cfg["dtype"] = dtype
+    if cfg.attention == "msa" and index_branch_trained(src) is False:
+        hf_cfg[UNTRAINED_KEY] = False
     (Path(out) / CONFIG_FILE).write_text(json.dumps(hf_cfg, indent=2, sort_keys=True) + "\n")
     tokenizer = _checkpoint_tokenizer(src)
     if isinstance(tokenizer, HFTokenizer):
