@@ -202,7 +202,13 @@ def test_memory_advice_follows_the_target_gpu():
     name, layout, est = smallest_fitting_layout(cfg, 257, 80.0)
     assert name == "msa_109b_8k" and layout.model == cfg.model and est["total"] < 80
     assert smallest_fitting_layout(cfg, 257, 20.0) is None
-    assert "no layout in configs/parallel/ fits this model" in advice("model=msa_109b", "launch.gpu_memory_gib=20")
+    text = advice("model=msa_109b", "launch.gpu_memory_gib=20")
+    assert "no layout in configs/parallel/ fits this model" in text
+    # only the levers left: micro-batches of one cannot be lowered, full recompute is not set again
+    assert text.endswith("(with launch.nodes x launch.ranks_per_node GPUs), set model.recompute=full or lower "
+                         "parallel.micro_batch_size")
+    text = advice("model=msa_109b", "launch.gpu_memory_gib=2", "parallel.micro_batch_size=1", "model.recompute=full")
+    assert text.endswith("fits this model: raise parallel.tp/pp/ep/cp (with launch.nodes x launch.ranks_per_node GPUs)")
     # the 128K layout carries its context: at 128K it is the one that fits
     assert smallest_fitting_layout(_compose("model=msa_109b", "model.seq_length=131072"), 257, 80.0)[0] == \
         "msa_109b_128k"

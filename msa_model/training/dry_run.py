@@ -158,9 +158,14 @@ def memory_advice(cfg: DictConfig, vocab: int, total_gib: float) -> str | None:
             f" on this layout")
     found = smallest_fitting_layout(cfg, vocab, gpu_gib)
     if found is None:
-        return (f"{head}; no layout in configs/parallel/ fits this model: raise parallel.tp/pp/ep/cp (with "
-                "launch.nodes x launch.ranks_per_node GPUs), set model.recompute=full or lower "
-                "parallel.micro_batch_size")
+        # only the levers this config has left
+        levers = ["raise parallel.tp/pp/ep/cp (with launch.nodes x launch.ranks_per_node GPUs)"]
+        if cfg.model.recompute != "full":
+            levers.append("set model.recompute=full")
+        if cfg.parallel.micro_batch_size > 1:
+            levers.append("lower parallel.micro_batch_size")
+        return (f"{head}; no layout in configs/parallel/ fits this model: " + ", ".join(levers[:-1])
+                + (" or " if len(levers) > 1 else "") + levers[-1])
     name, c, est = found
     p = c.parallel
     recipes = _recipes_with(cfg.model.name, name)
