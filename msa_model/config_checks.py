@@ -269,11 +269,13 @@ def check_config(cfg, world_size: Optional[int] = None, gpu: Optional[bool] = No
         run_tokens = t.max_steps * p.global_batch_size * m.seq_length
         # the fix a shortened run needs, in whole steps
         half_run = t.max_steps // 2 * p.global_batch_size * m.seq_length
+        # a one-step run has no half to warm up in: sparse from its first step
+        fix = (f"trainer.indexer_warmup_tokens={half_run} warms up for half the run" if half_run else
+               "trainer.indexer_warmup_tokens=0 runs top-k from the first step")
         _check(errors, t.indexer_warmup_tokens < run_tokens,
                f"trainer.indexer_warmup_tokens ({t.indexer_warmup_tokens:,}) must be < the run's tokens "
                f"(trainer.max_steps * parallel.global_batch_size * model.seq_length = {run_tokens:,}); "
-               f"otherwise top-k selection never switches on; trainer.indexer_warmup_tokens={half_run} warms up "
-               "for half the run (use recipe=dense for a dense run)")
+               f"otherwise top-k selection never switches on; {fix} (use recipe=dense for a dense run)")
         _check(errors, m.seq_length % msa.block_size == 0,
                f"model.seq_length ({m.seq_length}) must be a multiple of model.msa.block_size ({msa.block_size})")
     # whole GQA groups per tensor-parallel rank, so no group's indexer KL spans ranks

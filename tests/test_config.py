@@ -119,6 +119,9 @@ def test_a_short_run_is_told_the_indexer_warmup_that_fits():
     with pytest.raises(ConfigError, match=r"trainer.indexer_warmup_tokens=20480 warms up for half the run"):
         validate(_compose("trainer.max_steps=10"), world_size=1)
     validate(_compose("trainer.max_steps=10", "trainer.indexer_warmup_tokens=20480"), world_size=1)
+    # one step has no half: the way out is top-k from the start
+    with pytest.raises(ConfigError, match=r"trainer.indexer_warmup_tokens=0 runs top-k from the first step"):
+        validate(_compose("trainer.max_steps=1"), world_size=1)
 
 
 def test_expert_and_pipeline_parallelism_need_experts_on_every_stage():
