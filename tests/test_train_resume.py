@@ -155,7 +155,8 @@ def test_dense_steps_after_the_warmup_resume_on_their_step_numbers(tmp_path, dat
 
     split = tmp_path / "split"
     run_train(split, *dense, "trainer.stop_at_step=4", data_cache=data_cache)
-    run_train(split, *dense, data_cache=data_cache)
+    proc = run_train(split, *dense, data_cache=data_cache)
+    assert "one step in 3 from here on (steps 7, 10, ...)" in proc.stdout + proc.stderr
     b = metrics(split)
     for step in a:
         assert {k: a[step].get(k) for k in COMPARED} == {k: b[step].get(k) for k in COMPARED}, step

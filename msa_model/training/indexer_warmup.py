@@ -70,11 +70,16 @@ class IndexerWarmup(Callback):
                      "top-%d of %d-token blocks (<= %d keys per query)", trainer.state.step,
                      f"{tokens:,}", f"{self.warmup_tokens:,}", c.topk, c.block_size,
                      keys_per_query(c.block_size, c.topk))
-            if self.dense_interval:
-                n, first = self.dense_interval, trainer.state.step + 1
-                nxt = first + (-(first - 1)) % n
-                log.info("one step in %d from here on (steps %d, %d, ...) runs dense attention and the dense KL "
-                         "(trainer.indexer_dense_interval)", n, nxt, nxt + n)
+        if self.dense_interval:
+            # said once a process: at the switch, or at the start of a job past the warmup
+            log.info("%s", self._dense_steps_line(trainer.state.step + 1))
+
+    def _dense_steps_line(self, first: int) -> str:
+        """Which steps from step number `first` on run dense (1, N + 1, 2N + 1, ...)."""
+        n = self.dense_interval
+        nxt = first + (1 - first) % n
+        return (f"one step in {n} from here on (steps {nxt}, {nxt + n}, ...) runs dense attention and the dense KL "
+                "(trainer.indexer_dense_interval)")
 
     def on_train_start(self, trainer) -> None:
         if not msa_layers(trainer.model_chunks):
