@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -84,6 +85,14 @@ def _worker(root: Path) -> dict:
         results[name] = r
     # an exported M3 converts back with its index branch and every tensor as it was
     hf_to_msa(str(root / "text" / "hf_back"), str(root / "text" / "msa_again"), seq_length=256)
+    # a trained branch whose conversion record holds an earlier export's "untrained" word (as one
+    # converted from an untrained export and trained since would): the checkpoint's history decides
+    stale = root / "text" / "msa_stale"
+    shutil.copytree(root / "text" / "msa", stale)
+    record = json.loads((stale / "conversion.json").read_text())
+    record["hf_config"]["msa_index_trained"] = False
+    (stale / "conversion.json").write_text(json.dumps(record))
+    msa_to_hf(str(stale), str(root / "text" / "hf_stale"))
     return results
 
 
@@ -153,6 +162,14 @@ def _tensors(step_dir: Path, tmp: Path) -> dict:
 
     dcp_to_torch_save(str(step_dir), str(tmp))
     return {k: v for k, v in torch.load(tmp, weights_only=False).items() if torch.is_tensor(v)}
+
+
+def test_an_export_of_a_trained_branch_says_nothing_of_untrained(converted):
+    """msa_index_trained (msa-to-hf's word for an untrained index branch) is not written for M3's
+    trained one, nor carried over from the conversion record's config."""
+    root, _, _ = converted
+    for name in ("hf_back", "hf_stale"):
+        assert "msa_index_trained" not in json.loads((root / "text" / name / "config.json").read_text()), name
 
 
 def test_reimport_is_the_same_checkpoint(converted, tmp_path):

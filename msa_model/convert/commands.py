@@ -343,6 +343,8 @@ def msa_to_hf(src: str, out: str, *, family: str | None = None, model_config: st
     files = save_safetensors(tensors, out, max_shard_bytes=max_shard_size)
     hf_cfg = fam.hf_config(build_cfg, record.get("hf_config"))
     hf_cfg["dtype"] = dtype
+    # the source's config may carry an earlier export's word: this checkpoint's history decides
+    hf_cfg.pop(UNTRAINED_KEY, None)
     if cfg.attention == "msa" and index_branch_trained(src) is False:
         hf_cfg[UNTRAINED_KEY] = False
     (Path(out) / CONFIG_FILE).write_text(json.dumps(hf_cfg, indent=2, sort_keys=True) + "\n")
