@@ -244,7 +244,7 @@ def _check_split_documents(prefixes: list[str], split_matrix, split, seq_length:
     be repeated to fill every sample (a file-directory corpus is counted here, once tokenized)."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    from .prepared import documents_tokens
+    from .prepared import sequences_tokens
 
     for prefix in prefixes:
         n = len(IndexedDataset(prefix, mmap=True).index.sequence_lengths)
@@ -255,7 +255,7 @@ def _check_split_documents(prefixes: list[str], split_matrix, split, seq_length:
             if hi <= lo:
                 raise DataCacheError(f"data.split {list(split)} leaves no {name} document of {prefix} ({n:,} documents); "
                                      f"give {name} a larger share, or its own datasets (data.valid_blend)")
-            tokens = documents_tokens(prefix, lo, hi)
+            tokens = sequences_tokens(prefix, lo, hi)
             if tokens <= seq_length:
                 raise DataCacheError(f"data.split {list(split)}: the {name} documents of {prefix} ({hi - lo:,} of "
                                      f"{n:,}) hold {tokens:,} tokens, fewer than one sample (model.seq_length + 1 = "

@@ -212,7 +212,9 @@ def split_problems(data_cfg, evaluating: bool, seq_length: int | None = None) ->
         spans.append(("validation", bounds[1], bounds[2]))
     for prefix in parse_blend(data_cfg.blend, "data.blend")[0]:
         try:
-            n = int(read_metadata(prefix)["documents"])
+            meta = read_metadata(prefix)
+            # megatron splits by sequences: one a document unless its sentences were split
+            n = int(meta.get("sequences", meta["documents"]))
         except (ValueError, KeyError, TypeError):
             continue  # reported by check_blends
         for name, a, b in spans:
@@ -220,27 +222,28 @@ def split_problems(data_cfg, evaluating: bool, seq_length: int | None = None) ->
             if hi <= lo:
                 problems.append(f"data.split {list(data_cfg.split)} leaves no {name} document of {prefix} ({n:,} "
                                 f"documents): give {name} a larger share, or its own datasets (data.valid_blend)")
-            elif seq_length is not None and (tokens := documents_tokens(prefix, lo, hi)) <= seq_length:
+            elif seq_length is not None and (tokens := sequences_tokens(prefix, lo, hi)) <= seq_length:
                 problems.append(f"data.split {list(data_cfg.split)}: the {name} documents of {prefix} ({hi - lo:,} of "
                                 f"{n:,}) hold {tokens:,} tokens, fewer than one sample (model.seq_length + 1 = "
                                 f"{seq_length + 1:,}), which would repeat them; give more text or a larger {name} share")
     if evaluating and seq_length is not None:
         for prefix in parse_blend(data_cfg.valid_blend, "data.valid_blend")[0]:
-            tokens = documents_tokens(prefix, 0, None)
+            tokens = sequences_tokens(prefix, 0, None)
             if tokens <= seq_length:
                 problems.append(f"data.valid_blend: {prefix} holds {tokens:,} tokens, fewer than one sample "
                                 f"(model.seq_length + 1 = {seq_length + 1:,}), which would repeat them; give more text")
     return problems
 
 
-def documents_tokens(prefix: str, lo: int, hi: int | None) -> int:
-    """Tokens of documents [lo, hi) of a prepared dataset (hi None: to the end), from its index."""
+def sequences_tokens(prefix: str, lo: int, hi: int | None) -> int:
+    """Tokens of sequences [lo, hi) of a prepared dataset (hi None: to the end), from its index.
+    megatron's split cuts a dataset by sequences (a document prepared with its sentences split,
+    as Megatron-LM's preprocess_data.py --split-sentences writes, holds several)."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
+    # the lengths are a view of the index's memory map: the dataset must outlive the sum
     dataset = IndexedDataset(str(prefix), mmap=True)
-    docs = dataset.document_indices
-    first, last = docs[lo], docs[len(docs) - 1 if hi is None else hi]
-    return int(dataset.sequence_lengths[first:last].sum())
+    return int(dataset.sequence_lengths[lo:hi].sum())
 
 
 def contents_key(prefixes: list[str]) -> str:

@@ -174,3 +174,32 @@ def test_a_dataset_the_run_reads_more_than_once_is_said(tmp_path):
     large = write_prepared(tmp_path / "large", ["y" * 2000], byte)
     cfg.blend = [str(large)]
     assert repeat_lines(build_datasets(cfg, byte, 64, 2)[0], "training") == []
+
+
+def test_a_dataset_of_split_sentences_is_counted_by_sequences(tmp_path):
+    """Megatron-LM's --split-sentences writes several sequences a document, and megatron's split
+    cuts a dataset by sequences: the one-sample check counts the tokens of those sequences (it read
+    the cut as document numbers: an IndexError past the last document)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    from data.prepared import split_problems, write_metadata
+
+    byte = build_tokenizer("byte")
+    prefix = tmp_path / "sentences"
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.int32)
+    for doc in range(4):  # 4 documents of 5 sentences of 20 tokens
+        sentences = [np.full(20, 65 + doc, dtype=np.int32) for _ in range(5)]
+        sentences[-1][-1] = byte.eod
+        builder.add_document(np.concatenate(sentences), [20] * 5)
+    builder.finalize(f"{prefix}.idx")
+    write_metadata(prefix, {"source": ["test"], "tokenizer": {**byte.identity, "path": "byte"}, "add_bos": False,
+                            "documents": 4, "sequences": 20, "tokens": 400, "skipped": {}})
+    cfg = OmegaConf.structured(DataConfig(blend=[str(prefix)], split=[90.0, 10.0, 0.0], cache_dir=str(tmp_path / "c")))
+    # validation: sequences 18-19 (round(0.9 * 20)), 40 tokens: fewer than one 64-token sample
+    (problem,) = split_problems(cfg, evaluating=True, seq_length=64)
+    assert "the validation documents of" in problem and "(2 of 20) hold 40 tokens" in problem
+    assert split_problems(cfg, evaluating=True, seq_length=32) == []
+    with pytest.raises(DataCacheError, match=r"the validation documents of .* \(2 of 20\) hold 40 tokens"):
+        build_datasets(cfg, byte, 64, train_samples=4, valid_samples=2)
+    train, valid = build_datasets(cfg, byte, 32, train_samples=4, valid_samples=2)
+    assert len(train) >= 4 and len(valid) >= 2
