@@ -456,7 +456,7 @@ class Scheduler:
     def eval_job(self, run: Run) -> Job:
         p, out = self.s.preset, self.s.eval_dir(run)
         # the preset's lengths for its context, scaled to this study's
-        scaled = [max(256, n * self.args.seq_length // p["seq"]) for n in p["lengths"]]
+        scaled = sorted({max(256, n * self.args.seq_length // p["seq"]) for n in p["lengths"]})
         lengths = self.args.eval_lengths or ",".join(str(n) for n in scaled)
         samples = self.args.eval_samples or p["samples"]
         cmd = [sys.executable, "-m", "msa_model.eval", str(run.dir), "--out", str(out), "--lengths", lengths,

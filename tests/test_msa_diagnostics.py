@@ -259,32 +259,35 @@ def _needle_chance_cases():
             needle_chance(60, 5, 16, 4),  # 4 visible blocks: all selected
             needle_chance(160, 40, 16, 4),
             needle_chance(160, 150, 16, 4, local_blocks=2),  # the block before the query's, local too
-            needle_chance(160, 40, 16, 4, local_blocks=2)]
+            needle_chance(160, 40, 16, 4, local_blocks=2),
+            needle_chance(160, 40, 16, 4, force_sink=True),  # block 0 forced too: 2 free of 9
+            needle_chance(160, 5, 16, 4, force_sink=True)]  # the needle in the forced block 0
 
 
 def test_the_needle_selection_counts_the_layers_and_groups_holding_its_block():
     """Two layers of two groups, the query in the second of two query chunks: three of the four
     (layer, group) pairs name the needle's block (16-token blocks: token 40 is in block 2)."""
-    from msa_model.eval.runner import _needle_selection
-    from msa_model.training.diagnostics import LayerCapture
+    from msa_model.eval.runner import QuerySelection, _needle_selection
 
-    def capture(rows_g):
-        c = LayerCapture()
-        c.add(block_idx=torch.full((1, 8, 2, 3), -1, dtype=torch.int32), q_offset=0)
+    def capture(rows_g, query=13):
+        c = QuerySelection(query)
+        c.add(block_idx=torch.full((1, 8, 2, 3), -1, dtype=torch.int32), q_offset=0, q=torch.zeros(1))
         idx = torch.full((1, 8, 2, 3), -1, dtype=torch.int32)
         idx[0, 5] = torch.tensor(rows_g, dtype=torch.int32)  # query 8 + 5 = 13
         c.add(block_idx=idx, q_offset=8)
+        c.seal()
         return c
 
     layers = [capture([[0, 2, -1], [1, 0, -1]]), capture([[2, 1, 0], [0, 1, 2]])]
-    assert _needle_selection(layers, 13, 40, 16) == 0.75
-    assert _needle_selection(layers, 12, 40, 16) == 0.0  # its slots are all empty
+    assert _needle_selection(layers, 40, 16) == 0.75
+    # query 12: its slots are all empty
+    assert _needle_selection([capture([[2, 1, 0], [0, 1, 2]], query=12)], 40, 16) == 0.0
     # random blocks: 3 free slots over the 10 blocks before query 160's (block 10), 2 over 9 with
     # two local blocks
-    assert _needle_chance_cases() == [1.0, 1.0, 3 / 10, 1.0, 2 / 9]
-    warmup = LayerCapture()
+    assert _needle_chance_cases() == [1.0, 1.0, 3 / 10, 1.0, 2 / 9, 2 / 9, 1.0]
+    warmup = QuerySelection(3)
     warmup.add(block_idx=None, q_offset=0)
-    assert _needle_selection([warmup], 3, 40, 16) is None
+    assert _needle_selection([warmup], 40, 16) is None
 
 
 def test_every_field_of_an_evaluation_example_draws_another_one(tmp_path):

@@ -130,29 +130,46 @@ def needle_token(ex, tokenizer) -> int | None:
     return None
 
 
-def needle_chance(query: int, needle: int, block_size: int, topk: int, local_blocks: int = 1) -> float:
-    """The share a selection of random blocks would reach: 1 for a needle in the query's local
-    blocks, else the free slots over the earlier visible blocks, (topk - local) / (visible - local)."""
+def needle_chance(query: int, needle: int, block_size: int, topk: int, local_blocks: int = 1,
+                  force_sink: bool = False) -> float:
+    """The share a selection of random blocks would reach: 1 for a needle in a block always
+    selected (the query's local blocks, block 0 with force_sink), else the free slots over the
+    other visible blocks, (topk - forced) / (visible - forced)."""
     visible, block = query // block_size + 1, needle // block_size
     local = min(local_blocks, visible)
-    if block >= visible - local or visible <= topk:
+    sink = force_sink and visible - local > 0  # block 0 forced and not already a local block
+    if visible <= topk or block >= visible - local or (sink and block == 0):
         return 1.0
-    return (topk - local) / (visible - local)
+    forced = local + int(sink)
+    return (topk - forced) / (visible - forced)
 
 
-def _needle_selection(captures, query: int, needle: int, block_size: int) -> float | None:
-    """The share of (MSA layer, GQA group) pairs whose selection for `query` holds the block of
-    token `needle`, from the layers' captures of one unpacked sequence (None: no layer selected
-    anything, as in the indexer warmup)."""
+class QuerySelection:
+    """A layer's diagnostics capture (MSASelfAttention.diagnostics_capture) that keeps only the
+    selection of one query, `blocks` [G, K] (None until a chunk holding it passes): holding every
+    layer's q and k, as the training diagnostics' capture does, would keep them all alive until
+    the forward ends."""
+
+    def __init__(self, query: int):
+        self.query, self.blocks = query, None
+
+    def add(self, block_idx=None, q_offset: int = 0, **_) -> None:
+        if block_idx is not None and q_offset <= self.query < q_offset + block_idx.shape[1]:
+            self.blocks = block_idx[0, self.query - q_offset].clone()
+
+    def seal(self) -> None:
+        pass
+
+
+def _needle_selection(captures: list[QuerySelection], needle: int, block_size: int) -> float | None:
+    """The share of (MSA layer, GQA group) pairs whose selection for the captured query holds the
+    block of token `needle` (one unpacked sequence; None: no layer selected anything, as in the
+    indexer warmup)."""
     hits, pairs = 0, 0
     for capture in captures:
-        for c in capture.chunks:
-            idx, off = c["block_idx"], c["q_offset"]
-            if idx is None or not off <= query < off + idx.shape[1]:
-                continue
-            chosen = idx[0, query - off]  # [G, K]
-            hits += int((chosen == needle // block_size).any(-1).sum())
-            pairs += chosen.shape[0]
+        if capture.blocks is not None:
+            hits += int((capture.blocks == needle // block_size).any(-1).sum())
+            pairs += capture.blocks.shape[0]
     return hits / pairs if pairs else None
 
 
@@ -164,7 +181,6 @@ def score_example(model, device, ex, tokenizer, msa=None) -> dict:
     answer are tokenized apart (with the byte tokenizer, one token a byte). `msa`: the MSA layers'
     options (model.msa; the needle measured when given)."""
     from msa_model.model.attention import msa_layers
-    from msa_model.training.diagnostics import LayerCapture
 
     prompt, answer = tokenizer.tokenize_batch([ex.prompt, ex.answer])
     ids = np.concatenate([prompt, answer]).astype(np.int64)
@@ -175,12 +191,11 @@ def score_example(model, device, ex, tokenizer, msa=None) -> dict:
     block_size = msa.block_size if msa is not None else None
     layers = [m for m in msa_layers(model) if m.sparse] if needle is not None else []
     for layer in layers:
-        layer.diagnostics_capture = LayerCapture()
+        layer.diagnostics_capture = QuerySelection(len(prompt) - 1)
     try:
         logits = _logits(model, tokens)[0, -A:, :vocab].float()
-        selected = _needle_selection([m.diagnostics_capture for m in layers], len(prompt) - 1, needle, block_size) \
-            if layers else None
-        chance = needle_chance(len(prompt) - 1, needle, block_size, msa.topk, msa.local_blocks) \
+        selected = _needle_selection([m.diagnostics_capture for m in layers], needle, block_size) if layers else None
+        chance = needle_chance(len(prompt) - 1, needle, block_size, msa.topk, msa.local_blocks, msa.force_sink) \
             if selected is not None else None
     finally:
         for layer in layers:
