@@ -21,6 +21,7 @@ Two ways to start the ranks (launch.mode, `--mode`):
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import re
 import shlex
@@ -178,13 +179,17 @@ def render(launch, overrides: list[str], run_dir: Path, env: dict[str, str] | No
 
 def write_run_dir(run_dir: Path, cfg, script: str) -> Path:
     """config.yaml, git.txt and submit.sbatch; the trainer rewrites the first two identically."""
-    from msa_model.training.run_dir import git_description, write_config
+    from msa_model.training.checkpoint import latest_checkpoint
+    from msa_model.training.run_dir import change_lines, git_description, write_config
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    # a run directory in use keeps its earlier configuration, as a relaunch by train.py does
-    kept, _ = write_config(cfg, run_dir)
-    if kept is not None:
-        print(f"{run_dir}/config.yaml changed; the earlier one is kept as {kept.name}")
+    # a run directory in use keeps its earlier configuration, as a relaunch by train.py does, and
+    # says here what changed (the job's train.py then finds config.yaml as it is)
+    kept, changes = write_config(cfg, run_dir)
+    resuming = cfg.resume != "never" and latest_checkpoint(Path(cfg.checkpoint.dir or run_dir / "checkpoints")) is not None
+    for level, line in change_lines(kept, changes, resuming):
+        print(("warning: " if level >= logging.WARNING else "") + f"{run_dir}: {line}",
+              file=sys.stderr if level >= logging.WARNING else sys.stdout)
     (run_dir / "git.txt").write_text(git_description())
     path = run_dir / "submit.sbatch"
     path.write_text(script)

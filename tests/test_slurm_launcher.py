@@ -195,8 +195,10 @@ def test_inputs_the_job_would_stop_at_are_warned_of_before_submission(tmp_path, 
     assert not (tmp_path / "run").exists()
 
 
-def test_submitting_into_a_used_run_dir_keeps_its_earlier_config(tmp_path):
-    """As a relaunch by train.py does: the config a run trained with is not overwritten unseen."""
+def test_submitting_into_a_used_run_dir_keeps_its_earlier_config(tmp_path, capsys):
+    """As a relaunch by train.py does: the config a run trained with is not overwritten unseen,
+    the changed keys are named, and a resume whose data stream changed is warned of (the job's
+    train.py finds config.yaml already rewritten, so only the submission can say it)."""
     from launch.slurm import write_run_dir
 
     run_dir, script, cfg = prepare([f"run_dir={tmp_path}/run", "optim.lr=1e-3"])
@@ -205,5 +207,14 @@ def test_submitting_into_a_used_run_dir_keeps_its_earlier_config(tmp_path):
     write_run_dir(run_dir, changed, script)
     assert (run_dir / "config.yaml.1").read_text().count("lr: 0.001") == 1
     assert "lr: 0.002" in (run_dir / "config.yaml").read_text()
+    out = capsys.readouterr()
+    assert "optim.lr: 0.001 -> 0.002" in out.out and "warning" not in out.err
     write_run_dir(run_dir, changed, script)
     assert not (run_dir / "config.yaml.2").exists()
+    # a checkpoint to resume from, and another data split: a warning
+    (run_dir / "checkpoints" / "step_00000002").mkdir(parents=True)
+    (run_dir / "checkpoints" / "latest").write_text("step_00000002\n")
+    _, script, other = prepare([f"run_dir={tmp_path}/run", "optim.lr=2e-3", "data.split=[90,10,0]"])
+    write_run_dir(run_dir, other, script)
+    err = capsys.readouterr().err
+    assert "warning: " in err and "the data stream changed since the last launch (data.split)" in err

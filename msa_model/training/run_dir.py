@@ -182,20 +182,30 @@ def write_config(cfg, run_dir: Path) -> tuple[Path | None, list[str]]:
     return kept, changes
 
 
+def change_lines(kept: Path | None, changes: list[str], resuming: bool) -> list[tuple[int, str]]:
+    """(logging level, line) of a relaunch's changed configuration (write_config's result): a
+    warning when a resume's data stream changed (DATA_STREAM_KEYS), then the changed keys."""
+    if kept is None:
+        return []
+    lines = []
+    stream = sorted({c.split(":")[0] for c in changes} & set(DATA_STREAM_KEYS))
+    if resuming and stream:
+        lines.append((logging.WARNING, f"the data stream changed since the last launch ({', '.join(stream)}): this "
+                                       "resume reads other samples than the run it continues would have; the "
+                                       f"earlier configuration is {kept}"))
+    lines.append((logging.INFO, f"configuration changed since the last launch (the earlier one kept as {kept.name}): "
+                                + "; ".join(changes)))
+    return lines
+
+
 def write_run_files(cfg, run_dir: Path, resuming: bool = False) -> None:
     """config.yaml, git.txt and launch.sh (rank 0 only). A relaunch with a different configuration
     keeps the earlier one as config.yaml.1, .2, ... (oldest first) and says what changed; a
     resume (`resuming`) whose data stream changed (DATA_STREAM_KEYS: e.g. a relaunch that left
     out data.blend) is a warning, since it does not continue the samples of the run."""
     kept, changes = write_config(cfg, run_dir)
-    if kept is not None:
-        stream = sorted({c.split(":")[0] for c in changes} & set(DATA_STREAM_KEYS))
-        if resuming and stream:
-            log.warning("the data stream changed since the last launch (%s): this resume reads other samples "
-                        "than the run it continues would have; the earlier configuration is %s",
-                        ", ".join(stream), kept)
-        log.info("configuration changed since the last launch (the earlier one kept as %s): %s", kept.name,
-                 "; ".join(changes))
+    for level, line in change_lines(kept, changes, resuming):
+        log.log(level, "%s", line)
     (run_dir / "git.txt").write_text(git_description())
     launch = run_dir / "launch.sh"
     command = relaunch_command(str(run_dir.resolve()))
