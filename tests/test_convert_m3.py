@@ -83,8 +83,9 @@ def _worker(root: Path) -> dict:
         msa_to_hf(str(msa), str(back), max_shard_size=40_000 if name == "vl" else 5 * 2**30)
         r["exported"] = verify(str(back), str(msa), batches=1, seq_length=SEQ, seed=1)
         results[name] = r
-    # an exported M3 converts back with its index branch and every tensor as it was
-    hf_to_msa(str(root / "text" / "hf_back"), str(root / "text" / "msa_again"), seq_length=256)
+    # an exported M3 converts back with its index branch and every tensor as it was (an
+    # --index-init given is not used, and said so)
+    hf_to_msa(str(root / "text" / "hf_back"), str(root / "text" / "msa_again"), seq_length=256, index_init="derived")
     # a trained branch whose conversion record holds an earlier export's "untrained" word (as one
     # converted from an untrained export and trained since would): the checkpoint's history decides
     stale = root / "text" / "msa_stale"
@@ -173,7 +174,8 @@ def test_an_export_of_a_trained_branch_says_nothing_of_untrained(converted):
 
 
 def test_reimport_is_the_same_checkpoint(converted, tmp_path):
-    root, _, _ = converted
+    root, _, log = converted
+    assert "carries its index branch, which is read as it is: --index-init derived is not used" in log
     first = _tensors(root / "text" / "msa" / "step_00000000", tmp_path / "a.pt")
     again = _tensors(root / "text" / "msa_again" / "step_00000000", tmp_path / "b.pt")
     assert set(first) == set(again) and any(k.endswith("router.expert_bias") for k in first)

@@ -32,8 +32,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     def index_args(q, defaults_from_model: bool):
-        q.add_argument("--index-init", choices=INIT_CHOICES, default=DEFAULT,
-                       help=f"index projection initialisation (default {DEFAULT})")
+        q.add_argument("--index-init", choices=INIT_CHOICES, default=None,
+                       help=f"index projection initialisation (default {DEFAULT}; a source carrying its index "
+                            "branch keeps it)")
         keep = (" (default: the model config's)" if defaults_from_model
                 else f" (default: the checkpoint's for MiniMax-M3, else chosen for the context: block "
                      f"{PRODUCTION_BLOCK_SIZE} and top-{PRODUCTION_TOPK} from 8K tokens on, smaller below; "

@@ -83,7 +83,7 @@ def _metadata(**kw) -> dict:
     return {k: v for k, v in kw.items() if v is not None}
 
 
-def hf_to_msa(src: str, out: str, *, attention: str = "msa", index_init: str = DEFAULT, tp: int = 1, pp: int = 1,
+def hf_to_msa(src: str, out: str, *, attention: str = "msa", index_init: str | None = None, tp: int = 1, pp: int = 1,
               ep: int = 1, seq_length: int | None = None, max_seq_length: int = MAX_SEQ_LENGTH,
               block_size: int | None = None, topk: int | None = None, index_head_dim: int | None = None,
               local_blocks: int | None = None, name: str | None = None, seed: int = 0,
@@ -138,7 +138,7 @@ def _geometry(model: ModelConfig, hf_cfg: dict, fam, where: str, block_size: int
 
 
 def convert_hf_tensors(ckpt, hf_cfg: dict, out: str, *, source: str, where: str, kind: str, attention: str = "msa",
-                       index_init: str = DEFAULT, tp: int = 1, pp: int = 1, ep: int = 1, seq_length: int | None = None,
+                       index_init: str | None = None, tp: int = 1, pp: int = 1, ep: int = 1, seq_length: int | None = None,
                        max_seq_length: int = MAX_SEQ_LENGTH, block_size: int | None = None, topk: int | None = None,
                        index_head_dim: int | None = None, local_blocks: int | None = None, name: str | None = None,
                        seed: int = 0, tokenizer: str | None = None) -> Path:
@@ -172,6 +172,10 @@ def convert_hf_tensors(ckpt, hf_cfg: dict, out: str, *, source: str, where: str,
     if unexpected:
         raise ConversionError(f"{source}: tensors the {fam.name} mapping does not know: {unexpected[:6]}"
                               f"{' ...' if len(unexpected) > 6 else ''}")
+    if msa and has_index and index_init is not None:
+        log.warning("%s carries its index branch, which is read as it is: --index-init %s is not used", source,
+                    index_init)
+    index_init = index_init or DEFAULT
     if msa and not has_index:
         check_method(model, index_init)
     source_dtype = _SAFETENSORS_DTYPES.get(ckpt.dtype(ckpt.names[0]), "float32")
@@ -270,13 +274,14 @@ def _load_source(src: str, model_config: str | None) -> tuple[ModelConfig, Model
     return cfg, build_cfg, model
 
 
-def dense_to_msa(src: str, out: str, *, model_config: str | None = None, index_init: str = DEFAULT,
+def dense_to_msa(src: str, out: str, *, model_config: str | None = None, index_init: str | None = None,
                  block_size: int | None = None, topk: int | None = None, index_head_dim: int | None = None,
                  local_blocks: int | None = None, name: str | None = None, seed: int = 0) -> Path:
     """One of our dense-attention checkpoints -> the MSA model: every tensor kept bit-identical,
     index projections added; the dense run's data position is recorded (init_from_data_position)."""
     from msa_model.training.checkpoint import recorded_data_position
 
+    index_init = index_init or DEFAULT
     cfg, build_cfg, dense = _load_source(src, model_config)
     if cfg.attention != "dense":
         raise ConversionError(f"{src}: model.attention is {cfg.attention!r}; dense-to-msa needs a dense checkpoint")
