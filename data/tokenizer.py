@@ -66,6 +66,10 @@ class ByteTokenizer(MegatronTokenizerBase):
     def tokenize_batch(self, texts: list[str | bytes]) -> list[np.ndarray]:
         return [self.tokenize(t) for t in texts]
 
+    def token_index(self, text: bytes, at: int) -> int:
+        """The index, in tokenize(text), of the token holding byte `at`: the byte itself."""
+        return at
+
     def detokenize(self, ids) -> str:
         """Decode ids (EOD becomes a newline, invalid UTF-8 is replaced)."""
         ids = np.asarray(ids)
@@ -144,6 +148,14 @@ class HFTokenizer(MegatronTokenizerBase):
     def tokenize_batch(self, texts: list[str | bytes]) -> list[np.ndarray]:
         strings = [t.decode("utf-8", errors="replace") if isinstance(t, bytes) else t for t in texts]
         return [np.asarray(e.ids, dtype=np.int32) for e in self._fast.encode_batch(strings, add_special_tokens=False)]
+
+    def token_index(self, text: bytes, at: int) -> int | None:
+        """The index, in tokenize(text), of the token holding byte `at` (at a character's start),
+        from the encoding's offsets: a pre-tokenizer may merge it with the text before it (" 4"),
+        which tokenizing text[:at] alone would split. None if no token holds it."""
+        string = text.decode("utf-8", errors="replace")
+        char = len(text[:at].decode("utf-8", errors="replace"))
+        return self._fast.encode(string, add_special_tokens=False).char_to_token(char)
 
     def detokenize(self, ids) -> str:
         return self._fast.decode([int(i) for i in np.asarray(ids).tolist()], skip_special_tokens=False)

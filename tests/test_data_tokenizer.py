@@ -21,6 +21,22 @@ def bpe(tmp_path_factory) -> Path:
     return make_bpe_tokenizer(tmp_path_factory.mktemp("tok") / "bpe")
 
 
+def test_token_index_names_the_token_holding_a_byte(bpe):
+    """token_index(text, at): the token of tokenize(text) whose bytes hold byte `at`, after
+    multi-byte characters too (offsets count characters); the byte tokenizer's is the byte."""
+    from data.tokenizer import ByteTokenizer, HFTokenizer
+
+    tok = HFTokenizer(bpe)
+    text = "caf\u00e9 = '\u00fcber'\nVAR_x = 48213\nKEY = \"90817\"\n".encode()
+    ids = tok.tokenize(text)
+    for value in (b"48213", b"90817", b"ber", b"VAR_x"):
+        at = text.index(value)
+        t = tok.token_index(text, at)
+        before, through = (len(tok.detokenize(ids[:n]).encode()) for n in (t, t + 1))
+        assert before <= at < through, (value, t, before, through)
+    assert ByteTokenizer().token_index(text, 17) == 17
+
+
 def test_hf_tokenizer_encodes_as_transformers_does_without_special_tokens(bpe):
     from transformers import AutoTokenizer
 

@@ -120,13 +120,12 @@ def _logits(model, tokens_BS: torch.Tensor) -> torch.Tensor:
 
 
 def needle_token(ex, tokenizer) -> int | None:
-    """The token index of the asked value's first digit in its needle line (`NAME = "<digits>"`,
-    vartrack's `VAR_x = <digits>`), counted by tokenizing the prompt before it; None if absent."""
+    """The index, in the prompt's tokens, of the token holding the asked value's first digit in
+    its needle line (`NAME = "<digits>"`, vartrack's `VAR_x = <digits>`); None if absent."""
     for pattern in (b'= "' + ex.answer + b'"', b"= " + ex.answer + b"\n"):
         at = ex.prompt.find(pattern)
         if at >= 0:
-            at += pattern.index(ex.answer)
-            return len(tokenizer.tokenize_batch([ex.prompt[:at]])[0])
+            return tokenizer.token_index(ex.prompt, at + pattern.index(ex.answer))
     return None
 
 
