@@ -97,6 +97,12 @@ def summarize(study) -> dict:
             "seeds": study.args.seeds, "arms": arms}
 
 
+def _per_length(arm: dict, key: str, lengths: list[int]) -> dict:
+    """{length: the mean over the arm's evaluated runs of their eval[key][length] (None: none)}."""
+    return {n: _mean([v["eval"][key][str(n)] for v in arm["runs"].values() if "eval" in v
+                      and (v["eval"].get(key) or {}).get(str(n)) is not None]) for n in lengths}
+
+
 def _fmt(v, spec=".3f", signed=False):
     if v is None:
         return "-"
@@ -156,12 +162,9 @@ def markdown(summary: dict, study, call: dict) -> str:
         lines += ["| arm | " + " | ".join(str(n) for n in lengths) + " |", "|---|" + "---|" * len(lengths)]
         acc = {}
         for name, a in evals.items():
-            acc[name] = {n: _mean([v["eval"]["accuracy_by_length"][str(n)] for v in a["runs"].values()
-                                   if "eval" in v and str(n) in v["eval"]["accuracy_by_length"]]) for n in lengths}
+            acc[name] = _per_length(a, "accuracy_by_length", lengths)
             lines.append(f"| {name} | " + " | ".join(_fmt(acc[name][n], ".2f") for n in lengths) + " |")
-            needle, chance = ({n: _mean([v["eval"][key][str(n)] for v in a["runs"].values() if "eval" in v
-                                         and (v["eval"].get(key) or {}).get(str(n)) is not None]) for n in lengths}
-                              for key in ("needle_selected", "needle_chance"))
+            needle, chance = (_per_length(a, key, lengths) for key in ("needle_selected", "needle_chance"))
             if any(v is not None for v in needle.values()):
                 lines.append(f"| {name}: needle block selected (random blocks) | " + " | ".join(
                     "-" if needle[n] is None else f"{needle[n]:.2f} ({chance[n]:.2f})" for n in lengths) + " |")

@@ -38,19 +38,21 @@ def markdown(results: dict) -> str:
                  + " |")
     loss = results["loss_by_position"]
     lines += ["", f"Loss by position ({loss['source']}, {loss['sequences']} x {loss['length']} tokens):", "",
-              "| positions | " + " | ".join(f"{b['from']}-{b['to']}" for b in loss["buckets"]) + " |",
-              "|---|" + "---|" * len(loss["buckets"]),
-              "| loss | " + " | ".join(f"{b['loss']:.3f}" for b in loss["buckets"]) + " |", ""]
+              *_loss_table("positions", loss["buckets"])]
     by_offset = loss.get("by_block_offset")
     if by_offset:
         first, end = by_offset["positions"]
         lines += [f"Loss by offset in a {by_offset['block_size']}-token key block (positions {first}-{end}; the "
                   f"first offsets minus the block's second half: {by_offset['start_excess']:+.3f} ± "
-                  f"{by_offset['start_excess_se']:.3f}):", "",
-                  "| offsets | " + " | ".join(f"{b['from']}-{b['to']}" for b in by_offset["buckets"]) + " |",
-                  "|---|" + "---|" * len(by_offset["buckets"]),
-                  "| loss | " + " | ".join(f"{b['loss']:.3f}" for b in by_offset["buckets"]) + " |", ""]
+                  f"{by_offset['start_excess_se']:.3f}):", "", *_loss_table("offsets", by_offset["buckets"])]
     return "\n".join(lines)
+
+
+def _loss_table(what: str, buckets: list[dict]) -> list[str]:
+    """A markdown table of the mean loss per bucket [from, to) of `what` (positions, offsets)."""
+    return ["| " + what + " | " + " | ".join(f"{b['from']}-{b['to']}" for b in buckets) + " |",
+            "|---|" + "---|" * len(buckets),
+            "| loss | " + " | ".join(f"{b['loss']:.3f}" for b in buckets) + " |", ""]
 
 
 def plot_accuracy(results: dict, path: Path) -> None:
