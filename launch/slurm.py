@@ -25,6 +25,7 @@ import logging
 import math
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -197,11 +198,21 @@ def write_run_dir(run_dir: Path, cfg, script: str) -> Path:
     return path
 
 
+class SubmitError(RuntimeError):
+    """sbatch refused the job or is not there; the message is one line for the user."""
+
+
 def sbatch(script: Path, timeout: float = 60) -> str:
     """Submit and return the job id."""
-    out = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=timeout)
+    try:
+        out = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True,
+                             timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise SubmitError(f"sbatch {script} gave no answer in {timeout:.0f} s (is slurmctld reachable?)") from None
     if out.returncode != 0:
-        raise RuntimeError(f"sbatch {script} failed: {out.stderr.strip()}")
+        # sbatch's last line is its verdict (`fatal: ...`, `error: Batch job submission failed: ...`)
+        lines = out.stderr.strip().splitlines() or [f"exit status {out.returncode}"]
+        raise SubmitError(f"sbatch {script} failed: {lines[-1]}")
     return out.stdout.strip().split(";")[0]
 
 
@@ -325,7 +336,16 @@ def main(argv: list[str] | None = None) -> None:
     if request.dry_run:
         print(script, end="")
         return
-    job_id = sbatch(write_run_dir(run_dir, cfg, script))
+    # before the run directory is written: a machine without SLURM's client submits nothing
+    if shutil.which("sbatch") is None:
+        print("launch.slurm: sbatch not found: submit from a SLURM login node (--dry-run prints the job "
+              "script)", file=sys.stderr)
+        sys.exit(2)
+    try:
+        job_id = sbatch(write_run_dir(run_dir, cfg, script))
+    except SubmitError as e:
+        print(f"launch.slurm: {e}", file=sys.stderr)
+        sys.exit(1)
     print(f"submitted job {job_id}: {cfg.launch.nodes} node(s) x {cfg.launch.ranks_per_node} rank(s), "
           f"run dir {run_dir}")
     print(f"  log:      {run_dir}/slurm-{job_id}.out")

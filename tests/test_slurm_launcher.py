@@ -218,3 +218,33 @@ def test_submitting_into_a_used_run_dir_keeps_its_earlier_config(tmp_path, capsy
     write_run_dir(run_dir, other, script)
     err = capsys.readouterr().err
     assert "warning: " in err and "the data stream changed since the last launch (data.split)" in err
+
+
+def test_a_machine_without_sbatch_is_told_so_before_anything_is_written(tmp_path, capsys, monkeypatch):
+    from launch.slurm import main
+
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(SystemExit) as done:
+        main(["--", f"run_dir={tmp_path}/run"])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and err.startswith("launch.slurm: sbatch not found") and err.count("\n") == 1, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_refused_submission_is_one_line_with_sbatch_s_verdict(tmp_path, capsys, monkeypatch):
+    """sbatch without a reachable controller: its last line, not a traceback."""
+    from launch.slurm import main
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "sbatch"
+    fake.write_text("#!/bin/sh\necho 'sbatch: error: fetch_config: DNS SRV lookup failed' >&2\n"
+                    "echo 'sbatch: fatal: Could not establish a configuration source' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    with pytest.raises(SystemExit) as done:
+        main(["--", f"run_dir={tmp_path}/run"])
+    err = capsys.readouterr().err
+    assert done.value.code == 1 and "Traceback" not in err, err
+    assert err.splitlines()[-1] == (f"launch.slurm: sbatch {tmp_path}/run/submit.sbatch failed: "
+                                    "sbatch: fatal: Could not establish a configuration source"), err
