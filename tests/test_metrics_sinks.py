@@ -113,3 +113,26 @@ def test_flop_rate_in_a_unit_that_shows_it():
     assert flop_rate(0.0015) == "1.5 GFLOP/s"
     assert flop_rate(2e-6) == "2.0 MFLOP/s"
     assert flop_rate(None) == "- FLOP/s"
+
+
+def test_without_a_terminal_short_lines_stand_in_for_the_progress_bar(monkeypatch, caplog):
+    """logging.progress_bar=true (the default) with the output redirected: tqdm disables its bar,
+    and a short line still follows PROGRESS_S seconds without output."""
+    import logging
+    import sys
+
+    import msa_model.training.metrics as metrics
+
+    clock = {"t": 0.0}
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: clock["t"])
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
+    console = metrics.ConsoleLine(max_steps=100, log_interval=50, progress_bar=True)
+    console.open(0)
+    with caplog.at_level(logging.INFO, logger=metrics.log.name):
+        for step in range(1, 4):
+            clock["t"] += 20.0
+            console.step(step, {"lm_loss": 2.0}, None)
+    console.close()
+    lines = [r.getMessage() for r in caplog.records if "next full line" in r.getMessage()]
+    # the first step's line, then one at step 3 (40 s after it), none at step 2 (20 s)
+    assert [line.split("/")[0].split()[-1] for line in lines] == ["1", "3"], lines

@@ -212,9 +212,11 @@ class ConsoleLine(MetricsSink):
         if self.progress_bar:
             from tqdm import tqdm
 
-            # disable=None: no bar when the output is not a terminal (CI logs, redirected runs)
-            self.bar = tqdm(total=self.max_steps, initial=step, desc="train", unit="step",
-                            dynamic_ncols=True, leave=False, disable=None)
+            # disable=None: no bar when the output is not a terminal (CI logs, redirected runs); the
+            # short lines stand in for it then, so a disabled bar is no bar
+            bar = tqdm(total=self.max_steps, initial=step, desc="train", unit="step",
+                       dynamic_ncols=True, leave=False, disable=None)
+            self.bar = None if bar.disable else bar
 
     def step(self, step: int, metrics: dict, record: dict | None) -> None:
         self._steps += 1
