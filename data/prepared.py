@@ -135,10 +135,12 @@ def parse_blend(entries, key: str) -> tuple[list[str], list[float], list[str]]:
     return prefixes, weights, problems
 
 
-def check_blends(data_cfg, tokenizer_identity: dict | None = None) -> list[str]:
+def check_blends(data_cfg, tokenizer_identity: dict | None = None, tokenizer_source: str = "",
+                 remedy: str | None = None) -> list[str]:
     """Every problem of data.blend and data.valid_blend, one line each: the entries, each prefix's
     files, and one tokenizer identity shared by all of them and by `tokenizer_identity` (the run's,
-    when known; data.tokenizer_mismatch=allow lets a different one through)."""
+    when known; data.tokenizer_mismatch=allow lets a different one through). A mismatch names
+    where the run's tokenizer came from (`tokenizer_source`) and what to do (`remedy`)."""
     problems, seen, tokens = [], {}, {}
     for key in ("data.blend", "data.valid_blend"):
         entries = getattr(data_cfg, key.split(".")[1])
@@ -160,9 +162,10 @@ def check_blends(data_cfg, tokenizer_identity: dict | None = None) -> list[str]:
     elif seen and tokenizer_identity is not None and data_cfg.tokenizer_mismatch != "allow":
         prefix, recorded = next(iter(seen.items()))
         if not identities_match(recorded, tokenizer_identity):
-            problems.append(f"data.tokenizer: {describe_identity(tokenizer_identity)} is not the tokenizer "
-                            f"{prefix} was prepared with ({describe_identity(recorded)}); use that one, or "
-                            "data.tokenizer_mismatch=allow")
+            source = f" ({tokenizer_source})" if tokenizer_source else ""
+            problems.append(f"data.tokenizer: {describe_identity(tokenizer_identity)}{source} is not the tokenizer "
+                            f"{prefix} was prepared with ({describe_identity(recorded)}); "
+                            f"{remedy or 'use that one, or data.tokenizer_mismatch=allow'}")
     return problems
 
 

@@ -298,3 +298,26 @@ def test_a_blend_whose_tokenizer_directory_moved_is_named_as_such(tmp_path, bpe)
                           "exists; name it where it is now: data.tokenizer=DIR"]
     assert problems(str(tmp_path / "moved")) == []
     assert "is not the tokenizer" in problems("byte")[0]
+
+
+def test_a_blend_on_a_run_dir_that_resumes_another_tokenizer_says_to_start_a_new_run(tmp_path, bpe):
+    """`make train` then the README's blend command on CPU: run_dir is still runs/tiny-pt, whose
+    checkpoint holds the byte tokenizer. Not "data.tokenizer: byte-v1 ... use that one" (the user
+    named none, and naming the blend's would be refused against the checkpoint): the line says
+    where the tokenizer came from and that these datasets need a run of their own."""
+    from types import SimpleNamespace
+
+    from data.tokenizer import build_tokenizer
+    from msa_model.training.data_setup import IDENTITY_FILE, TOKENIZER_DIR, tokenizer_problems
+
+    prefix = _dataset(tmp_path, build_tokenizer(str(bpe)))
+    step_dir = tmp_path / "run" / "checkpoints" / "step_00000080"
+    (step_dir / TOKENIZER_DIR).mkdir(parents=True)
+    (step_dir / TOKENIZER_DIR / IDENTITY_FILE).write_text(json.dumps(build_tokenizer("byte").identity))
+    data = SimpleNamespace(tokenizer=None, eod_token=None, add_bos=False, blend=[str(prefix)], valid_blend=None,
+                           tokenizer_mismatch="refuse", verify_cache=False, split=[99, 1, 0])
+    cfg = SimpleNamespace(data=data, model=SimpleNamespace(vocab_size=None, seq_length=64),
+                          trainer=SimpleNamespace(eval_interval=0))
+    (line,) = tokenizer_problems(cfg, step_dir, None)[2]
+    assert f"(the checkpoint this run resumes ({step_dir})) is not the tokenizer {prefix} was prepared" in line, line
+    assert line.endswith("; train on them in a new run (another run_dir=)"), line

@@ -61,11 +61,14 @@ def step_dir_of(path: str | Path | None) -> Path | None:
     return path if path.is_dir() else None
 
 
+RESUMED = "the checkpoint this run resumes"
+
+
 def resolve_tokenizer(data_cfg, resume_dir: Path | None, init_dir: Path | None) -> tuple[str, str]:
     """(spec, where it came from) of the run's tokenizer (module docstring's order)."""
     if data_cfg.tokenizer is not None:
         return data_cfg.tokenizer, "data.tokenizer"
-    for what, step_dir in (("the checkpoint this run resumes", resume_dir), ("init_from", init_dir)):
+    for what, step_dir in ((RESUMED, resume_dir), ("init_from", init_dir)):
         _, spec = checkpoint_tokenizer(step_dir)
         if spec is not None:
             return spec, f"{what} ({step_dir})"
@@ -135,7 +138,10 @@ def tokenizer_problems(cfg, resume_dir: Path | None, init_dir: Path | None):
         problems.append(f"data.blend: the tokenizer its datasets were prepared with, {gone}, no longer exists; "
                         "name it where it is now: data.tokenizer=DIR")
     if cfg.data.blend or cfg.data.valid_blend:
-        problems += check_blends(cfg.data, None if gone is not None else mine)
+        # a tokenizer taken from the checkpoint this run resumes cannot change: the datasets need a new run
+        remedy = "train on them in a new run (another run_dir=)" if source.startswith(RESUMED) else None
+        problems += check_blends(cfg.data, None if gone is not None else mine,
+                                 "" if source == "data.tokenizer" else source, remedy)
     if cfg.data.blend and not problems:
         problems += split_problems(cfg.data, evaluating=cfg.trainer.eval_interval > 0, seq_length=cfg.model.seq_length)
     return tokenizer, source, problems
