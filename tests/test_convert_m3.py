@@ -245,6 +245,9 @@ def test_m3_tiny_trains_and_exports(tmp_path, data_cache):
     config = json.loads((out / "config.json").read_text())
     assert config["layer_types"] == ["full_attention"] + ["minimax_m3_sparse"] * 3
     assert config["rope_parameters"]["partial_rotary_factor"] == 0.5 and config["index_local_blocks"] == 2
+    # the byte tokenizer's ids, not M3's defaults (200034 / 200020) past the 320 rows
+    assert (config["bos_token_id"], config["eos_token_id"]) == (None, 256), config
+    assert "must be `None` or an integer within the vocabulary" not in proc.stdout + proc.stderr
     # the aux-loss-free balancing bias moved after each step (megatron's expert-bias update)
     tensors = load_all(out)
     assert any(tensors[f"model.layers.{i}.mlp.gate.e_score_correction_bias"].abs().sum() > 0 for i in (1, 2, 3))

@@ -352,8 +352,13 @@ def msa_to_hf(src: str, out: str, *, family: str | None = None, model_config: st
     hf_cfg.pop(UNTRAINED_KEY, None)
     if cfg.attention == "msa" and index_branch_trained(src) is False:
         hf_cfg[UNTRAINED_KEY] = False
-    (Path(out) / CONFIG_FILE).write_text(json.dumps(hf_cfg, indent=2, sort_keys=True) + "\n")
     tokenizer = _checkpoint_tokenizer(src)
+    if tokenizer is not None:
+        # the ids of the tokenizer it trained with, where the source's config.json names none: the
+        # family's config class would fill in its own (M3's 200034 / 200020, past a byte model's rows)
+        hf_cfg.setdefault("bos_token_id", tokenizer.bos)
+        hf_cfg.setdefault("eos_token_id", tokenizer.eod)
+    (Path(out) / CONFIG_FILE).write_text(json.dumps(hf_cfg, indent=2, sort_keys=True) + "\n")
     if isinstance(tokenizer, HFTokenizer):
         tokenizer.save(out)
         log.info("wrote the checkpoint's tokenizer (%s) beside the weights", tokenizer.identity["name"])
