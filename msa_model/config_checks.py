@@ -178,6 +178,15 @@ def _check_launch(errors: list[str], launch) -> None:
            f"{launch.time_min * 60}): the stop warning comes that long before the time limit")
 
 
+def missing_init_from(cfg) -> Optional[str]:
+    """The line for a recipe that continues a checkpoint (`requires_init_from`) without
+    init_from=, else None: an error for a run, a warning for its dry run (which shows the recipe)."""
+    if not cfg.requires_init_from or cfg.init_from:
+        return None
+    return (f"recipe {cfg.name} continues a dense checkpoint: set init_from=PATH (an MSA checkpoint made by "
+            "`python -m msa_model.convert dense-to-msa` or `hf-to-msa`)")
+
+
 def check_config(cfg, world_size: Optional[int] = None, gpu: Optional[bool] = None) -> None:
     """`msa_model.config.validate`: raise ConfigError listing every problem found."""
     errors: list[str] = []
@@ -315,9 +324,8 @@ def check_config(cfg, world_size: Optional[int] = None, gpu: Optional[bool] = No
            f"({o.decay_steps or t.max_steps})")
     _check(errors, t.max_steps > 0, f"trainer.max_steps must be positive, got {t.max_steps}")
     _check(errors, t.device in ("auto", "cpu", "cuda"), f"trainer.device must be auto, cpu or cuda, got {t.device!r}")
-    _check(errors, not cfg.requires_init_from or bool(cfg.init_from) or cfg.dry_run,
-           f"recipe {cfg.name} continues a dense checkpoint: set init_from=PATH (an MSA checkpoint made by "
-           "`python -m msa_model.convert dense-to-msa` or `hf-to-msa`)")
+    missing = missing_init_from(cfg)
+    _check(errors, missing is None or cfg.dry_run, missing or "")
     _check(errors, not cfg.init_from_data_position or bool(cfg.init_from),
            "init_from_data_position=true needs init_from=PATH (the checkpoint whose data position it continues)")
     _check(errors, cfg.resume in ("auto", "fallback", "never"),

@@ -236,6 +236,9 @@ def test_the_entry_point_refuses_cpt_without_a_checkpoint(tmp_path):
     proc = run_python(["train.py", "recipe=cpt", f"run_dir={tmp_path}"], timeout=120)
     assert proc.returncode != 0 and "init_from=PATH" in proc.stderr
     assert not (tmp_path / "checkpoints").exists()
+    # the dry run shows the recipe, and says what the run would stop at
+    out = _dry_run("recipe=cpt", f"run_dir={tmp_path}")
+    assert "\nwarning: recipe cpt continues a dense checkpoint: set init_from=PATH" in out, out[-2000:]
 
 
 # the loss of each checkpoint named on the command line on one fixed batch; a training run's

@@ -224,10 +224,12 @@ def run(cfg: DictConfig, notes: list[str] | tuple[str, ...] = ()) -> None:
         layout_world = max(world_size, cfg.launch.nodes * cfg.launch.ranks_per_node)
         validate(cfg, layout_world)
         if rank == 0:
+            from msa_model.config_checks import missing_init_from
             from msa_model.training.dry_run import dry_run_report
 
             # inputs a launch from here would stop at (a dry run may be made away from the data)
-            input_warnings = [f"warning: {p}" for p in input_problems(cfg)]
+            missing = missing_init_from(cfg)
+            input_warnings = [f"warning: {p}" for p in ([missing] if missing else []) + input_problems(cfg)]
             report = dry_run_report(cfg, layout_world)
             print("\n".join([*(f"# {n}" for n in notes), report, *([warmup_note] if warmup_note else []),
                              *input_warnings]), flush=True)
