@@ -558,11 +558,26 @@ def parse(argv):
     return args
 
 
+def check_overrides(study: Study) -> None:
+    """Every run's overrides compose as train.py composes them: a misspelled key, preset or recipe,
+    or a value of the wrong type is refused here, in train.py's words, before anything is written
+    (each run would otherwise fail at its start, and the study with them)."""
+    from launch.slurm import composed
+    from msa_model.config import ConfigError
+
+    for run in study.runs.values():
+        try:
+            composed([*run.overrides, f"run_dir={run.dir}"])
+        except ConfigError as e:
+            raise InputError(f"{run.name}: {e}") from None
+
+
 def main(argv=None) -> int:
     global LOG
     args = parse(argv)
     try:
         study = Study(args)
+        check_overrides(study)
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

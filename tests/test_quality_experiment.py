@@ -195,6 +195,20 @@ def test_bad_arms_are_refused(args, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--override", "optim.lrr=1"], "dense-s0: optim.lrr=1: unknown key optim.lrr (did you mean optim.lr?)"),
+    (["--arm", "pt-x=pt model.msa.local_blockz=2"], "pt-x-s0: model.msa.local_blockz=2: unknown key"),
+    (["--data.glob=*.py", "--arm", "d=dense model=tinny"], "d-s0: model=tinny: no model named 'tinny'"),
+])
+def test_overrides_train_py_would_refuse_stop_the_study_before_anything_is_written(tmp_path, args, message, capsys):
+    """Not six runs started and failed one after another, a work directory and a report of nothing."""
+    qe = _module()
+    assert qe.main([*TINY, "--work", str(tmp_path / "q"), "--out", str(tmp_path / "out"), *args]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {message}" in err and "Traceback" not in err, err
+    assert not (tmp_path / "q").exists() and not (tmp_path / "out").exists()
+
+
 def test_the_budget_end_saves_what_the_disk_holds(tmp_path, capsys):
     """Stop saves go to the runs with the most unsaved steps while the free disk holds their
     checkpoints; the others are killed (they restart from their last checkpoint)."""
