@@ -70,10 +70,24 @@ def _composition_errors() -> tuple:
     return HydraException, OmegaConfBaseException
 
 
+def _submission_errors() -> tuple:
+    """What `-m launch=slurm` (Hydra's submitit launcher) raises when sbatch refuses the job."""
+    try:
+        from submitit.core.utils import FailedJobError
+    except ImportError:
+        return ()
+    return (FailedJobError,)
+
+
 # the guard keeps processes that re-import this module (spawned workers) from training
 if __name__ == "__main__":
     try:
         main()
+    except _submission_errors() as e:
+        from msa_model.training import failures
+
+        # sbatch's last line is its verdict (`fatal: ...`, `error: Batch job submission failed: ...`)
+        failures.fail((str(e).strip().splitlines() or [type(e).__name__])[-1], 2)
     except _composition_errors() as e:
         if _TASK_STARTED or _USER_FULL_ERROR:
             raise

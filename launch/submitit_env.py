@@ -9,9 +9,23 @@ environment as under torchrun.
 from __future__ import annotations
 
 import os
+import shutil
 from typing import Any
 
 from hydra.experimental.callback import Callback
+
+
+class RequireSlurmClient(Callback):
+    def on_multirun_start(self, config: Any = None, **kwargs: Any) -> None:
+        # before the sweep writes anything: submitit needs sbatch and srun where it submits from,
+        # and says so otherwise in a traceback. An exit, since Hydra turns a callback's exception
+        # into a warning and goes on
+        missing = [command for command in ("sbatch", "srun") if shutil.which(command) is None]
+        if missing:
+            from msa_model.training import failures
+
+            failures.fail(f"launch=slurm submits with {' and '.join(missing)}, not found on this machine: "
+                          "run it on a SLURM login node", 2)
 
 
 class ExportTorchDistributedEnv(Callback):

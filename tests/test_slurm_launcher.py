@@ -248,3 +248,29 @@ def test_a_refused_submission_is_one_line_with_sbatch_s_verdict(tmp_path, capsys
     assert done.value.code == 1 and "Traceback" not in err, err
     assert err.splitlines()[-1] == (f"launch.slurm: sbatch {tmp_path}/run/submit.sbatch failed: "
                                     "sbatch: fatal: Could not establish a configuration source"), err
+
+
+def _submitit(tmp_path, path: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PATH": path, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "train.py", "-m", "launch=slurm", "launch.partition=gpu",
+                           f"run_dir={tmp_path}/run"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_submitit_launcher_without_slurm_or_refused_is_one_line(tmp_path):
+    """`python train.py -m launch=slurm ...` away from a cluster: one line naming the missing commands,
+    nothing written (it was submitit's traceback); a refused submission ends in sbatch's verdict."""
+    proc = _submitit(tmp_path, str(tmp_path / "empty"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == ("error: launch=slurm submits with sbatch and srun, not found "
+                                                    "on this machine: run it on a SLURM login node"), proc.stderr
+    assert not (tmp_path / "run").exists()
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in (("srun", "exit 0"), ("sbatch", "echo 'sbatch: fatal: Could not establish a configuration "
+                                                      "source' >&2; exit 1")):
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    proc = _submitit(tmp_path, f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == "error: sbatch: fatal: Could not establish a configuration source"
