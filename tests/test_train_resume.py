@@ -37,6 +37,10 @@ def test_stop_and_resume_reproduces_the_uninterrupted_run_exactly(tmp_path, data
     split = tmp_path / "split"
     run_train(split, *COMMON, "trainer.stop_at_step=2", data_cache=data_cache)
     assert max(metrics(split)) == 2
+    # not "finished at step 2 of 6": the job ended, the run goes on
+    log = (split / "train.log").read_text()
+    assert "stopped at step 2 of 6 (2,048 tokens)" in log and "finished at step 2" not in log, log[-2000:]
+    assert f"trainer.stop_at_step=2 ended this job: run {split / 'launch.sh'} to continue" in log, log[-2000:]
     assert (split / "checkpoints" / "latest").read_text().strip() == "step_00000002"
     run_train(split, *COMMON, "trainer.stop_at_step=3", data_cache=data_cache)
     proc = run_train(split, *COMMON, data_cache=data_cache)

@@ -115,8 +115,12 @@ def _log_summary(state, cfg, run_dir: Path, ckpt_root: Path, last: dict | None, 
     if last and "lm_loss" in last:
         kl = f", indexer KL {last['kl_loss']:.4f}" if "kl_loss" in last else ""
         losses = f"; last logged lm loss {last['lm_loss']:.4f}{kl} ({last['phase']})"
-    log.info("finished at step %d of %d (%s tokens) in %dm%02ds%s", state.step, cfg.trainer.max_steps,
-             f"{state.tokens:,}", minutes, secs, losses)
+    # short of max_steps without a stop signal: trainer.stop_at_step ended the job, not the run
+    early = state.step < cfg.trainer.max_steps
+    after = (f"; trainer.stop_at_step={cfg.trainer.stop_at_step} ended this job: run {run_dir / 'launch.sh'} "
+             "to continue") if early else ""
+    log.info("%s at step %d of %d (%s tokens) in %dm%02ds%s%s", "stopped" if early else "finished", state.step,
+             cfg.trainer.max_steps, f"{state.tokens:,}", minutes, secs, losses, after)
     latest = latest_checkpoint(ckpt_root)
     logs = [name for name, on in (("train.log", True), ("metrics.jsonl", cfg.logging.jsonl),
                                   ("tensorboard/", cfg.logging.tensorboard),
