@@ -87,7 +87,7 @@ if __name__ == "__main__":
         from msa_model.training import failures
 
         # sbatch's last line is its verdict (`fatal: ...`, `error: Batch job submission failed: ...`)
-        failures.fail((str(e).strip().splitlines() or [type(e).__name__])[-1], 2)
+        failures.fail((str(e).strip().splitlines() or [type(e).__name__])[-1], 1)
     except _composition_errors() as e:
         if _TASK_STARTED or _USER_FULL_ERROR:
             raise
