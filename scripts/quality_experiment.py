@@ -424,9 +424,8 @@ class Scheduler:
 
 
 def import_runs(study: Study, path: Path) -> None:
-    """The finished runs of another call's runs.tar.gz that this work dir has not finished."""
-    if not path.is_file():
-        raise InputError(f"--import {path}: no such file")
+    """The finished runs of another call's runs.tar.gz (Study checked that it exists) that this
+    work dir has not finished."""
     with tarfile.open(path) as tar:
         members = {m.name: m for m in tar.getmembers() if m.isfile()}
         for run in study.runs.values():

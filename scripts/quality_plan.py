@@ -128,6 +128,9 @@ class Study:
             [f"model.seq_length={args.seq_length}"] if args.seq_length != p["seq"] else [])
         self.msa = [f"trainer.indexer_warmup_tokens={self.warmup_tokens}",
                     f"logging.msa_diagnostics_interval={p['diag']}"]
+        # before --work is made: a mistyped archive leaves nothing behind
+        if args.import_ and not Path(args.import_).is_file():
+            raise InputError(f"--import {args.import_}: no such file")
         known = builtin_arms(args)
         chosen = [a for a in args.arms.split(",") if a]
         bad = [a for a in chosen if a not in known]

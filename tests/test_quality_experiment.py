@@ -199,9 +199,11 @@ def test_bad_arms_are_refused(args, message, capsys):
     (["--override", "optim.lrr=1"], "dense-s0: optim.lrr=1: unknown key optim.lrr (did you mean optim.lr?)"),
     (["--arm", "pt-x=pt model.msa.local_blockz=2"], "pt-x-s0: model.msa.local_blockz=2: unknown key"),
     (["--data.glob=*.py", "--arm", "d=dense model=tinny"], "d-s0: model=tinny: no model named 'tinny'"),
+    (["--import", "/nonexistent/runs.tar.gz"], "--import /nonexistent/runs.tar.gz: no such file"),
 ])
-def test_overrides_train_py_would_refuse_stop_the_study_before_anything_is_written(tmp_path, args, message, capsys):
-    """Not six runs started and failed one after another, a work directory and a report of nothing."""
+def test_bad_overrides_or_archive_stop_the_study_before_anything_is_written(tmp_path, args, message, capsys):
+    """Not six runs started and failed one after another, a work directory and a report of nothing;
+    not an empty work directory for a mistyped --import."""
     qe = _module()
     assert qe.main([*TINY, "--work", str(tmp_path / "q"), "--out", str(tmp_path / "out"), *args]) == 2
     err = capsys.readouterr().err
