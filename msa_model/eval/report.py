@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 
@@ -100,9 +101,19 @@ def plot_loss_by_position(runs: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def write_text_atomic(path: Path, text: str) -> None:
+    """`text` into `path` through a temporary file renamed over it: a kill or Ctrl-C mid-write
+    leaves the old file or none, never half of the new one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def write_report(results: dict, out: Path) -> None:
+    """The tables and plots, then results.json: its presence says the evaluation is complete
+    (scripts/quality_experiment.py takes it so), so it comes last and whole."""
     out = Path(out)
-    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    (out / "results.md").write_text(markdown(results))
+    write_text_atomic(out / "results.md", markdown(results))
     plot_accuracy(results, out / "accuracy.png")
     plot_loss_by_position([results], out / "loss_by_position.png")
+    write_text_atomic(out / "results.json", json.dumps(results, indent=1) + "\n")

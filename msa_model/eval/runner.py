@@ -9,6 +9,7 @@ argmax) says how close a wrong answer was.
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import time
@@ -243,17 +244,55 @@ def example_of_tokens(task, length, depth, haystack, tokenizer, rng, tries: int 
     return found[0]
 
 
+class Progress:
+    """The retrieval cells (task x length) an evaluation has scored, in OUT/partial.json after each
+    one: a Ctrl-C or a kill (a quality study's budget ending) loses the cell in progress only, and
+    the same command on the same checkpoint with the same options goes on from the others
+    (`settings` differing: it starts afresh). The file goes once results.json is written."""
+
+    FILE = "partial.json"
+
+    def __init__(self, out: Path, settings: dict):
+        self.path, self.settings, self.cells = Path(out) / self.FILE, settings, {}
+        if self.path.is_file():
+            try:
+                saved = json.loads(self.path.read_text())
+            except json.JSONDecodeError:
+                saved = {}
+            if saved.get("settings") == settings:
+                self.cells = saved["cells"]
+
+    def get(self, task: str, length: int) -> dict | None:
+        return self.cells.get(f"{task}/{length}")
+
+    def put(self, task: str, length: int, cell: dict) -> None:
+        from msa_model.eval.report import write_text_atomic
+
+        self.cells[f"{task}/{length}"] = cell
+        write_text_atomic(self.path, json.dumps({"settings": self.settings, "cells": self.cells}) + "\n")
+
+    def finish(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
 def retrieval_results(model, device, haystack, tasks, lengths, depths, samples, seed, tokenizer,
-                      msa=None) -> dict:
+                      msa=None, progress: Progress | None = None) -> dict:
     """Per task and length: accuracy (by depth), mean answer rank and log-prob; with the sparse
     phase's `msa` options (model.msa), at lengths above the key budget (where a query cannot read
     every block) also `needle_selected`: the mean share of (layer, group) pairs whose selection
     for the question's last token held the block of the asked value (`score_example`), and
-    `needle_chance`, the same for random blocks."""
+    `needle_chance`, the same for random blocks. `progress`: cells scored before (taken as they
+    are) and where each new one is kept."""
     out = {}
     for task in tasks:
         per_length = {}
         for length in lengths:
+            kept = progress.get(task, length) if progress is not None else None
+            if kept is not None:
+                per_length[str(length)] = kept
+                log.info("%-8s length %6d: accuracy %.3f (kept from an interrupted evaluation, %s)", task, length,
+                         kept["accuracy"], progress.path)
+                continue
             t0 = time.perf_counter()
             grid, ranks, logprobs, needles, chances = {}, [], [], [], []
             probe = msa if msa is not None and length > keys_per_query(msa.block_size, msa.topk) else None
@@ -275,6 +314,8 @@ def retrieval_results(model, device, haystack, tasks, lengths, depths, samples, 
                                        "answer_logprob": sum(logprobs) / len(logprobs), "by_depth": grid,
                                        "needle_selected": sum(needles) / len(needles) if needles else None,
                                        "needle_chance": sum(chances) / len(chances) if chances else None}
+            if progress is not None:
+                progress.put(task, length, per_length[str(length)])
             needle = (f"  needle block selected {sum(needles) / len(needles):.2f} (random blocks "
                       f"{sum(chances) / len(chances):.2f})" if needles else "")
             log.info("%-8s length %6d: accuracy %.3f  mean answer rank %.2f%s  (%d examples, %.1f s)", task, length,
@@ -321,20 +362,28 @@ def loss_by_block_offset(per_pos: torch.Tensor, block_size: int, first: int, end
             "start_excess": buckets[0]["loss"] - half.mean().item(), "start_excess_se": se}
 
 
-@torch.no_grad()
-def loss_by_position(model, device, docs: list[bytes], length: int, sequences: int, tokenizer,
-                     offsets: tuple[int, int, int] | None = None) -> dict:
-    """Mean next-token loss per position bucket over `sequences` windows of `length` tokens cut from
-    the documents, tokenized and joined with end-of-document tokens. `offsets` (block size, first
-    and end position): also the loss by offset inside a key block over those positions."""
+def heldout_stream(docs: list[bytes], tokenizer, length: int) -> np.ndarray:
+    """The documents tokenized and joined with end-of-document tokens, int64; EvalError when they
+    hold less than one `length`-token sequence (found before the model loads and the retrieval
+    runs, not after)."""
     stream = []
     for ids in tokenizer.tokenize_batch(docs):
         stream.append(ids.astype(np.int64))
         stream.append(np.array([tokenizer.eod], dtype=np.int64))
     flat = np.concatenate(stream) if stream else np.zeros(0, dtype=np.int64)
+    if len(flat) - 1 < length:
+        raise EvalError(f"the held-out text ({len(flat):,} tokens) is shorter than one {length}-token sequence "
+                        "(--loss-length)")
+    return flat
+
+
+@torch.no_grad()
+def loss_by_position(model, device, flat: np.ndarray, length: int, sequences: int,
+                     offsets: tuple[int, int, int] | None = None) -> dict:
+    """Mean next-token loss per position bucket over up to `sequences` windows of `length` tokens
+    cut from the token stream `flat` (`heldout_stream`). `offsets` (block size, first and end
+    position): also the loss by offset inside a key block over those positions."""
     n = min(sequences, (len(flat) - 1) // length)
-    if n < 1:
-        raise EvalError(f"the held-out text ({len(flat):,} tokens) is shorter than one {length}-token sequence")
     sums = torch.zeros(length, dtype=torch.float64)
     for i in range(n):
         window = torch.from_numpy(flat[i * length:(i + 1) * length + 1]).to(device)
@@ -410,12 +459,14 @@ def run_eval(args) -> dict:
 
     out = Path(args.out)
     setup_logging(None, True)
+    if out.exists() and not out.is_dir():
+        raise EvalError(f"--out {out}: a file is in the way (the results go into a directory)")
     step_dir, config_path = resolve_checkpoint(args.checkpoint)
     cfg = load_config(config_path, step_dir)
     tasks = [t for t in args.tasks.split(",") if t]
     bad = [t for t in tasks if t not in TASKS]
-    if bad:
-        raise EvalError(f"--tasks: unknown {bad} (known: {', '.join(TASKS)})")
+    if bad or not tasks:
+        raise EvalError(f"--tasks: unknown {bad or 'none given'} (known: {', '.join(TASKS)})")
     if any(not 0.0 <= d <= 1.0 for d in args.depths):
         raise EvalError(f"--depths must lie in [0, 1], got {args.depths}")
     context = cfg.model.seq_length
@@ -438,24 +489,38 @@ def run_eval(args) -> dict:
     if max(lengths) > context:
         log.info("lengths above the training context (%d) measure extrapolation through RoPE", context)
 
+    pool_bytes = max(4_000_000, 4 * max(lengths))
+    try:
+        haystack = Haystack(files, pool_bytes=pool_bytes, seed=args.seed)
+    except ValueError as e:
+        raise EvalError(f"{'--corpus' if args.corpus else 'data.source'} {source}: {e}") from None
+    loss_length = args.loss_length or max(lengths)
+    docs, kind = _heldout_docs(cfg, args.corpus, glob, (args.loss_sequences + 1) * loss_length)
+    heldout = heldout_stream(docs, tokenizer, loss_length)
+
     # only now, with the inputs checked: a refused evaluation leaves no output directory behind
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise EvalError(f"--out {out}: cannot create it ({e.strerror})") from None
     model, device = build_model(cfg, step_dir, args.device)
     try:
         if msa:
             set_msa_phase(model, args.phase == "sparse")
-        haystack = Haystack(files, pool_bytes=max(4_000_000, 4 * max(lengths)), seed=args.seed)
         t0 = time.perf_counter()
         budget = keys_per_query(cfg.model.msa.block_size, cfg.model.msa.topk) if msa and msa_layers(model) else None
+        # what the retrieval cells depend on: cells of another checkpoint or options are not reused
+        progress = Progress(out, {"checkpoint": str(step_dir.resolve()), "phase": args.phase, "depths": args.depths,
+                                  "samples": args.samples, "seed": args.seed, "corpus": source, "glob": glob,
+                                  "pool_bytes": pool_bytes, "device": device.type})
         retrieval = retrieval_results(model, device, haystack, tasks, lengths, args.depths, args.samples, args.seed,
-                                      tokenizer, msa=cfg.model.msa if budget and args.phase == "sparse" else None)
-        loss_length = args.loss_length or max(lengths)
-        docs, kind = _heldout_docs(cfg, args.corpus, glob, (args.loss_sequences + 1) * loss_length)
+                                      tokenizer, msa=cfg.model.msa if budget and args.phase == "sparse" else None,
+                                      progress=progress)
         # the loss by block offset where selection can miss (a query sees more than top-k blocks)
         # and inside the training context; a dense run is measured on its config's blocks alike
         bk = cfg.model.msa.block_size
         offsets = (bk, keys_per_query(bk, cfg.model.msa.topk), context)
-        loss = loss_by_position(model, device, docs, loss_length, args.loss_sequences, tokenizer, offsets)
+        loss = loss_by_position(model, device, heldout, loss_length, args.loss_sequences, offsets)
         loss["source"] = kind
         log.info("held-out loss by position (%s, %d x %d tokens): %s", kind, loss["sequences"], loss_length,
                  " ".join(f"[{b['from']},{b['to']}) {b['loss']:.3f}" for b in loss["buckets"]))
@@ -475,6 +540,7 @@ def run_eval(args) -> dict:
             "loss_by_position": loss, "seconds": round(time.perf_counter() - t0, 1),
         }
         write_report(results, out)
+        progress.finish()
         log.info("wrote %s", out / "results.json")
         return results
     finally:

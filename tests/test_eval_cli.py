@@ -1,0 +1,156 @@
+"""The offline evaluation's command line without a trained model: options it cannot use are
+refused in one line (exit code 2) before the model loads or the output directory exists; an
+interrupted evaluation keeps the retrieval it scored and the next call goes on from it; the
+report's results.json appears only whole and last."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from msa_model.config import TrainConfig
+
+
+def _run(tmp_path, **data):
+    """A run directory (config.yaml with `data` fields, a placeholder checkpoint) and a corpus of
+    three small Python files as its data.source."""
+    rng = random.Random(0)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(3):
+        (corpus / f"m{i}.py").write_text("\n".join(f"x{j} = {rng.randrange(1000)}  # line {j}" for j in range(400)))
+    run = tmp_path / "run"
+    step = run / "checkpoints" / "step_00000001"
+    step.mkdir(parents=True)
+    (step / "metadata.json").write_text("{}")
+    (run / "checkpoints" / "latest").write_text("step_00000001\n")
+    cfg = OmegaConf.structured(TrainConfig)
+    cfg.data.source = str(corpus)
+    for key, value in data.items():
+        cfg.data[key] = value
+    (run / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    return run, corpus
+
+
+def _main(*argv):
+    from msa_model.eval.__main__ import main
+
+    return main([str(a) for a in argv])
+
+
+@pytest.mark.parametrize("option", ["--samples", "--loss-sequences", "--loss-length"])
+def test_counts_below_one_are_refused_by_the_parser(tmp_path, option, capsys):
+    """--samples 0 divided by zero after the model had loaded; --loss-sequences 0 said the held-out
+    text was too short, after the whole retrieval."""
+    with pytest.raises(SystemExit) as e:
+        _main(tmp_path, "--out", tmp_path / "eval", option, "0")
+    assert e.value.code == 2 and f"argument {option}: must be >= 1, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("case", ["out_is_a_file", "no_tasks", "empty_corpus", "short_heldout"])
+def test_inputs_it_cannot_use_are_refused_before_the_model_and_the_output(tmp_path, case, capsys):
+    run, corpus = _run(tmp_path)
+    out = tmp_path / "eval"
+    args = ["--lengths", "256", "--samples", "1"]
+    if case == "out_is_a_file":
+        out.write_text("notes\n")
+        message = f"--out {out}: a file is in the way"
+    elif case == "no_tasks":
+        args += ["--tasks", ","]
+        message = "--tasks: unknown none given"
+    elif case == "empty_corpus":
+        empty = tmp_path / "empty"
+        empty.mkdir()
+        (empty / "a.py").write_text("")
+        args += ["--corpus", empty]
+        message = f"--corpus {empty}: haystack: the corpus files are empty"
+    else:
+        args += ["--loss-length", "1000000"]
+        message = "is shorter than one 1000000-token sequence (--loss-length)"
+    assert _main(run, "--out", out, *args) == 2
+    assert message in capsys.readouterr().err.strip().splitlines()[-1]
+    assert out.is_file() if case == "out_is_a_file" else not out.exists()
+
+
+class _Model(torch.nn.Module):
+    """Logits of zeros over the byte vocabulary; counts its calls and raises KeyboardInterrupt at
+    call `stop_at` (a Ctrl-C in the middle of the retrieval)."""
+
+    def __init__(self, stop_at: int | None = None):
+        super().__init__()
+        self.calls, self.stop_at = 0, stop_at
+
+    def forward(self, tokens_BS, pos, mask):
+        self.calls += 1
+        if self.calls == self.stop_at:
+            raise KeyboardInterrupt
+        return torch.zeros(*tokens_BS.shape, 257)
+
+
+def test_an_interrupted_retrieval_keeps_its_cells_and_the_next_call_goes_on(tmp_path):
+    """Two tasks x two lengths, one depth, one sample: one forward a cell. Interrupted in the third
+    cell, the first two are in partial.json; the next call scores the last two only and gives what
+    one uninterrupted call gives; other settings start afresh."""
+    from data.retrieval import Haystack
+    from data.tokenizer import ByteTokenizer
+    from msa_model.eval.runner import Progress, retrieval_results
+
+    _, corpus = _run(tmp_path)
+    haystack = Haystack(sorted(corpus.glob("*.py")), pool_bytes=1 << 20, seed=0)
+    grid = (["passkey", "multikey"], [256, 384], [0.5], 1, 0, ByteTokenizer())
+    settings = {"checkpoint": "x", "samples": 1}
+    with pytest.raises(KeyboardInterrupt):
+        retrieval_results(_Model(stop_at=3), "cpu", haystack, *grid, progress=Progress(tmp_path, settings))
+    saved = json.loads((tmp_path / Progress.FILE).read_text())
+    assert saved["settings"] == settings and sorted(saved["cells"]) == ["passkey/256", "passkey/384"]
+
+    model = _Model()
+    resumed = retrieval_results(model, "cpu", haystack, *grid, progress=Progress(tmp_path, settings))
+    assert model.calls == 2
+    assert resumed == retrieval_results(_Model(), "cpu", haystack, *grid)
+    fresh = _Model()
+    retrieval_results(fresh, "cpu", haystack, *grid, progress=Progress(tmp_path, {**settings, "samples": 2}))
+    assert fresh.calls == 4
+
+
+def test_an_interrupted_main_says_what_it_kept(tmp_path, monkeypatch, capsys):
+    from msa_model.eval import runner
+
+    def interrupted(args):
+        (tmp_path / runner.Progress.FILE).write_text("{}")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "run_eval", interrupted)
+    assert _main(tmp_path / "run", "--out", tmp_path) == 130
+    assert capsys.readouterr().err.strip() == (f"interrupted: the retrieval scored so far is kept in "
+                                               f"{tmp_path / runner.Progress.FILE}; the same command goes on from it")
+
+
+def test_results_json_comes_last_and_whole(tmp_path, monkeypatch):
+    """A kill while the plots are drawn leaves no results.json (whose presence a quality study
+    takes for a finished evaluation); a complete report has every file."""
+    from msa_model.eval import report
+
+    results = {"label": "r", "model": "tiny", "attention": "dense", "phase": "dense", "context": 512,
+               "key_budget": None, "samples": 1, "depths": [0.5], "seed": 0, "lengths": [256],
+               "tasks": {"passkey": {"256": {"accuracy": 1.0, "mean_rank": 0.0, "by_depth": {"0.5": 1.0}}}},
+               "accuracy_by_length": {"256": 1.0}, "checkpoint": "run/checkpoints/step_00000001",
+               "loss_by_position": {"source": "held-out", "sequences": 1, "length": 256,
+                                    "buckets": [{"from": 0, "to": 256, "loss": 2.0}]}}
+
+    def killed(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(report, "plot_accuracy", killed)
+    with pytest.raises(KeyboardInterrupt):
+        report.write_report(results, tmp_path)
+    assert not (tmp_path / "results.json").exists()
+    monkeypatch.undo()
+    report.write_report(results, tmp_path)
+    assert json.loads((tmp_path / "results.json").read_text()) == results
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["accuracy.png", "loss_by_position.png", "results.json",
+                                                         "results.md"]
