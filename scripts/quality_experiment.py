@@ -36,8 +36,9 @@ starts alone until it has built the tokenized cache and logged a step, then the 
 
 Resumable: a call does what --budget seconds allow. Before the end, running jobs get SIGTERM
 (they save and exit) as far as the free disk holds their checkpoints (`small`: about 8.5 GiB
-each), the rest are killed and restart from their last checkpoint. The same command continues
-in the same --work. A machine that lost --work continues from the finished runs of an earlier
+each), the rest are killed and restart from their last checkpoint; a Ctrl-C ends a call the same
+way (exit code 130; a second one kills the runs unsaved). The same command continues in the same
+--work. A machine that lost --work continues from the finished runs of an earlier
 call's OUT/runs.tar.gz given to --import (a CPT run whose dense parent was imported re-trains the
 parent to mid-way first). Finished runs' checkpoints are deleted unless evaluated or
 --keep-checkpoints (disk).
@@ -589,8 +590,15 @@ def main(argv=None) -> int:
     sched = Scheduler(study, budget)
     say(f"{shutil.disk_usage(study.work).free / 2**30:.0f} GiB free in {study.work} (a checkpoint: about "
         f"{study.preset['ckpt_gib']} GiB)")
+    interrupted = False
     try:
         done = sched.loop()
+    except KeyboardInterrupt:
+        # as at the budget's end: the runs save (the terminal's Ctrl-C reached them too) and the
+        # report is written; a second Ctrl-C kills them unsaved
+        say("interrupted: the training runs save and stop (a second Ctrl-C kills them)")
+        sched.stop_all()
+        done, interrupted = False, True
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -603,7 +611,7 @@ def main(argv=None) -> int:
         say(f"failed: {', '.join(sorted(sched.failed))}")
         return 1
     say("all runs done; report in " + str(out) if done else "not finished: run the same command again to go on")
-    return 0 if done else 3
+    return 130 if interrupted else 0 if done else 3
 
 
 if __name__ == "__main__":
