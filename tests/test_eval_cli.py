@@ -154,3 +154,28 @@ def test_results_json_comes_last_and_whole(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "results.json").read_text()) == results
     assert sorted(p.name for p in tmp_path.iterdir()) == ["accuracy.png", "loss_by_position.png", "results.json",
                                                          "results.md"]
+
+
+def test_the_report_names_its_checkpoint_and_an_untrained_index_branch(tmp_path, monkeypatch):
+    """Runs compared side by side: each report says which step it scored (a run still training
+    moves on), and a sparse phase that selected with an index branch nothing trained (a
+    conversion of a dense model, a run inside its indexer warmup) says so."""
+    from msa_model.eval import runner
+    from msa_model.eval.report import markdown
+    from msa_model.training import index_history
+
+    history = {"a": (False, "untrained (derived from a dense model)"), "b": (True, "trained"),
+               "c": (None, "of unknown history")}
+    monkeypatch.setattr(index_history, "index_branch_history", lambda step: history[step])
+    assert [runner.untrained_index(k) for k in "abc"] == ["untrained (derived from a dense model)", None, None]
+    results = {"label": "r", "model": "tiny", "attention": "msa", "phase": "sparse", "context": 512,
+               "key_budget": 128, "samples": 1, "depths": [0.5], "seed": 0, "lengths": [256],
+               "index_untrained": "untrained (derived from a dense model)",
+               "tasks": {"passkey": {"256": {"accuracy": 1.0, "mean_rank": 0.0, "by_depth": {"0.5": 1.0}}}},
+               "accuracy_by_length": {"256": 1.0}, "checkpoint": "run/checkpoints/step_00000010",
+               "loss_by_position": {"source": "held-out", "sequences": 1, "length": 256,
+                                    "buckets": [{"from": 0, "to": 256, "loss": 2.0}]}}
+    text = markdown(results)
+    assert ("checkpoint run/checkpoints/step_00000010; **index branch untrained (derived from a dense model)**: "
+            "the sparse phase selected with it") in text
+    assert "index branch" not in markdown({**results, "index_untrained": None})

@@ -1,4 +1,4 @@
-"""results.json, results.md (tables) and the plots of one evaluation; `compare` tables several."""
+"""results.json, results.md (tables) and the plots of one evaluation."""
 
 from __future__ import annotations
 
@@ -20,7 +20,10 @@ def markdown(results: dict) -> str:
     """Accuracy by task x length, mean answer rank, and the loss by position, as markdown tables."""
     lengths = [str(n) for n in results["lengths"]]
     budget = results.get("key_budget")
+    untrained = results.get("index_untrained")
     lines = [f"# {results['label']}: {results['model']}, {results['attention']} attention, phase {results['phase']}",
+             "", f"checkpoint {results['checkpoint']}" + (f"; **index branch {untrained}**: the sparse phase "
+                                                          "selected with it" if untrained else ""),
              "", f"context {results['context']}" + (f", key budget {budget} per query" if budget else "")
              + f"; {results['samples']} examples per (task, length, depth), depths {results['depths']}, "
              f"seed {results['seed']}" + ("; needle block selected: the share of (MSA layer, GQA group) pairs "

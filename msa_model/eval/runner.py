@@ -449,6 +449,16 @@ def _heldout_docs(cfg, corpus: str | None, glob: str, need_bytes: int) -> tuple[
     return docs, kind
 
 
+def untrained_index(step_dir: Path) -> str | None:
+    """What the checkpoint says of its index branch when it records it untrained (a conversion of
+    a dense model, a run stopped before its indexer warmup ended), else None: the sparse phase's
+    numbers are then those of a selection nothing taught, which the report says."""
+    from msa_model.training.index_history import index_branch_history
+
+    trained, what = index_branch_history(step_dir)
+    return what if trained is False else None
+
+
 def run_eval(args) -> dict:
     from data.retrieval import TASKS, Haystack
     from msa_model.model.attention import msa_layers, set_msa_phase
@@ -488,6 +498,10 @@ def run_eval(args) -> dict:
              cfg.model.attention, f", {args.phase} phase" if msa else "", step_dir, lengths, args.depths, args.samples)
     if max(lengths) > context:
         log.info("lengths above the training context (%d) measure extrapolation through RoPE", context)
+    untrained = untrained_index(step_dir) if msa and args.phase == "sparse" else None
+    if untrained:
+        log.warning("the index branch is %s: the sparse phase selects with it (--phase dense reads every key)",
+                    untrained)
 
     pool_bytes = max(4_000_000, 4 * max(lengths))
     try:
@@ -533,7 +547,7 @@ def run_eval(args) -> dict:
         results = {
             "label": label, "checkpoint": str(step_dir), "model": cfg.model.name, "attention": cfg.model.attention,
             "phase": args.phase if msa else "dense", "context": context,
-            "key_budget": budget,
+            "key_budget": budget, "index_untrained": untrained,
             "seed": args.seed, "samples": args.samples, "lengths": lengths, "depths": args.depths, "tasks": retrieval,
             "accuracy_by_length": {str(n): sum(retrieval[t][str(n)]["accuracy"] for t in tasks) / len(tasks)
                                    for n in lengths},
