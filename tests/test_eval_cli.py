@@ -51,7 +51,7 @@ def test_counts_below_one_are_refused_by_the_parser(tmp_path, option, capsys):
     assert e.value.code == 2 and f"argument {option}: must be >= 1, got 0" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("case", ["out_is_a_file", "no_tasks", "empty_corpus", "short_heldout"])
+@pytest.mark.parametrize("case", ["out_is_a_file", "no_tasks", "no_depths", "empty_corpus", "short_heldout"])
 def test_inputs_it_cannot_use_are_refused_before_the_model_and_the_output(tmp_path, case, capsys):
     run, corpus = _run(tmp_path)
     out = tmp_path / "eval"
@@ -62,6 +62,9 @@ def test_inputs_it_cannot_use_are_refused_before_the_model_and_the_output(tmp_pa
     elif case == "no_tasks":
         args += ["--tasks", ","]
         message = "--tasks: unknown none given"
+    elif case == "no_depths":
+        args += ["--depths", ""]
+        message = "--depths: one or more in [0, 1], got []"
     elif case == "empty_corpus":
         empty = tmp_path / "empty"
         empty.mkdir()

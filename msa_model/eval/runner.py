@@ -477,8 +477,8 @@ def run_eval(args) -> dict:
     bad = [t for t in tasks if t not in TASKS]
     if bad or not tasks:
         raise EvalError(f"--tasks: unknown {bad or 'none given'} (known: {', '.join(TASKS)})")
-    if any(not 0.0 <= d <= 1.0 for d in args.depths):
-        raise EvalError(f"--depths must lie in [0, 1], got {args.depths}")
+    if not args.depths or any(not 0.0 <= d <= 1.0 for d in args.depths):
+        raise EvalError(f"--depths: one or more in [0, 1], got {args.depths}")
     context = cfg.model.seq_length
     lengths = args.lengths or default_lengths(context)
     if any(n < 256 for n in lengths):
