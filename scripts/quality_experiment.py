@@ -221,7 +221,9 @@ class Scheduler:
                 if latest_step(run.dir) == run.steps:
                     out.append(self.eval_job(run))
                 else:
-                    self.failed[f"eval-{run.name}"] = "no final checkpoint on this machine (the run was imported)"
+                    self.failed[f"eval-{run.name}"] = (
+                        "no final checkpoint on this machine: the run was imported, or trained in a call whose "
+                        "--eval did not name its arm (it then saves none); evaluate it in another --work")
                     say(f"eval-{run.name}: {self.failed[f'eval-{run.name}']}")
         return out
 

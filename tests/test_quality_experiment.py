@@ -319,3 +319,16 @@ def test_one_seed_meets_or_misses_no_target():
                    "warmup_tokens": 0, "seeds": len(losses), "arms": arms}
         text = markdown(summary, study, call)
         assert f"- pt within 1% of dense: {verdict} (" in text, text
+
+
+def test_an_eval_asked_for_after_its_run_finished_says_why_it_cannot_run(tmp_path, capsys):
+    """A run trained without --eval naming its arm keeps no final checkpoint: --eval in a later
+    call cannot score it, and says so (it blamed an import that never happened)."""
+    qe = _module()
+    study = qe.Study(qe.parse([*TINY, "--seeds", "1", "--arms", "dense", "--eval", "dense", "--work", str(tmp_path)]))
+    run = study.runs["dense-s0"]
+    run.dir.mkdir(parents=True)
+    (run.dir / "done.json").write_text(json.dumps({"steps": run.steps}) + "\n")
+    sched = qe.Scheduler(study, qe.Budget(1200))
+    assert sched.next_jobs() == []
+    assert "trained in a call whose --eval did not name its arm" in sched.failed["eval-dense-s0"]
