@@ -182,3 +182,17 @@ def test_the_report_names_its_checkpoint_and_an_untrained_index_branch(tmp_path,
     assert ("checkpoint run/checkpoints/step_00000010; **index branch untrained (derived from a dense model)**: "
             "the sparse phase selected with it") in text
     assert "index branch" not in markdown({**results, "index_untrained": None})
+
+
+@pytest.mark.parametrize("checkpoints", [False, True], ids=["no_dir", "empty_dir"])
+def test_a_run_without_a_checkpoint_is_named_as_such(tmp_path, checkpoints, capsys):
+    """A run still before its first save (or one that saves none) is a run without a checkpoint,
+    not 'not a checkpoint'."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(TrainConfig)))
+    if checkpoints:
+        (run / "checkpoints").mkdir()
+    assert _main(run, "--out", tmp_path / "eval") == 2
+    assert f"error: {run}: the run has saved no checkpoint (yet)" in capsys.readouterr().err
+    assert not (tmp_path / "eval").exists()

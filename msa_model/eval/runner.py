@@ -37,6 +37,9 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, Path | None]:
     path = Path(path)
     if not path.exists():
         raise EvalError(f"{path} does not exist")
+    if (path / "config.yaml").is_file() and not (path / "checkpoints" / LATEST).is_file():
+        raise EvalError(f"{path}: the run has saved no checkpoint (yet): it saves every checkpoint.interval steps, "
+                        "at its end unless checkpoint.save_at_end=false, and when stopped by a signal")
     if (path / "checkpoints").is_dir() and not (path / LATEST).exists():
         path = path / "checkpoints"
     if (path / LATEST).is_file():
