@@ -555,6 +555,11 @@ def parse(argv):
     bad = [o for o in args.override if "=" not in o]
     if bad:
         p.error(f"--override takes KEY=VALUE, got {bad}")
+    # found before the runs, not when the report is copied at the budget's end
+    in_the_way = [f"--{name} {path}" for name, path in (("work", args.work), ("out", args.out))
+                  if path and Path(path).exists() and not Path(path).is_dir()]
+    if in_the_way:
+        p.error(f"{', '.join(in_the_way)}: a file is in the way (a directory is needed)")
     if any(key_of(o) == "model.seq_length" for o in args.override):
         # the study counts its steps and tokens in the context
         p.error("set the context with --seq-length, not --override model.seq_length")

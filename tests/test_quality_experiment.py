@@ -332,3 +332,14 @@ def test_an_eval_asked_for_after_its_run_finished_says_why_it_cannot_run(tmp_pat
     sched = qe.Scheduler(study, qe.Budget(1200))
     assert sched.next_jobs() == []
     assert "trained in a call whose --eval did not name its arm" in sched.failed["eval-dense-s0"]
+
+
+def test_a_file_in_the_way_of_work_or_out_is_refused_before_any_run(tmp_path, capsys):
+    """--out was created only when the report was copied, after the whole budget."""
+    qe = _module()
+    (tmp_path / "notes").write_text("x\n")
+    for option in ("--work", "--out"):
+        with pytest.raises(SystemExit) as e:
+            qe.parse([*TINY, option, str(tmp_path / "notes")])
+        assert e.value.code == 2
+        assert f"{option} {tmp_path / 'notes'}: a file is in the way" in capsys.readouterr().err
