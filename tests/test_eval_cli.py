@@ -51,12 +51,17 @@ def test_counts_below_one_are_refused_by_the_parser(tmp_path, option, capsys):
     assert e.value.code == 2 and f"argument {option}: must be >= 1, got 0" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("case", ["out_is_a_file", "no_tasks", "no_depths", "empty_corpus", "short_heldout"])
-def test_inputs_it_cannot_use_are_refused_before_the_model_and_the_output(tmp_path, case, capsys):
+@pytest.mark.parametrize("case", ["out_is_a_file", "no_cuda", "no_tasks", "no_depths", "empty_corpus",
+                                  "short_heldout"])
+def test_inputs_it_cannot_use_are_refused_before_the_model_and_the_output(tmp_path, case, capsys, monkeypatch):
     run, corpus = _run(tmp_path)
     out = tmp_path / "eval"
     args = ["--lengths", "256", "--samples", "1"]
-    if case == "out_is_a_file":
+    if case == "no_cuda":
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        args += ["--device", "cuda"]
+        message = "--device cuda: CUDA is not available here"
+    elif case == "out_is_a_file":
         out.write_text("notes\n")
         message = f"--out {out}: a file is in the way"
     elif case == "no_tasks":

@@ -474,6 +474,8 @@ def run_eval(args) -> dict:
     setup_logging(None, True)
     if out.exists() and not out.is_dir():
         raise EvalError(f"--out {out}: a file is in the way (the results go into a directory)")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise EvalError("--device cuda: CUDA is not available here (--device auto or cpu)")
     step_dir, config_path = resolve_checkpoint(args.checkpoint)
     cfg = load_config(config_path, step_dir)
     tasks = [t for t in args.tasks.split(",") if t]
