@@ -187,6 +187,7 @@ def test_retrieval_arms_train_and_are_scored_on_the_tasks_asked_for(tmp_path):
     (["--arm", "pt-x=pt topk"], "'topk' is not KEY=VALUE"),
     (["--arm", "pt-x=pt vs=nothing"], "its reference 'nothing' is not an arm"),
     (["--arm", "c=cpt vs=pt"], "a cpt arm branches from a dense arm"),
+    (["--arm", "d-k2=dense model.msa.topk=2"], "model.msa.topk=2 change nothing with dense attention"),
     (["--eval", "dense-retr"], "--eval: 'dense-retr' is not an arm"),
 ])
 def test_bad_arms_are_refused(args, message, capsys):
