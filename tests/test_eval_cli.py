@@ -189,15 +189,20 @@ def test_the_report_names_its_checkpoint_and_an_untrained_index_branch(tmp_path,
     assert "index branch" not in markdown({**results, "index_untrained": None})
 
 
-@pytest.mark.parametrize("checkpoints", [False, True], ids=["no_dir", "empty_dir"])
+@pytest.mark.parametrize("checkpoints", ["none", "empty", "elsewhere"])
 def test_a_run_without_a_checkpoint_is_named_as_such(tmp_path, checkpoints, capsys):
     """A run still before its first save (or one that saves none) is a run without a checkpoint,
-    not 'not a checkpoint'."""
+    not 'not a checkpoint'; one saving to a checkpoint.dir of its own points there."""
     run = tmp_path / "run"
     run.mkdir()
-    (run / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(TrainConfig)))
-    if checkpoints:
+    cfg = OmegaConf.structured(TrainConfig)
+    if checkpoints == "elsewhere":
+        cfg.checkpoint.dir = str(tmp_path / "ckpt")
+    (run / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    if checkpoints == "empty":
         (run / "checkpoints").mkdir()
     assert _main(run, "--out", tmp_path / "eval") == 2
-    assert f"error: {run}: the run has saved no checkpoint (yet)" in capsys.readouterr().err
+    said = (f"the run keeps its checkpoints in checkpoint.dir {tmp_path / 'ckpt'}: give that directory"
+            if checkpoints == "elsewhere" else "the run has saved no checkpoint (yet)")
+    assert f"error: {run}: {said}" in capsys.readouterr().err
     assert not (tmp_path / "eval").exists()

@@ -38,6 +38,9 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, Path | None]:
     if not path.exists():
         raise EvalError(f"{path} does not exist")
     if (path / "config.yaml").is_file() and not (path / "checkpoints" / LATEST).is_file():
+        elsewhere = OmegaConf.load(path / "config.yaml").get("checkpoint", {}).get("dir")
+        if elsewhere:
+            raise EvalError(f"{path}: the run keeps its checkpoints in checkpoint.dir {elsewhere}: give that directory")
         raise EvalError(f"{path}: the run has saved no checkpoint (yet): it saves every checkpoint.interval steps, "
                         "at its end unless checkpoint.save_at_end=false, and when stopped by a signal")
     if (path / "checkpoints").is_dir() and not (path / LATEST).exists():
