@@ -555,7 +555,14 @@ def parse(argv):
     bad = [o for o in args.override if "=" not in o]
     if bad:
         p.error(f"--override takes KEY=VALUE, got {bad}")
-    # found before the runs, not when the report is copied at the budget's end
+    # found before the runs, not when the evals start or the report is copied at the budget's end
+    if args.eval_lengths is not None:
+        try:
+            lengths = [int(float(x)) for x in args.eval_lengths.split(",") if x]
+        except ValueError:
+            lengths = []
+        if not lengths or min(lengths) < 256:
+            p.error(f"--eval-lengths {args.eval_lengths!r}: comma-separated token counts, each >= 256")
     in_the_way = [f"--{name} {path}" for name, path in (("work", args.work), ("out", args.out))
                   if path and Path(path).exists() and not Path(path).is_dir()]
     if in_the_way:

@@ -335,6 +335,17 @@ def test_an_eval_asked_for_after_its_run_finished_says_why_it_cannot_run(tmp_pat
     assert "trained in a call whose --eval did not name its arm" in sched.failed["eval-dense-s0"]
 
 
+@pytest.mark.parametrize("lengths", ["128,512", "1k", ","])
+def test_eval_lengths_the_eval_would_refuse_are_refused_before_any_run(lengths, capsys):
+    """They failed each eval after its run had trained."""
+    qe = _module()
+    with pytest.raises(SystemExit) as e:
+        qe.parse([*TINY, "--eval-lengths", lengths])
+    assert e.value.code == 2 and f"--eval-lengths {lengths!r}: comma-separated token counts, each >= 256" \
+        in capsys.readouterr().err
+    assert qe.parse([*TINY, "--eval-lengths", "256,1024"]).eval_lengths == "256,1024"
+
+
 def test_a_file_in_the_way_of_work_or_out_is_refused_before_any_run(tmp_path, capsys):
     """--out was created only when the report was copied, after the whole budget."""
     qe = _module()
