@@ -206,3 +206,14 @@ def test_a_run_without_a_checkpoint_is_named_as_such(tmp_path, checkpoints, caps
             if checkpoints == "elsewhere" else "the run has saved no checkpoint (yet)")
     assert f"error: {run}: {said}" in capsys.readouterr().err
     assert not (tmp_path / "eval").exists()
+
+
+def test_only_the_sparse_phase_of_msa_layers_has_a_key_budget():
+    """The dense phase reads every key: its report named the sparse phase's budget and explained
+    a needle selection it did not measure."""
+    from msa_model.config import MSAConfig
+    from msa_model.eval.runner import key_budget
+
+    msa = OmegaConf.structured(MSAConfig(block_size=32, topk=4))
+    assert key_budget(msa, 4, "sparse") == 128
+    assert key_budget(msa, 4, "dense") is None and key_budget(msa, 0, "sparse") is None

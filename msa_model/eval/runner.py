@@ -455,6 +455,15 @@ def _heldout_docs(cfg, corpus: str | None, glob: str, need_bytes: int) -> tuple[
     return docs, kind
 
 
+def key_budget(msa_cfg, msa_layer_count: int, phase: str) -> int | None:
+    """The keys a query reads (top-k blocks) in the sparse phase of a model with MSA layers; None
+    where every query reads every key (dense attention, the dense phase), so that the report
+    names no budget and measures no needle selection there."""
+    if msa_layer_count == 0 or phase != "sparse":
+        return None
+    return keys_per_query(msa_cfg.block_size, msa_cfg.topk)
+
+
 def untrained_index(step_dir: Path) -> str | None:
     """What the checkpoint says of its index branch when it records it untrained (a conversion of
     a dense model, a run stopped before its indexer warmup ended), else None: the sparse phase's
@@ -530,13 +539,13 @@ def run_eval(args) -> dict:
         if msa:
             set_msa_phase(model, args.phase == "sparse")
         t0 = time.perf_counter()
-        budget = keys_per_query(cfg.model.msa.block_size, cfg.model.msa.topk) if msa and msa_layers(model) else None
+        budget = key_budget(cfg.model.msa, len(msa_layers(model)) if msa else 0, args.phase)
         # what the retrieval cells depend on: cells of another checkpoint or options are not reused
         progress = Progress(out, {"checkpoint": str(step_dir.resolve()), "phase": args.phase, "depths": args.depths,
                                   "samples": args.samples, "seed": args.seed, "corpus": source, "glob": glob,
                                   "pool_bytes": pool_bytes, "device": device.type})
         retrieval = retrieval_results(model, device, haystack, tasks, lengths, args.depths, args.samples, args.seed,
-                                      tokenizer, msa=cfg.model.msa if budget and args.phase == "sparse" else None,
+                                      tokenizer, msa=cfg.model.msa if budget else None,
                                       progress=progress)
         # the loss by block offset where selection can miss (a query sees more than top-k blocks)
         # and inside the training context; a dense run is measured on its config's blocks alike
