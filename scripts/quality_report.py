@@ -149,7 +149,7 @@ def markdown(summary: dict, study, call: dict) -> str:
         p = a.get("paired")
         if a["base"] in ("pt", "cpt") and a["ref"] and s["arms"][a["ref"]]["base"] == "dense" and p and p["n"]:
             # one seed's gap is as likely the seed's as the method's: no verdict before two
-            verdict = "undecided (one seed)" if p["n"] < 2 else "met" if p["rel_pct"] <= 1.0 else "missed"
+            verdict = "undecided" if p["n"] < 2 else "met" if p["rel_pct"] <= 1.0 else "missed"
             targets.append(f"- {name} within 1% of {a['ref']}: {verdict} "
                            f"({p['rel_pct']:+.2f}% over {p['n']} seed(s)"
                            + (f"; gap {'exceeds' if p['exceeds_2_seed_std'] else 'within'} 2 x the seed std of "
