@@ -45,6 +45,7 @@ parent to mid-way first). Finished runs' checkpoints are deleted unless evaluate
 
 Report (scripts/quality_report.py; every call, also when not finished): <work>/report and --out:
 quality.md, quality.json, loss_curves.png, runs.tar.gz (metrics, logs, eval results), driver.log.
+`--budget 0` writes it again without starting anything.
 Final loss of a run: the mean lm loss of its last --final-window logged intervals.
 """
 

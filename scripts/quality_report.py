@@ -245,3 +245,9 @@ def archive(study, path: Path) -> None:
             for name in ("results.json", "results.md"):
                 if (study.eval_dir(run) / name).is_file():
                     tar.add(study.eval_dir(run) / name, f"eval/{run.name}/{name}")
+
+
+if __name__ == "__main__":
+    # a module of the driver: run alone it would exit silently, having written nothing
+    raise SystemExit("scripts/quality_report.py writes the report of scripts/quality_experiment.py, whose every call "
+                     "writes it: run that with the study's options and --budget 0 to write it again without training")

@@ -355,3 +355,9 @@ def test_a_file_in_the_way_of_work_or_out_is_refused_before_any_run(tmp_path, ca
             qe.parse([*TINY, option, str(tmp_path / "notes")])
         assert e.value.code == 2
         assert f"{option} {tmp_path / 'notes'}: a file is in the way" in capsys.readouterr().err
+
+
+def test_the_report_module_run_alone_points_at_the_driver():
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "quality_report.py")], cwd=REPO, env=_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "--budget 0 to write it again without training" in proc.stderr
