@@ -431,8 +431,13 @@ def import_runs(study: Study, path: Path) -> None:
     """The finished runs of another call's runs.tar.gz that this work dir has not finished."""
     if not path.is_file():
         raise InputError(f"--import {path}: no such file")
-    with tarfile.open(path) as tar:
+    try:
+        tar = tarfile.open(path)
+        # every header read first: an archive cut short is refused before any run is taken from it
         members = {m.name: m for m in tar.getmembers() if m.isfile()}
+    except (tarfile.TarError, EOFError) as e:
+        raise InputError(f"--import {path}: not a whole runs.tar.gz ({str(e).splitlines()[0].rstrip(':')})") from None
+    with tar:
         for run in study.runs.values():
             done = members.get(f"{run.name}/done.json")
             if done is None or study.done(run):

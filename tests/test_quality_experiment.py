@@ -6,11 +6,13 @@ check of a reused work directory."""
 from __future__ import annotations
 
 import importlib.util
+import io
 import json
 import shutil
 import statistics
 import subprocess
 import sys
+import tarfile
 import time
 
 import pytest
@@ -361,3 +363,19 @@ def test_the_report_module_run_alone_points_at_the_driver():
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "quality_report.py")], cwd=REPO, env=_env(),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "--budget 0 to write it again without training" in proc.stderr
+
+
+def test_an_archive_cut_short_is_refused_by_import(tmp_path):
+    """An --import of a runs.tar.gz copied in part (or of another file) ended in a traceback."""
+    qe = _module()
+    study = qe.Study(qe.parse([*TINY, "--seeds", "1", "--arms", "dense", "--work", str(tmp_path / "work")]))
+    whole = tmp_path / "runs.tar.gz"
+    with tarfile.open(whole, "w:gz") as tar:
+        data = bytes(range(256)) * 400
+        info = tarfile.TarInfo("dense-s0/metrics.jsonl")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    for name, content in (("cut.tar.gz", whole.read_bytes()[:200]), ("notes.tar.gz", b"notes\n")):
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(qe.InputError, match=f"--import {tmp_path / name}: not a whole runs.tar.gz"):
+            qe.import_runs(study, tmp_path / name)
