@@ -483,7 +483,10 @@ def write_outputs(study: Study, sched: Scheduler, budget: Budget) -> Path:
         dest = Path(study.args.out)
         dest.mkdir(parents=True, exist_ok=True)
         for f in out.iterdir():
-            shutil.copy(f, dest / f.name)
+            if not f.name.startswith("."):  # a temporary file a stopped call left
+                # whole or not at all: what --out holds is what goes to another machine
+                shutil.copy(f, dest / f".{f.name}.tmp")
+                os.replace(dest / f".{f.name}.tmp", dest / f.name)
     return out
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 import tarfile
 from pathlib import Path
@@ -234,8 +235,10 @@ ARCHIVED = ("metrics.jsonl", "train.log", "driver.json", "done.json", "config.ya
 
 
 def archive(study, path: Path) -> None:
-    """Every run's records and logs (not checkpoints) and the eval results, for --import elsewhere."""
-    with tarfile.open(path, "w:gz") as tar:
+    """Every run's records and logs (not checkpoints) and the eval results, for --import elsewhere;
+    through a temporary file, so that a call stopped while writing it leaves the last whole one."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tarfile.open(tmp, "w:gz") as tar:
         for run in study.runs.values():
             for name in ARCHIVED:
                 if (run.dir / name).is_file():
@@ -245,6 +248,7 @@ def archive(study, path: Path) -> None:
             for name in ("results.json", "results.md"):
                 if (study.eval_dir(run) / name).is_file():
                     tar.add(study.eval_dir(run) / name, f"eval/{run.name}/{name}")
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

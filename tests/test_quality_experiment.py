@@ -285,11 +285,14 @@ def test_ctrl_c_lets_the_runs_save_and_writes_the_report(tmp_path, monkeypatch):
 
     monkeypatch.setattr(qe.Scheduler, "loop", interrupted_loop)
     try:
-        rc = qe.main([*TINY, "--seeds", "1", "--arms", "dense,pt", "--work", str(tmp_path / "work")])
+        rc = qe.main([*TINY, "--seeds", "1", "--arms", "dense,pt", "--work", str(tmp_path / "work"),
+                      "--out", str(tmp_path / "out")])
     except KeyboardInterrupt:
         rc = "KeyboardInterrupt"
     assert rc == 130 and jobs[0].proc.returncode == 0
-    assert (tmp_path / "work" / "report" / "quality.md").is_file()
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(
+        p.name for p in (tmp_path / "work" / "report").iterdir()) == [
+        "driver.log", "loss_curves.png", "quality.json", "quality.md", "runs.tar.gz"]
 
 
 def test_one_seed_meets_or_misses_no_target():
@@ -379,3 +382,25 @@ def test_an_archive_cut_short_is_refused_by_import(tmp_path):
         (tmp_path / name).write_bytes(content)
         with pytest.raises(qe.InputError, match=f"--import {tmp_path / name}: not a whole runs.tar.gz"):
             qe.import_runs(study, tmp_path / name)
+
+
+def test_an_archive_stopped_while_written_leaves_the_last_whole_one(tmp_path, monkeypatch):
+    qe = _module()
+    import quality_report
+
+    study = qe.Study(qe.parse([*TINY, "--seeds", "1", "--arms", "dense", "--work", str(tmp_path / "work")]))
+    run = study.runs["dense-s0"]
+    run.dir.mkdir(parents=True)
+    (run.dir / "metrics.jsonl").write_text(json.dumps({"step": 2}) + "\n")
+    (run.dir / "train.log").write_text("x" * 100_000)
+    path = tmp_path / "runs.tar.gz"
+    quality_report.archive(study, path)
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tarfile.TarFile, "add", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        quality_report.archive(study, path)
+    with tarfile.open(path) as tar:
+        assert sorted(tar.getnames()) == ["dense-s0/metrics.jsonl", "dense-s0/train.log"]
