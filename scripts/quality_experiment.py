@@ -332,9 +332,20 @@ class Scheduler:
                 say(f"{name}: converted")
                 self.drop_branch_checkpoint(job.run)
             elif job.stopped:
-                say(f"{name}: stopped at step {latest_step(job.run.dir) if job.run else '-'}")
+                say(f"{name}: {self.stopped_line(job)}")
             else:
                 say(f"{name}: {job.kind} done")
+
+    def stopped_line(self, job: Job) -> str:
+        """What a job stopped at the budget's end (or a Ctrl-C) keeps: a run's or a re-trained
+        parent's last checkpoint, an eval's scored cells (its partial.json), a conversion nothing."""
+        if job.kind == "train":
+            return f"stopped at step {latest_step(job.run.dir)}"
+        if job.kind == "parent":
+            return f"stopped at step {latest_step(self.parent_dir(job.run.name))}"
+        if job.kind == "eval":
+            return "stopped; the next call goes on from the retrieval it scored"
+        return "stopped; the next call starts it again"
 
     def finished_line(self, run: Run) -> bool:
         log = run.dir / "train.log"

@@ -404,3 +404,20 @@ def test_an_archive_stopped_while_written_leaves_the_last_whole_one(tmp_path, mo
         quality_report.archive(study, path)
     with tarfile.open(path) as tar:
         assert sorted(tar.getnames()) == ["dense-s0/metrics.jsonl", "dense-s0/train.log"]
+
+
+def test_a_stopped_job_says_what_it_keeps(tmp_path):
+    """An eval stopped at the budget's end was said to stop 'at step N' of its run's checkpoint, a
+    re-trained parent at its dense run's step."""
+    qe = _module()
+    study = qe.Study(qe.parse([*TINY, "--seeds", "1", "--work", str(tmp_path)]))
+    sched = qe.Scheduler(study, qe.Budget(60))
+    dense = study.runs["dense-s0"]
+    for root, step in ((dense.dir, 6), (sched.parent_dir("dense-s0"), 2)):
+        (root / "checkpoints").mkdir(parents=True)
+        (root / "checkpoints" / "latest").write_text(f"step_{step:08d}\n")
+    said = {kind: sched.stopped_line(qe.Job("j", kind, [], tmp_path / "j.log", None, run=dense))
+            for kind in ("train", "parent", "eval", "convert")}
+    assert said == {"train": "stopped at step 6", "parent": "stopped at step 2",
+                    "eval": "stopped; the next call goes on from the retrieval it scored",
+                    "convert": "stopped; the next call starts it again"}
