@@ -217,3 +217,41 @@ def test_only_the_sparse_phase_of_msa_layers_has_a_key_budget():
     msa = OmegaConf.structured(MSAConfig(block_size=32, topk=4))
     assert key_budget(msa, 4, "sparse") == 128
     assert key_budget(msa, 4, "dense") is None and key_budget(msa, 0, "sparse") is None
+
+
+class _LossModel(torch.nn.Module):
+    """Per-token losses of ones; keeps the positions and document starts it was given."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def forward(self, tokens_BS, pos, doc_start, labels=None):
+        self.seen.append((pos.clone(), None if doc_start is None else doc_start.clone()))
+        return torch.ones(tokens_BS.shape, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("reset", [False, True])
+def test_the_held_out_loss_masks_documents_as_the_run_trained(reset):
+    """A run on packed documents (data.document_mask) never attended across an end-of-document
+    token; its held-out windows were scored attending across them. Masked, each window's
+    documents start where training starts them, and their positions restart with
+    data.reset_position_ids."""
+    from data.datasets import document_starts
+    from data.tokenizer import ByteTokenizer
+    from msa_model.eval.runner import heldout_stream, loss_by_position
+
+    tok = ByteTokenizer()
+    flat = heldout_stream([b"a" * 100, b"b" * 50, b"c" * 400], tok, 256)
+    model = _LossModel()
+    out = loss_by_position(model, "cpu", flat, 256, 2, document_eod=tok.eod, reset_positions=reset)
+    assert out["documents_masked"] and out["sequences"] == 2 and len(model.seen) == 2
+    for i, (pos, doc_start) in enumerate(model.seen):
+        want = document_starts(torch.from_numpy(flat[i * 256:(i + 1) * 256])[None], tok.eod)
+        assert torch.equal(doc_start, want)
+        assert torch.equal(pos, torch.arange(256)[None] - (want if reset else 0))
+    # the first window holds two document starts after its first
+    assert sorted(set(model.seen[0][1][0].tolist())) == [0, 101, 152]
+    unmasked = _LossModel()
+    assert not loss_by_position(unmasked, "cpu", flat, 256, 2)["documents_masked"]
+    assert all(doc_start is None for _, doc_start in unmasked.seen)

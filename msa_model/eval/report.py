@@ -41,7 +41,8 @@ def markdown(results: dict) -> str:
     lines.append("| all tasks accuracy | " + " | ".join(f"{results['accuracy_by_length'][n]:.2f}" for n in lengths)
                  + " |")
     loss = results["loss_by_position"]
-    lines += ["", f"Loss by position ({loss['source']}, {loss['sequences']} x {loss['length']} tokens):", "",
+    masked = ", each document attending within itself as in training" if loss.get("documents_masked") else ""
+    lines += ["", f"Loss by position ({loss['source']}, {loss['sequences']} x {loss['length']} tokens{masked}):", "",
               *_loss_table("positions", loss["buckets"])]
     by_offset = loss.get("by_block_offset")
     if by_offset:

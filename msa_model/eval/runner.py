@@ -385,20 +385,33 @@ def heldout_stream(docs: list[bytes], tokenizer, length: int) -> np.ndarray:
 
 @torch.no_grad()
 def loss_by_position(model, device, flat: np.ndarray, length: int, sequences: int,
-                     offsets: tuple[int, int, int] | None = None) -> dict:
+                     offsets: tuple[int, int, int] | None = None, document_eod: int | None = None,
+                     reset_positions: bool = False) -> dict:
     """Mean next-token loss per position bucket over up to `sequences` windows of `length` tokens
     cut from the token stream `flat` (`heldout_stream`). `offsets` (block size, first and end
-    position): also the loss by offset inside a key block over those positions."""
+    position): also the loss by offset inside a key block over those positions. `document_eod`:
+    the end-of-document id of a run that masked packed documents (data.document_mask): each
+    window's documents then attend within themselves, and restart their positions with
+    `reset_positions` (data.reset_position_ids), as in training (a token after an
+    end-of-document token otherwise reads the document before, which the model never did)."""
+    from data.datasets import document_starts
+    from msa_model.ops.common import attach_host_copy
+
     n = min(sequences, (len(flat) - 1) // length)
     sums = torch.zeros(length, dtype=torch.float64)
     for i in range(n):
-        window = torch.from_numpy(flat[i * length:(i + 1) * length + 1]).to(device)
+        window = torch.from_numpy(flat[i * length:(i + 1) * length + 1])
         tokens, labels = window[None, :-1], window[None, 1:]
-        pos = torch.arange(length, device=device)[None]
-        sums += model(tokens, pos, None, labels=labels)[0].double().cpu()
+        pos, doc_start = torch.arange(length)[None], None
+        if document_eod is not None:
+            starts = document_starts(tokens, document_eod)
+            doc_start = attach_host_copy(starts.to(device), starts)
+            if reset_positions:
+                pos = pos - starts
+        sums += model(tokens.to(device), pos.to(device), doc_start, labels=labels.to(device))[0].double().cpu()
     per_pos = sums / n
     buckets = [{"from": a, "to": b, "loss": per_pos[a:b].mean().item()} for a, b in position_buckets(length)]
-    out = {"length": length, "sequences": n, "buckets": buckets}
+    out = {"length": length, "sequences": n, "buckets": buckets, "documents_masked": document_eod is not None}
     if offsets is not None:
         block_size, first, end = offsets
         out["by_block_offset"] = loss_by_block_offset(per_pos, block_size, first, min(end, length))
@@ -551,9 +564,11 @@ def run_eval(args) -> dict:
         # and inside the training context; a dense run is measured on its config's blocks alike
         bk = cfg.model.msa.block_size
         offsets = (bk, keys_per_query(bk, cfg.model.msa.topk), context)
-        loss = loss_by_position(model, device, heldout, loss_length, args.loss_sequences, offsets)
+        loss = loss_by_position(model, device, heldout, loss_length, args.loss_sequences, offsets,
+                                tokenizer.eod if cfg.data.document_mask else None, cfg.data.reset_position_ids)
         loss["source"] = kind
-        log.info("held-out loss by position (%s, %d x %d tokens): %s", kind, loss["sequences"], loss_length,
+        log.info("held-out loss by position (%s, %d x %d tokens%s): %s", kind, loss["sequences"], loss_length,
+                 ", documents masked" if loss["documents_masked"] else "",
                  " ".join(f"[{b['from']},{b['to']}) {b['loss']:.3f}" for b in loss["buckets"]))
         by_offset = loss.get("by_block_offset")
         if by_offset:
