@@ -255,3 +255,19 @@ def test_the_held_out_loss_masks_documents_as_the_run_trained(reset):
     unmasked = _LossModel()
     assert not loss_by_position(unmasked, "cpu", flat, 256, 2)["documents_masked"]
     assert all(doc_start is None for _, doc_start in unmasked.seen)
+
+
+def test_a_damaged_checkpoint_is_refused_before_the_model_and_the_output(tmp_path, capsys):
+    """It ended in a traceback from the load, after the output directory had been made."""
+    from msa_model.training.manifest import write_manifest
+
+    run, _ = _run(tmp_path)
+    step = run / "checkpoints" / "step_00000001"
+    (step / "__0_0.distcp").write_bytes(b"x" * 4096)
+    write_manifest(step)
+    (step / "__0_0.distcp").write_bytes(b"x" * 1000)
+    out = tmp_path / "eval"
+    assert _main(run, "--out", out, "--lengths", "256") == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: checkpoint {step} is damaged: __0_0.distcp is 1,000 bytes, the manifest says 4,096")
+    assert not out.exists()

@@ -102,8 +102,9 @@ def _conversion_config(schema, step_dir: Path):
     return OmegaConf.merge(schema, {"model": known_model_fields(recorded)[0]})
 
 
-def build_model(cfg, step_dir: Path, device_pref: str):
-    """The model of `cfg` on one process (TP = PP = 1) with the checkpoint's weights, eval mode."""
+def build_model(cfg, step_dir: Path, device_pref: str, verify: bool = True):
+    """The model of `cfg` on one process (TP = PP = 1) with the checkpoint's weights, eval mode.
+    `verify`: check the checkpoint's manifest first (skip it only for one checked just before)."""
     from msa_model.config import ParallelConfig
     from msa_model.model.gpt import build_model as build
     from msa_model.training.checkpoint import load_weights
@@ -114,7 +115,7 @@ def build_model(cfg, step_dir: Path, device_pref: str):
     env = init_distributed(parallel, device_pref, cfg.trainer.seed)
     model = build(cfg.model, parallel, checkpoint_run_tokenizer(cfg, step_dir).vocab_size, on_cpu=env.device.type == "cpu")
     model.to(env.device)
-    load_weights(model, step_dir, allow_missing_index=False, what="eval", error=EvalError)
+    load_weights(model, step_dir, allow_missing_index=False, what="eval", error=EvalError, verify=verify)
     model.eval()
     return model, env.device
 
@@ -493,6 +494,7 @@ def run_eval(args) -> dict:
     from msa_model.eval.report import write_report
     from msa_model.training.data_setup import checkpoint_run_tokenizer
     from msa_model.training.distributed import shutdown
+    from msa_model.training.manifest import verify_checkpoint
     from msa_model.training.run_dir import setup_logging
 
     out = Path(args.out)
@@ -533,6 +535,9 @@ def run_eval(args) -> dict:
         log.warning("the index branch is %s: the sparse phase selects with it (--phase dense reads every key)",
                     untrained)
 
+    # a damaged checkpoint is found before the output directory exists (read once: it is not
+    # hashed again at the load)
+    verify_checkpoint(step_dir, "checkpoint", error=EvalError)
     pool_bytes = max(4_000_000, 4 * max(lengths))
     try:
         haystack = Haystack(files, pool_bytes=pool_bytes, seed=args.seed)
@@ -547,7 +552,7 @@ def run_eval(args) -> dict:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise EvalError(f"--out {out}: cannot create it ({e.strerror})") from None
-    model, device = build_model(cfg, step_dir, args.device)
+    model, device = build_model(cfg, step_dir, args.device, verify=False)
     try:
         if msa:
             set_msa_phase(model, args.phase == "sparse")
