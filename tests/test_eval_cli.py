@@ -1,7 +1,9 @@
-"""The offline evaluation's command line without a trained model: options it cannot use are
-refused in one line (exit code 2) before the model loads or the output directory exists; an
-interrupted evaluation keeps the retrieval it scored and the next call goes on from it; the
-report's results.json appears only whole and last."""
+"""The offline evaluation without a trained model (placeholder checkpoints, stand-in models):
+inputs it cannot use (options, a damaged checkpoint, a run without one) are refused in one line,
+exit code 2, before the model loads or the output directory exists; an interrupted evaluation
+keeps the retrieval it scored and the next call goes on from it; results.json appears only whole
+and last; the report names its checkpoint, an untrained index branch and a key budget only where
+one applies; the held-out loss masks packed documents as the run did."""
 
 from __future__ import annotations
 
@@ -15,9 +17,9 @@ from omegaconf import OmegaConf
 from msa_model.config import TrainConfig
 
 
-def _run(tmp_path, **data):
-    """A run directory (config.yaml with `data` fields, a placeholder checkpoint) and a corpus of
-    three small Python files as its data.source."""
+def _run(tmp_path):
+    """A run directory (config.yaml, a placeholder checkpoint) and a corpus of three small Python
+    files as its data.source."""
     rng = random.Random(0)
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -30,8 +32,6 @@ def _run(tmp_path, **data):
     (run / "checkpoints" / "latest").write_text("step_00000001\n")
     cfg = OmegaConf.structured(TrainConfig)
     cfg.data.source = str(corpus)
-    for key, value in data.items():
-        cfg.data[key] = value
     (run / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
     return run, corpus
 
