@@ -56,6 +56,8 @@ def run_summary(study, run) -> dict:
         needle = {key: {n: _mean([per[n][key] for per in e["tasks"].values() if per.get(n, {}).get(key) is not None])
                         for n in e["accuracy_by_length"]} for key in ("needle_selected", "needle_chance")}
         out["eval"] = {"accuracy_by_length": e["accuracy_by_length"], "key_budget": e.get("key_budget"),
+                       # behind each length's accuracy: examples of every task at every depth
+                       "examples": e["samples"] * len(e["depths"]) * len(e["tasks"]),
                        "start_excess": by_offset.get("start_excess"),
                        "start_excess_se": by_offset.get("start_excess_se"), **needle}
     return out
@@ -190,8 +192,12 @@ def markdown(summary: dict, study, call: dict) -> str:
                 if mine is not None and theirs is not None:
                     verdict = ("not measured: the reference does not retrieve" if theirs == 0
                                else "met" if 100 * (mine - theirs) >= -5 else "missed")
+                    # the accuracies' examples: a 5-point difference needs hundreds of them
+                    n_mine, n_ref = (sum(v["eval"].get("examples", 0) for v in evals[arm]["runs"].values()
+                                         if "eval" in v) for arm in (name, ref))
                     targets.append(f"- {name} retrieval at 4 x its key budget ({4 * budget}) within 5 points of "
-                                   f"{ref}: {verdict} ({100 * (mine - theirs):+.1f} points)")
+                                   f"{ref}: {verdict} ({100 * (mine - theirs):+.1f} points over {n_mine} and "
+                                   f"{n_ref} examples)")
     if targets:
         lines += ["", "Targets:", *targets]
     lines += ["", f"This call: {call['seconds']:.0f} s, {call['tokens'] / 1e6:.3g}M tokens trained by "

@@ -239,7 +239,7 @@ def test_the_report_sets_the_block_start_excess_of_each_evaluated_arm_side_by_si
     def run(seed, excess):
         return {"seed": seed, "done": True, "step": 4, "steps": 4, "final_lm_loss": 2.0, "final_kl": None,
                 "final_valid_loss": None, "recall": None, "tokens_per_s": 1.0, "peak_mem_gib": None,
-                "eval": {"accuracy_by_length": {"256": 0.5}, "key_budget": 64, "start_excess": excess,
+                "eval": {"accuracy_by_length": {"256": 0.5}, "key_budget": 64, "examples": 15, "start_excess": excess,
                          "start_excess_se": 0.03,
                          "needle_selected": {"256": 0.5 + excess}, "needle_chance": {"256": 0.25}}}
 
@@ -259,6 +259,9 @@ def test_the_report_sets_the_block_start_excess_of_each_evaluated_arm_side_by_si
     assert "dense-retr -0.010 ± 0.021, pt-retr +0.500 ± 0.021" in text
     assert "| pt-retr: needle block selected (random blocks) | 1.00 (0.25) |" in text
     assert "| 0.42 (0.90) |" in text and "| - (-) |" in text
+    # how many examples stand behind the retrieval verdict (two seeds of 15 an arm)
+    assert ("- pt-retr retrieval at 4 x its key budget (256) within 5 points of dense-retr: met (+0.0 points over 30 "
+            "and 30 examples)") in text
 
 
 def test_ctrl_c_lets_the_runs_save_and_writes_the_report(tmp_path, monkeypatch):
