@@ -52,7 +52,7 @@ def test_counts_below_one_are_refused_by_the_parser(tmp_path, option, capsys):
 
 
 @pytest.mark.parametrize("case", ["out_is_a_file", "no_cuda", "no_tasks", "no_depths", "empty_corpus",
-                                  "short_heldout"])
+                                  "corpus_is_a_file", "short_heldout"])
 def test_inputs_it_cannot_use_are_refused_before_the_model_and_the_output(tmp_path, case, capsys, monkeypatch):
     run, corpus = _run(tmp_path)
     out = tmp_path / "eval"
@@ -76,6 +76,9 @@ def test_inputs_it_cannot_use_are_refused_before_the_model_and_the_output(tmp_pa
         (empty / "a.py").write_text("")
         args += ["--corpus", empty]
         message = f"--corpus {empty}: haystack: the corpus files are empty"
+    elif case == "corpus_is_a_file":
+        args += ["--corpus", corpus / "m0.py"]
+        message = f"--corpus {corpus / 'm0.py'}: a file, not a directory of text files"
     else:
         args += ["--loss-length", "1000000"]
         message = "is shorter than one 1000000-token sequence (--loss-length)"

@@ -438,7 +438,8 @@ def check_corpus(source: str, glob: str, max_bytes: int, option: str) -> list[Pa
         return list_corpus_files(source, glob, max_bytes)[1]
     except FileNotFoundError:
         if not Path(source).is_dir() and source != "stdlib":
-            raise EvalError(f"{option} {source}: no such directory") from None
+            what = "a file, not a directory of text files" if Path(source).exists() else "no such directory"
+            raise EvalError(f"{option} {source}: {what}") from None
         raise EvalError(f"{option} {source}: no files match {glob!r} (--glob chooses them)") from None
 
 
