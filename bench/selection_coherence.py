@@ -34,16 +34,16 @@ def main():
     a = ap.parse_args()
 
     from msa_model.model.attention import set_msa_phase
-    from msa_model.eval.runner import _heldout_docs, build_model, load_config, resolve_checkpoint
+    from msa_model.eval.runner import _heldout_docs, build_model, heldout_stream, load_config, resolve_checkpoint
     from msa_model.ops.sparse_attention.tiles import tile_union
     from msa_model.ops.sparse_attention.inverse_index import clean_block_idx
     from msa_model.training.data_setup import checkpoint_run_tokenizer
 
     step_dir, config_path = resolve_checkpoint(a.checkpoint)
-    cfg = load_config(config_path)
+    cfg = load_config(config_path, step_dir)
     model, device = build_model(cfg, step_dir, a.device)
     set_msa_phase(model, True)
-    eod = checkpoint_run_tokenizer(cfg, step_dir).eod
+    tokenizer = checkpoint_run_tokenizer(cfg, step_dir)
     bs, K = cfg.model.msa.block_size, cfg.model.msa.topk
 
     ops = importlib.import_module("msa_model.ops.msa_attention")
@@ -59,11 +59,8 @@ def main():
     # one window at the longest length: the model is causal, so its first T positions select what a
     # window of T would
     longest = max(int(x) for x in a.T.split(",") if x)
-    docs, kind = _heldout_docs(cfg, None, longest + 1)
-    flat = np.concatenate([np.concatenate([np.frombuffer(d, dtype=np.uint8).astype(np.int64), [eod]])
-                           for d in docs])[:longest]
-    if len(flat) < longest:
-        raise SystemExit(f"held-out text has {len(flat)} tokens, fewer than {longest}")
+    docs, kind = _heldout_docs(cfg, None, cfg.data.glob, longest + 1)
+    flat = heldout_stream(docs, tokenizer, longest)[:longest]
     with torch.no_grad():
         model(torch.from_numpy(flat)[None].to(device), torch.arange(longest, device=device)[None], None)
     sets = torch.stack([clean_block_idx(x, bs) for x in captured])  # [layers, 1, T, G, K]

@@ -36,14 +36,16 @@ starts alone until it has built the tokenized cache and logged a step, then the 
 
 Resumable: a call does what --budget seconds allow. Before the end, running jobs get SIGTERM
 (they save and exit) as far as the free disk holds their checkpoints (`small`: about 8.5 GiB
-each), the rest are killed and restart from their last checkpoint. The same command continues
-in the same --work. A machine that lost --work continues from the finished runs of an earlier
+each), the rest are killed and restart from their last checkpoint; a Ctrl-C ends a call the same
+way (exit code 130; a second one kills the runs unsaved). The same command continues in the same
+--work. A machine that lost --work continues from the finished runs of an earlier
 call's OUT/runs.tar.gz given to --import (a CPT run whose dense parent was imported re-trains the
 parent to mid-way first). Finished runs' checkpoints are deleted unless evaluated or
 --keep-checkpoints (disk).
 
 Report (scripts/quality_report.py; every call, also when not finished): <work>/report and --out:
 quality.md, quality.json, loss_curves.png, runs.tar.gz (metrics, logs, eval results), driver.log.
+`--budget 0` writes it again without starting anything.
 Final loss of a run: the mean lm loss of its last --final-window logged intervals.
 """
 
@@ -220,7 +222,9 @@ class Scheduler:
                 if latest_step(run.dir) == run.steps:
                     out.append(self.eval_job(run))
                 else:
-                    self.failed[f"eval-{run.name}"] = "no final checkpoint on this machine (the run was imported)"
+                    self.failed[f"eval-{run.name}"] = (
+                        "no final checkpoint on this machine: the run was imported, or trained in a call whose "
+                        "--eval did not name its arm (it then saves none); evaluate it in another --work")
                     say(f"eval-{run.name}: {self.failed[f'eval-{run.name}']}")
         return out
 
@@ -328,9 +332,20 @@ class Scheduler:
                 say(f"{name}: converted")
                 self.drop_branch_checkpoint(job.run)
             elif job.stopped:
-                say(f"{name}: stopped at step {latest_step(job.run.dir) if job.run else '-'}")
+                say(f"{name}: {self.stopped_line(job)}")
             else:
                 say(f"{name}: {job.kind} done")
+
+    def stopped_line(self, job: Job) -> str:
+        """What a job stopped at the budget's end (or a Ctrl-C) keeps: a run's or a re-trained
+        parent's last checkpoint, an eval's scored cells (its partial.json), a conversion nothing."""
+        if job.kind == "train":
+            return f"stopped at step {latest_step(job.run.dir)}"
+        if job.kind == "parent":
+            return f"stopped at step {latest_step(self.parent_dir(job.run.name))}"
+        if job.kind == "eval":
+            return "stopped; the next call goes on from the retrieval it scored"
+        return "stopped; the next call starts it again"
 
     def finished_line(self, run: Run) -> bool:
         log = run.dir / "train.log"
@@ -426,8 +441,13 @@ class Scheduler:
 def import_runs(study: Study, path: Path) -> None:
     """The finished runs of another call's runs.tar.gz (Study checked that it exists) that this
     work dir has not finished."""
-    with tarfile.open(path) as tar:
+    try:
+        tar = tarfile.open(path)
+        # every header read first: an archive cut short is refused before any run is taken from it
         members = {m.name: m for m in tar.getmembers() if m.isfile()}
+    except (tarfile.TarError, EOFError) as e:
+        raise InputError(f"--import {path}: not a whole runs.tar.gz ({str(e).splitlines()[0].rstrip(':')})") from None
+    with tar:
         for run in study.runs.values():
             done = members.get(f"{run.name}/done.json")
             if done is None or study.done(run):
@@ -473,7 +493,10 @@ def write_outputs(study: Study, sched: Scheduler, budget: Budget) -> Path:
         dest = Path(study.args.out)
         dest.mkdir(parents=True, exist_ok=True)
         for f in out.iterdir():
-            shutil.copy(f, dest / f.name)
+            if not f.name.startswith("."):  # a temporary file a stopped call left
+                # whole or not at all: what --out holds is what goes to another machine
+                shutil.copy(f, dest / f".{f.name}.tmp")
+                os.replace(dest / f".{f.name}.tmp", dest / f.name)
     return out
 
 
@@ -551,6 +574,18 @@ def parse(argv):
     bad = [o for o in args.override if "=" not in o]
     if bad:
         p.error(f"--override takes KEY=VALUE, got {bad}")
+    # found before the runs, not when the evals start or the report is copied at the budget's end
+    if args.eval_lengths is not None:
+        try:
+            lengths = [int(float(x)) for x in args.eval_lengths.split(",") if x]
+        except ValueError:
+            lengths = []
+        if not lengths or min(lengths) < 256:
+            p.error(f"--eval-lengths {args.eval_lengths!r}: comma-separated token counts, each >= 256")
+    in_the_way = [f"--{name} {path}" for name, path in (("work", args.work), ("out", args.out))
+                  if path and Path(path).exists() and not Path(path).is_dir()]
+    if in_the_way:
+        p.error(f"{', '.join(in_the_way)}: a file is in the way (a directory is needed)")
     if any(key_of(o) == "model.seq_length" for o in args.override):
         # the study counts its steps and tokens in the context
         p.error("set the context with --seq-length, not --override model.seq_length")
@@ -603,8 +638,15 @@ def main(argv=None) -> int:
     sched = Scheduler(study, budget)
     say(f"{shutil.disk_usage(study.work).free / 2**30:.0f} GiB free in {study.work} (a checkpoint: about "
         f"{study.preset['ckpt_gib']} GiB)")
+    interrupted = False
     try:
         done = sched.loop()
+    except KeyboardInterrupt:
+        # as at the budget's end: the runs save (the terminal's Ctrl-C reached them too) and the
+        # report is written; a second Ctrl-C kills them unsaved
+        say("interrupted: the training runs save and stop (a second Ctrl-C kills them)")
+        sched.stop_all()
+        done, interrupted = False, True
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -617,7 +659,7 @@ def main(argv=None) -> int:
         say(f"failed: {', '.join(sorted(sched.failed))}")
         return 1
     say("all runs done; report in " + str(out) if done else "not finished: run the same command again to go on")
-    return 0 if done else 3
+    return 130 if interrupted else 0 if done else 3
 
 
 if __name__ == "__main__":

@@ -69,6 +69,11 @@ def parse_arm(text: str, known: dict[str, Arm]) -> Arm:
             ref = item[3:]
         else:
             overrides.append(item)
+    attention = value_of(overrides, "model.attention") or ("dense" if parent.base == "dense" else "msa")
+    inert = [o for o in overrides if key_of(o).startswith("model.msa.")]
+    if attention == "dense" and inert:
+        # its runs would train the reference's model again: a paired difference of noise
+        raise InputError(f"--arm {text!r}: {', '.join(inert)} change nothing with dense attention (base {base!r})")
     return Arm(name, parent.base, overrides, ref, parent.eval)
 
 

@@ -465,6 +465,17 @@ def test_eval_runs_on_the_checkpoint_and_writes_results(diag_run, tmp_path):
     assert bad.returncode == 2 and "is not a checkpoint" in bad.stderr
 
 
+def test_selection_coherence_reads_the_checkpoint_and_its_held_out_text(diag_run):
+    """bench/selection_coherence.py on the run's checkpoint: the eval's loaders as they are called
+    now (it called them with their old arguments), the held-out text in the run's tokens."""
+    proc = subprocess.run([sys.executable, "bench/selection_coherence.py", "--checkpoint", str(diag_run), "--T", "256",
+                           "--tiles", "4", "--device", "cpu"], cwd=REPO, env={**_env(), "PYTHONPATH": str(REPO)},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    line = re.search(r"4 queries: mean ([0-9.]+)", proc.stdout)
+    assert "T=256 (held-out, 2 layers" in proc.stdout and line and 0 < float(line.group(1)) <= 4, proc.stdout
+
+
 def test_loss_by_block_offset_finds_a_loss_at_the_blocks_start():
     """A loss raised at the first offsets of every 32-token block, past position 96 only: the first
     bucket holds it, the others and the positions before 96 do not count."""

@@ -6,11 +6,13 @@ check of a reused work directory."""
 from __future__ import annotations
 
 import importlib.util
+import io
 import json
 import shutil
 import statistics
 import subprocess
 import sys
+import tarfile
 import time
 
 import pytest
@@ -187,6 +189,7 @@ def test_retrieval_arms_train_and_are_scored_on_the_tasks_asked_for(tmp_path):
     (["--arm", "pt-x=pt topk"], "'topk' is not KEY=VALUE"),
     (["--arm", "pt-x=pt vs=nothing"], "its reference 'nothing' is not an arm"),
     (["--arm", "c=cpt vs=pt"], "a cpt arm branches from a dense arm"),
+    (["--arm", "d-k2=dense model.msa.topk=2"], "model.msa.topk=2 change nothing with dense attention"),
     (["--eval", "dense-retr"], "--eval: 'dense-retr' is not an arm"),
 ])
 def test_bad_arms_are_refused(args, message, capsys):
@@ -252,7 +255,7 @@ def test_the_report_sets_the_block_start_excess_of_each_evaluated_arm_side_by_si
     def run(seed, excess):
         return {"seed": seed, "done": True, "step": 4, "steps": 4, "final_lm_loss": 2.0, "final_kl": None,
                 "final_valid_loss": None, "recall": None, "tokens_per_s": 1.0, "peak_mem_gib": None,
-                "eval": {"accuracy_by_length": {"256": 0.5}, "key_budget": 64, "start_excess": excess,
+                "eval": {"accuracy_by_length": {"256": 0.5}, "key_budget": 64, "examples": 15, "start_excess": excess,
                          "start_excess_se": 0.03,
                          "needle_selected": {"256": 0.5 + excess}, "needle_chance": {"256": 0.25}}}
 
@@ -272,3 +275,168 @@ def test_the_report_sets_the_block_start_excess_of_each_evaluated_arm_side_by_si
     assert "dense-retr -0.010 ± 0.021, pt-retr +0.500 ± 0.021" in text
     assert "| pt-retr: needle block selected (random blocks) | 1.00 (0.25) |" in text
     assert "| 0.42 (0.90) |" in text and "| - (-) |" in text
+    # how many examples stand behind the retrieval verdict (two seeds of 15 an arm)
+    assert ("- pt-retr retrieval at 4 x its key budget (256) within 5 points of dense-retr: met (+0.0 points over 30 "
+            "and 30 examples)") in text
+
+
+def test_ctrl_c_lets_the_runs_save_and_writes_the_report(tmp_path, monkeypatch):
+    """A Ctrl-C in the driver ends the call as its budget would: the training runs get to save
+    (they were killed mid-save, losing every step since their last checkpoint) and the report is
+    written; exit code 130."""
+    qe = _module()
+    # a stand-in for train.py: saves (exits 0) on SIGTERM
+    script = ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(0)); "
+              "print('up', flush=True); time.sleep(120)")
+    jobs = []
+
+    def interrupted_loop(sched):
+        run = sched.s.runs["pt-s0"]
+        run.dir.mkdir(parents=True)
+        job = qe.Job(run.name, "train", [sys.executable, "-c", script], tmp_path / "pt-s0.log", None, run=run)
+        sched.call_steps[run.name] = (0, 0)
+        sched.start(job)
+        jobs.append(job)
+        deadline = time.monotonic() + 60
+        while not (job.log.is_file() and "up" in job.log.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(qe.Scheduler, "loop", interrupted_loop)
+    try:
+        rc = qe.main([*TINY, "--seeds", "1", "--arms", "dense,pt", "--work", str(tmp_path / "work"),
+                      "--out", str(tmp_path / "out")])
+    except KeyboardInterrupt:
+        rc = "KeyboardInterrupt"
+    assert rc == 130 and jobs[0].proc.returncode == 0
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(
+        p.name for p in (tmp_path / "work" / "report").iterdir()) == [
+        "driver.log", "loss_curves.png", "quality.json", "quality.md", "runs.tar.gz"]
+
+
+def test_one_seed_meets_or_misses_no_target():
+    """The 1% target is decided over two seeds or more: one seed's gap (here -0.5%) is as likely
+    its seed's as the method's."""
+    from types import SimpleNamespace
+
+    qe = _module()
+    from quality_report import markdown
+
+    def arm(base, ref, losses):
+        runs = {seed: {"seed": seed, "done": True, "step": 4, "steps": 4, "final_lm_loss": loss}
+                for seed, loss in enumerate(losses)}
+        return {"base": base, "ref": ref, "runs": runs, "overrides": [], "n": len(losses),
+                "mean": statistics.mean(losses), "std": statistics.stdev(losses) if len(losses) > 1 else None,
+                "final_kl": None, "recall": None, "tokens_per_s": 1.0, "final_valid_loss": None, "peak_mem_gib": None,
+                "previous_block": None, "previous_block_oracle": None}
+
+    study = SimpleNamespace(args=SimpleNamespace(gbs=4, seq_length=512, lr=1e-3, min_lr=1e-4, final_window=None),
+                            preset=qe.PRESETS["tiny"])
+    call = {"seconds": 1.0, "tokens": 8192, "runs": 2, "failed": []}
+    for losses, verdict in (([2.0], "undecided"), ([2.0, 2.2], "met")):
+        arms = {"dense": arm("dense", None, losses), "pt": arm("pt", "dense", [x - 0.01 for x in losses])}
+        diffs = [-0.01] * len(losses)
+        arms["pt"]["paired"] = {"n": len(diffs), "mean": -0.01, "std": 0.0 if len(diffs) > 1 else None,
+                                "rel_pct": -100 * 0.01 / statistics.mean(losses),
+                                "exceeds_2_seed_std": False if len(diffs) > 1 else None,
+                                "valid_mean": None, "valid_n": 0}
+        summary = {"preset": "tiny", "steps": 4, "mid": 2, "step_tokens": 2048, "tokens_per_run": 8192,
+                   "warmup_tokens": 0, "seeds": len(losses), "arms": arms}
+        text = markdown(summary, study, call)
+        assert f"- pt within 1% of dense: {verdict} (" in text, text
+
+
+def test_an_eval_asked_for_after_its_run_finished_says_why_it_cannot_run(tmp_path, capsys):
+    """A run trained without --eval naming its arm keeps no final checkpoint: --eval in a later
+    call cannot score it, and says so (it blamed an import that never happened)."""
+    qe = _module()
+    study = qe.Study(qe.parse([*TINY, "--seeds", "1", "--arms", "dense", "--eval", "dense", "--work", str(tmp_path)]))
+    run = study.runs["dense-s0"]
+    run.dir.mkdir(parents=True)
+    (run.dir / "done.json").write_text(json.dumps({"steps": run.steps}) + "\n")
+    sched = qe.Scheduler(study, qe.Budget(1200))
+    assert sched.next_jobs() == []
+    assert "trained in a call whose --eval did not name its arm" in sched.failed["eval-dense-s0"]
+
+
+@pytest.mark.parametrize("lengths", ["128,512", "1k", ","])
+def test_eval_lengths_the_eval_would_refuse_are_refused_before_any_run(lengths, capsys):
+    """They failed each eval after its run had trained."""
+    qe = _module()
+    with pytest.raises(SystemExit) as e:
+        qe.parse([*TINY, "--eval-lengths", lengths])
+    assert e.value.code == 2 and f"--eval-lengths {lengths!r}: comma-separated token counts, each >= 256" \
+        in capsys.readouterr().err
+    assert qe.parse([*TINY, "--eval-lengths", "256,1024"]).eval_lengths == "256,1024"
+
+
+def test_a_file_in_the_way_of_work_or_out_is_refused_before_any_run(tmp_path, capsys):
+    """--out was created only when the report was copied, after the whole budget."""
+    qe = _module()
+    (tmp_path / "notes").write_text("x\n")
+    for option in ("--work", "--out"):
+        with pytest.raises(SystemExit) as e:
+            qe.parse([*TINY, option, str(tmp_path / "notes")])
+        assert e.value.code == 2
+        assert f"{option} {tmp_path / 'notes'}: a file is in the way" in capsys.readouterr().err
+
+
+def test_the_report_module_run_alone_points_at_the_driver():
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "quality_report.py")], cwd=REPO, env=_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "--budget 0 to write it again without training" in proc.stderr
+
+
+def test_an_archive_cut_short_is_refused_by_import(tmp_path):
+    """An --import of a runs.tar.gz copied in part (or of another file) ended in a traceback."""
+    qe = _module()
+    study = qe.Study(qe.parse([*TINY, "--seeds", "1", "--arms", "dense", "--work", str(tmp_path / "work")]))
+    whole = tmp_path / "runs.tar.gz"
+    with tarfile.open(whole, "w:gz") as tar:
+        data = bytes(range(256)) * 400
+        info = tarfile.TarInfo("dense-s0/metrics.jsonl")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    for name, content in (("cut.tar.gz", whole.read_bytes()[:200]), ("notes.tar.gz", b"notes\n")):
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(qe.InputError, match=f"--import {tmp_path / name}: not a whole runs.tar.gz"):
+            qe.import_runs(study, tmp_path / name)
+
+
+def test_an_archive_stopped_while_written_leaves_the_last_whole_one(tmp_path, monkeypatch):
+    qe = _module()
+    import quality_report
+
+    study = qe.Study(qe.parse([*TINY, "--seeds", "1", "--arms", "dense", "--work", str(tmp_path / "work")]))
+    run = study.runs["dense-s0"]
+    run.dir.mkdir(parents=True)
+    (run.dir / "metrics.jsonl").write_text(json.dumps({"step": 2}) + "\n")
+    (run.dir / "train.log").write_text("x" * 100_000)
+    path = tmp_path / "runs.tar.gz"
+    quality_report.archive(study, path)
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tarfile.TarFile, "add", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        quality_report.archive(study, path)
+    with tarfile.open(path) as tar:
+        assert sorted(tar.getnames()) == ["dense-s0/metrics.jsonl", "dense-s0/train.log"]
+
+
+def test_a_stopped_job_says_what_it_keeps(tmp_path):
+    """An eval stopped at the budget's end was said to stop 'at step N' of its run's checkpoint, a
+    re-trained parent at its dense run's step."""
+    qe = _module()
+    study = qe.Study(qe.parse([*TINY, "--seeds", "1", "--work", str(tmp_path)]))
+    sched = qe.Scheduler(study, qe.Budget(60))
+    dense = study.runs["dense-s0"]
+    for root, step in ((dense.dir, 6), (sched.parent_dir("dense-s0"), 2)):
+        (root / "checkpoints").mkdir(parents=True)
+        (root / "checkpoints" / "latest").write_text(f"step_{step:08d}\n")
+    said = {kind: sched.stopped_line(qe.Job("j", kind, [], tmp_path / "j.log", None, run=dense))
+            for kind in ("train", "parent", "eval", "convert")}
+    assert said == {"train": "stopped at step 6", "parent": "stopped at step 2",
+                    "eval": "stopped; the next call goes on from the retrieval it scored",
+                    "convert": "stopped; the next call starts it again"}

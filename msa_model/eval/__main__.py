@@ -21,6 +21,15 @@ def _ints(text: str) -> list[int]:
     return [int(float(x)) for x in text.split(",") if x]
 
 
+def _count(text: str) -> int:
+    """A count of at least 1: zero examples or sequences leave nothing to average (and were found
+    out only after the model had loaded and the retrieval had run)."""
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
 def main(argv=None) -> int:
     from data.retrieval import DEFAULT_TASKS, TASKS
 
@@ -33,12 +42,12 @@ def main(argv=None) -> int:
     p.add_argument("--depths", type=_floats, default=[0.0, 0.25, 0.5, 0.75, 1.0], help="needle depths in [0, 1]")
     p.add_argument("--tasks", default=",".join(DEFAULT_TASKS),
                    help=f"comma-separated, of {', '.join(TASKS)} (data/retrieval.py)")
-    p.add_argument("--samples", type=int, default=4, help="examples per (task, length, depth)")
+    p.add_argument("--samples", type=_count, default=4, help="examples per (task, length, depth)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--phase", choices=["sparse", "dense"], default="sparse",
                    help="MSA models: top-k selection (sparse) or the warmup's dense attention")
-    p.add_argument("--loss-sequences", type=int, default=8, help="held-out sequences for the loss by position")
-    p.add_argument("--loss-length", type=int, default=None, help="their length (default: the longest of --lengths)")
+    p.add_argument("--loss-sequences", type=_count, default=8, help="held-out sequences for the loss by position")
+    p.add_argument("--loss-length", type=_count, default=None, help="their length (default: the longest of --lengths)")
     p.add_argument("--corpus", default=None, help="haystack/held-out source directory (default: the run's data.source)")
     p.add_argument("--glob", default=None, help="the corpus's text files (default: the run's data.glob for a run on a "
                                                 "file-directory corpus, else every file)")
@@ -46,13 +55,20 @@ def main(argv=None) -> int:
     p.add_argument("--label", default=None, help="name of this model in the report (default: the run directory's name)")
     args = p.parse_args(argv)
 
-    from msa_model.eval.runner import EvalError, run_eval
+    from pathlib import Path
+
+    from msa_model.eval.runner import EvalError, Progress, run_eval
 
     try:
         run_eval(args)
     except EvalError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        kept = Path(args.out) / Progress.FILE
+        print("interrupted: " + (f"the retrieval scored so far is kept in {kept}; the same command goes on from it"
+                                 if kept.is_file() else "nothing scored yet"), file=sys.stderr)
+        return 130
     return 0
 
 

@@ -1,8 +1,9 @@
-"""results.json, results.md (tables) and the plots of one evaluation; `compare` tables several."""
+"""results.json, results.md (tables) and the plots of one evaluation."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 
@@ -19,7 +20,10 @@ def markdown(results: dict) -> str:
     """Accuracy by task x length, mean answer rank, and the loss by position, as markdown tables."""
     lengths = [str(n) for n in results["lengths"]]
     budget = results.get("key_budget")
+    untrained = results.get("index_untrained")
     lines = [f"# {results['label']}: {results['model']}, {results['attention']} attention, phase {results['phase']}",
+             "", f"checkpoint {results['checkpoint']}" + (f"; **index branch {untrained}**: the sparse phase "
+                                                          "selected with it" if untrained else ""),
              "", f"context {results['context']}" + (f", key budget {budget} per query" if budget else "")
              + f"; {results['samples']} examples per (task, length, depth), depths {results['depths']}, "
              f"seed {results['seed']}" + ("; needle block selected: the share of (MSA layer, GQA group) pairs "
@@ -37,7 +41,8 @@ def markdown(results: dict) -> str:
     lines.append("| all tasks accuracy | " + " | ".join(f"{results['accuracy_by_length'][n]:.2f}" for n in lengths)
                  + " |")
     loss = results["loss_by_position"]
-    lines += ["", f"Loss by position ({loss['source']}, {loss['sequences']} x {loss['length']} tokens):", "",
+    masked = ", each document attending within itself as in training" if loss.get("documents_masked") else ""
+    lines += ["", f"Loss by position ({loss['source']}, {loss['sequences']} x {loss['length']} tokens{masked}):", "",
               *_loss_table("positions", loss["buckets"])]
     by_offset = loss.get("by_block_offset")
     if by_offset:
@@ -100,9 +105,19 @@ def plot_loss_by_position(runs: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def write_text_atomic(path: Path, text: str) -> None:
+    """`text` into `path` through a temporary file renamed over it: a kill or Ctrl-C mid-write
+    leaves the old file or none, never half of the new one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def write_report(results: dict, out: Path) -> None:
+    """The tables and plots, then results.json: its presence says the evaluation is complete
+    (scripts/quality_experiment.py takes it so), so it comes last and whole."""
     out = Path(out)
-    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    (out / "results.md").write_text(markdown(results))
+    write_text_atomic(out / "results.md", markdown(results))
     plot_accuracy(results, out / "accuracy.png")
     plot_loss_by_position([results], out / "loss_by_position.png")
+    write_text_atomic(out / "results.json", json.dumps(results, indent=1) + "\n")

@@ -9,6 +9,7 @@ argmax) says how close a wrong answer was.
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import time
@@ -36,6 +37,12 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, Path | None]:
     path = Path(path)
     if not path.exists():
         raise EvalError(f"{path} does not exist")
+    if (path / "config.yaml").is_file() and not (path / "checkpoints" / LATEST).is_file():
+        elsewhere = OmegaConf.load(path / "config.yaml").get("checkpoint", {}).get("dir")
+        if elsewhere:
+            raise EvalError(f"{path}: the run keeps its checkpoints in checkpoint.dir {elsewhere}: give that directory")
+        raise EvalError(f"{path}: the run has saved no checkpoint (yet): it saves every checkpoint.interval steps, "
+                        "at its end unless checkpoint.save_at_end=false, and when stopped by a signal")
     if (path / "checkpoints").is_dir() and not (path / LATEST).exists():
         path = path / "checkpoints"
     if (path / LATEST).is_file():
@@ -95,8 +102,9 @@ def _conversion_config(schema, step_dir: Path):
     return OmegaConf.merge(schema, {"model": known_model_fields(recorded)[0]})
 
 
-def build_model(cfg, step_dir: Path, device_pref: str):
-    """The model of `cfg` on one process (TP = PP = 1) with the checkpoint's weights, eval mode."""
+def build_model(cfg, step_dir: Path, device_pref: str, verify: bool = True):
+    """The model of `cfg` on one process (TP = PP = 1) with the checkpoint's weights, eval mode.
+    `verify`: check the checkpoint's manifest first (skip it only for one checked just before)."""
     from msa_model.config import ParallelConfig
     from msa_model.model.gpt import build_model as build
     from msa_model.training.checkpoint import load_weights
@@ -107,7 +115,7 @@ def build_model(cfg, step_dir: Path, device_pref: str):
     env = init_distributed(parallel, device_pref, cfg.trainer.seed)
     model = build(cfg.model, parallel, checkpoint_run_tokenizer(cfg, step_dir).vocab_size, on_cpu=env.device.type == "cpu")
     model.to(env.device)
-    load_weights(model, step_dir, allow_missing_index=False, what="eval", error=EvalError)
+    load_weights(model, step_dir, allow_missing_index=False, what="eval", error=EvalError, verify=verify)
     model.eval()
     return model, env.device
 
@@ -243,17 +251,55 @@ def example_of_tokens(task, length, depth, haystack, tokenizer, rng, tries: int 
     return found[0]
 
 
+class Progress:
+    """The retrieval cells (task x length) an evaluation has scored, in OUT/partial.json after each
+    one: a Ctrl-C or a kill (a quality study's budget ending) loses the cell in progress only, and
+    the same command on the same checkpoint with the same options goes on from the others
+    (`settings` differing: it starts afresh). The file goes once results.json is written."""
+
+    FILE = "partial.json"
+
+    def __init__(self, out: Path, settings: dict):
+        self.path, self.settings, self.cells = Path(out) / self.FILE, settings, {}
+        if self.path.is_file():
+            try:
+                saved = json.loads(self.path.read_text())
+            except json.JSONDecodeError:
+                saved = {}
+            if saved.get("settings") == settings:
+                self.cells = saved["cells"]
+
+    def get(self, task: str, length: int) -> dict | None:
+        return self.cells.get(f"{task}/{length}")
+
+    def put(self, task: str, length: int, cell: dict) -> None:
+        from msa_model.eval.report import write_text_atomic
+
+        self.cells[f"{task}/{length}"] = cell
+        write_text_atomic(self.path, json.dumps({"settings": self.settings, "cells": self.cells}) + "\n")
+
+    def finish(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
 def retrieval_results(model, device, haystack, tasks, lengths, depths, samples, seed, tokenizer,
-                      msa=None) -> dict:
+                      msa=None, progress: Progress | None = None) -> dict:
     """Per task and length: accuracy (by depth), mean answer rank and log-prob; with the sparse
     phase's `msa` options (model.msa), at lengths above the key budget (where a query cannot read
     every block) also `needle_selected`: the mean share of (layer, group) pairs whose selection
     for the question's last token held the block of the asked value (`score_example`), and
-    `needle_chance`, the same for random blocks."""
+    `needle_chance`, the same for random blocks. `progress`: cells scored before (taken as they
+    are) and where each new one is kept."""
     out = {}
     for task in tasks:
         per_length = {}
         for length in lengths:
+            kept = progress.get(task, length) if progress is not None else None
+            if kept is not None:
+                per_length[str(length)] = kept
+                log.info("%-8s length %6d: accuracy %.3f (kept from an interrupted evaluation, %s)", task, length,
+                         kept["accuracy"], progress.path)
+                continue
             t0 = time.perf_counter()
             grid, ranks, logprobs, needles, chances = {}, [], [], [], []
             probe = msa if msa is not None and length > keys_per_query(msa.block_size, msa.topk) else None
@@ -275,6 +321,8 @@ def retrieval_results(model, device, haystack, tasks, lengths, depths, samples, 
                                        "answer_logprob": sum(logprobs) / len(logprobs), "by_depth": grid,
                                        "needle_selected": sum(needles) / len(needles) if needles else None,
                                        "needle_chance": sum(chances) / len(chances) if chances else None}
+            if progress is not None:
+                progress.put(task, length, per_length[str(length)])
             needle = (f"  needle block selected {sum(needles) / len(needles):.2f} (random blocks "
                       f"{sum(chances) / len(chances):.2f})" if needles else "")
             log.info("%-8s length %6d: accuracy %.3f  mean answer rank %.2f%s  (%d examples, %.1f s)", task, length,
@@ -321,29 +369,50 @@ def loss_by_block_offset(per_pos: torch.Tensor, block_size: int, first: int, end
             "start_excess": buckets[0]["loss"] - half.mean().item(), "start_excess_se": se}
 
 
-@torch.no_grad()
-def loss_by_position(model, device, docs: list[bytes], length: int, sequences: int, tokenizer,
-                     offsets: tuple[int, int, int] | None = None) -> dict:
-    """Mean next-token loss per position bucket over `sequences` windows of `length` tokens cut from
-    the documents, tokenized and joined with end-of-document tokens. `offsets` (block size, first
-    and end position): also the loss by offset inside a key block over those positions."""
+def heldout_stream(docs: list[bytes], tokenizer, length: int) -> np.ndarray:
+    """The documents tokenized and joined with end-of-document tokens, int64; EvalError when they
+    hold less than one `length`-token sequence (found before the model loads and the retrieval
+    runs, not after)."""
     stream = []
     for ids in tokenizer.tokenize_batch(docs):
         stream.append(ids.astype(np.int64))
         stream.append(np.array([tokenizer.eod], dtype=np.int64))
     flat = np.concatenate(stream) if stream else np.zeros(0, dtype=np.int64)
+    if len(flat) - 1 < length:
+        raise EvalError(f"the held-out text ({len(flat):,} tokens) is shorter than one {length}-token sequence "
+                        "(--loss-length)")
+    return flat
+
+
+@torch.no_grad()
+def loss_by_position(model, device, flat: np.ndarray, length: int, sequences: int,
+                     offsets: tuple[int, int, int] | None = None, document_eod: int | None = None,
+                     reset_positions: bool = False) -> dict:
+    """Mean next-token loss per position bucket over up to `sequences` windows of `length` tokens
+    cut from the token stream `flat` (`heldout_stream`). `offsets` (block size, first and end
+    position): also the loss by offset inside a key block over those positions. `document_eod`:
+    the end-of-document id of a run that masked packed documents (data.document_mask): each
+    window's documents then attend within themselves, and restart their positions with
+    `reset_positions` (data.reset_position_ids), as in training (a token after an
+    end-of-document token otherwise reads the document before, which the model never did)."""
+    from data.datasets import document_starts
+    from msa_model.ops.common import attach_host_copy
+
     n = min(sequences, (len(flat) - 1) // length)
-    if n < 1:
-        raise EvalError(f"the held-out text ({len(flat):,} tokens) is shorter than one {length}-token sequence")
     sums = torch.zeros(length, dtype=torch.float64)
     for i in range(n):
-        window = torch.from_numpy(flat[i * length:(i + 1) * length + 1]).to(device)
+        window = torch.from_numpy(flat[i * length:(i + 1) * length + 1])
         tokens, labels = window[None, :-1], window[None, 1:]
-        pos = torch.arange(length, device=device)[None]
-        sums += model(tokens, pos, None, labels=labels)[0].double().cpu()
+        pos, doc_start = torch.arange(length)[None], None
+        if document_eod is not None:
+            starts = document_starts(tokens, document_eod)
+            doc_start = attach_host_copy(starts.to(device), starts)
+            if reset_positions:
+                pos = pos - starts
+        sums += model(tokens.to(device), pos.to(device), doc_start, labels=labels.to(device))[0].double().cpu()
     per_pos = sums / n
     buckets = [{"from": a, "to": b, "loss": per_pos[a:b].mean().item()} for a, b in position_buckets(length)]
-    out = {"length": length, "sequences": n, "buckets": buckets}
+    out = {"length": length, "sequences": n, "buckets": buckets, "documents_masked": document_eod is not None}
     if offsets is not None:
         block_size, first, end = offsets
         out["by_block_offset"] = loss_by_block_offset(per_pos, block_size, first, min(end, length))
@@ -369,7 +438,8 @@ def check_corpus(source: str, glob: str, max_bytes: int, option: str) -> list[Pa
         return list_corpus_files(source, glob, max_bytes)[1]
     except FileNotFoundError:
         if not Path(source).is_dir() and source != "stdlib":
-            raise EvalError(f"{option} {source}: no such directory") from None
+            what = "a file, not a directory of text files" if Path(source).exists() else "no such directory"
+            raise EvalError(f"{option} {source}: {what}") from None
         raise EvalError(f"{option} {source}: no files match {glob!r} (--glob chooses them)") from None
 
 
@@ -400,24 +470,48 @@ def _heldout_docs(cfg, corpus: str | None, glob: str, need_bytes: int) -> tuple[
     return docs, kind
 
 
+def key_budget(msa_cfg, msa_layer_count: int, phase: str) -> int | None:
+    """The keys a query reads (top-k blocks) in the sparse phase of a model with MSA layers; None
+    where every query reads every key (dense attention, the dense phase), so that the report
+    names no budget and measures no needle selection there."""
+    if msa_layer_count == 0 or phase != "sparse":
+        return None
+    return keys_per_query(msa_cfg.block_size, msa_cfg.topk)
+
+
+def untrained_index(step_dir: Path) -> str | None:
+    """What the checkpoint says of its index branch when it records it untrained (a conversion of
+    a dense model, a run stopped before its indexer warmup ended), else None: the sparse phase's
+    numbers are then those of a selection nothing taught, which the report says."""
+    from msa_model.training.index_history import index_branch_history
+
+    trained, what = index_branch_history(step_dir)
+    return what if trained is False else None
+
+
 def run_eval(args) -> dict:
     from data.retrieval import TASKS, Haystack
     from msa_model.model.attention import msa_layers, set_msa_phase
     from msa_model.eval.report import write_report
     from msa_model.training.data_setup import checkpoint_run_tokenizer
     from msa_model.training.distributed import shutdown
+    from msa_model.training.manifest import verify_checkpoint
     from msa_model.training.run_dir import setup_logging
 
     out = Path(args.out)
     setup_logging(None, True)
+    if out.exists() and not out.is_dir():
+        raise EvalError(f"--out {out}: a file is in the way (the results go into a directory)")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise EvalError("--device cuda: CUDA is not available here (--device auto or cpu)")
     step_dir, config_path = resolve_checkpoint(args.checkpoint)
     cfg = load_config(config_path, step_dir)
     tasks = [t for t in args.tasks.split(",") if t]
     bad = [t for t in tasks if t not in TASKS]
-    if bad:
-        raise EvalError(f"--tasks: unknown {bad} (known: {', '.join(TASKS)})")
-    if any(not 0.0 <= d <= 1.0 for d in args.depths):
-        raise EvalError(f"--depths must lie in [0, 1], got {args.depths}")
+    if bad or not tasks:
+        raise EvalError(f"--tasks: unknown {bad or 'none given'} (known: {', '.join(TASKS)})")
+    if not args.depths or any(not 0.0 <= d <= 1.0 for d in args.depths):
+        raise EvalError(f"--depths: one or more in [0, 1], got {args.depths}")
     context = cfg.model.seq_length
     lengths = args.lengths or default_lengths(context)
     if any(n < 256 for n in lengths):
@@ -437,27 +531,50 @@ def run_eval(args) -> dict:
              cfg.model.attention, f", {args.phase} phase" if msa else "", step_dir, lengths, args.depths, args.samples)
     if max(lengths) > context:
         log.info("lengths above the training context (%d) measure extrapolation through RoPE", context)
+    untrained = untrained_index(step_dir) if msa and args.phase == "sparse" else None
+    if untrained:
+        log.warning("the index branch is %s: the sparse phase selects with it (--phase dense reads every key)",
+                    untrained)
+
+    # a damaged checkpoint is found before the output directory exists (read once: it is not
+    # hashed again at the load)
+    verify_checkpoint(step_dir, "checkpoint", error=EvalError)
+    pool_bytes = max(4_000_000, 4 * max(lengths))
+    try:
+        haystack = Haystack(files, pool_bytes=pool_bytes, seed=args.seed)
+    except ValueError as e:
+        raise EvalError(f"{'--corpus' if args.corpus else 'data.source'} {source}: {e}") from None
+    loss_length = args.loss_length or max(lengths)
+    docs, kind = _heldout_docs(cfg, args.corpus, glob, (args.loss_sequences + 1) * loss_length)
+    heldout = heldout_stream(docs, tokenizer, loss_length)
 
     # only now, with the inputs checked: a refused evaluation leaves no output directory behind
-    out.mkdir(parents=True, exist_ok=True)
-    model, device = build_model(cfg, step_dir, args.device)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise EvalError(f"--out {out}: cannot create it ({e.strerror})") from None
+    model, device = build_model(cfg, step_dir, args.device, verify=False)
     try:
         if msa:
             set_msa_phase(model, args.phase == "sparse")
-        haystack = Haystack(files, pool_bytes=max(4_000_000, 4 * max(lengths)), seed=args.seed)
         t0 = time.perf_counter()
-        budget = keys_per_query(cfg.model.msa.block_size, cfg.model.msa.topk) if msa and msa_layers(model) else None
+        budget = key_budget(cfg.model.msa, len(msa_layers(model)) if msa else 0, args.phase)
+        # what the retrieval cells depend on: cells of another checkpoint or options are not reused
+        progress = Progress(out, {"checkpoint": str(step_dir.resolve()), "phase": args.phase, "depths": args.depths,
+                                  "samples": args.samples, "seed": args.seed, "corpus": source, "glob": glob,
+                                  "pool_bytes": pool_bytes, "device": device.type})
         retrieval = retrieval_results(model, device, haystack, tasks, lengths, args.depths, args.samples, args.seed,
-                                      tokenizer, msa=cfg.model.msa if budget and args.phase == "sparse" else None)
-        loss_length = args.loss_length or max(lengths)
-        docs, kind = _heldout_docs(cfg, args.corpus, glob, (args.loss_sequences + 1) * loss_length)
+                                      tokenizer, msa=cfg.model.msa if budget else None,
+                                      progress=progress)
         # the loss by block offset where selection can miss (a query sees more than top-k blocks)
         # and inside the training context; a dense run is measured on its config's blocks alike
         bk = cfg.model.msa.block_size
         offsets = (bk, keys_per_query(bk, cfg.model.msa.topk), context)
-        loss = loss_by_position(model, device, docs, loss_length, args.loss_sequences, tokenizer, offsets)
+        loss = loss_by_position(model, device, heldout, loss_length, args.loss_sequences, offsets,
+                                tokenizer.eod if cfg.data.document_mask else None, cfg.data.reset_position_ids)
         loss["source"] = kind
-        log.info("held-out loss by position (%s, %d x %d tokens): %s", kind, loss["sequences"], loss_length,
+        log.info("held-out loss by position (%s, %d x %d tokens%s): %s", kind, loss["sequences"], loss_length,
+                 ", documents masked" if loss["documents_masked"] else "",
                  " ".join(f"[{b['from']},{b['to']}) {b['loss']:.3f}" for b in loss["buckets"]))
         by_offset = loss.get("by_block_offset")
         if by_offset:
@@ -468,13 +585,14 @@ def run_eval(args) -> dict:
         results = {
             "label": label, "checkpoint": str(step_dir), "model": cfg.model.name, "attention": cfg.model.attention,
             "phase": args.phase if msa else "dense", "context": context,
-            "key_budget": budget,
+            "key_budget": budget, "index_untrained": untrained,
             "seed": args.seed, "samples": args.samples, "lengths": lengths, "depths": args.depths, "tasks": retrieval,
             "accuracy_by_length": {str(n): sum(retrieval[t][str(n)]["accuracy"] for t in tasks) / len(tasks)
                                    for n in lengths},
             "loss_by_position": loss, "seconds": round(time.perf_counter() - t0, 1),
         }
         write_report(results, out)
+        progress.finish()
         log.info("wrote %s", out / "results.json")
         return results
     finally:
