@@ -46,7 +46,7 @@ VARIANTS = {  # name -> recipe overrides
     # it from the attention's backward: msa_model/ops/msa_attention/late_teacher.py)
     "pt_kl_forward": ["recipe=pt", "trainer.indexer_warmup_tokens=0", "model.msa.kl_teacher=forward"],
     "warmup": ["recipe=pt"],  # every step inside the indexer warmup (set per job below)
-    # the sparse phase with each layer's core replayed as a CUDA graph (needs data.document_mask=false)
+    # the sparse phase with each layer's core replayed as a CUDA graph
     "pt_graph": ["recipe=pt", "trainer.indexer_warmup_tokens=0", "model.msa.cuda_graph=true"],
 }
 

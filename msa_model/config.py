@@ -151,8 +151,8 @@ class MSAConfig:
     # replay each MSA layer's sparse-phase core (selection, attention, KL: forward and backward) as a
     # CUDA graph captured at its first training step: one launch where the eager core issues dozens,
     # for layers bound by issuing work (short context, few heads a group). GPU only, and only where
-    # the core's shapes and work are fixed: no packed documents, context parallelism, pipeline
-    # parallelism or recompute (docs/msa.md, "CUDA graphs")
+    # a replay runs the work of its capture: no context parallelism, pipeline parallelism or
+    # recompute; packed documents get a graph per size of their block table (docs/msa.md, "CUDA graphs")
     cuda_graph: bool = False
     # the Triton kernels' launch settings, per op and field (KernelTuningConfig); unset: defaults
     tuning: KernelTuningConfig = field(default_factory=KernelTuningConfig)

@@ -84,11 +84,6 @@ def _check_cuda_graph(errors: list[str], cfg, gpu: Optional[bool]) -> None:
         (p.pp > 1, f"parallel.pp=1 (got {p.pp}: a pipeline holds several micro-batches' forwards before "
                    "their backwards, and a layer's graph keeps one)"),
         (p.cp > 1, f"parallel.cp=1 (got {p.cp}: the core runs per query chunk against gathered keys)"),
-        # the layers can replay the core with packed documents (a graph per table size,
-        # MSASelfAttention._graphed_core); refused until tests/test_cuda_graph_gpu.py's documents case
-        # has passed on a GPU
-        (cfg.data.document_mask, "data.document_mask=false (with packed documents the size of the sparse "
-                                 "core's document block table changes with every micro-batch)"),
     ]
     for bad, need in unsupported:
         _check(errors, not bad, f"model.msa.cuda_graph=true needs {need}")

@@ -225,17 +225,17 @@ def test_an_unknown_kernel_setting_is_refused_in_one_line():
 def test_cuda_graph_names_each_setting_it_cannot_replay():
     """model.msa.cuda_graph is refused, naming the setting, wherever a captured core would not
     replay the same work on the same buffers; the settings it needs validate (on a GPU)."""
-    ok = _compose("recipe=pt", "model=small", "model.msa.cuda_graph=true", "data.document_mask=false")
-    validate(ok, world_size=1, gpu=True)
-    for overrides, needs in [((), "data.document_mask=false"),  # the recipe's packed documents
-                             (("data.document_mask=false", "model.recompute=selective"), "model.recompute=none"),
-                             (("data.document_mask=false", "parallel.pp=2"), "parallel.pp=1"),
-                             (("data.document_mask=false", "parallel.cp=2"), "parallel.cp=1"),
-                             (("data.document_mask=false", "recipe=dense"), "model.attention=msa")]:
+    for documents in ("true", "false"):  # packed documents: a graph per table size
+        ok = _compose("recipe=pt", "model=small", "model.msa.cuda_graph=true", f"data.document_mask={documents}")
+        validate(ok, world_size=1, gpu=True)
+    for overrides, needs in [(("model.recompute=selective",), "model.recompute=none"),
+                             (("parallel.pp=2",), "parallel.pp=1"),
+                             (("parallel.cp=2",), "parallel.cp=1"),
+                             (("recipe=dense",), "model.attention=msa")]:
         cfg = _compose("recipe=pt", "model=small", "model.msa.cuda_graph=true", *overrides)
         with pytest.raises(ConfigError, match=f"model.msa.cuda_graph=true needs {needs}"):
             validate(cfg, world_size=8, gpu=True)
-    cpu = _compose("recipe=pt", "model=tiny", "model.msa.cuda_graph=true", "data.document_mask=false")
+    cpu = _compose("recipe=pt", "model=tiny", "model.msa.cuda_graph=true")
     with pytest.raises(ConfigError, match="model.msa.cuda_graph=true needs a GPU"):
         validate(cpu, world_size=1, gpu=False)
 
