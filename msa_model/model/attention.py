@@ -56,6 +56,7 @@ from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
 from msa_model.config import MSAConfig, tuning_overrides
 from msa_model.parallel.context_parallel import gather_sequence, local_query_chunks
+from msa_model.model.rng import own_stream
 from msa_model.ops import MSASettings, msa_attention
 from msa_model.ops.common import doc_rows, host_copy
 from msa_model.ops.sparse_attention.inverse_index import reserve_table, table_size
@@ -280,6 +281,17 @@ class MSASelfAttention(CausalSelfAttention):
         self._graphs: dict = {}
         self._graph_pool = None  # their memory pool, made with the first
         di = self.options.msa.index_head_dim
+        with own_stream(f"msa-index/layer{layer_number}"):  # the backbone's weights as a dense model's
+            self._build_index_branch(submodules, config, di)
+        # the model's rotary table has the main head dim; a different Di needs its own table
+        self.index_rotary = None
+        if di != self.hidden_size_per_attention_head and not self.options.index_main_rope:
+            self.index_rotary = RotaryEmbedding(kv_channels=di, rotary_percent=1.0, rotary_base=self.options.rotary_base,
+                                                use_cpu_initialization=config.use_cpu_initialization)
+
+    def _build_index_branch(self, submodules, config, di: int) -> None:
+        """The index projections W_iq (column-parallel: groups split across TP like the kv heads)
+        and W_ik, and their norms when the main q/k have them."""
         self.index_q_proj = submodules.index_q_proj(
             config.hidden_size, config.num_query_groups * di, config=config,
             init_method=config.init_method, gather_output=False, bias=False, skip_bias_add=False,
@@ -294,11 +306,6 @@ class MSASelfAttention(CausalSelfAttention):
             self.index_q_layernorm = submodules.index_q_layernorm(hidden_size=di, config=config, eps=config.layernorm_epsilon)
             self.index_k_layernorm = submodules.index_k_layernorm(hidden_size=di, config=config, eps=config.layernorm_epsilon)
             average_over_tp(self.index_k_layernorm)
-        # the model's rotary table has the main head dim; a different Di needs its own table
-        self.index_rotary = None
-        if di != self.hidden_size_per_attention_head and not self.options.index_main_rope:
-            self.index_rotary = RotaryEmbedding(kv_channels=di, rotary_percent=1.0, rotary_base=self.options.rotary_base,
-                                                use_cpu_initialization=config.use_cpu_initialization)
 
     def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None, **megatron_inputs):
         """hidden_states [S, B, hidden] (already normed by the layer) -> ([S, B, hidden], bias)."""
