@@ -281,3 +281,21 @@ def test_an_incomplete_index_branch_is_refused_not_reinitialised(keep, message, 
     with pytest.raises(ConversionError, match="the index branch is incomplete: " + message):
         hf_to_msa(str(src), str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("mean_kl, code", [(2e-7, 0), (0.08, 1), (float("nan"), 1)])
+def test_verify_exits_1_when_the_models_differ(monkeypatch, capsys, mean_kl, code):
+    """verify measures and judges: a mean KL above --max-mean-kl (or NaN) is exit 1 with one line
+    naming both numbers, after the JSON, so a conversion script stops on a wrong model."""
+    import msa_model.convert.verify as verify_module
+    from msa_model.convert.__main__ import main
+
+    measured = {"tp": 1, "ep": 1, "phase": "dense (indexer warmup)", "max_abs_diff": 1.18, "mean_kl": mean_kl,
+                "tokens": 128}
+    monkeypatch.setattr(verify_module, "verify", lambda *a, **k: measured)
+    assert main(["verify", "hf", "src"]) == code
+    out, err = capsys.readouterr()
+    assert json.loads(out.strip().splitlines()[-1])["max_abs_diff"] == 1.18
+    if code:
+        assert err.strip().splitlines()[-1].startswith("error: the models differ: mean KL "), err
+    assert main(["verify", "hf", "src", "--max-mean-kl", "1"]) == (1 if mean_kl != mean_kl else 0)

@@ -4,7 +4,8 @@
     deepspeed-to-msa CKPT_DIR OUT [--hf-config DIR] a DeepSpeed ZeRO checkpoint of such a model -> our checkpoint
     dense-to-msa SRC OUT    our dense-baseline checkpoint -> MSA, index projections added
     msa-to-hf SRC OUT       our checkpoint -> Hugging Face safetensors + config.json (--format minimax_m3 keeps MSA)
-    verify HF_DIR SRC       logits parity of our checkpoint with the transformers model
+    verify HF_DIR SRC       logits parity of our checkpoint with the transformers model (JSON; exit 1
+                            when the mean KL is above --max-mean-kl)
 
 Errors in the input (config, tensors, damaged files) end in `error: <file>: <what is wrong>` and
 exit code 2, with nothing written. An OUT that holds an earlier conversion is refused the same way
@@ -104,6 +105,9 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--seed", type=int, default=0)
     q.add_argument("--model-config", default=None)
     q.add_argument("--save-logits", default=None, help="also torch.save {tokens, logits} here")
+    q.add_argument("--max-mean-kl", type=float, default=1e-3,
+                   help="exit 1 when the mean KL between the two models' next-token distributions is above "
+                        "this (default 1e-3; a faithful conversion measures about 1e-6 in fp32)")
     return p
 
 
@@ -162,6 +166,10 @@ def main(argv=None) -> int:
 
             if not dist.is_initialized() or dist.get_rank() == 0:
                 print(json.dumps(result))
+            if not result["mean_kl"] <= args.max_mean_kl:  # a NaN fails too
+                print(f"error: the models differ: mean KL {result['mean_kl']:.3g} > --max-mean-kl "
+                      f"{args.max_mean_kl:g} (max |logit diff| {result['max_abs_diff']:.3g})", file=sys.stderr)
+                return 1
     except ConversionError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
