@@ -10,7 +10,7 @@ import signal
 from typing import Optional
 
 from data.retrieval import TASKS as RETRIEVAL_TASKS
-from msa_model.config import ConfigError, fitting_geometry_hint, moe_layers, tuning_overrides
+from msa_model.config import ConfigError, fitting_geometry_hint, moe_layers, msa_layers_of, tuning_overrides
 from msa_model.ops.common import block_size_problem, keys_per_query
 # the ops own their options' values: KL_TEACHERS (where the indexer KL's teacher is computed),
 # INDEX_PRECISIONS (select_blocks' products)
@@ -180,6 +180,16 @@ def missing_init_from(cfg) -> Optional[str]:
         return None
     return (f"recipe {cfg.name} continues a dense checkpoint: set init_from=PATH (an MSA checkpoint made by "
             "`python -m msa_model.convert dense-to-msa` or `hf-to-msa`)")
+
+
+def unused_settings(cfg) -> list[str]:
+    """Settings that do nothing in this configuration, one line each: warnings, not errors (a
+    study's `--override` applies to its dense arm too)."""
+    lines = []
+    if cfg.logging.msa_diagnostics_interval and not any(msa_layers_of(cfg.model)):
+        lines.append(f"logging.msa_diagnostics_interval={cfg.logging.msa_diagnostics_interval} logs nothing: the "
+                     "model has no MSA layer (model.attention / model.attention_types)")
+    return lines
 
 
 def check_config(cfg, world_size: Optional[int] = None, gpu: Optional[bool] = None) -> None:

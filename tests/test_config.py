@@ -263,3 +263,16 @@ def test_a_job_of_no_nodes_is_refused_naming_the_key():
     cfg = _compose("launch.nodes=0")
     with pytest.raises(ConfigError, match="launch.nodes must be positive, got 0"):
         validate(cfg, world_size=0)
+
+
+def test_diagnostics_of_a_model_without_msa_layers_are_a_warning():
+    """logging.msa_diagnostics_interval on a dense model measured nothing without a word; it is
+    said (a warning: a quality study's --override reaches its dense arm too)."""
+    from msa_model.config_checks import unused_settings
+
+    dense = _compose("recipe=dense", "model=tiny", "logging.msa_diagnostics_interval=20")
+    validate(dense, world_size=1)
+    assert unused_settings(dense) == ["logging.msa_diagnostics_interval=20 logs nothing: the model has no MSA "
+                                      "layer (model.attention / model.attention_types)"]
+    assert unused_settings(_compose("recipe=pt", "model=tiny", "logging.msa_diagnostics_interval=20")) == []
+    assert unused_settings(_compose("recipe=dense", "model=tiny")) == []

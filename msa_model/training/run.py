@@ -228,12 +228,13 @@ def run(cfg: DictConfig, notes: list[str] | tuple[str, ...] = ()) -> None:
         layout_world = max(world_size, cfg.launch.nodes * cfg.launch.ranks_per_node)
         validate(cfg, layout_world)
         if rank == 0:
-            from msa_model.config_checks import missing_init_from
+            from msa_model.config_checks import missing_init_from, unused_settings
             from msa_model.training.dry_run import dry_run_report
 
             # inputs a launch from here would stop at (a dry run may be made away from the data)
             missing = missing_init_from(cfg)
-            input_warnings = [f"warning: {p}" for p in ([missing] if missing else []) + input_problems(cfg)]
+            input_warnings = [f"warning: {p}" for p in ([missing] if missing else []) + input_problems(cfg)
+                              + unused_settings(cfg)]
             report = dry_run_report(cfg, layout_world)
             print("\n".join([*(f"# {n}" for n in notes), report, *([warmup_note] if warmup_note else []),
                              *input_warnings]), flush=True)
@@ -270,9 +271,13 @@ def run(cfg: DictConfig, notes: list[str] | tuple[str, ...] = ()) -> None:
     if rank == 0:
         from msa_model.platform.quiet import backend_note
 
+        from msa_model.config_checks import unused_settings
+
         for line in [backend_note(), *notes]:
             if line:
                 log.info("%s", line)
+        for line in unused_settings(cfg):
+            log.warning("warning: %s", line)
         warn_untested_versions()
     latest = ckpt.latest_checkpoint(ckpt_root)
     if cfg.resume == "never" and latest is not None:
