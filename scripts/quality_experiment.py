@@ -438,6 +438,15 @@ class Scheduler:
         return not missing and not self.failed
 
 
+def default_micro(preset: dict, seq_length: int, gbs: int) -> int:
+    """The preset's tokens a micro-batch at this context: at a shorter one a micro-batch of the
+    preset's sequences is a fraction of the work per launch (2K with micro-batch 2: lanes of
+    `small` bound by issuing work, six of them 77K tokens/s together on an H200), so more
+    sequences; the largest divisor of gbs not above that."""
+    want = max(1, preset["micro"] * preset["seq"] // max(1, seq_length))
+    return max(d for d in range(1, min(want, gbs) + 1) if gbs % d == 0)
+
+
 def import_runs(study: Study, path: Path) -> None:
     """The finished runs of another call's runs.tar.gz (Study checked that it exists) that this
     work dir has not finished."""
@@ -520,7 +529,9 @@ def parse(argv):
     p.add_argument("--seq-length", type=int, default=None,
                    help="context of every run (model.seq_length; default: the preset's); the default eval lengths "
                         "scale with it")
-    p.add_argument("--micro", type=int, default=None, help="micro-batch size (default: the preset's)")
+    p.add_argument("--micro", type=int, default=None,
+                   help="micro-batch size (default: the preset's tokens a micro-batch, small 16K, at --seq-length, "
+                        "within --gbs)")
     p.add_argument("--gbs", type=int, default=None, help="global batch size in sequences (default: the preset's)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak lr of every arm (CPT: the dense run's schedule)")
     p.add_argument("--min-lr", type=float, default=3e-4)
@@ -566,9 +577,9 @@ def parse(argv):
     args.lanes = args.lanes or (6 if args.preset == "small" else 2)
     args.retrieval_arm_max_bytes = args.retrieval_arm_max_bytes or min(20_000_000, preset["max_bytes"])
     args.gpus = args.gpus or preset["gpus"]
-    args.micro = args.micro or preset["micro"]
     args.gbs = args.gbs or preset["gbs"]
     args.seq_length = args.seq_length or preset["seq"]
+    args.micro = args.micro or default_micro(preset, args.seq_length, args.gbs)
     if args.seeds < 1 or args.lanes < 1 or args.seq_length < 1:
         p.error("--seeds, --lanes and --seq-length must be >= 1")
     bad = [o for o in args.override if "=" not in o]

@@ -139,6 +139,14 @@ def test_a_study_at_another_context_counts_its_tokens_in_it(capsys):
     assert study.step_tokens == 4 * 1024 and study.steps == 4  # 16384 tokens
     for run in study.runs.values():
         assert qe.value_of(run.overrides, "model.seq_length") == "1024", run.name
+        # the preset's tokens a micro-batch (tiny: 2 x 512) at 1024, within the global batch of 4
+        assert qe.value_of(run.overrides, "parallel.micro_batch_size") == "1", run.name
+    # small at 2K: its 2 x 8K tokens a micro-batch are 8 sequences, within --gbs
+    for gbs, micro in (("16", "8"), ("12", "6"), ("4", "4")):
+        args = qe.parse(["--preset", "small", "--seq-length", "2048", "--gbs", gbs, "--work", "/nonexistent/q"])
+        assert str(args.micro) == micro, (gbs, args.micro)
+    assert qe.parse(["--preset", "small", "--work", "/nonexistent/q"]).micro == 2
+    assert qe.parse(["--preset", "small", "--seq-length", "2048", "--micro", "2", "--work", "/x"]).micro == 2
     cmd = qe.Scheduler(study, qe.Budget(60)).eval_job(study.runs["pt-k2-s0"]).cmd
     assert cmd[cmd.index("--lengths") + 1] == "512,1024"
     with pytest.raises(SystemExit) as stop:
