@@ -72,3 +72,23 @@ def metrics(run_dir: Path) -> dict[int, dict]:
         rec = json.loads(line)
         out[rec["step"]] = rec
     return out
+
+
+def placeholder_run(root: Path, **data):
+    """A run directory under `root` (config.yaml of the schema's defaults with these data.* values,
+    a placeholder checkpoint at step 1), for the commands that read a run before loading weights.
+    Returns (run directory, its config)."""
+    from omegaconf import OmegaConf
+
+    from msa_model.config import TrainConfig
+
+    run = root / "run"
+    step = run / "checkpoints" / "step_00000001"
+    step.mkdir(parents=True)
+    (step / "metadata.json").write_text("{}")
+    (run / "checkpoints" / "latest").write_text("step_00000001\n")
+    cfg = OmegaConf.structured(TrainConfig)
+    for key, value in data.items():
+        cfg.data[key] = value
+    (run / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    return run, cfg

@@ -15,6 +15,7 @@ import torch
 from omegaconf import OmegaConf
 
 from msa_model.config import TrainConfig
+from skeleton_helpers import placeholder_run
 
 
 def _run(tmp_path):
@@ -25,14 +26,7 @@ def _run(tmp_path):
     corpus.mkdir()
     for i in range(3):
         (corpus / f"m{i}.py").write_text("\n".join(f"x{j} = {rng.randrange(1000)}  # line {j}" for j in range(400)))
-    run = tmp_path / "run"
-    step = run / "checkpoints" / "step_00000001"
-    step.mkdir(parents=True)
-    (step / "metadata.json").write_text("{}")
-    (run / "checkpoints" / "latest").write_text("step_00000001\n")
-    cfg = OmegaConf.structured(TrainConfig)
-    cfg.data.source = str(corpus)
-    (run / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    run, _ = placeholder_run(tmp_path, source=str(corpus))
     return run, corpus
 
 

@@ -498,19 +498,9 @@ def test_loss_by_block_offset_finds_a_loss_at_the_blocks_start():
 
 def _blend_run(tmp_path):
     """A run directory whose config trained on data.blend, with a placeholder checkpoint."""
-    from omegaconf import OmegaConf
+    from skeleton_helpers import placeholder_run
 
-    from msa_model.config import TrainConfig
-
-    run = tmp_path / "run"
-    step = run / "checkpoints" / "step_00000001"
-    step.mkdir(parents=True)
-    (step / "metadata.json").write_text("{}")
-    (run / "checkpoints" / "latest").write_text("step_00000001\n")
-    cfg = OmegaConf.structured(TrainConfig)
-    cfg.data.blend = [[1.0, str(tmp_path / "data" / "web")]]
-    (run / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
-    return run, cfg
+    return placeholder_run(tmp_path, blend=[[1.0, str(tmp_path / "data" / "web")]])
 
 
 def test_eval_of_a_run_on_prepared_datasets_asks_for_a_corpus(tmp_path):
