@@ -268,3 +268,24 @@ def test_a_damaged_checkpoint_is_refused_before_the_model_and_the_output(tmp_pat
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"error: checkpoint {step} is damaged: __0_0.distcp is 1,000 bytes, the manifest says 4,096")
     assert not out.exists()
+
+
+def test_a_new_evaluation_into_an_earlier_ones_out_removes_its_results_first(tmp_path, monkeypatch):
+    """An evaluation interrupted in an OUT that held an earlier one's results.json left that file
+    beside the new partial.json: a finished evaluation, to a quality study and to a reader."""
+    from msa_model.eval import runner
+
+    run, _ = _run(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "results.json").write_text('{"label": "an earlier evaluation"}')
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    from msa_model.training import manifest
+
+    monkeypatch.setattr(manifest, "verify_checkpoint", lambda *args, **kwargs: None)  # a placeholder checkpoint
+    monkeypatch.setattr(runner, "build_model", interrupted)
+    assert _main(run, "--out", out, "--lengths", "256") == 130
+    assert not (out / "results.json").exists()

@@ -553,6 +553,9 @@ def run_eval(args) -> dict:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise EvalError(f"--out {out}: cannot create it ({e.strerror})") from None
+    # an earlier evaluation's results go: this one replaces them, and until it has finished OUT
+    # holds no results.json (whose presence says an evaluation there is complete)
+    (out / "results.json").unlink(missing_ok=True)
     model, device = build_model(cfg, step_dir, args.device, verify=False)
     try:
         if msa:
