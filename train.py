@@ -79,15 +79,29 @@ def _submission_errors() -> tuple:
     return (FailedJobError,)
 
 
+def submission_refusal(e: Exception):
+    """sbatch's verdict, its last line (`fatal: ...`, `error: Batch job submission failed: ...`),
+    when `e` is a refused submission: submitit raises FailedJobError from sbatch's failed call. The
+    same error type from a job that ran and failed (Hydra's launcher waits for its jobs) gives None:
+    its whole message, with the job's log files, is the one to show."""
+    import subprocess
+
+    if not isinstance(e.__cause__, subprocess.CalledProcessError):
+        return None
+    return (str(e).strip().splitlines() or [type(e).__name__])[-1]
+
+
 # the guard keeps processes that re-import this module (spawned workers) from training
 if __name__ == "__main__":
     try:
         main()
     except _submission_errors() as e:
+        verdict = submission_refusal(e)
+        if verdict is None:
+            raise  # a job that ran and failed: submitit's message names its logs
         from msa_model.training import failures
 
-        # sbatch's last line is its verdict (`fatal: ...`, `error: Batch job submission failed: ...`)
-        failures.fail((str(e).strip().splitlines() or [type(e).__name__])[-1], 1)
+        failures.fail(verdict, 1)
     except _composition_errors() as e:
         if _TASK_STARTED or _USER_FULL_ERROR:
             raise

@@ -274,3 +274,22 @@ def test_submitit_launcher_without_slurm_or_refused_is_one_line(tmp_path):
     proc = _submitit(tmp_path, f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1] == "error: sbatch: fatal: Could not establish a configuration source"
+
+
+def test_a_job_that_ran_and_failed_keeps_submitit_s_message():
+    """FailedJobError is also what Hydra's submitit launcher raises for a job that ran and failed on
+    the cluster (it waits for its jobs): that is not a refused submission, whose last line is
+    sbatch's verdict; its message (ending in the job's log paths) is shown whole."""
+    code = """
+import subprocess, train
+from submitit.core.utils import FailedJobError
+try:
+    raise FailedJobError("sbatch: error: Batch job submission failed: Invalid partition") from \\
+        subprocess.CalledProcessError(1, ["sbatch"])
+except FailedJobError as e:
+    print(repr(train.submission_refusal(e)))
+print(repr(train.submission_refusal(FailedJobError("Job (task=0) failed\\n  - /r/.submitit/1/1_0_log.out"))))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines()[-2:] == ["'sbatch: error: Batch job submission failed: Invalid partition'", "None"]
