@@ -579,9 +579,9 @@ def parse(argv):
     args.gpus = args.gpus or preset["gpus"]
     args.gbs = args.gbs or preset["gbs"]
     args.seq_length = args.seq_length or preset["seq"]
+    if min(args.seeds, args.lanes, args.seq_length, args.gbs, 1 if args.micro is None else args.micro) < 1:
+        p.error("--seeds, --lanes, --seq-length, --gbs and --micro must be >= 1")
     args.micro = args.micro or default_micro(preset, args.seq_length, args.gbs)
-    if args.seeds < 1 or args.lanes < 1 or args.seq_length < 1:
-        p.error("--seeds, --lanes and --seq-length must be >= 1")
     bad = [o for o in args.override if "=" not in o]
     if bad:
         p.error(f"--override takes KEY=VALUE, got {bad}")

@@ -448,3 +448,12 @@ def test_a_stopped_job_says_what_it_keeps(tmp_path):
     assert said == {"train": "stopped at step 6", "parent": "stopped at step 2",
                     "eval": "stopped; the next call goes on from the retrieval it scored",
                     "convert": "stopped; the next call starts it again"}
+
+
+@pytest.mark.parametrize("option", ["--gbs=-8", "--micro=-2", "--seeds=0"])
+def test_counts_below_one_are_one_line(option, capsys):
+    """--gbs -8 reached the default micro-batch's divisor search (a traceback from max())."""
+    with pytest.raises(SystemExit) as stop:
+        _module().parse(["--preset", "small", "--seq-length", "2048", option, "--work", "/nonexistent/q"])
+    assert stop.value.code == 2
+    assert "--seeds, --lanes, --seq-length, --gbs and --micro must be >= 1" in capsys.readouterr().err
