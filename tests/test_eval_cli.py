@@ -228,12 +228,10 @@ class _LossModel(torch.nn.Module):
         return torch.ones(tokens_BS.shape, dtype=torch.float32)
 
 
-@pytest.mark.parametrize("reset", [False, True])
-def test_the_held_out_loss_masks_documents_as_the_run_trained(reset):
+def test_the_held_out_loss_masks_documents_as_the_run_trained():
     """A run on packed documents (data.document_mask) never attended across an end-of-document
     token; its held-out windows were scored attending across them. Masked, each window's
-    documents start where training starts them, and their positions restart with
-    data.reset_position_ids."""
+    documents start where training starts them; positions stay the window's, as in training."""
     from data.datasets import document_starts
     from data.tokenizer import ByteTokenizer
     from msa_model.eval.runner import heldout_stream, loss_by_position
@@ -241,12 +239,12 @@ def test_the_held_out_loss_masks_documents_as_the_run_trained(reset):
     tok = ByteTokenizer()
     flat = heldout_stream([b"a" * 100, b"b" * 50, b"c" * 400], tok, 256)
     model = _LossModel()
-    out = loss_by_position(model, "cpu", flat, 256, 2, document_eod=tok.eod, reset_positions=reset)
+    out = loss_by_position(model, "cpu", flat, 256, 2, document_eod=tok.eod)
     assert out["documents_masked"] and out["sequences"] == 2 and len(model.seen) == 2
     for i, (pos, doc_start) in enumerate(model.seen):
         want = document_starts(torch.from_numpy(flat[i * 256:(i + 1) * 256])[None], tok.eod)
         assert torch.equal(doc_start, want)
-        assert torch.equal(pos, torch.arange(256)[None] - (want if reset else 0))
+        assert torch.equal(pos, torch.arange(256)[None])
     # the first window holds two document starts after its first
     assert sorted(set(model.seen[0][1][0].tolist())) == [0, 101, 152]
     unmasked = _LossModel()

@@ -386,15 +386,14 @@ def heldout_stream(docs: list[bytes], tokenizer, length: int) -> np.ndarray:
 
 @torch.no_grad()
 def loss_by_position(model, device, flat: np.ndarray, length: int, sequences: int,
-                     offsets: tuple[int, int, int] | None = None, document_eod: int | None = None,
-                     reset_positions: bool = False) -> dict:
+                     offsets: tuple[int, int, int] | None = None, document_eod: int | None = None) -> dict:
     """Mean next-token loss per position bucket over up to `sequences` windows of `length` tokens
     cut from the token stream `flat` (`heldout_stream`). `offsets` (block size, first and end
     position): also the loss by offset inside a key block over those positions. `document_eod`:
     the end-of-document id of a run that masked packed documents (data.document_mask): each
-    window's documents then attend within themselves, and restart their positions with
-    `reset_positions` (data.reset_position_ids), as in training (a token after an
-    end-of-document token otherwise reads the document before, which the model never did)."""
+    window's documents then attend within themselves, as in training (a token after an
+    end-of-document token otherwise reads the document before, which the model never did);
+    positions stay the window's, as training keeps them (docs/msa.md, "Positions are not reset")."""
     from data.datasets import document_starts
     from msa_model.ops.common import attach_host_copy
 
@@ -407,8 +406,6 @@ def loss_by_position(model, device, flat: np.ndarray, length: int, sequences: in
         if document_eod is not None:
             starts = document_starts(tokens, document_eod)
             doc_start = attach_host_copy(starts.to(device), starts)
-            if reset_positions:
-                pos = pos - starts
         sums += model(tokens.to(device), pos.to(device), doc_start, labels=labels.to(device))[0].double().cpu()
     per_pos = sums / n
     buckets = [{"from": a, "to": b, "loss": per_pos[a:b].mean().item()} for a, b in position_buckets(length)]
@@ -574,7 +571,7 @@ def run_eval(args) -> dict:
         bk = cfg.model.msa.block_size
         offsets = (bk, keys_per_query(bk, cfg.model.msa.topk), context)
         loss = loss_by_position(model, device, heldout, loss_length, args.loss_sequences, offsets,
-                                tokenizer.eod if cfg.data.document_mask else None, cfg.data.reset_position_ids)
+                                tokenizer.eod if cfg.data.document_mask else None)
         loss["source"] = kind
         log.info("held-out loss by position (%s, %d x %d tokens%s): %s", kind, loss["sequences"], loss_length,
                  ", documents masked" if loss["documents_masked"] else "",
