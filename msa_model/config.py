@@ -381,6 +381,13 @@ class TrainerConfig:
     # eval_iters global batches of the validation split or data.valid_blend; 0: off
     eval_interval: int = 0
     eval_iters: int = 4
+    # at every evaluation, also the synthetic retrieval tasks (data/retrieval.py: passkey, multikey,
+    # vartrack, kvrecall) answered at the full model.seq_length, probe_samples examples each, the
+    # haystacks cut from the run's file-directory corpus (data.source): exact match, answer loss and
+    # rank as valid/probe/<task>/... (msa_model/training/retrieval_probe.py); needs eval_interval
+    # but no validation split. []: off
+    probe_tasks: List[str] = field(default_factory=list)
+    probe_samples: int = 32
     # the same losses and weights bit for bit run to run and across stop and resume: torch's
     # deterministic algorithms, cuBLAS and NCCL settings, ordered sums instead of atomics in the
     # kernels (msa_model/training/determinism.py); slower

@@ -155,9 +155,18 @@ def _check_data(errors: list[str], d, t, logging_cfg, dry_run: bool = False) -> 
                f"trainer.eval_interval ({t.eval_interval}) must be a multiple of logging.log_interval "
                f"({logging_cfg.log_interval})")
         _check(errors, t.eval_iters > 0, f"trainer.eval_iters must be positive, got {t.eval_iters}")
-        _check(errors, bool(d.valid_blend) or shares is None or shares[1] > 0,
+        _check(errors, bool(d.valid_blend) or shares is None or shares[1] > 0 or bool(t.probe_tasks),
                f"trainer.eval_interval={t.eval_interval} needs validation data: a data.split with a validation "
-               f"share (e.g. [98,2,0]; now {list(d.split)}) or data.valid_blend")
+               f"share (e.g. [98,2,0]; now {list(d.split)}) or data.valid_blend (or trainer.probe_tasks alone)")
+    bad = [x for x in t.probe_tasks if x not in RETRIEVAL_TASKS]
+    _check(errors, not bad, f"trainer.probe_tasks: unknown {bad} (known: {', '.join(RETRIEVAL_TASKS)})")
+    if t.probe_tasks:
+        _check(errors, t.eval_interval > 0,
+               "trainer.probe_tasks runs at every evaluation: set trainer.eval_interval (e.g. 50)")
+        _check(errors, t.probe_samples > 0, f"trainer.probe_samples must be positive, got {t.probe_samples}")
+        _check(errors, d.source is not None,
+               "trainer.probe_tasks cuts its haystacks from a file-directory corpus: set data.source=DIR "
+               "(data.blend's prepared tokens hold no text)")
 
 
 def _check_launch(errors: list[str], launch) -> None:

@@ -546,6 +546,11 @@ def parse(argv):
                    help="their corpus cap (default: 20 MB for small, the preset's for tiny)")
     p.add_argument("--corpus", default=sysconfig.get_paths()["purelib"],
                    help="data.source, and the evals' haystacks (default: site-packages)")
+    p.add_argument("--probe-every", type=int, default=None,
+                   help="the *-retr arms' retrieval probe (trainer.probe_tasks: their tasks at the full context, "
+                        "teacher-forced, the same examples for every run) every N steps, a multiple of the log "
+                        "interval (default: about 10 probes a run; 0: off)")
+    p.add_argument("--probe-samples", type=int, default=32, help="examples per task of each probe")
     p.add_argument("--eval", default="", help="also evaluate these arms' runs (the *-retr arms always are)")
     p.add_argument("--eval-lengths", default=None, help="eval lengths, comma-separated (default: the preset's)")
     p.add_argument("--eval-samples", type=int, default=None,
@@ -579,8 +584,11 @@ def parse(argv):
     args.gpus = args.gpus or preset["gpus"]
     args.gbs = args.gbs or preset["gbs"]
     args.seq_length = args.seq_length or preset["seq"]
-    if min(args.seeds, args.lanes, args.seq_length, args.gbs, 1 if args.micro is None else args.micro) < 1:
-        p.error("--seeds, --lanes, --seq-length, --gbs and --micro must be >= 1")
+    if min(args.seeds, args.lanes, args.seq_length, args.gbs, 1 if args.micro is None else args.micro,
+           args.probe_samples) < 1:
+        p.error("--seeds, --lanes, --seq-length, --gbs, --micro and --probe-samples must be >= 1")
+    if args.probe_every is not None and (args.probe_every < 0 or args.probe_every % preset["log"]):
+        p.error(f"--probe-every {args.probe_every}: 0 (off) or a positive multiple of the log interval ({preset['log']})")
     args.micro = args.micro or default_micro(preset, args.seq_length, args.gbs)
     bad = [o for o in args.override if "=" not in o]
     if bad:

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from data.retrieval import TASKS as RETRIEVAL_TASKS
+from data.retrieval import DEFAULT_TASKS, TASKS as RETRIEVAL_TASKS
 
 PRESETS = {
     # one H200: 8K context, 8 x 8K tokens a step
@@ -22,9 +22,10 @@ PRESETS = {
              "max_bytes": 4_000_000, "lengths": [256, 512], "samples": 1, "loss_sequences": 2,
              "final_window": 2, "ckpt_gib": 0.1, "stop_margin": 20, "start_cost": 10, "gpus": None},
 }
-# left out of a run's settings signature: paths under --work, and checkpointing (which does not
-# change what a run trains, so a dense run made without a CPT arm serves one made with it)
-UNSIGNED = ("run_dir", "data.cache_dir", "init_from", "checkpoint.")
+# left out of a run's settings signature: paths under --work, checkpointing (which does not
+# change what a run trains, so a dense run made without a CPT arm serves one made with it) and the
+# evaluations (the retrieval probe, validation: they read the model, not the training stream)
+UNSIGNED = ("run_dir", "data.cache_dir", "init_from", "checkpoint.", "trainer.probe_", "trainer.eval_")
 class InputError(ValueError):
     """Bad options; the message names the option."""
 
@@ -85,6 +86,11 @@ def builtin_arms(args) -> dict[str, Arm]:
         if bad or not tasks:
             raise InputError(f"--retrieval-tasks: unknown {bad or 'none given'} (known: {', '.join(RETRIEVAL_TASKS)})")
         retr.append(f"data.retrieval_tasks=[{','.join(tasks)}]")
+    else:
+        tasks = list(DEFAULT_TASKS)
+    if args.probe_every != 0:
+        # its interval (trainer.eval_interval) depends on the run's steps: Study._run adds it
+        retr += [f"trainer.probe_tasks=[{','.join(tasks)}]", f"trainer.probe_samples={args.probe_samples}"]
     return {"dense": Arm("dense", "dense", [], None), "pt": Arm("pt", "pt"), "cpt": Arm("cpt", "cpt"),
             "dense-retr": Arm("dense-retr", "dense", retr, None, eval=True),
             "pt-retr": Arm("pt-retr", "pt", retr, "dense-retr", eval=True)}
@@ -185,7 +191,15 @@ class Study:
         if not arm.eval:
             base.append("checkpoint.save_at_end=false")
         overrides = merged(self.common, self.args.override, base, arm.overrides, [f"trainer.max_steps={steps}"])
+        if value_of(overrides, "trainer.probe_tasks") and value_of(overrides, "trainer.eval_interval") is None:
+            overrides.append(f"trainer.eval_interval={self.probe_every(steps)}")
         return Run(name, arm, seed, steps, overrides, self.work / name, parent, init)
+
+    def probe_every(self, steps: int) -> int:
+        """Steps between a run's retrieval probes: --probe-every, else about ten a run, a multiple
+        of the log interval (trainer.eval_interval must be)."""
+        log_every = self.preset["log"]
+        return self.args.probe_every or max(log_every, round(steps / 10 / log_every) * log_every)
 
     # --- state on disk -------------------------------------------------------------------------
 

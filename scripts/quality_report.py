@@ -47,6 +47,11 @@ def run_summary(study, run) -> dict:
            "previous_block_oracle": sparse[-1].get("msa/previous_block_oracle") if sparse else None,
            "tokens_per_s": statistics.median([r["tokens_per_s"] for r in recs[1:]]) if len(recs) > 1 else None,
            "peak_mem_gib": max((r["peak_mem_gib"] for r in recs if "peak_mem_gib" in r), default=None)}
+    probed = [r for r in recs if any(k.startswith(PROBE) for k in r)]
+    if probed:
+        # the latest probe, finished or not: its step says when
+        last_probe = probed[-1]
+        out["probe"] = {"step": last_probe["step"], "tasks": _probe_scores(last_probe)}
     if (run.dir / "parent.json").is_file():
         out["parent_retrained"] = json.loads((run.dir / "parent.json").read_text())["retrained"]
     res = study.eval_dir(run) / "results.json"
@@ -60,6 +65,41 @@ def run_summary(study, run) -> dict:
                        "examples": e["samples"] * len(e["depths"]) * len(e["tasks"]),
                        "start_excess": by_offset.get("start_excess"),
                        "start_excess_se": by_offset.get("start_excess_se"), **needle}
+    return out
+
+
+PROBE = "valid/probe/"
+PROBE_METRICS = ("exact", "answer_loss", "answer_rank")
+
+
+def _probe_scores(record: dict) -> dict:
+    """{task: {metric: value}} of a metrics record's retrieval probe (trainer.probe_tasks)."""
+    out: dict[str, dict] = {}
+    for key, value in record.items():
+        if key.startswith(PROBE):
+            task, metric = key[len(PROBE):].rsplit("/", 1)
+            out.setdefault(task, {})[metric] = value
+    return out
+
+
+def _probe_summary(entry: dict, ref: dict | None) -> dict | None:
+    """Per task the mean over seeds of the latest probe's metrics, and the paired differences to
+    the reference arm's probe at the same step (same seed)."""
+    runs = {seed: v["probe"] for seed, v in entry["runs"].items() if "probe" in v}
+    if not runs:
+        return None
+    tasks = sorted({t for p in runs.values() for t in p["tasks"]})
+    out = {"steps": sorted({p["step"] for p in runs.values()}), "tasks": {}}
+    for task in tasks:
+        row = {m: _mean([p["tasks"][task][m] for p in runs.values() if task in p["tasks"]]) for m in PROBE_METRICS}
+        if ref is not None:
+            for m in PROBE_METRICS:
+                diffs = [p["tasks"][task][m] - ref["runs"][seed]["probe"]["tasks"][task][m]
+                         for seed, p in runs.items() if task in p["tasks"]
+                         and "probe" in ref["runs"].get(seed, {}) and task in ref["runs"][seed]["probe"]["tasks"]
+                         and ref["runs"][seed]["probe"]["step"] == p["step"]]
+                row[f"paired_{m}"], row["paired_n"] = _mean(diffs), len(diffs)
+        out["tasks"][task] = row
     return out
 
 
@@ -95,6 +135,8 @@ def summarize(study) -> dict:
                  and ref["runs"][seed]["final_valid_loss"] is not None]
         p["valid_mean"], p["valid_n"] = _mean(valid), len(valid)
         entry["paired"] = p
+    for name, entry in arms.items():
+        entry["probe"] = _probe_summary(entry, arms.get(entry["ref"]) if entry["ref"] else None)
     return {"preset": study.args.preset, "steps": study.steps, "mid": study.mid, "step_tokens": study.step_tokens,
             "tokens_per_run": study.steps * study.step_tokens, "warmup_tokens": study.warmup_tokens,
             "seeds": study.args.seeds, "arms": arms}
@@ -158,6 +200,22 @@ def markdown(summary: dict, study, call: dict) -> str:
                            + (f"; gap {'exceeds' if p['exceeds_2_seed_std'] else 'within'} 2 x the seed std of "
                               f"{a['ref']}" if p["exceeds_2_seed_std"] is not None else "; seed std needs 2 seeds")
                            + ")")
+    probes = {n: a["probe"] for n, a in s["arms"].items() if a.get("probe")}
+    if probes:
+        lines += ["", f"Retrieval probe during training (trainer.probe_tasks: at the full {study.args.seq_length}-token "
+                  "context, teacher-forced, the same examples for every run; the latest probe of each run, mean "
+                  "over seeds; paired: minus the reference's at the same step and seed). Exact: every answer "
+                  "token the argmax; answer loss in nats a token (a random digit: 2.303):", "",
+                  "| arm | step | task | exact (paired, points) | answer loss (paired) | answer rank |",
+                  "|---|---|---|---|---|---|"]
+        for name, pr in probes.items():
+            for task, row in pr["tasks"].items():
+                exact_diff = row.get("paired_exact")
+                lines.append(
+                    f"| {name} | {'/'.join(str(x) for x in pr['steps'])} | {task} | {_fmt(row['exact'], '.2f')} "
+                    f"({_fmt(None if exact_diff is None else 100 * exact_diff, '.1f', True)}) | "
+                    f"{_fmt(row['answer_loss'])} ({_fmt(row.get('paired_answer_loss'), '.3f', True)}) | "
+                    f"{_fmt(row['answer_rank'], '.2f')} |")
     evals = {n: a for n, a in s["arms"].items() if any("eval" in v for v in a["runs"].values())}
     if evals:
         lines += ["", "Retrieval (exact match, mean over tasks and seeds):", ""]
@@ -219,7 +277,9 @@ def plot(summary: dict, study, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    probed = any(a.get("probe") for a in summary["arms"].values())
+    fig, axes = plt.subplots(1, 2 if probed else 1, figsize=(14 if probed else 8, 4.5), squeeze=False)
+    ax, probe_ax = axes[0][0], axes[0][1] if probed else None
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, name in enumerate(summary["arms"]):
         for j, run in enumerate(r for r in study.runs.values() if r.arm.name == name):
@@ -227,12 +287,25 @@ def plot(summary: dict, study, path: Path) -> None:
             shift = study.mid * study.step_tokens if run.arm.base == "cpt" else 0
             ax.plot([(r["tokens"] + shift) / 1e6 for r in recs], [r["lm_loss"] for r in recs], lw=0.8,
                     color=colors[i % len(colors)], label=name if j == 0 else None)
+            if probe_ax is not None:
+                # the probe's answer loss, averaged over its tasks
+                points = [((r["tokens"] + shift) / 1e6, _mean([v["answer_loss"] for v in _probe_scores(r).values()]))
+                          for r in recs if any(k.startswith(PROBE) for k in r)]
+                if points:
+                    probe_ax.plot(*zip(*points), lw=0.8, marker=".", color=colors[i % len(colors)],
+                                  label=name if j == 0 else None)
     ax.set_xlabel("tokens (M; CPT counts the dense half it branches from)")
     ax.set_ylabel("lm loss")
     low, high = ax.get_ylim()
     ax.set_ylim(low, min(high, 6.0))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    if probe_ax is not None:
+        probe_ax.axhline(math.log(10), color="gray", lw=0.6, ls="--")
+        probe_ax.set_xlabel("tokens (M)")
+        probe_ax.set_ylabel("retrieval probe: answer loss, nats a token (dashed: a random digit)")
+        probe_ax.grid(alpha=0.3)
+        probe_ax.legend(fontsize=8)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 

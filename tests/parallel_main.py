@@ -96,7 +96,7 @@ def main(out_dir: Path, overrides: list[str], save_init: str | None) -> None:
     from msa_model.training.diagnostics import MSADiagnostics
     from msa_model.training.indexer_warmup import IndexerWarmup
     from msa_model.training.data_setup import build_data, checkpoint_run_tokenizer
-    from msa_model.training.run import _build_model, _build_optimizer
+    from msa_model.training.run import _build_model, _build_optimizer, _retrieval_probe
     from msa_model.training.trainer import Trainer
 
     cfg = _compose(overrides)
@@ -113,6 +113,7 @@ def main(out_dir: Path, overrides: list[str], save_init: str | None) -> None:
         warmup = IndexerWarmup(cfg.trainer.indexer_warmup_tokens, cfg.model.msa)
         trainer = Trainer(cfg.trainer, cfg.parallel, cfg.model, model_chunks=chunks, optimizer=optimizer,
                           scheduler=scheduler, data=train_data, valid_data=valid_data, device=env.device,
+                          probe=_retrieval_probe(cfg, tokenizer),
                           callbacks=[warmup,
                                      MSADiagnostics(1, cfg.model.msa, cfg.model.num_layers, cfg.model.seq_length,
                                                     out_dir, is_main=False)])

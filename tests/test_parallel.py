@@ -29,7 +29,10 @@ from skeleton_helpers import REPO, TINY_TEST, _env, free_port
 RTOL = 1e-5
 # 4 x 256 tokens: warmup in step 1 only; a validation batch after each step (both phases)
 TWO_STEPS = ["trainer.max_steps=2", "trainer.indexer_warmup_tokens=1024", "trainer.eval_interval=1",
-             "trainer.eval_iters=1"]
+             "trainer.eval_iters=1", "trainer.probe_tasks=[passkey]", "trainer.probe_samples=4"]
+# the retrieval probe's scores at each evaluation (its rank: a mean of integers, which a reduction
+# order could move only by a tie)
+PROBE = ("valid/probe/passkey/answer_loss", "valid/probe/passkey/answer_rank", "valid/probe/passkey/exact")
 
 # name -> (processes, overrides). The padded vocabulary (a multiple of 64 x TP here) is the same
 # at every layout, or the padded logits would change the softmax.
@@ -143,12 +146,12 @@ def assert_same_diagnostics(ref_steps: list[dict], ranks: list[list[dict]], layo
 def max_differences(ref_steps: list[dict], ranks: list[list[dict]]) -> dict[str, float]:
     """Largest relative difference of each logged metric and of any gradient, over steps and ranks."""
     scalars = ("lm_loss", "kl_loss", "moe_aux_loss", "grad_norm", "grad_norm_msa_index", "valid/lm_loss",
-               "valid/kl_loss")
+               "valid/kl_loss", *PROBE)
     worst = dict.fromkeys((*scalars, "grads"), 0.0)
     for i, ref in enumerate(ref_steps):
         for key in scalars:
             a, b = ref["metrics"][key], ranks[0][i]["metrics"][key]
-            worst[key] = max(worst[key], abs(a - b) / abs(a))
+            worst[key] = max(worst[key], abs(a - b) / max(abs(a), 1e-30) if a or b else 0.0)
         seen = set()
         for steps in ranks:
             assert steps[i]["metrics"]["phase"] == ref["metrics"]["phase"]

@@ -191,6 +191,74 @@ def test_retrieval_arms_train_and_are_scored_on_the_tasks_asked_for(tmp_path):
     assert cmd[cmd.index("--samples") + 1] == "7"
 
 
+def test_retrieval_arms_probe_their_tasks_while_they_train(tmp_path, capsys):
+    """The *-retr arms run the retrieval probe on their tasks about ten times a run (a multiple of
+    the log interval); the other arms do not; --probe-every sets or turns it off, and neither
+    changes a run's settings signature (an earlier --work's runs go on)."""
+    qe = _module()
+    study = qe.Study(qe.parse([*TINY, "--seeds", "1", "--arms", "dense,dense-retr,pt-retr", "--work", str(tmp_path),
+                               "--retrieval-tasks", "kvrecall,passkey", "--tokens", "81920"]))
+    steps = study.steps
+    assert steps == 40
+    for name in ("dense-retr-s0", "pt-retr-s0"):
+        o = study.runs[name].overrides
+        assert qe.value_of(o, "trainer.probe_tasks") == "[kvrecall,passkey]"
+        assert qe.value_of(o, "trainer.probe_samples") == "32"
+        assert qe.value_of(o, "trainer.eval_interval") == "4"  # 40 steps / 10, a multiple of the log interval 2
+    assert qe.value_of(study.runs["dense-s0"].overrides, "trainer.probe_tasks") is None
+    assert qe.value_of(study.runs["dense-s0"].overrides, "trainer.eval_interval") is None
+    default = qe.Study(qe.parse([*TINY, "--seeds", "1", "--arms", "dense-retr", "--work", str(tmp_path)]))
+    assert qe.value_of(default.runs["dense-retr-s0"].overrides, "trainer.probe_tasks") == "[passkey,multikey,vartrack]"
+    every = qe.Study(qe.parse([*TINY, "--seeds", "1", "--arms", "dense-retr", "--work", str(tmp_path),
+                               "--probe-every", "6", "--probe-samples", "8"]))
+    o = every.runs["dense-retr-s0"].overrides
+    assert qe.value_of(o, "trainer.eval_interval") == "6" and qe.value_of(o, "trainer.probe_samples") == "8"
+    off = qe.Study(qe.parse([*TINY, "--seeds", "1", "--arms", "dense-retr", "--work", str(tmp_path), "--probe-every", "0"]))
+    o = off.runs["dense-retr-s0"].overrides
+    assert qe.value_of(o, "trainer.probe_tasks") is None and qe.value_of(o, "trainer.eval_interval") is None
+    assert off.signature(o) == every.signature(every.runs["dense-retr-s0"].overrides)
+    with pytest.raises(SystemExit):
+        qe.parse([*TINY, "--probe-every", "3"])
+    assert "--probe-every 3: 0 (off) or a positive multiple of the log interval (2)" in capsys.readouterr().err
+
+
+def test_the_report_sets_the_probes_of_each_arm_side_by_side(tmp_path):
+    """The latest probe of each run: per arm the mean over seeds, paired with the reference's probe
+    at the same step and seed, in the report's table and its plot's second panel."""
+    from types import SimpleNamespace
+
+    qe = _module()
+    from quality_report import _probe_summary, markdown, plot
+
+    def run(seed, exact, loss, step=8):
+        return {"seed": seed, "done": True, "step": step, "steps": 8, "final_lm_loss": 2.0,
+                "probe": {"step": step, "tasks": {"kvrecall": {"exact": exact, "answer_loss": loss, "answer_rank": 1.0}}}}
+
+    arms = {"dense-retr": {"base": "dense", "ref": None, "runs": {0: run(0, 0.5, 1.0), 1: run(1, 0.75, 0.5)}},
+            "pt-retr": {"base": "pt", "ref": "dense-retr", "runs": {0: run(0, 0.25, 1.5), 1: run(1, 0.5, 0.75, step=6)}}}
+    for name, a in arms.items():
+        a["probe"] = _probe_summary(a, arms.get(a["ref"]) if a["ref"] else None)
+    pt = arms["pt-retr"]["probe"]
+    assert pt["steps"] == [6, 8]
+    row = pt["tasks"]["kvrecall"]
+    # seed 1 probed at another step than its reference: only seed 0 pairs
+    assert row["paired_n"] == 1 and row["paired_exact"] == pytest.approx(-0.25)
+    assert row["paired_answer_loss"] == pytest.approx(0.5)
+    assert row["exact"] == pytest.approx(0.375) and row["answer_loss"] == pytest.approx(1.125)
+    for a in arms.values():
+        a.update(overrides=[], n=2, mean=2.0, std=0.0, final_kl=None, recall=None, tokens_per_s=1.0,
+                 final_valid_loss=None, peak_mem_gib=None, previous_block=None, previous_block_oracle=None)
+    summary = {"preset": "tiny", "steps": 8, "mid": 4, "step_tokens": 2048, "tokens_per_run": 16384,
+               "warmup_tokens": 0, "seeds": 2, "arms": arms}
+    study = SimpleNamespace(args=SimpleNamespace(gbs=4, seq_length=512, lr=1e-3, min_lr=1e-4, final_window=None),
+                            preset=qe.PRESETS["tiny"], runs={}, mid=4, step_tokens=2048)
+    text = markdown(summary, study, {"seconds": 1.0, "tokens": 8192, "runs": 4, "failed": []})
+    assert "| dense-retr | 8 | kvrecall | 0.62 (-) | 0.750 (-) | 1.00 |" in text
+    assert "| pt-retr | 6/8 | kvrecall | 0.38 (-25.0) | 1.125 (+0.500) | 1.00 |" in text
+    plot(summary, study, tmp_path / "curves.png")
+    assert (tmp_path / "curves.png").stat().st_size > 0
+
+
 @pytest.mark.parametrize("args, message", [
     (["--arms", "dense-retr", "--retrieval-tasks", "kvrecal"], "--retrieval-tasks: unknown ['kvrecal']"),
     (["--arm", "pt-x=ptt model.msa.topk=2"], "unknown base 'ptt'"),
@@ -450,10 +518,10 @@ def test_a_stopped_job_says_what_it_keeps(tmp_path):
                     "convert": "stopped; the next call starts it again"}
 
 
-@pytest.mark.parametrize("option", ["--gbs=-8", "--micro=-2", "--seeds=0"])
+@pytest.mark.parametrize("option", ["--gbs=-8", "--micro=-2", "--seeds=0", "--probe-samples=0"])
 def test_counts_below_one_are_one_line(option, capsys):
     """--gbs -8 reached the default micro-batch's divisor search (a traceback from max())."""
     with pytest.raises(SystemExit) as stop:
         _module().parse(["--preset", "small", "--seq-length", "2048", option, "--work", "/nonexistent/q"])
     assert stop.value.code == 2
-    assert "--seeds, --lanes, --seq-length, --gbs and --micro must be >= 1" in capsys.readouterr().err
+    assert "--seeds, --lanes, --seq-length, --gbs, --micro and --probe-samples must be >= 1" in capsys.readouterr().err

@@ -178,7 +178,8 @@ def validation_samples(trainer_cfg, global_batch_size: int, step: int = 0, consu
 
 def build_data(cfg, tokenizer, start_samples=lambda: 0, valid_position=lambda: (0, 0)):
     """(train, valid or None): this data-parallel rank's micro-batch streams (data.datasets.TrainData),
-    the datasets built at their first use. valid exists when trainer.eval_interval > 0. The train
+    the datasets built at their first use. valid exists when trainer.eval_interval > 0 and the data
+    has a validation stream (has_validation_data). The train
     stream starts at `start_samples()` (init_from_data_position; read when the datasets are built),
     so its dataset holds that many samples more than the run's max_steps global batches;
     `valid_position()` is (the step, the validation samples read), read then too (after a resumed
@@ -188,15 +189,25 @@ def build_data(cfg, tokenizer, start_samples=lambda: 0, valid_position=lambda: (
 
     t, p = cfg.trainer, cfg.parallel
     datasets = {}
+    # evaluations with the retrieval probe alone (trainer.probe_tasks) read no validation split
+    validating = bool(t.eval_interval) and has_validation_data(cfg.data)
 
     def dataset(index: int):
         if not datasets:
             train_samples = start_samples() + t.max_steps * p.global_batch_size
-            valid_samples = validation_samples(t, p.global_batch_size, *valid_position())
+            valid_samples = validation_samples(t, p.global_batch_size, *valid_position()) if validating else 0
             datasets["all"] = build_datasets(cfg.data, tokenizer, cfg.model.seq_length, train_samples, valid_samples)
         return datasets["all"][index]
 
     dp_rank, dp_size = data_parallel_info()
     make = partial(TrainData, micro_batch_size=p.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size,
                    document_mask=cfg.data.document_mask)
-    return make(partial(dataset, 0)), make(partial(dataset, 1)) if t.eval_interval else None
+    return make(partial(dataset, 0)), make(partial(dataset, 1)) if validating else None
+
+
+def has_validation_data(data_cfg) -> bool:
+    """Whether the data holds a validation stream: data.valid_blend, or a validation share in data.split."""
+    from data.prepared import split_shares
+
+    shares = split_shares(data_cfg.split)
+    return bool(data_cfg.valid_blend) or shares is None or shares[1] > 0

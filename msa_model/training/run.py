@@ -23,6 +23,18 @@ log = logging.getLogger(__name__)
 INPUT_ERRORS = (ConfigError, CheckpointError, DataCacheError, RunDirBusy, ProcessGroupError)
 
 
+def _retrieval_probe(cfg, tokenizer):
+    """The retrieval probe of trainer.probe_tasks (None: off), its haystacks from the run's corpus files."""
+    if not cfg.trainer.probe_tasks:
+        return None
+    from data.corpus import list_corpus_files
+    from msa_model.training.retrieval_probe import RetrievalProbe
+
+    files = list_corpus_files(cfg.data.source, cfg.data.glob, cfg.data.max_bytes)[1]
+    return RetrievalProbe(cfg.trainer.probe_tasks, cfg.trainer.probe_samples, files, tokenizer,
+                          cfg.model.seq_length, cfg.parallel.micro_batch_size)
+
+
 def _build_optimizer(cfg, model_chunks):
     import torch
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -363,7 +375,7 @@ def run(cfg: DictConfig, notes: list[str] | tuple[str, ...] = ()) -> None:
                                             lambda: (trainer.state.step, trainer.state.consumed_valid_samples))
         trainer = Trainer(cfg.trainer, cfg.parallel, cfg.model, model_chunks=model_chunks, optimizer=optimizer,
                           scheduler=scheduler, data=train_data, valid_data=valid_data, callbacks=callbacks,
-                          device=env.device, stop_signal=stop_signal)
+                          device=env.device, stop_signal=stop_signal, probe=_retrieval_probe(cfg, tokenizer))
         if latest is not None:
             ckpt.load_checkpoint(trainer, latest, verify=False, model_config=model_config)
         else:

@@ -86,9 +86,11 @@ class Trainer:
     restores with the other counters before the first step reads a batch."""
 
     def __init__(self, trainer_cfg, parallel_cfg, model_cfg, *, model_chunks, optimizer, scheduler, data,
-                 callbacks: list[Callback], device: torch.device, stop_signal=None, valid_data=None):
+                 callbacks: list[Callback], device: torch.device, stop_signal=None, valid_data=None, probe=None):
         self.model_chunks, self.optimizer, self.scheduler = model_chunks, optimizer, scheduler
         self.data, self.valid_data, self.callbacks = data, valid_data, callbacks
+        # msa_model.training.retrieval_probe.RetrievalProbe, scored at every evaluation, or None
+        self.probe = probe
         self.max_steps, self.stop_at_step = trainer_cfg.max_steps, trainer_cfg.stop_at_step
         self.eval_interval, self.eval_iters = trainer_cfg.eval_interval, trainer_cfg.eval_iters
         self.micro_batch_size, self.global_batch_size = parallel_cfg.micro_batch_size, parallel_cfg.global_batch_size
@@ -142,8 +144,20 @@ class Trainer:
     def evaluate(self) -> dict:
         """The held-out losses of the next `eval_iters` global batches of the validation stream, in
         the current attention phase, without gradients: {"valid/lm_loss", "valid/kl_loss" (MSA),
-        ...}. Every rank must call this; every rank gets the same result."""
+        ...}; with a retrieval probe also its scores (valid/probe/<task>/...). Every rank must call
+        this; every rank gets the same result."""
         self._call("on_evaluation_start")
+        metrics = self._validation_losses() if self.valid_data is not None else {}
+        if self.probe is not None:
+            self.stage = "retrieval probe"
+            for chunk in self.model_chunks:
+                chunk.eval()
+            metrics.update(self.probe.run(self.model_chunks, self.device))
+            for chunk in self.model_chunks:
+                chunk.train()
+        return metrics
+
+    def _validation_losses(self) -> dict:
         for chunk in self.model_chunks:
             chunk.eval()
         record_evaluation_metrics(self.model_chunks, True)
@@ -168,7 +182,7 @@ class Trainer:
         return {f"valid/{key}": value for key, value in metrics.items()}
 
     def _evaluation_due(self) -> bool:
-        if self.valid_data is None or not self.eval_interval:
+        if (self.valid_data is None and self.probe is None) or not self.eval_interval:
             return False
         return self.state.step % self.eval_interval == 0 or self.state.step == self.max_steps
 

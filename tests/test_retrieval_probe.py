@@ -1,0 +1,165 @@
+"""The retrieval probe (trainer.probe_tasks): its rows score exactly the answer's tokens, its
+numbers are the offline evaluation's (`msa_model.eval.runner.score_example`) on the same examples
+and model, exact match counts an example only when every answer token is the argmax, and a run
+logs it at every evaluation, also without a validation split."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tokenizer_fixtures import make_bpe_tokenizer  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    from msa_model.config import ParallelConfig
+    from msa_model.training.distributed import init_distributed, shutdown
+
+    init_distributed(ParallelConfig(), "cpu", 1234)
+    yield
+    shutdown()
+
+
+def _stdlib_files():
+    from data.corpus import list_corpus_files
+
+    return list_corpus_files("stdlib", "**/*.py", 2_000_000)[1]
+
+
+def _probe(tokenizer, tasks, samples, seq_length, micro=2):
+    from msa_model.training.retrieval_probe import RetrievalProbe
+
+    return RetrievalProbe(tasks, samples, _stdlib_files(), tokenizer, seq_length, micro)
+
+
+def test_the_rows_score_the_answer_tokens_only(one_rank, tmp_path):
+    from data.tokenizer import ByteTokenizer, build_tokenizer
+
+    for tokenizer in (ByteTokenizer(), build_tokenizer(str(make_bpe_tokenizer(tmp_path / "tok")))):
+        probe = _probe(tokenizer, ["passkey", "kvrecall"], 3, 256)
+        assert probe.samples == 4  # whole micro-batches of 2
+        for task in ("passkey", "kvrecall"):
+            rows, examples = probe.rows(task), probe._examples(task)
+            assert rows["tokens"].shape == (4, 256)
+            for i, ex in enumerate(examples):
+                scored = rows["labels"][i][rows["loss_mask"][i] > 0]
+                answer = tokenizer.tokenize_batch([ex.answer])[0]
+                assert scored.tolist() == answer.tolist()
+                # the answer ends the example: the tokens before it are the prompt's
+                end = int((rows["loss_mask"][i] > 0).nonzero().max()) + 1
+                prompt = tokenizer.tokenize_batch([ex.prompt])[0]
+                assert rows["tokens"][i, :len(prompt)].tolist() == prompt.tolist()
+                assert end == len(prompt) + len(answer) - 1
+                assert (rows["tokens"][i, end:] == tokenizer.eod).all()
+            # needle depths spread over the haystack, the same examples on every call
+            assert len({ex.depth for ex in examples}) == 4
+            assert [e.prompt for e in probe._examples(task)] == [e.prompt for e in examples]
+    # the byte tokenizer's examples fill the sequence
+    byte = _probe(ByteTokenizer(), ["passkey"], 2, 256)
+    assert (byte.rows("passkey")["loss_mask"][:, -1] == 1).all()
+
+
+def test_exact_needs_every_answer_token_to_be_the_argmax(one_rank):
+    from msa_model.training.retrieval_probe import _probe_loss
+
+    g = torch.Generator().manual_seed(0)
+    B, S, V, vocab = 3, 6, 12, 10
+    logits = torch.randn(B, S, V, generator=g)
+    labels = torch.randint(0, vocab, (B, S), generator=g)
+    mask = torch.zeros(B, S)
+    mask[:, 3:5] = 1  # two answer tokens an example
+    # example 0: both answer tokens the argmax; example 1: one of two; example 2: none forced
+    for t in (3, 4):
+        logits[0, t, labels[0, t]] = 50.0
+    logits[1, 3, labels[1, 3]] = 50.0
+    logits[1, 4, labels[1, 4]] = -50.0
+    # a padded vocabulary row (id >= vocab) above the target does not count against it
+    logits[0, 3, vocab + 1] = 100.0
+    _, n, payload = _probe_loss(labels, mask, vocab, logits)
+    loss_sum, tokens, rank_sum, exact, examples = payload["probe"].tolist()
+    want_lp = torch.log_softmax(logits[..., :vocab], -1).gather(-1, labels[..., None])[..., 0]
+    want_rank = (logits[..., :vocab] > logits[..., :vocab].gather(-1, labels[..., None])).sum(-1).float()
+    assert int(n) == tokens == 6 and examples == 3
+    assert math.isclose(loss_sum, float(-(want_lp * mask).sum()), rel_tol=1e-6)
+    assert rank_sum == float((want_rank * mask).sum())
+    assert exact == 1 + float((want_rank[2, 3:5] == 0).all())
+
+
+def test_the_probe_equals_the_offline_evaluation(one_rank):
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from omegaconf import OmegaConf
+
+    from data.tokenizer import ByteTokenizer
+    from msa_model.config import ModelConfig, ParallelConfig
+    from msa_model.eval.runner import score_example
+    from msa_model.model.attention import msa_layers
+    from msa_model.model.gpt import build_model
+
+    cfg = OmegaConf.structured(ModelConfig(
+        num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=2, head_dim=16,
+        seq_length=256, num_experts=4, moe_ffn_hidden_size=32, first_dense_layers=1, attention="msa"))
+    cfg.msa.block_size, cfg.msa.topk = 32, 2
+    torch.manual_seed(3)
+    model_parallel_cuda_manual_seed(3)
+    model = build_model(cfg, ParallelConfig(), vocab_size=257, on_cpu=True)
+    model.eval()
+    # the sparse phase: the selection reads 2 of up to 8 blocks, so the probe's padding must not matter
+    assert all(m.sparse for m in msa_layers(model))
+    tokenizer = ByteTokenizer()
+    probe = _probe(tokenizer, ["passkey", "kvrecall"], 4, 256)
+    got = probe.run([model], torch.device("cpu"))
+    for task in ("passkey", "kvrecall"):
+        scores = [score_example(model, torch.device("cpu"), ex, tokenizer) for ex in probe._examples(task)]
+        answer = 5  # digits, one byte token each
+        want_loss = -sum(s["logprob"] for s in scores) / (answer * len(scores))
+        want_rank = sum(s["rank"] for s in scores) / len(scores)
+        want_exact = sum(s["correct"] for s in scores) / len(scores)
+        assert got[f"valid/probe/{task}/answer_loss"] == pytest.approx(want_loss, rel=1e-4)
+        assert got[f"valid/probe/{task}/answer_rank"] == pytest.approx(want_rank, abs=1e-4)
+        assert got[f"valid/probe/{task}/exact"] == want_exact
+        # an untrained model: near-uniform over 257 ids, far from an answer
+        assert 4.0 < got[f"valid/probe/{task}/answer_loss"] < 7.0
+
+
+def test_a_run_logs_the_probe_without_a_validation_split(tmp_path, data_cache):
+    run = tmp_path / "run"
+    cmd = [sys.executable, str(REPO / "train.py"), "model=tiny", "trainer.max_steps=2", "optim.warmup_steps=1",
+           "logging.log_interval=1", "logging.wandb_mode=disabled", "logging.tensorboard=false",
+           "logging.progress_bar=false", "checkpoint.interval=0", "data.split=[100,0,0]",
+           f"data.cache_dir={data_cache}", "trainer.eval_interval=2", "trainer.probe_tasks=[passkey]",
+           "trainer.probe_samples=2", "trainer.indexer_warmup_tokens=0", f"run_dir={run}"]
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert "valid/probe/passkey/exact" not in records[0]
+    last = records[-1]
+    assert last["step"] == 2 and "valid/lm_loss" not in last
+    assert 0.0 <= last["valid/probe/passkey/exact"] <= 1.0 and last["valid/probe/passkey/answer_loss"] > 0
+    assert "retrieval probe at step 2 | passkey exact" in out.stderr + out.stdout
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["trainer.probe_tasks=[needle]", "trainer.eval_interval=2"], "trainer.probe_tasks: unknown ['needle']"),
+    (["trainer.probe_tasks=[passkey]"], "trainer.probe_tasks runs at every evaluation"),
+    (["trainer.probe_tasks=[passkey]", "trainer.eval_interval=2", "trainer.probe_samples=0"],
+     "trainer.probe_samples must be positive"),
+    (["trainer.probe_tasks=[passkey]", "trainer.eval_interval=2", "data.source=null", "data.blend=[/x/y]"],
+     "trainer.probe_tasks cuts its haystacks from a file-directory corpus"),
+])
+def test_bad_probe_settings_are_one_line(tmp_path, overrides, message):
+    cmd = [sys.executable, str(REPO / "train.py"), "model=tiny", "logging.log_interval=2", f"run_dir={tmp_path / 'r'}",
+           *overrides]
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0
+    assert message in out.stdout + out.stderr
+    assert "Traceback" not in out.stdout + out.stderr
+    assert not (tmp_path / "r").exists()
