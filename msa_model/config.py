@@ -263,8 +263,11 @@ class DataConfig:
     split: List[float] = field(default_factory=lambda: [99.0, 1.0, 0.0])
     # validation datasets of their own, in the blend's format; the split then serves training only
     valid_blend: Optional[List[Any]] = None
-    # leave end-of-document tokens out of the loss; restart position ids after each of them
+    # leave end-of-document tokens out of the loss
     eod_mask_loss: bool = False
+    # accepted for parity with megatron's --reset-position-ids and has no effect: positions are
+    # never restarted. It needs document_mask, under which a document's rotary scores are already
+    # those of positions from 0 (RoPE scores by distance); the run's first line says so
     reset_position_ids: bool = False
     # refuse | allow: a run whose tokenizer differs from its datasets' or its checkpoint's
     tokenizer_mismatch: str = "refuse"
