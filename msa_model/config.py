@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 from data.retrieval import DEFAULT_TASKS as DEFAULT_RETRIEVAL_TASKS
 # the ops own their geometry: PRODUCTION_* (MiniMax's block size and top-k, the ops' defaults; the
@@ -464,9 +464,20 @@ def msa_layers_of(m) -> list[bool]:
     return [True] * m.num_layers
 
 
+def steps_for_tokens(tokens: float, *, _root_) -> int:
+    """`${steps_for_tokens:3e12}` in a recipe: the steps that train this many tokens at the run's
+    own batch (parallel.global_batch_size x model.seq_length), rounded down, so a layout with
+    another batch (the 128K one's 8M tokens a step) keeps the recipe's token budget."""
+    step_tokens = _root_.parallel.global_batch_size * _root_.model.seq_length
+    # a batch of no tokens is the batch's own error (validate names it), not a division here
+    return int(tokens // step_tokens) if step_tokens > 0 else 1
+
+
 def register_configs() -> None:
-    """Register the schema so `defaults: [train_schema, ...]` in configs/train.yaml finds it."""
+    """Register the schema so `defaults: [train_schema, ...]` in configs/train.yaml finds it, and
+    the resolvers the recipes use."""
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+    OmegaConf.register_new_resolver("steps_for_tokens", steps_for_tokens, replace=True)
 
 
 def validate(cfg, world_size: Optional[int] = None, gpu: Optional[bool] = None) -> None:
