@@ -432,4 +432,6 @@ def run(cfg: DictConfig, notes: list[str] | tuple[str, ...] = ()) -> None:
                 lock.release()
     # last: every rank must be done with the checkpoint before the job is requeued
     if requeue and not requeue_slurm_job():
-        log.error("the job was not requeued; resume it by relaunching it")
+        # neither finished nor back in the queue: an exit status of 0 would read as a completed job
+        # (to SLURM, submitit and afterok dependencies); the batch script exits 1 here too
+        failures.fail("the job was not requeued; resume it by relaunching it", 1)
