@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 from data.retrieval import DEFAULT_TASKS as DEFAULT_RETRIEVAL_TASKS
 # the ops own their geometry: PRODUCTION_* (MiniMax's block size and top-k, the ops' defaults; the
@@ -263,8 +263,11 @@ class DataConfig:
     split: List[float] = field(default_factory=lambda: [99.0, 1.0, 0.0])
     # validation datasets of their own, in the blend's format; the split then serves training only
     valid_blend: Optional[List[Any]] = None
-    # leave end-of-document tokens out of the loss; restart position ids after each of them
+    # leave end-of-document tokens out of the loss
     eod_mask_loss: bool = False
+    # accepted for parity with megatron's --reset-position-ids and has no effect: positions are
+    # never restarted. It needs document_mask, under which a document's rotary scores are already
+    # those of positions from 0 (RoPE scores by distance); the run's first line says so
     reset_position_ids: bool = False
     # refuse | allow: a run whose tokenizer differs from its datasets' or its checkpoint's
     tokenizer_mismatch: str = "refuse"
@@ -468,9 +471,20 @@ def msa_layers_of(m) -> list[bool]:
     return [True] * m.num_layers
 
 
+def steps_for_tokens(tokens: float, *, _root_) -> int:
+    """`${steps_for_tokens:3e12}` in a recipe: the steps that train this many tokens at the run's
+    own batch (parallel.global_batch_size x model.seq_length), rounded down, so a layout with
+    another batch (the 128K one's 8M tokens a step) keeps the recipe's token budget."""
+    step_tokens = _root_.parallel.global_batch_size * _root_.model.seq_length
+    # a batch of no tokens is the batch's own error (validate names it), not a division here
+    return int(tokens // step_tokens) if step_tokens > 0 else 1
+
+
 def register_configs() -> None:
-    """Register the schema so `defaults: [train_schema, ...]` in configs/train.yaml finds it."""
+    """Register the schema so `defaults: [train_schema, ...]` in configs/train.yaml finds it, and
+    the resolvers the recipes use."""
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+    OmegaConf.register_new_resolver("steps_for_tokens", steps_for_tokens, replace=True)
 
 
 def validate(cfg, world_size: Optional[int] = None, gpu: Optional[bool] = None) -> None:

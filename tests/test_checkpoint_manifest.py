@@ -107,6 +107,10 @@ def test_resume_fallback_sets_the_damaged_checkpoint_aside_and_reproduces_the_ru
     proc = run_train(run_dir, *COMMON, "resume=fallback", data_cache=data_cache)
     out = proc.stdout + proc.stderr
     assert "set aside as damaged-step_00000004" in out and f"resumed from {ckpts / 'step_00000002'} at step 2" in out
+    # the start-up lines name the step loaded as the model's and the tokenizer's source, not the damaged one
+    assert f"model tiny as recorded by the checkpoint it resumes ({ckpts / 'step_00000002'})" in out
+    assert f"(the checkpoint this run resumes ({ckpts / 'step_00000002'}))" in out
+    assert f"resumes ({ckpts / 'step_00000004'})" not in out
     assert (ckpts / "damaged-step_00000004").is_dir()
     # steps 3-4 ran again from step 2 and wrote a new, complete step 4 that verifies
     assert (ckpts / "latest").read_text().strip() == "step_00000004"

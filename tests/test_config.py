@@ -53,6 +53,18 @@ def test_the_document_mask_line_says_what_the_recipes_model_masks(recipe):
     assert "not masked" in document_mask_line(_compose(f"recipe={recipe}", "data.document_mask=false"))
 
 
+def test_reset_position_ids_is_accepted_and_said_to_have_no_effect():
+    """Megatron's flag is accepted under the document mask, and the first line says it changes nothing."""
+    from msa_model.training.data_setup import document_mask_line
+
+    cfg = _compose("data.reset_position_ids=true")
+    validate(cfg, world_size=1)
+    assert "data.reset_position_ids=true has no effect" in document_mask_line(cfg)
+    assert "reset_position_ids" not in document_mask_line(_compose())
+    with pytest.raises(ConfigError, match="data.reset_position_ids needs data.document_mask=true"):
+        validate(_compose("data.reset_position_ids=true", "data.document_mask=false"), world_size=1)
+
+
 def test_readme_override_example_composes():
     cfg = _compose("recipe=cpt", "model=small", "trainer.max_steps=50", "init_from=/ckpt")
     validate(cfg, world_size=1)

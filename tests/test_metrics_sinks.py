@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from msa_model.training.callbacks import TrainState
@@ -136,3 +137,37 @@ def test_without_a_terminal_short_lines_stand_in_for_the_progress_bar(monkeypatc
     lines = [r.getMessage() for r in caplog.records if "next full line" in r.getMessage()]
     # the first step's line, then one at step 3 (40 s after it), none at step 2 (20 s)
     assert [line.split("/")[0].split()[-1] for line in lines] == ["1", "3"], lines
+
+
+def test_an_interval_spanning_the_switch_reports_the_sparse_steps_keys():
+    """Two warmup steps (every causal key) then two top-k steps in one interval: the record is
+    sparse, so its keys per query are the sparse steps' only (within the top-k budget), it says
+    how many steps ran in each phase, and its FLOP rate counts each phase at its own cost."""
+    phases = ["warmup", "warmup", "sparse", "sparse"]
+    keys = [256.5, 256.5, 120.0, 124.0]
+    costs = []
+
+    def flops_per_token(keys_per_query, sparse):
+        costs.append((keys_per_query, sparse))
+        return 1e12 * (keys_per_query if sparse else 1000.0)
+
+    trainer = SimpleNamespace(state=TrainState(), device=torch.device("cpu"))
+    logger = MetricsLogger([], log_interval=4, max_steps=8, flops_per_token=flops_per_token,
+                           phase=lambda: phases[min(trainer.state.step, 4) - 1])
+    logger.on_train_start(trainer)
+    for k in keys:
+        trainer.state.step += 1
+        logger.on_step_end(trainer, {"lm_loss": 1.0, "step_tokens": 8, "keys_per_query": k})
+    r = logger.last_record
+    assert (r["phase"], r["keys_per_query"], r.get("phase_steps")) == ("sparse", 122.0, {"warmup": 2, "sparse": 2})
+    from msa_model.training.metrics import _phase_text
+
+    assert _phase_text(r) == "sparse (2 of 4 steps; 2 warmup)"
+    assert sorted(costs, key=str) == [(122.0, True), (256.5, False)]
+    assert r["tflops_per_gpu"] == pytest.approx((1000.0 + 122.0) / 2 * r["tokens_per_s"])
+    # a next interval of one phase is as before: no phase_steps, the phase alone
+    for k in (118.0, 126.0, 122.0, 122.0):
+        trainer.state.step += 1
+        logger.on_step_end(trainer, {"lm_loss": 1.0, "step_tokens": 8, "keys_per_query": k})
+    r = logger.last_record
+    assert (r["keys_per_query"], "phase_steps" in r, _phase_text(r)) == (122.0, False, "sparse")

@@ -199,3 +199,28 @@ def test_a_second_ctrl_c_aborts_without_saving(tmp_path, data_cache):
     assert out.strip().splitlines()[-1] == "error: interrupted; nothing was saved after the last checkpoint"
     assert "Traceback" not in out and "stopped by" not in out
     assert max(metrics(run_dir)) == 2 and (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000002"
+
+
+def test_a_stop_whose_requeue_fails_exits_non_zero(fake_scontrol, monkeypatch, tmp_path, data_cache):
+    """SIGTERM in a running batch job without the batch shell's request file (submitit, a
+    hand-written script): rank 0 runs `scontrol requeue` itself. When that fails the job neither
+    finished nor went back in the queue, so it must not end with 0, which SLURM (and `afterok`
+    dependencies, submitit) would take as a completed job; the rendered batch script exits 1 then too."""
+    script = fake_scontrol.parent / "bin" / "scontrol"
+    script.write_text('#!/bin/sh\nif [ "$1" = requeue ]; then echo "Requested operation is presently disabled" >&2; '
+                      'exit 1; fi\necho "JobId=$4 JobName=x $JOB_FIELDS"\n')
+    monkeypatch.setenv("JOB_FIELDS", "JobState=RUNNING Restarts=0 BatchFlag=1")
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir, data_cache, *LONG)
+    try:
+        _wait_for_steps(proc, run_dir, 1)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "stopped by SIGTERM after step" in out and "requeueing job 42" in out, out[-3000:]
+    assert "scontrol requeue 42 failed: Requested operation is presently disabled" in out, out[-3000:]
+    assert proc.returncode == 1, out[-3000:]
+    assert out.strip().splitlines()[-1] == "error: the job was not requeued; resume it by relaunching it"
+    assert "Traceback" not in out

@@ -85,9 +85,9 @@ RUNS_109B = {"dense": (3e12, 0, 3e-4), "pt": (3e12, 40e9, 3e-4), "cpt": (400e9, 
 BLEND_109B = "data.blend=[[0.7,/data/web],[0.3,/data/code]]"  # the recipes name no corpus: the user's blend
 
 
-def _compose_109b(recipe: str):
+def _compose_109b(recipe: str, *overrides: str):
     init = ["init_from=/ckpt-msa"] if recipe == "cpt" else []
-    return _compose(f"recipe=msa_109b_{recipe}", *init, BLEND_109B)
+    return _compose(f"recipe=msa_109b_{recipe}", *init, BLEND_109B, *overrides)
 
 
 @pytest.mark.parametrize("recipe", sorted(RUNS_109B))
@@ -106,6 +106,18 @@ def test_109b_recipes_validate_on_the_gpus_they_launch_on(recipe):
     assert cfg.optim.min_lr == pytest.approx(cfg.optim.lr / 10)
     # a 1.5 TB save every 1000 steps, not the tiny model's every 40 (a step takes seconds at 512 GPUs)
     assert cfg.checkpoint.interval == 1000
+
+
+@pytest.mark.parametrize("recipe", sorted(RUNS_109B))
+def test_109b_recipes_keep_their_tokens_on_the_128k_layout(recipe):
+    """The 128K layout's steps hold 8M tokens, twice the 8K layout's: the run takes half the steps,
+    not twice the tokens. A step count given on the command line still wins."""
+    cfg = _compose_109b(recipe, "parallel=msa_109b_128k")
+    validate(cfg, world_size=512, gpu=True)
+    tokens_per_step = cfg.parallel.global_batch_size * cfg.model.seq_length
+    assert tokens_per_step == 8 * 2**20
+    assert 0 <= RUNS_109B[recipe][0] - cfg.trainer.max_steps * tokens_per_step < tokens_per_step
+    assert _compose_109b(recipe, "parallel=msa_109b_128k", "trainer.max_steps=1234").trainer.max_steps == 1234
 
 
 def test_109b_recipe_names_the_cpt_checkpoint():

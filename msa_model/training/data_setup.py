@@ -155,8 +155,12 @@ def document_mask_line(cfg) -> str:
     if cfg.data.document_mask:
         # a model without MSA layers (recipe=dense) selects no blocks and trains no KL
         within = "attends, selects blocks and trains the indexer KL" if any(msa_layers_of(cfg.model)) else "attends"
-        return ("documents: masked (data.document_mask=true): each packed document, ended by its "
+        line = ("documents: masked (data.document_mask=true): each packed document, ended by its "
                 f"end-of-document token, {within} within itself")
+        if cfg.data.reset_position_ids:
+            line += ("; data.reset_position_ids=true has no effect (positions are not restarted: rotary "
+                     "scores depend on distance only, the same within a masked document either way)")
+        return line
     return ("documents: not masked (data.document_mask=false): tokens attend to the documents packed "
             "before theirs in a sequence")
 

@@ -113,6 +113,12 @@ class MetricsLogger(Callback):
     means of the per-step values, handed to each sink in the order given; every step also goes to
     the sinks (ConsoleLine uses it for its progress bar and its short lines in between). Every
     rank reduces the same scalars; only rank 0 is given sinks. `last_record` is the newest record.
+
+    A record's `phase` is that of its last step, and its `keys_per_query` the mean over the steps of
+    that phase only: an interval spanning the warmup's end would otherwise average dense steps'
+    keys into a sparse record (more keys than top-k allows). Such an interval also carries
+    `phase_steps`, the number of its steps in each phase, and its FLOP rate counts each phase's
+    steps at their own cost.
     """
 
     name = "metrics"
@@ -133,6 +139,8 @@ class MetricsLogger(Callback):
         self._counts: dict[str, int] = {}
         self._interval_tokens = 0
         self._interval_steps = 0
+        # phase -> [steps, sum of keys_per_query, steps that recorded it]
+        self._phases: dict[str, list] = {}
         self._t0 = time.perf_counter()
         self.last_record: dict | None = None
 
@@ -144,6 +152,12 @@ class MetricsLogger(Callback):
     def on_step_end(self, trainer, metrics: dict) -> None:
         self._interval_tokens += metrics.pop("step_tokens")
         self._interval_steps += 1
+        # the phase is set at the step's start and holds until the next one starts
+        counts = self._phases.setdefault(self.phase(), [0, 0.0, 0])
+        counts[0] += 1
+        if "keys_per_query" in metrics:
+            counts[1] += metrics["keys_per_query"]
+            counts[2] += 1
         for key, value in metrics.items():
             self._sums[key] = self._sums.get(key, 0.0) + value
             self._counts[key] = self._counts.get(key, 0) + 1
@@ -162,12 +176,18 @@ class MetricsLogger(Callback):
         # synchronisation (the step's own losses already waited for the device). The module timer
         # (logging.time_modules) measures each step instead, synchronised
         scalars.setdefault("step_ms", elapsed * 1e3 / max(self._interval_steps, 1))
-        self._sums, self._counts, self._interval_tokens, self._interval_steps = {}, {}, 0, 0
-        self._t0 = time.perf_counter()
-        s, phase = trainer.state, self.phase()
+        s, phase, phases = trainer.state, self.phase(), self._phases
+        keys = {p: c[1] / c[2] for p, c in phases.items() if c[2]}
+        scalars.pop("keys_per_query", None)
+        if phase in keys:
+            scalars["keys_per_query"] = keys[phase]
         if self.flops_per_token is not None:
-            flops = self.flops_per_token(scalars.get("keys_per_query"), phase != "warmup")
-            scalars["tflops_per_gpu"] = flops * scalars["tokens_per_s"] / self.world_size / 1e12
+            # every step of a log interval has the same tokens: a step-weighted mean
+            flops = sum(c[0] * self.flops_per_token(keys.get(p), p != "warmup") for p, c in phases.items())
+            scalars["tflops_per_gpu"] = flops / self._interval_steps * scalars["tokens_per_s"] / self.world_size / 1e12
+        self._sums, self._counts, self._interval_tokens, self._interval_steps = {}, {}, 0, 0
+        self._phases = {}
+        self._t0 = time.perf_counter()
         if torch.cuda.is_available() and trainer.device.type == "cuda":
             # peak of this interval, this rank (the same on every rank of a balanced layout)
             scalars["peak_mem_gib"] = torch.cuda.max_memory_allocated(trainer.device) / 2**30
@@ -177,6 +197,8 @@ class MetricsLogger(Callback):
         self.last_record = {"step": s.step, "tokens": s.tokens, "time": round(time.time(), 3), "phase": phase,
                             **{k: scalars[k] for k in self.SCALARS if k in scalars},
                             **{k: v for k, v in scalars.items() if "/" in k}}
+        if len(phases) > 1:
+            self.last_record["phase_steps"] = {p: c[0] for p, c in phases.items()}
         return self.last_record
 
     def on_train_end(self, trainer) -> None:
@@ -246,7 +268,7 @@ class ConsoleLine(MetricsSink):
                  _fmt(r.get("lm_loss"), ".4f"), _fmt(r.get("kl_loss"), ".4f"), _fmt(r.get("moe_aux_loss"), ".4f"),
                  _fmt(r.get("lr"), ".2e"), _fmt(r.get("grad_norm"), ".3f"), f"{r['tokens_per_s']:,.0f}",
                  flop_rate(r.get("tflops_per_gpu")),
-                 f" | mem {r['peak_mem_gib']:.1f} GiB" if "peak_mem_gib" in r else "", r["phase"],
+                 f" | mem {r['peak_mem_gib']:.1f} GiB" if "peak_mem_gib" in r else "", _phase_text(r),
                  _fmt(r.get("keys_per_query"), ".1f"))
         if f"{VALID}lm_loss" in r:
             # validation runs in the run's phase: top-k after a dense step of trainer.indexer_dense_interval
@@ -261,6 +283,16 @@ class ConsoleLine(MetricsSink):
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def _phase_text(r: dict) -> str:
+    """The record's phase; for an interval of several, how many of its steps it covers (its keys per
+    query are theirs), e.g. "sparse (5 of 10 steps; 5 warmup)"."""
+    counts = r.get("phase_steps")
+    if not counts:
+        return r["phase"]
+    others = ", ".join(f"{n} {p}" for p, n in counts.items() if p != r["phase"])
+    return f"{r['phase']} ({counts[r['phase']]} of {sum(counts.values())} steps; {others})"
 
 
 class JsonlFile(MetricsSink):

@@ -12,6 +12,10 @@ Who runs `scontrol requeue`: the batch script rendered by launch/slurm.py sets M
 to a file; rank 0 writes it and the batch shell requeues once the training step has exited, so no
 trainer or torchrun is signalled mid-exit. Without it (submitit, a hand-written script) rank 0 runs
 `scontrol requeue` itself as the last thing it does.
+
+A stop exits 0: under SLURM the job's end (cancelled, preempted, timed out, requeued) is SLURM's
+doing whatever the status. A requeue that fails exits 1, so the job does not end as completed
+(README, "Preemption, time limits and failures").
 """
 
 from __future__ import annotations

@@ -225,9 +225,19 @@ def input_problems(cfg, overrides: list[str] | None = None) -> list[str]:
     return check_inputs(cfg, overrides) + problems + _vocab_rows(cfg, tokenizer)
 
 
+def _name_loaded_step(named: Path | None, loaded: Path | None):
+    """line -> line naming `loaded` where it named `named`: the model's and the tokenizer's source
+    lines are read from the step `latest` pointed at (`named`), and resume=fallback loads an older
+    one when that one is damaged. The load refuses an older step recording another model; the
+    tokenizer line is renamed only where the older step records the same tokenizer."""
+    if named is None or loaded is None or named == loaded:
+        return lambda line: line
+    return lambda line: line.replace(str(named), str(loaded))
+
+
 def run(cfg: DictConfig, notes: list[str] | tuple[str, ...] = ()) -> None:
     """`notes`: lines about how the config was made (e.g. the model taken from a checkpoint), logged
-    once the console log is set up."""
+    once the checkpoint a resume loads is chosen."""
     from msa_model.training.index_history import WARMUP_KEY, given_on_command_line, plan_indexer_warmup
 
     OmegaConf.resolve(cfg)
@@ -285,13 +295,16 @@ def run(cfg: DictConfig, notes: list[str] | tuple[str, ...] = ()) -> None:
 
         from msa_model.config_checks import unused_settings
 
-        for line in [backend_note(), *notes]:
-            if line:
-                log.info("%s", line)
+        line = backend_note()
+        if line:
+            log.info("%s", line)
         for line in unused_settings(cfg):
             log.warning("warning: %s", line)
         warn_untested_versions()
     latest = ckpt.latest_checkpoint(ckpt_root)
+    # the step the model's and the tokenizer's source lines were read from (resume=fallback may
+    # load an older one)
+    named = latest
     if cfg.resume == "never" and latest is not None:
         # (found by check_inputs already, unless a checkpoint appeared since)
         raise ConfigError(f"resume=never but {ckpt_root} already holds checkpoints; choose another run_dir")
@@ -322,8 +335,14 @@ def run(cfg: DictConfig, notes: list[str] | tuple[str, ...] = ()) -> None:
         # built: a damaged checkpoint stops here, leaving config.yaml and launch.sh as they were
         latest = ckpt.resume_checkpoint(ckpt_root, fallback=cfg.resume == "fallback") if latest is not None else None
         if env.is_main:
-            from msa_model.training.data_setup import document_mask_line
+            from msa_model.training.data_setup import checkpoint_tokenizer, document_mask_line
 
+            # after the resume's choice: lines that name the step read name the step loaded
+            loaded = _name_loaded_step(named, latest)
+            for line in notes:
+                log.info("%s", loaded(line))
+            if checkpoint_tokenizer(latest)[0] == tokenizer.identity:
+                tokenizer_source = loaded(tokenizer_source)
             write_run_files(cfg, run_dir, resuming=latest is not None)
             ckpt.cleanup_partial_saves(ckpt_root)
             log.info("run dir %s | %s | %s", run_dir,
@@ -425,4 +444,6 @@ def run(cfg: DictConfig, notes: list[str] | tuple[str, ...] = ()) -> None:
                 lock.release()
     # last: every rank must be done with the checkpoint before the job is requeued
     if requeue and not requeue_slurm_job():
-        log.error("the job was not requeued; resume it by relaunching it")
+        # neither finished nor back in the queue: an exit status of 0 would read as a completed job
+        # (to SLURM, submitit and afterok dependencies); the batch script exits 1 here too
+        failures.fail("the job was not requeued; resume it by relaunching it", 1)
