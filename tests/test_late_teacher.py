@@ -263,3 +263,37 @@ def test_calls_over_the_row_budget_run_as_query_chunks(B, cut, monkeypatch):
     # no query's rows fit: the teacher stays in the forward
     none_fits = KernelTuning(indexer_kl=KLTuning(teacher_bytes=one - 1))
     assert not late_teacher_applies(*leaves, settings(bs, topk, none_fits))
+
+
+@pytest.mark.parametrize("B,cut,chunked", [(1, None, False), (2, 37, True)], ids=["whole", "documents-chunked"])
+def test_the_call_keeps_for_its_backward_only_what_dense_attention_keeps_and_the_kl_inputs(B, cut, chunked):
+    """What the forward saves for the backward, each storage once: what dense attention keeps
+    (q, k, v, o, the fp32 lse per head), the KL's inputs iq and ik and its student lse_z (fp32
+    per group), the cleaned block ids (int32), and the documents' starts; q, k, v, iq and ik are
+    the caller's tensors, not copies. A second copy of any of them, or another per-entry tensor
+    kept from forward to backward, is memory a layer holds through the whole step."""
+    from msa_model.ops.indexer_kl.tuning import Tuning as KLTuning
+    from msa_model.ops.msa_attention.late_teacher import teacher_bytes
+
+    T, Hq, G, D, Di, bs, topk = 70, 4, 2, 16, 16, 16, 3
+    leaves = inputs(B, T, Hq, G, D, Di, seed=13)
+    doc = None if cut is None else starts(B, T, 0, cut).to(torch.int32)
+    kl_tuning = KLTuning(teacher_bytes=30 * teacher_bytes(leaves[0], G, topk, bs, queries=1)) if chunked else None
+    late = settings(bs, topk, KernelTuning(indexer_kl=kl_tuning), kl_teacher="backward")
+    saved = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = msa_attention(*leaves, late, doc_start=doc)
+    assert out.kl_in_backward
+    assert {x.untyped_storage().data_ptr() for x in leaves} <= saved.keys()
+    size = torch.finfo(DTYPE).bits // 8
+    dense = (2 * B * T * Hq * D + 2 * B * T * G * D) * size + B * T * Hq * 4
+    kl_inputs = (B * T * G * Di + B * T * Di) * size + B * T * G * 4
+    ids = B * T * G * topk * 4 + (0 if doc is None else B * T * 4)
+    assert sum(saved.values()) == dense + kl_inputs + ids, (sum(saved.values()), dense, kl_inputs, ids)
+    # and the backward still runs on what was kept
+    torch.autograd.grad([out.o, out.kl], leaves, [torch.ones_like(out.o), torch.ones_like(out.kl)])
