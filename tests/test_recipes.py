@@ -192,9 +192,9 @@ def test_dry_run_of_a_layout_that_cannot_run_says_which_one_can():
     assert _field(out, "world_size") == 1 and _field(out, "memory_per_gpu_gib") > 1000
     assert "\ndocuments: not masked (data.document_mask=false)" in out
     (warning,) = [line for line in out.splitlines() if line.startswith("warning: ")]
-    assert warning.startswith("warning: memory_per_gpu_gib=1975.5 exceeds the 80 GiB of the target GPU (an H100 "
+    assert warning.startswith("warning: memory_per_gpu_gib=1974.9 exceeds the 80 GiB of the target GPU (an H100 "
                               "80GB by default; launch.gpu_memory_gib=141 for an H200)"), warning
-    assert "it fits with parallel=msa_109b_8k (512 GPUs: tp 2, pp 4, ep 32, cp 1, dp 64; 45.8 GiB per GPU), as " \
+    assert "it fits with parallel=msa_109b_8k (512 GPUs: tp 2, pp 4, ep 32, cp 1, dp 64; 45.7 GiB per GPU), as " \
            "recipe=msa_109b_cpt|msa_109b_dense|msa_109b_pt run it" in warning, warning
 
 

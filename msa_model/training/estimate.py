@@ -32,9 +32,13 @@ def activation_elements_per_token(m) -> dict[str, int]:
     # norm output, qkv projection output, q/k/v after RoPE, attention output, o-proj input, residual
     attention = h + 2 * qkv + 2 * hq * d + h
     if m.attention == "msa":
-        di = m.msa.index_head_dim
-        # index projections (before and after norm/RoPE) and the fp32 lse per head
-        attention += 2 * (g * di + di) + 2 * hq
+        di, k = m.msa.index_head_dim, m.msa.topk
+        # what the MSA core keeps beyond dense's q, k, v, o, lse (counted in bf16 elements): the
+        # index queries and keys after norm and RoPE, the int32 block ids and the int32 entries
+        # of their inverse index [G, K], the student's fp32 lse [G] (saved-tensor accounting of
+        # the late-teacher core; bench/HISTORY.md, 2026-12-05: 1,168 B a token and layer for
+        # `small`, 1,808 for the proxy)
+        attention += g * di + di + 2 * g * k + 2 * g * k + 2 * g
     dense_mlp = h + 3 * m.ffn_hidden_size + h
     moe = 0
     if m.num_experts > 0:
