@@ -169,6 +169,25 @@ def check_blends(data_cfg, tokenizer_identity: dict | None = None, tokenizer_sou
     return problems
 
 
+def vocabulary_problems(data_cfg, rows: int) -> list[str]:
+    """Datasets of data.blend and data.valid_blend prepared with a tokenizer of more ids than the
+    model's `rows` embedding rows: their ids would index past the embedding. Refused whatever
+    data.tokenizer_mismatch says, which lets another tokenizer of the same ids through, not ids the
+    model does not have."""
+    problems = []
+    for key in ("data.blend", "data.valid_blend"):
+        for prefix in parse_blend(getattr(data_cfg, key.split(".")[1]), key)[0]:
+            try:
+                recorded = read_metadata(prefix)["tokenizer"]
+                size = int(recorded["vocab_size"])
+            except (ValueError, KeyError, TypeError):
+                continue  # reported by check_blends
+            if size > rows:
+                problems.append(f"{key}: {prefix} was prepared with {describe_identity(recorded)}, whose ids go "
+                                f"past the model's {rows} embedding rows; prepare it with the model's tokenizer")
+    return problems
+
+
 def _tokens_hash(prefix: str, meta: dict) -> str:
     """What identifies a dataset's tokens: the sha256 of its .bin recorded in PREFIX.json, else
     (a description without it) the resolved prefix."""
