@@ -80,8 +80,8 @@ def test_bad_blends_are_refused_before_anything_is_written(tmp_path, prepared):
     assert f"{tmp_path}/nothing.json is missing" in text
     # Megatron-LM's flat --data-path order: named once, with the form that works
     lines = _refused(tmp_path, f"data.blend=[0.7,{a},0.3,{b}]", f"data.tokenizer={tok_dir}")
-    assert any("data.blend[0]: 0.7 is not [weight, prefix] or a prefix" in line and "[[weight,prefix],...]" in line
-               for line in lines), lines
+    assert lines[1:] == [f"  - data.blend: weights and prefixes in one list (Megatron-LM's --data-path order); "
+                         f"give pairs: data.blend=[[0.7,{a}],[0.3,{b}]]"], lines
     lines = _refused(tmp_path, f"data.blend=[{a},{byte_set}]", f"data.tokenizer={tok_dir}")
     assert any("prepared with different tokenizers" in line for line in lines)
     lines = _refused(tmp_path, f"data.blend=[{a}]", "data.tokenizer=byte")
