@@ -95,14 +95,51 @@ def check_prefix(prefix: str | Path, full: bool = False) -> str | None:
     return index_problem(prefix)
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _flat_blend_problem(entries, key: str) -> str | None:
+    """One line for weights given outside [weight, prefix] pairs, else None: among the entries,
+    Megatron-LM's flat --data-path order [weight, prefix, weight, prefix, ...] (or a weight too many
+    or too few in it), or as a list of their own, [[weights...], [prefixes...]]."""
+    entries = list(entries or [])
+    if (len(entries) == 2 and all(isinstance(e, Sequence) and not isinstance(e, str) for e in entries)
+            and all(map(_is_number, entries[0])) and all(isinstance(p, str) for p in entries[1])):
+        # [[0.7,0.3],[a,b]]: the weights and the prefixes as two lists (never a blend of two pairs)
+        weights, names = list(entries[0]), list(entries[1])
+        if len(weights) != len(names):
+            return (f"{key}: {len(weights)} weight(s) {weights} for {len(names)} prefix(es) {names}; give one "
+                    f"[weight, prefix] pair per dataset: {key}=[[weight,prefix],...]")
+        pairs = ",".join(f"[{w},{p}]" for w, p in zip(weights, names))
+        return f"{key}: weights and prefixes in two lists; give one [weight, prefix] pair per dataset: {key}=[{pairs}]"
+    numbers = [e for e in entries if _is_number(e)]
+    if not numbers:
+        return None
+    names = [str(e) for e in entries if not _is_number(e)]
+    if len(entries) % 2 == 0 and all(_is_number(w) and isinstance(p, str) for w, p in zip(entries[::2], entries[1::2])):
+        pairs = ",".join(f"[{w},{p}]" for w, p in zip(entries[::2], entries[1::2]))
+        return f"{key}: weights and prefixes in one list (Megatron-LM's --data-path order); give pairs: {key}=[{pairs}]"
+    return (f"{key}: {len(numbers)} weight(s) {numbers} among {len(names)} prefix(es) {names}: give one "
+            f"[weight, prefix] pair per dataset, {key}=[[weight,prefix],...] (or prefixes alone, weight 1)")
+
+
 def parse_blend(entries, key: str) -> tuple[list[str], list[float], list[str]]:
     """(prefixes, weights, problems) of a blend given as [[weight, prefix], ...] or [prefix, ...]."""
     prefixes, weights, problems = [], [], []
+    flat = _flat_blend_problem(entries, key)
+    if flat is not None:
+        return prefixes, weights, [flat]
     for i, entry in enumerate(entries or []):
         if isinstance(entry, str):
             weight, prefix = 1.0, entry
         elif isinstance(entry, Sequence) and len(entry) == 2:
             weight, prefix = entry
+            if _is_number(prefix):
+                # [[0.7,0.3],[a,b]]: weights and prefixes given as two lists
+                problems.append(f"{key}[{i}]: {list(entry)!r} has no prefix ({prefix} is a number); "
+                                f"give one [weight, prefix] pair per dataset: {key}=[[weight,prefix],...]")
+                continue
         else:
             problems.append(f"{key}[{i}]: {entry!r} is not [weight, prefix] or a prefix "
                             f"(a blend is {key}=[[weight,prefix],...] or {key}=[prefix,...])")
@@ -166,6 +203,25 @@ def check_blends(data_cfg, tokenizer_identity: dict | None = None, tokenizer_sou
             problems.append(f"data.tokenizer: {describe_identity(tokenizer_identity)}{source} is not the tokenizer "
                             f"{prefix} was prepared with ({describe_identity(recorded)}); "
                             f"{remedy or 'use that one, or data.tokenizer_mismatch=allow'}")
+    return problems
+
+
+def vocabulary_problems(data_cfg, rows: int) -> list[str]:
+    """Datasets of data.blend and data.valid_blend prepared with a tokenizer of more ids than the
+    model's `rows` embedding rows: their ids would index past the embedding. Refused whatever
+    data.tokenizer_mismatch says, which lets another tokenizer of the same ids through, not ids the
+    model does not have."""
+    problems = []
+    for key in ("data.blend", "data.valid_blend"):
+        for prefix in parse_blend(getattr(data_cfg, key.split(".")[1]), key)[0]:
+            try:
+                recorded = read_metadata(prefix)["tokenizer"]
+                size = int(recorded["vocab_size"])
+            except (ValueError, KeyError, TypeError):
+                continue  # reported by check_blends
+            if size > rows:
+                problems.append(f"{key}: {prefix} was prepared with {describe_identity(recorded)}, whose ids go "
+                                f"past the model's {rows} embedding rows; prepare it with the model's tokenizer")
     return problems
 
 

@@ -150,6 +150,11 @@ def _check_data(errors: list[str], d, t, logging_cfg, dry_run: bool = False) -> 
            f"trainer.indexer_dense_interval must be 0 (off) or >= 2 (1 would make every step dense), got "
            f"{t.indexer_dense_interval}")
     _check(errors, t.eval_interval >= 0, f"trainer.eval_interval must be >= 0, got {t.eval_interval}")
+    # the mirror of the check below: validation datasets that no evaluation would read
+    _check(errors, not d.valid_blend or t.eval_interval != 0,
+           "data.valid_blend names validation datasets but trainer.eval_interval is 0 (off), so no validation "
+           f"loss would be computed: set trainer.eval_interval=N (a multiple of logging.log_interval, "
+           f"{logging_cfg.log_interval}), or leave data.valid_blend unset")
     if t.eval_interval > 0:
         _check(errors, t.eval_interval % logging_cfg.log_interval == 0,
                f"trainer.eval_interval ({t.eval_interval}) must be a multiple of logging.log_interval "

@@ -271,6 +271,16 @@ def test_non_finite_blend_weights_and_splits_are_refused(override, message, monk
     assert prepared.split_problems(cfg.data, evaluating=True) == []
 
 
+def test_validation_datasets_without_evaluation_are_refused():
+    """data.valid_blend with trainer.eval_interval at its default 0 trained to the end without a
+    validation loss and without a word."""
+    cfg = _compose("data.blend=[/d/a]", "data.valid_blend=[/d/b]")
+    with pytest.raises(ConfigError, match=re.escape("data.valid_blend names validation datasets but "
+                                                    "trainer.eval_interval is 0 (off)")):
+        validate(cfg, world_size=1)
+    validate(_compose("data.blend=[/d/a]", "data.valid_blend=[/d/b]", "trainer.eval_interval=10"), world_size=1)
+
+
 def test_a_job_of_no_nodes_is_refused_naming_the_key():
     cfg = _compose("launch.nodes=0")
     with pytest.raises(ConfigError, match="launch.nodes must be positive, got 0"):

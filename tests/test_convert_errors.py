@@ -209,6 +209,37 @@ def test_a_missing_checkpoint_is_named_as_missing(command, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("case", ["verify_missing_checkpoint", "verify_missing_hf", "msa_to_hf_of_a_hf_model",
+                                  "msa_to_hf_of_a_run_dir", "hf_to_msa_of_our_checkpoint"])
+def test_a_source_of_the_wrong_kind_is_named_as_what_it_is(case, llama, tmp_path):
+    """A mistyped path or a directory of another kind (a Hugging Face model where one of ours goes,
+    a run directory, the arguments of verify swapped) says what it is and what to give, where it
+    said "pass --model-config", "pass --family" or only "no config.json"."""
+    from msa_model.convert.commands import msa_to_hf
+    from msa_model.convert.verify import verify
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "latest").write_text("step_00000004\n")
+    (run / "checkpoints" / "step_00000004").mkdir()
+    nothing, out = tmp_path / "nothing", tmp_path / "out"
+    call, message = {
+        "verify_missing_checkpoint": (lambda: verify(str(llama), str(nothing)), f"{nothing}: no such checkpoint directory"),
+        "verify_missing_hf": (lambda: verify(str(nothing), str(run / "checkpoints")), f"{nothing}: no such directory"),
+        "msa_to_hf_of_a_hf_model": (lambda: msa_to_hf(str(llama), str(out)),
+                                    f"a Hugging Face model (config.json): convert it first, `python -m msa_model.convert "
+                                    f"hf-to-msa {llama} OUT`"),
+        "msa_to_hf_of_a_run_dir": (lambda: msa_to_hf(str(run), str(out)),
+                                   f"a run directory: its checkpoints are {run / 'checkpoints'}"),
+        "hf_to_msa_of_our_checkpoint": (lambda: hf_to_msa(str(run / "checkpoints"), str(out)),
+                                        "expected a Hugging Face checkpoint directory (it is a checkpoint of this "
+                                        "repository; `msa-to-hf` exports one)"),
+    }[case]
+    with pytest.raises(ConversionError, match=re.escape(message)):
+        call()
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("command, earlier", [("dense-to-msa", "step_00000000"), ("hf-to-msa", "latest"),
                                               ("deepspeed-to-msa", "step_00000000"), ("msa-to-hf", "config.json")])
 def test_an_earlier_conversion_is_replaced_only_with_overwrite(command, earlier, tmp_path, capsys):

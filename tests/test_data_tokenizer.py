@@ -149,6 +149,23 @@ def test_blend_entries_and_tokenizers_are_checked_together(tmp_path, bpe):
     assert problems == ["data.blend[0]: weight 0.0 of a must be > 0", "data.blend: b is listed twice (give it one weight)",
                         "data.blend[3]: weight 'w' is not a number",
                         "data.blend[4]: d.bin names a file; give the prefix without its extension"]
+    # weights outside the pairs: one line each, not a weight read as a prefix ("0.3.json is missing")
+    # nor a prefix as a weight of 1
+    assert parse_blend([0.7, "a", 0.3, "b"], "data.blend")[2] == [
+        "data.blend: weights and prefixes in one list (Megatron-LM's --data-path order); give pairs: "
+        "data.blend=[[0.7,a],[0.3,b]]"]
+    assert parse_blend([0.7, "a", 0.3], "data.blend")[2] == [
+        "data.blend: 2 weight(s) [0.7, 0.3] among 1 prefix(es) ['a']: give one [weight, prefix] pair per dataset, "
+        "data.blend=[[weight,prefix],...] (or prefixes alone, weight 1)"]
+    assert parse_blend([[0.7, 0.3], ["a", "b"]], "data.blend")[2] == [
+        "data.blend: weights and prefixes in two lists; give one [weight, prefix] pair per dataset: "
+        "data.blend=[[0.7,a],[0.3,b]]"]
+    assert parse_blend([[0.7, 0.3, 0.1], ["a", "b"]], "data.blend")[2] == [
+        "data.blend: 3 weight(s) [0.7, 0.3, 0.1] for 2 prefix(es) ['a', 'b']; give one [weight, prefix] pair per "
+        "dataset: data.blend=[[weight,prefix],...]"]
+    assert parse_blend([[1, "a"], [0.3, 0.2]], "data.blend")[2] == [
+        "data.blend[1]: [0.3, 0.2] has no prefix (0.2 is a number); give one [weight, prefix] pair per dataset: "
+        "data.blend=[[weight,prefix],...]"]
 
     cfg = SimpleNamespace(blend=[[1, str(x)], [1, str(y)]], valid_blend=None, verify_cache=False,
                           tokenizer_mismatch="refuse")

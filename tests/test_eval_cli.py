@@ -205,6 +205,18 @@ def test_a_run_without_a_checkpoint_is_named_as_such(tmp_path, checkpoints, caps
     assert not (tmp_path / "eval").exists()
 
 
+def test_a_hugging_face_model_is_named_with_its_conversion(tmp_path, capsys):
+    """An export (msa-to-hf) given to the evaluation says how to evaluate it, not only "not a
+    checkpoint"."""
+    hf = tmp_path / "export"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    assert _main(hf, "--out", tmp_path / "eval") == 2
+    assert (f"; a Hugging Face model (config.json): convert it first, `python -m msa_model.convert hf-to-msa {hf} "
+            "OUT`, then evaluate OUT") in capsys.readouterr().err
+    assert not (tmp_path / "eval").exists()
+
+
 def test_only_the_sparse_phase_of_msa_layers_has_a_key_budget():
     """The dense phase reads every key: its report named the sparse phase's budget and explained
     a needle selection it did not measure."""

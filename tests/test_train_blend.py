@@ -80,8 +80,8 @@ def test_bad_blends_are_refused_before_anything_is_written(tmp_path, prepared):
     assert f"{tmp_path}/nothing.json is missing" in text
     # Megatron-LM's flat --data-path order: named once, with the form that works
     lines = _refused(tmp_path, f"data.blend=[0.7,{a},0.3,{b}]", f"data.tokenizer={tok_dir}")
-    assert any("data.blend[0]: 0.7 is not [weight, prefix] or a prefix" in line and "[[weight,prefix],...]" in line
-               for line in lines), lines
+    assert lines[1:] == [f"  - data.blend: weights and prefixes in one list (Megatron-LM's --data-path order); "
+                         f"give pairs: data.blend=[[0.7,{a}],[0.3,{b}]]"], lines
     lines = _refused(tmp_path, f"data.blend=[{a},{byte_set}]", f"data.tokenizer={tok_dir}")
     assert any("prepared with different tokenizers" in line for line in lines)
     lines = _refused(tmp_path, f"data.blend=[{a}]", "data.tokenizer=byte")
@@ -107,3 +107,13 @@ def test_bad_tokenizers_are_refused_before_anything_is_written(tmp_path, prepare
     assert any(f"{tmp_path / 'no-files'} holds no tokenizer files" in line for line in lines)
     lines = _refused(tmp_path, f"data.tokenizer={tok_dir}", "model.vocab_size=600")
     assert any("model.vocab_size (600) is smaller than the vocabulary" in line for line in lines)
+    # data.tokenizer_mismatch=allow lets another tokenizer through, not ids past the embedding
+    # (a dataset of a 1200-id tokenizer into the 1000 rows of the run's: an IndexError at step 1)
+    from data.tokenizer import build_tokenizer
+
+    wide = build_tokenizer(str(make_bpe_tokenizer(tmp_path / "wide-tok", vocab_size=1200)))
+    wide_set = write_prepared(tmp_path / "wide", stdlib_texts(20), wide)
+    lines = _refused(tmp_path, f"data.tokenizer={tok_dir}", f"data.blend=[{wide_set}]", "data.split=[90,10,0]",
+                     "data.tokenizer_mismatch=allow")
+    assert any(f"data.blend: {wide_set} was prepared with " in line and "vocabulary 1200" in line
+               and "past the model's 1000 embedding rows" in line for line in lines), lines

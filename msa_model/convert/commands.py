@@ -257,10 +257,12 @@ def _padded_vocab_in_checkpoint(src) -> int:
 
 
 def _require_checkpoint_dir(src: str) -> None:
-    """A mistyped source is named as missing, before the searches for its model config and
+    """A mistyped source is named as missing, and a directory that is not a checkpoint (a run
+    directory, a Hugging Face model) as what it is, before the searches for its model config and
     conversion record would report what they could not find in it."""
     if not Path(src).is_dir():
         raise ConversionError(f"{src}: no such checkpoint directory")
+    mio.checkpoint_step_dir(src)
 
 
 def _load_source(src: str, model_config: str | None) -> tuple[ModelConfig, ModelConfig, object]:

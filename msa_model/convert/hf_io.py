@@ -27,8 +27,12 @@ class ConversionError(ValueError):
 def read_config(src: str | Path) -> dict:
     """The parsed config.json of a Hugging Face checkpoint directory."""
     path = Path(src) / CONFIG_FILE
+    if not Path(src).is_dir():
+        raise ConversionError(f"{src}: no such directory (a Hugging Face checkpoint directory)")
     if not path.is_file():
-        raise ConversionError(f"{src}: no {CONFIG_FILE}; expected a Hugging Face checkpoint directory")
+        ours = (Path(src) / "latest").is_file() or (Path(src) / "metadata.json").is_file()
+        hint = " (it is a checkpoint of this repository; `msa-to-hf` exports one)" if ours else ""
+        raise ConversionError(f"{src}: no {CONFIG_FILE}; expected a Hugging Face checkpoint directory{hint}")
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:

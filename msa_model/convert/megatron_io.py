@@ -141,7 +141,10 @@ def checkpoint_step_dir(path: str | Path) -> Path:
         return step
     if (path / "metadata.json").is_file() or (path / ".metadata").is_file():
         return path
-    raise ConversionError(f"{path}: not a checkpoint (no `latest` pointer and no dist_checkpointing metadata)")
+    from msa_model.training.inputs import not_a_checkpoint_hint
+
+    raise ConversionError(f"{path}: not a checkpoint (no `latest` pointer and no dist_checkpointing metadata)"
+                          f"{not_a_checkpoint_hint(path, 'give OUT')}")
 
 
 def write_model_yaml(model_cfg: ModelConfig, out: str | Path, header: str = "") -> Path:

@@ -87,7 +87,10 @@ def verify(hf_dir: str, src: str, *, batches: int = 2, seq_length: int = 64, see
     """Parity of our checkpoint `src` with the transformers model in `hf_dir` on random tokens, in
     the indexer-warmup phase (top-k for MiniMax-M3, which transformers runs sparse).
     `save_logits` also stores {tokens, logits, sparse_logits}."""
+    from msa_model.convert.commands import _require_checkpoint_dir
+
     cfg = read_config(hf_dir)
+    _require_checkpoint_dir(src)
     sparse = detect_family(cfg).runs_msa
     tokens = random_tokens(int(text_config(cfg)["vocab_size"]), batches, seq_length, seed)
     ours = our_logits(src, tokens, tp=tp, ep=ep, model_config=model_config, both_phases=True)

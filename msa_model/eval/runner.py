@@ -50,7 +50,10 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, Path | None]:
     elif (path / "metadata.json").is_file():
         step_dir = path
     else:
-        raise EvalError(f"{path} is not a checkpoint: no `latest`, no metadata.json, no checkpoints/ inside")
+        from msa_model.training.inputs import not_a_checkpoint_hint
+
+        raise EvalError(f"{path} is not a checkpoint: no `latest`, no metadata.json, no checkpoints/ inside"
+                        f"{not_a_checkpoint_hint(path, 'evaluate OUT')}")
     for candidate in (step_dir.parent.parent / "config.yaml", step_dir.parent / "config.yaml"):
         if candidate.is_file():
             return step_dir, candidate

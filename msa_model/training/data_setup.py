@@ -102,7 +102,7 @@ def checkpoint_run_tokenizer(cfg, step_dir: Path | None = None):
 def tokenizer_problems(cfg, resume_dir: Path | None, init_dir: Path | None):
     """(tokenizer or None, where it came from, problem lines): the run's tokenizer built, and what
     is wrong with it against the model, the checkpoints and the prepared datasets."""
-    from data.prepared import check_blends, split_problems
+    from data.prepared import check_blends, split_problems, vocabulary_problems
 
     spec, source = resolve_tokenizer(cfg.data, resume_dir, init_dir)
     try:
@@ -142,6 +142,9 @@ def tokenizer_problems(cfg, resume_dir: Path | None, init_dir: Path | None):
         remedy = "train on them in a new run (another run_dir=)" if source.startswith(RESUMED) else None
         problems += check_blends(cfg.data, None if gone is not None else mine,
                                  "" if source == "data.tokenizer" else source, remedy)
+        if cfg.data.tokenizer_mismatch == "allow" and gone is None:
+            # refused, a dataset of another tokenizer is named above already
+            problems += vocabulary_problems(cfg.data, vocab if vocab is not None else tokenizer.vocab_size)
     if cfg.data.blend and not problems:
         problems += split_problems(cfg.data, evaluating=cfg.trainer.eval_interval > 0, seq_length=cfg.model.seq_length)
     return tokenizer, source, problems

@@ -196,15 +196,23 @@ def checkpoint_step(key: str, path: str | Path) -> tuple[Path | None, str | None
         return p / name, None
     if (p / "metadata.json").is_file():
         return p, None
-    hint = ""
-    if (p / "checkpoints" / LATEST).is_file():
-        hint = f"; a run directory: its checkpoints are {p / 'checkpoints'}"
-    elif sorted(p.glob("step_*")):
-        hint = "; it holds step_* directories but no `latest`: name one of them"
-    elif (p / "config.json").is_file():
-        hint = (f"; a Hugging Face model (config.json): convert it first, `python -m msa_model.convert hf-to-msa "
-                f"{path} OUT`, then {key or 'init_from'}=OUT")
+    hint = not_a_checkpoint_hint(p, f"{key or 'init_from'}=OUT")
     return None, f"{where}: not a checkpoint (no `latest` file, no metadata.json){hint}"
+
+
+def not_a_checkpoint_hint(path: str | Path, then: str) -> str:
+    """What a directory that is not a checkpoint holds instead, as "; ..." to end a message ("" when
+    nothing is recognised): a run directory, step directories without `latest`, a Hugging Face
+    model (convert it, then `then`, e.g. "init_from=OUT")."""
+    p = Path(path)
+    if (p / "checkpoints" / LATEST).is_file():
+        return f"; a run directory: its checkpoints are {p / 'checkpoints'}"
+    if sorted(p.glob("step_*")):
+        return "; it holds step_* directories but no `latest`: name one of them"
+    if (p / "config.json").is_file():
+        return (f"; a Hugging Face model (config.json): convert it first, `python -m msa_model.convert hf-to-msa "
+                f"{path} OUT`, then {then}")
+    return ""
 
 
 def _command(overrides: list[str]) -> str:
