@@ -46,10 +46,11 @@ def test_the_rows_score_the_answer_tokens_only(one_rank, tmp_path):
 
     for tokenizer in (ByteTokenizer(), build_tokenizer(str(make_bpe_tokenizer(tmp_path / "tok")))):
         probe = _probe(tokenizer, ["passkey", "kvrecall"], 3, 256)
-        assert probe.samples == 4  # whole micro-batches of 2
         for task in ("passkey", "kvrecall"):
             rows, examples = probe.rows(task), probe._examples(task)
-            assert rows["tokens"].shape == (4, 256)
+            # 3 examples, padded to whole micro-batches of 2 by a row with nothing to score
+            assert len(examples) == 3 and rows["tokens"].shape == (4, 256)
+            assert (rows["loss_mask"][3] == 0).all() and (rows["tokens"][3] == tokenizer.eod).all()
             for i, ex in enumerate(examples):
                 scored = rows["labels"][i][rows["loss_mask"][i] > 0]
                 answer = tokenizer.tokenize_batch([ex.answer])[0]
@@ -61,7 +62,7 @@ def test_the_rows_score_the_answer_tokens_only(one_rank, tmp_path):
                 assert end == len(prompt) + len(answer) - 1
                 assert (rows["tokens"][i, end:] == tokenizer.eod).all()
             # needle depths spread over the haystack, the same examples on every call
-            assert len({ex.depth for ex in examples}) == 4
+            assert len({ex.depth for ex in examples}) == 3
             assert [e.prompt for e in probe._examples(task)] == [e.prompt for e in examples]
     # the byte tokenizer's examples fill the sequence
     byte = _probe(ByteTokenizer(), ["passkey"], 2, 256)
@@ -72,11 +73,11 @@ def test_exact_needs_every_answer_token_to_be_the_argmax(one_rank):
     from msa_model.training.retrieval_probe import _probe_loss
 
     g = torch.Generator().manual_seed(0)
-    B, S, V, vocab = 3, 6, 12, 10
+    B, S, V, vocab = 4, 6, 12, 10
     logits = torch.randn(B, S, V, generator=g)
     labels = torch.randint(0, vocab, (B, S), generator=g)
     mask = torch.zeros(B, S)
-    mask[:, 3:5] = 1  # two answer tokens an example
+    mask[:3, 3:5] = 1  # two answer tokens an example; row 3 pads the micro-batch, no example
     # example 0: both answer tokens the argmax; example 1: one of two; example 2: none forced
     for t in (3, 4):
         logits[0, t, labels[0, t]] = 50.0
@@ -94,14 +95,13 @@ def test_exact_needs_every_answer_token_to_be_the_argmax(one_rank):
     assert exact == 1 + float((want_rank[2, 3:5] == 0).all())
 
 
-def test_the_probe_equals_the_offline_evaluation(one_rank):
+@pytest.fixture(scope="module")
+def small_model(one_rank):
+    """An untrained MSA-MoE model of a 256-token context over the byte tokenizer, eval mode."""
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from omegaconf import OmegaConf
 
-    from data.tokenizer import ByteTokenizer
     from msa_model.config import ModelConfig, ParallelConfig
-    from msa_model.eval.runner import score_example
-    from msa_model.model.attention import msa_layers
     from msa_model.model.gpt import build_model
 
     cfg = OmegaConf.structured(ModelConfig(
@@ -112,6 +112,15 @@ def test_the_probe_equals_the_offline_evaluation(one_rank):
     model_parallel_cuda_manual_seed(3)
     model = build_model(cfg, ParallelConfig(), vocab_size=257, on_cpu=True)
     model.eval()
+    return model
+
+
+def test_the_probe_equals_the_offline_evaluation(small_model):
+    from data.tokenizer import ByteTokenizer
+    from msa_model.eval.runner import score_example
+    from msa_model.model.attention import msa_layers
+
+    model = small_model
     # the sparse phase: the selection reads 2 of up to 8 blocks, so the probe's padding must not matter
     assert all(m.sparse for m in msa_layers(model))
     tokenizer = ByteTokenizer()
@@ -128,6 +137,23 @@ def test_the_probe_equals_the_offline_evaluation(one_rank):
         assert got[f"valid/probe/{task}/exact"] == want_exact
         # an untrained model: near-uniform over 257 ids, far from an answer
         assert 4.0 < got[f"valid/probe/{task}/answer_loss"] < 7.0
+
+
+def test_the_examples_do_not_depend_on_the_micro_batch(small_model):
+    """probe_samples examples whatever the micro-batch (the same at every data-parallel size):
+    the rows that fill the last micro-batch are padding, not examples of other depths."""
+    from data.tokenizer import ByteTokenizer
+
+    tokenizer = ByteTokenizer()
+    got = {}
+    for micro in (1, 2, 4):
+        probe = _probe(tokenizer, ["passkey"], 3, 256, micro=micro)
+        assert [ex.depth for ex in probe._examples("passkey")] == pytest.approx([1 / 6, 1 / 2, 5 / 6])
+        assert probe.rows("passkey")["tokens"].shape[0] % micro == 0
+        got[micro] = probe.run([small_model], torch.device("cpu"))
+    for micro in (2, 4):
+        for key, value in got[1].items():
+            assert got[micro][key] == pytest.approx(value, rel=1e-5), (micro, key)
 
 
 def test_a_run_logs_the_probe_without_a_validation_split(tmp_path, data_cache):
