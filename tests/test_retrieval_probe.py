@@ -180,6 +180,11 @@ def test_a_run_logs_the_probe_without_a_validation_split(tmp_path, data_cache):
      "trainer.probe_samples must be positive"),
     (["trainer.probe_tasks=[passkey]", "trainer.eval_interval=2", "data.source=null", "data.blend=[/x/y]"],
      "trainer.probe_tasks cuts its haystacks from a file-directory corpus"),
+    # a passkey example takes 68 bytes: a traceback at the first evaluation, after the run trained
+    (["trainer.probe_tasks=[passkey]", "trainer.eval_interval=1", "logging.log_interval=1", "model.seq_length=64",
+      "model.msa.block_size=16", "model.msa.topk=2", "trainer.max_steps=1", "optim.warmup_steps=0",
+      "trainer.indexer_warmup_tokens=0", "data.split=[100,0,0]"],
+     "trainer.probe_tasks needs model.seq_length >= 256 (the shortest retrieval example of every task"),
 ])
 def test_bad_probe_settings_are_one_line(tmp_path, overrides, message):
     cmd = [sys.executable, str(REPO / "train.py"), "model=tiny", "logging.log_interval=2", f"run_dir={tmp_path / 'r'}",

@@ -487,7 +487,7 @@ def untrained_index(step_dir: Path) -> str | None:
 
 
 def run_eval(args) -> dict:
-    from data.retrieval import TASKS, Haystack
+    from data.retrieval import MIN_LENGTH, TASKS, Haystack
     from msa_model.model.attention import msa_layers, set_msa_phase
     from msa_model.eval.report import write_report
     from msa_model.training.data_setup import checkpoint_run_tokenizer
@@ -511,8 +511,8 @@ def run_eval(args) -> dict:
         raise EvalError(f"--depths: one or more in [0, 1], got {args.depths}")
     context = cfg.model.seq_length
     lengths = args.lengths or default_lengths(context)
-    if any(n < 256 for n in lengths):
-        raise EvalError(f"--lengths: each must be >= 256 tokens, got {lengths}")
+    if any(n < MIN_LENGTH for n in lengths):
+        raise EvalError(f"--lengths: each must be >= {MIN_LENGTH} tokens, got {lengths}")
     # a run on prepared datasets never read data.source (a default it keeps): its corpus is not there
     source = args.corpus or (None if cfg.data.blend else cfg.data.source)
     if source is None:
