@@ -98,6 +98,10 @@ def test_exact_needs_every_answer_token_to_be_the_argmax(one_rank):
 @pytest.fixture(scope="module")
 def small_model(one_rank):
     """An untrained MSA-MoE model of a 256-token context over the byte tokenizer, eval mode."""
+    return _small_model(257)
+
+
+def _small_model(vocab_size: int):
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from omegaconf import OmegaConf
 
@@ -110,7 +114,7 @@ def small_model(one_rank):
     cfg.msa.block_size, cfg.msa.topk = 32, 2
     torch.manual_seed(3)
     model_parallel_cuda_manual_seed(3)
-    model = build_model(cfg, ParallelConfig(), vocab_size=257, on_cpu=True)
+    model = build_model(cfg, ParallelConfig(), vocab_size=vocab_size, on_cpu=True)
     model.eval()
     return model
 
@@ -154,6 +158,44 @@ def test_the_examples_do_not_depend_on_the_micro_batch(small_model):
     for micro in (2, 4):
         for key, value in got[1].items():
             assert got[micro][key] == pytest.approx(value, rel=1e-5), (micro, key)
+
+
+def test_examples_start_as_the_runs_documents_did(one_rank, tmp_path):
+    """data.add_bos=true starts every training document with the tokenizer's BOS: the probe's
+    examples start with it too (they did not, so the model was scored on documents unlike any it
+    trained on), within model.seq_length tokens, and score as the offline evaluation's do."""
+    from omegaconf import OmegaConf
+
+    from data.tokenizer import build_tokenizer
+    from msa_model.config import TrainConfig
+    from msa_model.eval.runner import score_example
+    from msa_model.training.run import _retrieval_probe
+
+    tokdir = make_bpe_tokenizer(tmp_path / "tok")
+    tokenizer = build_tokenizer(str(tokdir))
+    assert tokenizer.bos is not None
+    cfg = OmegaConf.structured(TrainConfig)
+    cfg.data.tokenizer, cfg.data.add_bos, cfg.data.max_bytes = str(tokdir), True, 2_000_000
+    cfg.model.seq_length, cfg.parallel.micro_batch_size = 256, 2
+    cfg.trainer.probe_tasks, cfg.trainer.probe_samples = ["passkey", "kvrecall"], 3
+    probe = _retrieval_probe(cfg, tokenizer)
+    model, cpu = _small_model(tokenizer.vocab_size), torch.device("cpu")
+    got = probe.run([model], cpu)
+    for task in ("passkey", "kvrecall"):
+        rows, examples = probe.rows(task), probe._examples(task)
+        for i, ex in enumerate(examples):
+            prompt, answer = tokenizer.tokenize_batch([ex.prompt, ex.answer])
+            assert rows["tokens"][i, 0] == tokenizer.bos
+            assert rows["tokens"][i, 1:1 + len(prompt)].tolist() == prompt.tolist()
+            assert 1 + len(prompt) + len(answer) <= 256 + 1
+        scores = [score_example(model, cpu, ex, tokenizer, bos=tokenizer.bos) for ex in examples]
+        tokens = sum(len(tokenizer.tokenize(ex.answer)) for ex in examples)
+        assert got[f"valid/probe/{task}/answer_loss"] == pytest.approx(-sum(s["logprob"] for s in scores) / tokens,
+                                                                       rel=1e-4)
+        assert got[f"valid/probe/{task}/exact"] == sum(s["correct"] for s in scores) / len(scores)
+    # a run without data.add_bos: no BOS (the byte tokenizer has none either)
+    cfg.data.add_bos = False
+    assert _retrieval_probe(cfg, tokenizer).rows("passkey")["tokens"][0, 0] != tokenizer.bos
 
 
 def test_a_run_logs_the_probe_without_a_validation_split(tmp_path, data_cache):

@@ -211,3 +211,10 @@ def has_validation_data(data_cfg) -> bool:
 
     shares = split_shares(data_cfg.split)
     return bool(data_cfg.valid_blend) or shares is None or shares[1] > 0
+
+
+def document_bos(data_cfg, tokenizer) -> int | None:
+    """The id a training document of the file-directory corpus starts with (data.add_bos: the
+    tokenizer's beginning-of-sequence token), or None. The retrieval probe and the offline
+    evaluation start their examples and held-out documents with it too, as the model saw them."""
+    return tokenizer.bos if data_cfg.add_bos and not data_cfg.blend else None

@@ -13,7 +13,8 @@ needle depths spread evenly over [0, 1]), teacher-forced on the answer's tokens:
     valid/probe/<task>/answer_rank  mean rank of the answer token among the vocabulary (0: argmax)
 
 The examples are the same for every run of a length, tokenizer and corpus (a fixed seed), so two
-runs' curves compare the same questions. Prompt and answer are tokenized apart, as
+runs' curves compare the same questions. Prompt and answer are tokenized apart, after the
+beginning-of-sequence token the run's documents start with (data.add_bos), as
 `python -m msa_model.eval` does; an example is one sequence, padded after its answer.
 
 B = micro-batch, S = sequence, V = vocabulary (this rank's shard under tensor parallelism).
@@ -43,18 +44,21 @@ def probe_key(task: str, metric: str) -> str:
     return f"valid/probe/{task}/{metric}"
 
 
-def probe_rows(examples, tokenizer, seq_length: int, rows: int | None = None) -> dict[str, torch.Tensor]:
+def probe_rows(examples, tokenizer, seq_length: int, rows: int | None = None,
+               bos: int | None = None) -> dict[str, torch.Tensor]:
     """Examples -> tokens, labels, loss_mask, position_ids [rows, seq_length]: each example's
-    tokens (prompt, then answer, tokenized apart) from position 0, the answer's tokens the only
-    labels that count, end-of-document padding after the example. `rows` (default: one per
-    example): the rows past the examples are padding alone, with nothing to score."""
+    tokens (`bos` when not None, the prompt, then the answer, tokenized apart) from position 0,
+    the answer's tokens the only labels that count, end-of-document padding after the example.
+    `rows` (default: one per example): the rows past the examples are padding alone, with nothing
+    to score."""
     n = len(examples) if rows is None else rows
+    head = np.array([] if bos is None else [bos], dtype=np.int64)
     tokens = torch.full((n, seq_length), tokenizer.eod, dtype=torch.int64)
     labels = torch.full((n, seq_length), tokenizer.eod, dtype=torch.int64)
     mask = torch.zeros((n, seq_length), dtype=torch.float32)
     for i, ex in enumerate(examples):
         prompt, answer = tokenizer.tokenize_batch([ex.prompt, ex.answer])
-        ids = torch.from_numpy(np.concatenate([prompt, answer]).astype(np.int64))
+        ids = torch.from_numpy(np.concatenate([head, prompt, answer]).astype(np.int64))
         if len(ids) > seq_length + 1 or len(answer) == 0:
             raise ValueError(f"probe example {i} ({ex.task}) has {len(ids)} tokens and {len(answer)} answer tokens "
                              f"for a sequence of {seq_length}")
@@ -121,10 +125,12 @@ def _probe_step(data_iterator, model, device: torch.device, vocab: int):
 
 class RetrievalProbe:
     """The probe's examples (built at the first evaluation, the same on every rank) and its pass.
-    `files`: the corpus files the haystacks are cut from; `tokenizer`: the run's."""
+    `files`: the corpus files the haystacks are cut from; `tokenizer`: the run's; `bos`: the id
+    the run's training documents start with (data_setup.document_bos), which starts every example."""
 
-    def __init__(self, tasks, samples: int, files, tokenizer, seq_length: int, micro_batch_size: int):
-        self.tasks, self.files, self.tokenizer = list(tasks), files, tokenizer
+    def __init__(self, tasks, samples: int, files, tokenizer, seq_length: int, micro_batch_size: int,
+                 bos: int | None = None):
+        self.tasks, self.files, self.tokenizer, self.bos = list(tasks), files, tokenizer, bos
         self.seq_length, self.micro_batch_size = seq_length, micro_batch_size
         dp = parallel_state.get_data_parallel_world_size()
         # exactly `samples` examples at every layout; padding rows make whole micro-batches on
@@ -141,14 +147,15 @@ class RetrievalProbe:
         out = []
         for i in range(self.samples):
             depth = (i + 0.5) / self.samples
-            # one token more than the sequence: the inputs are all but the last
-            out.append(example_of_tokens(task, self.seq_length + 1, depth, haystack, self.tokenizer,
+            # one token more than the sequence (the inputs are all but the last), the BOS included
+            length = self.seq_length + 1 - (self.bos is not None)
+            out.append(example_of_tokens(task, length, depth, haystack, self.tokenizer,
                                          lambda: _example_rng(PROBE_SEED, task, self.seq_length, depth, i)))
         return out
 
     def rows(self, task: str) -> dict[str, torch.Tensor]:
         if task not in self._rows:
-            self._rows[task] = probe_rows(self._examples(task), self.tokenizer, self.seq_length, self.padded)
+            self._rows[task] = probe_rows(self._examples(task), self.tokenizer, self.seq_length, self.padded, self.bos)
         return self._rows[task]
 
     def _batches(self, task: str):
