@@ -215,6 +215,32 @@ def test_a_run_logs_the_probe_without_a_validation_split(tmp_path, data_cache):
     assert "retrieval probe at step 2 | passkey exact" in out.stderr + out.stdout
 
 
+def test_a_blend_run_probes_without_a_validation_split_from_a_corpus_that_exists(tmp_path):
+    """A run on data.blend cuts its probe's haystacks from data.source: a directory that is not
+    there is refused before the run (it was a traceback once the run directory existed), and a
+    data.split without a validation share is fine there too (refused as leaving no validation
+    document, which the probe alone does not read)."""
+    from omegaconf import OmegaConf
+
+    from data.tokenizer import ByteTokenizer
+    from msa_model.config import TrainConfig
+    from msa_model.training.data_setup import tokenizer_problems
+    from msa_model.training.inputs import check_inputs
+    from tokenizer_fixtures import stdlib_texts, write_prepared
+
+    prefix = write_prepared(tmp_path / "set", stdlib_texts(40), ByteTokenizer())
+    cfg = OmegaConf.structured(TrainConfig)
+    cfg.run_dir = str(tmp_path / "run")
+    cfg.data.blend, cfg.data.split, cfg.data.tokenizer = [str(prefix)], [100, 0, 0], "byte"
+    cfg.model.seq_length, cfg.trainer.eval_interval, cfg.trainer.probe_tasks = 256, 10, ["passkey"]
+    assert tokenizer_problems(cfg, None, None)[2] == []
+    cfg.data.source = str(tmp_path / "missing")
+    assert any(f"data.source={tmp_path / 'missing'}: no such directory" in p for p in check_inputs(cfg, []))
+    # without the probe, a blend run never reads data.source
+    cfg.trainer.probe_tasks = []
+    assert not any("data.source" in p for p in check_inputs(cfg, []))
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["trainer.probe_tasks=[needle]", "trainer.eval_interval=2"], "trainer.probe_tasks: unknown ['needle']"),
     (["trainer.probe_tasks=[passkey]"], "trainer.probe_tasks runs at every evaluation"),

@@ -143,7 +143,9 @@ def tokenizer_problems(cfg, resume_dir: Path | None, init_dir: Path | None):
         problems += check_blends(cfg.data, None if gone is not None else mine,
                                  "" if source == "data.tokenizer" else source, remedy)
     if cfg.data.blend and not problems:
-        problems += split_problems(cfg.data, evaluating=cfg.trainer.eval_interval > 0, seq_length=cfg.model.seq_length)
+        # evaluations of the retrieval probe alone (trainer.probe_tasks) read no validation split
+        evaluating = cfg.trainer.eval_interval > 0 and has_validation_data(cfg.data)
+        problems += split_problems(cfg.data, evaluating=evaluating, seq_length=cfg.model.seq_length)
     return tokenizer, source, problems
 
 
