@@ -43,6 +43,9 @@ CHAIN_HOPS = 4  # assignments in a variable-tracking chain
 KV_SPACING = 64  # bytes of document per key/value pair of the kvrecall task
 KV_MIN_PAIRS, KV_MAX_PAIRS = 2, 64
 KV_SUFFIXES = 10  # kvrecall keys are a word and one digit: 320 distinct names
+# the shortest example every task fits, in tokens of any tokenizer that spends at most a token a
+# byte (vartrack's eight needle lines and question take up to 217 bytes)
+MIN_LENGTH = 256
 
 
 @dataclass

@@ -9,7 +9,7 @@ import math
 import signal
 from typing import Optional
 
-from data.retrieval import TASKS as RETRIEVAL_TASKS
+from data.retrieval import MIN_LENGTH as RETRIEVAL_MIN_LENGTH, TASKS as RETRIEVAL_TASKS
 from msa_model.config import ConfigError, fitting_geometry_hint, moe_layers, msa_layers_of, tuning_overrides
 from msa_model.ops.common import block_size_problem, keys_per_query
 # the ops own their options' values: KL_TEACHERS (where the indexer KL's teacher is computed),
@@ -356,6 +356,10 @@ def check_config(cfg, world_size: Optional[int] = None, gpu: Optional[bool] = No
     _check(errors, 0.0 <= cfg.data.retrieval_share < 1.0,
            f"data.retrieval_share must be in [0, 1), got {cfg.data.retrieval_share}")
     _check_data(errors, cfg.data, t, cfg.logging, cfg.dry_run)
+    # found at the first evaluation otherwise, after the run has trained
+    _check(errors, not t.probe_tasks or m.seq_length >= RETRIEVAL_MIN_LENGTH,
+           f"trainer.probe_tasks needs model.seq_length >= {RETRIEVAL_MIN_LENGTH} (the shortest retrieval example "
+           f"of every task, as python -m msa_model.eval --lengths), got {m.seq_length}")
     _check(errors, o.index_clip_grad is None or o.index_clip_grad > 0,
            f"optim.index_clip_grad must be positive or null, got {o.index_clip_grad}")
     _check(errors, o.index_clip_grad is None or m.attention == "msa",

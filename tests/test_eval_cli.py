@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import random
 
+import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -262,6 +263,26 @@ def test_the_held_out_loss_masks_documents_as_the_run_trained():
     unmasked = _LossModel()
     assert not loss_by_position(unmasked, "cpu", flat, 256, 2)["documents_masked"]
     assert all(doc_start is None for _, doc_start in unmasked.seen)
+
+
+def test_held_out_documents_start_as_the_runs_did():
+    """A run with data.add_bos=true started each training document with the BOS; the held-out
+    loss reads its documents framed alike (a blend's datasets record their own framing: none)."""
+    from types import SimpleNamespace
+
+    from msa_model.eval.runner import heldout_stream
+    from msa_model.training.data_setup import document_bos
+
+    tok = SimpleNamespace(bos=7, eod=0, tokenize_batch=lambda docs: [np.frombuffer(d, np.uint8).astype(np.int32)
+                                                                      for d in docs])
+    assert heldout_stream([b"ab", b"c" * 300], tok, 256, bos=7)[:8].tolist() == [7, 97, 98, 0, 7, 99, 99, 99]
+    assert heldout_stream([b"ab", b"c" * 300], tok, 256)[:4].tolist() == [97, 98, 0, 99]
+    data = OmegaConf.structured(TrainConfig).data
+    assert document_bos(data, tok) is None
+    data.add_bos = True
+    assert document_bos(data, tok) == 7
+    data.blend = ["/x/y"]
+    assert document_bos(data, tok) is None
 
 
 def test_a_damaged_checkpoint_is_refused_before_the_model_and_the_output(tmp_path, capsys):

@@ -46,10 +46,11 @@ def test_the_rows_score_the_answer_tokens_only(one_rank, tmp_path):
 
     for tokenizer in (ByteTokenizer(), build_tokenizer(str(make_bpe_tokenizer(tmp_path / "tok")))):
         probe = _probe(tokenizer, ["passkey", "kvrecall"], 3, 256)
-        assert probe.samples == 4  # whole micro-batches of 2
         for task in ("passkey", "kvrecall"):
             rows, examples = probe.rows(task), probe._examples(task)
-            assert rows["tokens"].shape == (4, 256)
+            # 3 examples, padded to whole micro-batches of 2 by a row with nothing to score
+            assert len(examples) == 3 and rows["tokens"].shape == (4, 256)
+            assert (rows["loss_mask"][3] == 0).all() and (rows["tokens"][3] == tokenizer.eod).all()
             for i, ex in enumerate(examples):
                 scored = rows["labels"][i][rows["loss_mask"][i] > 0]
                 answer = tokenizer.tokenize_batch([ex.answer])[0]
@@ -61,7 +62,7 @@ def test_the_rows_score_the_answer_tokens_only(one_rank, tmp_path):
                 assert end == len(prompt) + len(answer) - 1
                 assert (rows["tokens"][i, end:] == tokenizer.eod).all()
             # needle depths spread over the haystack, the same examples on every call
-            assert len({ex.depth for ex in examples}) == 4
+            assert len({ex.depth for ex in examples}) == 3
             assert [e.prompt for e in probe._examples(task)] == [e.prompt for e in examples]
     # the byte tokenizer's examples fill the sequence
     byte = _probe(ByteTokenizer(), ["passkey"], 2, 256)
@@ -72,11 +73,11 @@ def test_exact_needs_every_answer_token_to_be_the_argmax(one_rank):
     from msa_model.training.retrieval_probe import _probe_loss
 
     g = torch.Generator().manual_seed(0)
-    B, S, V, vocab = 3, 6, 12, 10
+    B, S, V, vocab = 4, 6, 12, 10
     logits = torch.randn(B, S, V, generator=g)
     labels = torch.randint(0, vocab, (B, S), generator=g)
     mask = torch.zeros(B, S)
-    mask[:, 3:5] = 1  # two answer tokens an example
+    mask[:3, 3:5] = 1  # two answer tokens an example; row 3 pads the micro-batch, no example
     # example 0: both answer tokens the argmax; example 1: one of two; example 2: none forced
     for t in (3, 4):
         logits[0, t, labels[0, t]] = 50.0
@@ -94,14 +95,17 @@ def test_exact_needs_every_answer_token_to_be_the_argmax(one_rank):
     assert exact == 1 + float((want_rank[2, 3:5] == 0).all())
 
 
-def test_the_probe_equals_the_offline_evaluation(one_rank):
+@pytest.fixture(scope="module")
+def small_model(one_rank):
+    """An untrained MSA-MoE model of a 256-token context over the byte tokenizer, eval mode."""
+    return _small_model(257)
+
+
+def _small_model(vocab_size: int):
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from omegaconf import OmegaConf
 
-    from data.tokenizer import ByteTokenizer
     from msa_model.config import ModelConfig, ParallelConfig
-    from msa_model.eval.runner import score_example
-    from msa_model.model.attention import msa_layers
     from msa_model.model.gpt import build_model
 
     cfg = OmegaConf.structured(ModelConfig(
@@ -110,8 +114,17 @@ def test_the_probe_equals_the_offline_evaluation(one_rank):
     cfg.msa.block_size, cfg.msa.topk = 32, 2
     torch.manual_seed(3)
     model_parallel_cuda_manual_seed(3)
-    model = build_model(cfg, ParallelConfig(), vocab_size=257, on_cpu=True)
+    model = build_model(cfg, ParallelConfig(), vocab_size=vocab_size, on_cpu=True)
     model.eval()
+    return model
+
+
+def test_the_probe_equals_the_offline_evaluation(small_model):
+    from data.tokenizer import ByteTokenizer
+    from msa_model.eval.runner import score_example
+    from msa_model.model.attention import msa_layers
+
+    model = small_model
     # the sparse phase: the selection reads 2 of up to 8 blocks, so the probe's padding must not matter
     assert all(m.sparse for m in msa_layers(model))
     tokenizer = ByteTokenizer()
@@ -128,6 +141,61 @@ def test_the_probe_equals_the_offline_evaluation(one_rank):
         assert got[f"valid/probe/{task}/exact"] == want_exact
         # an untrained model: near-uniform over 257 ids, far from an answer
         assert 4.0 < got[f"valid/probe/{task}/answer_loss"] < 7.0
+
+
+def test_the_examples_do_not_depend_on_the_micro_batch(small_model):
+    """probe_samples examples whatever the micro-batch (the same at every data-parallel size):
+    the rows that fill the last micro-batch are padding, not examples of other depths."""
+    from data.tokenizer import ByteTokenizer
+
+    tokenizer = ByteTokenizer()
+    got = {}
+    for micro in (1, 2, 4):
+        probe = _probe(tokenizer, ["passkey"], 3, 256, micro=micro)
+        assert [ex.depth for ex in probe._examples("passkey")] == pytest.approx([1 / 6, 1 / 2, 5 / 6])
+        assert probe.rows("passkey")["tokens"].shape[0] % micro == 0
+        got[micro] = probe.run([small_model], torch.device("cpu"))
+    for micro in (2, 4):
+        for key, value in got[1].items():
+            assert got[micro][key] == pytest.approx(value, rel=1e-5), (micro, key)
+
+
+def test_examples_start_as_the_runs_documents_did(one_rank, tmp_path):
+    """data.add_bos=true starts every training document with the tokenizer's BOS: the probe's
+    examples start with it too (they did not, so the model was scored on documents unlike any it
+    trained on), within model.seq_length tokens, and score as the offline evaluation's do."""
+    from omegaconf import OmegaConf
+
+    from data.tokenizer import build_tokenizer
+    from msa_model.config import TrainConfig
+    from msa_model.eval.runner import score_example
+    from msa_model.training.run import _retrieval_probe
+
+    tokdir = make_bpe_tokenizer(tmp_path / "tok")
+    tokenizer = build_tokenizer(str(tokdir))
+    assert tokenizer.bos is not None
+    cfg = OmegaConf.structured(TrainConfig)
+    cfg.data.tokenizer, cfg.data.add_bos, cfg.data.max_bytes = str(tokdir), True, 2_000_000
+    cfg.model.seq_length, cfg.parallel.micro_batch_size = 256, 2
+    cfg.trainer.probe_tasks, cfg.trainer.probe_samples = ["passkey", "kvrecall"], 3
+    probe = _retrieval_probe(cfg, tokenizer)
+    model, cpu = _small_model(tokenizer.vocab_size), torch.device("cpu")
+    got = probe.run([model], cpu)
+    for task in ("passkey", "kvrecall"):
+        rows, examples = probe.rows(task), probe._examples(task)
+        for i, ex in enumerate(examples):
+            prompt, answer = tokenizer.tokenize_batch([ex.prompt, ex.answer])
+            assert rows["tokens"][i, 0] == tokenizer.bos
+            assert rows["tokens"][i, 1:1 + len(prompt)].tolist() == prompt.tolist()
+            assert 1 + len(prompt) + len(answer) <= 256 + 1
+        scores = [score_example(model, cpu, ex, tokenizer, bos=tokenizer.bos) for ex in examples]
+        tokens = sum(len(tokenizer.tokenize(ex.answer)) for ex in examples)
+        assert got[f"valid/probe/{task}/answer_loss"] == pytest.approx(-sum(s["logprob"] for s in scores) / tokens,
+                                                                       rel=1e-4)
+        assert got[f"valid/probe/{task}/exact"] == sum(s["correct"] for s in scores) / len(scores)
+    # a run without data.add_bos: no BOS (the byte tokenizer has none either)
+    cfg.data.add_bos = False
+    assert _retrieval_probe(cfg, tokenizer).rows("passkey")["tokens"][0, 0] != tokenizer.bos
 
 
 def test_a_run_logs_the_probe_without_a_validation_split(tmp_path, data_cache):
@@ -147,6 +215,32 @@ def test_a_run_logs_the_probe_without_a_validation_split(tmp_path, data_cache):
     assert "retrieval probe at step 2 | passkey exact" in out.stderr + out.stdout
 
 
+def test_a_blend_run_probes_without_a_validation_split_from_a_corpus_that_exists(tmp_path):
+    """A run on data.blend cuts its probe's haystacks from data.source: a directory that is not
+    there is refused before the run (it was a traceback once the run directory existed), and a
+    data.split without a validation share is fine there too (refused as leaving no validation
+    document, which the probe alone does not read)."""
+    from omegaconf import OmegaConf
+
+    from data.tokenizer import ByteTokenizer
+    from msa_model.config import TrainConfig
+    from msa_model.training.data_setup import tokenizer_problems
+    from msa_model.training.inputs import check_inputs
+    from tokenizer_fixtures import stdlib_texts, write_prepared
+
+    prefix = write_prepared(tmp_path / "set", stdlib_texts(40), ByteTokenizer())
+    cfg = OmegaConf.structured(TrainConfig)
+    cfg.run_dir = str(tmp_path / "run")
+    cfg.data.blend, cfg.data.split, cfg.data.tokenizer = [str(prefix)], [100, 0, 0], "byte"
+    cfg.model.seq_length, cfg.trainer.eval_interval, cfg.trainer.probe_tasks = 256, 10, ["passkey"]
+    assert tokenizer_problems(cfg, None, None)[2] == []
+    cfg.data.source = str(tmp_path / "missing")
+    assert any(f"data.source={tmp_path / 'missing'}: no such directory" in p for p in check_inputs(cfg, []))
+    # without the probe, a blend run never reads data.source
+    cfg.trainer.probe_tasks = []
+    assert not any("data.source" in p for p in check_inputs(cfg, []))
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["trainer.probe_tasks=[needle]", "trainer.eval_interval=2"], "trainer.probe_tasks: unknown ['needle']"),
     (["trainer.probe_tasks=[passkey]"], "trainer.probe_tasks runs at every evaluation"),
@@ -154,6 +248,11 @@ def test_a_run_logs_the_probe_without_a_validation_split(tmp_path, data_cache):
      "trainer.probe_samples must be positive"),
     (["trainer.probe_tasks=[passkey]", "trainer.eval_interval=2", "data.source=null", "data.blend=[/x/y]"],
      "trainer.probe_tasks cuts its haystacks from a file-directory corpus"),
+    # a passkey example takes 68 bytes: a traceback at the first evaluation, after the run trained
+    (["trainer.probe_tasks=[passkey]", "trainer.eval_interval=1", "logging.log_interval=1", "model.seq_length=64",
+      "model.msa.block_size=16", "model.msa.topk=2", "trainer.max_steps=1", "optim.warmup_steps=0",
+      "trainer.indexer_warmup_tokens=0", "data.split=[100,0,0]"],
+     "trainer.probe_tasks needs model.seq_length >= 256 (the shortest retrieval example of every task"),
 ])
 def test_bad_probe_settings_are_one_line(tmp_path, overrides, message):
     cmd = [sys.executable, str(REPO / "train.py"), "model=tiny", "logging.log_interval=2", f"run_dir={tmp_path / 'r'}",

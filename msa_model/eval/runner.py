@@ -184,28 +184,33 @@ def _needle_selection(captures: list[QuerySelection], needle: int, block_size: i
 
 
 @torch.no_grad()
-def score_example(model, device, ex, tokenizer, msa=None) -> dict:
+def score_example(model, device, ex, tokenizer, msa=None, bos: int | None = None) -> dict:
     """{"correct": bool, "rank": mean rank of the answer tokens, "logprob": their summed log-prob,
     "needle": share of (MSA layer, group) pairs whose blocks for the question's last token hold
     the needle's value, or None; "needle_chance": that share for random blocks}. Prompt and
-    answer are tokenized apart (with the byte tokenizer, one token a byte). `msa`: the MSA layers'
-    options (model.msa; the needle measured when given)."""
+    answer are tokenized apart (with the byte tokenizer, one token a byte), after `bos` when not
+    None (the run's documents started with it: training.data_setup.document_bos). `msa`: the MSA
+    layers' options (model.msa; the needle measured when given)."""
     from msa_model.model.attention import msa_layers
 
     prompt, answer = tokenizer.tokenize_batch([ex.prompt, ex.answer])
-    ids = np.concatenate([prompt, answer]).astype(np.int64)
+    head = [] if bos is None else [bos]
+    ids = np.concatenate([head, prompt, answer]).astype(np.int64)
     tokens = torch.from_numpy(ids[:-1])[None].to(device)
     targets = torch.from_numpy(ids[1:]).to(device)
     A, vocab = len(answer), tokenizer.vocab_size
+    # positions in the sequence: the BOS before the prompt moves them by one
     needle = needle_token(ex, tokenizer) if msa is not None else None
+    needle = None if needle is None else needle + len(head)
+    query = len(head) + len(prompt) - 1
     block_size = msa.block_size if msa is not None else None
     layers = [m for m in msa_layers(model) if m.sparse] if needle is not None else []
     for layer in layers:
-        layer.diagnostics_capture = QuerySelection(len(prompt) - 1)
+        layer.diagnostics_capture = QuerySelection(query)
     try:
         logits = _logits(model, tokens)[0, -A:, :vocab].float()
         selected = _needle_selection([m.diagnostics_capture for m in layers], needle, block_size) if layers else None
-        chance = needle_chance(len(prompt) - 1, needle, block_size, msa.topk, msa.local_blocks, msa.force_sink) \
+        chance = needle_chance(query, needle, block_size, msa.topk, msa.local_blocks, msa.force_sink) \
             if selected is not None else None
     finally:
         for layer in layers:
@@ -286,13 +291,14 @@ class Progress:
 
 
 def retrieval_results(model, device, haystack, tasks, lengths, depths, samples, seed, tokenizer,
-                      msa=None, progress: Progress | None = None) -> dict:
+                      msa=None, progress: Progress | None = None, bos: int | None = None) -> dict:
     """Per task and length: accuracy (by depth), mean answer rank and log-prob; with the sparse
     phase's `msa` options (model.msa), at lengths above the key budget (where a query cannot read
     every block) also `needle_selected`: the mean share of (layer, group) pairs whose selection
     for the question's last token held the block of the asked value (`score_example`), and
     `needle_chance`, the same for random blocks. `progress`: cells scored before (taken as they
-    are) and where each new one is kept."""
+    are) and where each new one is kept. `bos`: every example starts with it (score_example), its
+    `length` tokens included."""
     out = {}
     for task in tasks:
         per_length = {}
@@ -309,9 +315,9 @@ def retrieval_results(model, device, haystack, tasks, lengths, depths, samples, 
             for depth in depths:
                 hits = 0
                 for i in range(samples):
-                    ex = example_of_tokens(task, length, depth, haystack, tokenizer,
+                    ex = example_of_tokens(task, length - (bos is not None), depth, haystack, tokenizer,
                                            lambda: _example_rng(seed, task, length, depth, i))
-                    r = score_example(model, device, ex, tokenizer, msa=probe)
+                    r = score_example(model, device, ex, tokenizer, msa=probe, bos=bos)
                     hits += r["correct"]
                     ranks.append(r["rank"])
                     logprobs.append(r["logprob"])
@@ -372,12 +378,15 @@ def loss_by_block_offset(per_pos: torch.Tensor, block_size: int, first: int, end
             "start_excess": buckets[0]["loss"] - half.mean().item(), "start_excess_se": se}
 
 
-def heldout_stream(docs: list[bytes], tokenizer, length: int) -> np.ndarray:
-    """The documents tokenized and joined with end-of-document tokens, int64; EvalError when they
-    hold less than one `length`-token sequence (found before the model loads and the retrieval
+def heldout_stream(docs: list[bytes], tokenizer, length: int, bos: int | None = None) -> np.ndarray:
+    """The documents tokenized and joined with end-of-document tokens, each after `bos` when not
+    None (as the run's training documents: training.data_setup.document_bos), int64; EvalError
+    when they hold less than one `length`-token sequence (found before the model loads and the retrieval
     runs, not after)."""
     stream = []
     for ids in tokenizer.tokenize_batch(docs):
+        if bos is not None:
+            stream.append(np.array([bos], dtype=np.int64))
         stream.append(ids.astype(np.int64))
         stream.append(np.array([tokenizer.eod], dtype=np.int64))
     flat = np.concatenate(stream) if stream else np.zeros(0, dtype=np.int64)
@@ -490,10 +499,10 @@ def untrained_index(step_dir: Path) -> str | None:
 
 
 def run_eval(args) -> dict:
-    from data.retrieval import TASKS, Haystack
+    from data.retrieval import MIN_LENGTH, TASKS, Haystack
     from msa_model.model.attention import msa_layers, set_msa_phase
     from msa_model.eval.report import write_report
-    from msa_model.training.data_setup import checkpoint_run_tokenizer
+    from msa_model.training.data_setup import checkpoint_run_tokenizer, document_bos
     from msa_model.training.distributed import shutdown
     from msa_model.training.manifest import verify_checkpoint
     from msa_model.training.run_dir import setup_logging
@@ -514,8 +523,8 @@ def run_eval(args) -> dict:
         raise EvalError(f"--depths: one or more in [0, 1], got {args.depths}")
     context = cfg.model.seq_length
     lengths = args.lengths or default_lengths(context)
-    if any(n < 256 for n in lengths):
-        raise EvalError(f"--lengths: each must be >= 256 tokens, got {lengths}")
+    if any(n < MIN_LENGTH for n in lengths):
+        raise EvalError(f"--lengths: each must be >= {MIN_LENGTH} tokens, got {lengths}")
     # a run on prepared datasets never read data.source (a default it keeps): its corpus is not there
     source = args.corpus or (None if cfg.data.blend else cfg.data.source)
     if source is None:
@@ -524,6 +533,8 @@ def run_eval(args) -> dict:
     glob = corpus_glob(cfg, args.corpus, config_path is not None, args.glob)
     files = check_corpus(source, glob, cfg.data.max_bytes, "--corpus" if args.corpus else "data.source")
     tokenizer = checkpoint_run_tokenizer(cfg, step_dir)
+    # examples and held-out documents start as the run's training documents did
+    bos = document_bos(cfg.data, tokenizer)
     msa = cfg.model.attention == "msa"
     # a run is named by its directory; a conversion by its output directory
     label = args.label or (step_dir.parent.parent if config_path else step_dir.parent).name
@@ -546,7 +557,7 @@ def run_eval(args) -> dict:
         raise EvalError(f"{'--corpus' if args.corpus else 'data.source'} {source}: {e}") from None
     loss_length = args.loss_length or max(lengths)
     docs, kind = _heldout_docs(cfg, args.corpus, glob, (args.loss_sequences + 1) * loss_length)
-    heldout = heldout_stream(docs, tokenizer, loss_length)
+    heldout = heldout_stream(docs, tokenizer, loss_length, bos)
 
     # only now, with the inputs checked: a refused evaluation leaves no output directory behind
     try:
@@ -565,10 +576,11 @@ def run_eval(args) -> dict:
         # what the retrieval cells depend on: cells of another checkpoint or options are not reused
         progress = Progress(out, {"checkpoint": str(step_dir.resolve()), "phase": args.phase, "depths": args.depths,
                                   "samples": args.samples, "seed": args.seed, "corpus": source, "glob": glob,
-                                  "pool_bytes": pool_bytes, "device": device.type})
+                                  "pool_bytes": pool_bytes, "device": device.type,
+                                  **({"bos": bos} if bos is not None else {})})
         retrieval = retrieval_results(model, device, haystack, tasks, lengths, args.depths, args.samples, args.seed,
                                       tokenizer, msa=cfg.model.msa if budget else None,
-                                      progress=progress)
+                                      progress=progress, bos=bos)
         # the loss by block offset where selection can miss (a query sees more than top-k blocks)
         # and inside the training context; a dense run is measured on its config's blocks alike
         bk = cfg.model.msa.block_size

@@ -146,7 +146,9 @@ def tokenizer_problems(cfg, resume_dir: Path | None, init_dir: Path | None):
             # refused, a dataset of another tokenizer is named above already
             problems += vocabulary_problems(cfg.data, vocab if vocab is not None else tokenizer.vocab_size)
     if cfg.data.blend and not problems:
-        problems += split_problems(cfg.data, evaluating=cfg.trainer.eval_interval > 0, seq_length=cfg.model.seq_length)
+        # evaluations of the retrieval probe alone (trainer.probe_tasks) read no validation split
+        evaluating = cfg.trainer.eval_interval > 0 and has_validation_data(cfg.data)
+        problems += split_problems(cfg.data, evaluating=evaluating, seq_length=cfg.model.seq_length)
     return tokenizer, source, problems
 
 
@@ -218,3 +220,10 @@ def has_validation_data(data_cfg) -> bool:
 
     shares = split_shares(data_cfg.split)
     return bool(data_cfg.valid_blend) or shares is None or shares[1] > 0
+
+
+def document_bos(data_cfg, tokenizer) -> int | None:
+    """The id a training document of the file-directory corpus starts with (data.add_bos: the
+    tokenizer's beginning-of-sequence token), or None. The retrieval probe and the offline
+    evaluation start their examples and held-out documents with it too, as the model saw them."""
+    return tokenizer.bos if data_cfg.add_bos and not data_cfg.blend else None

@@ -140,9 +140,11 @@ def composition_error(error: BaseException, overrides: list[str]) -> str:
 
 # -- the file system --------------------------------------------------------------------------------
 
-def _corpus_problems(data) -> list[str]:
+def _corpus_problems(data, probing: bool = False) -> list[str]:
+    """`probing`: the retrieval probe (trainer.probe_tasks) cuts its haystacks from data.source,
+    a run on data.blend too."""
     # prepared datasets (data.blend) are checked with the tokenizer (data_setup.tokenizer_problems)
-    if data.blend or data.source is None or data.source == "stdlib":
+    if (data.blend and not probing) or data.source is None or data.source == "stdlib":
         return []
     root = Path(data.source)
     what = f"data.source={data.source}"
@@ -307,4 +309,5 @@ def check_inputs(cfg, overrides: list[str] | None = None) -> list[str]:
     `cfg` is the resolved config; `overrides` the command line's (default: the Hydra job's), used
     to say which override to drop."""
     overrides = task_overrides() if overrides is None else overrides
-    return [*_device_problems(cfg), *_corpus_problems(cfg.data), *_checkpoint_problems(cfg, overrides)]
+    return [*_device_problems(cfg), *_corpus_problems(cfg.data, bool(cfg.trainer.probe_tasks)),
+            *_checkpoint_problems(cfg, overrides)]

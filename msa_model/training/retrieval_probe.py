@@ -13,7 +13,8 @@ needle depths spread evenly over [0, 1]), teacher-forced on the answer's tokens:
     valid/probe/<task>/answer_rank  mean rank of the answer token among the vocabulary (0: argmax)
 
 The examples are the same for every run of a length, tokenizer and corpus (a fixed seed), so two
-runs' curves compare the same questions. Prompt and answer are tokenized apart, as
+runs' curves compare the same questions. Prompt and answer are tokenized apart, after the
+beginning-of-sequence token the run's documents start with (data.add_bos), as
 `python -m msa_model.eval` does; an example is one sequence, padded after its answer.
 
 B = micro-batch, S = sequence, V = vocabulary (this rank's shard under tensor parallelism).
@@ -43,17 +44,21 @@ def probe_key(task: str, metric: str) -> str:
     return f"valid/probe/{task}/{metric}"
 
 
-def probe_rows(examples, tokenizer, seq_length: int) -> dict[str, torch.Tensor]:
-    """Examples -> tokens, labels, loss_mask, position_ids [N, seq_length]: each example's tokens
-    (prompt, then answer, tokenized apart) from position 0, the answer's tokens the only labels
-    that count, end-of-document padding after the example."""
-    n = len(examples)
+def probe_rows(examples, tokenizer, seq_length: int, rows: int | None = None,
+               bos: int | None = None) -> dict[str, torch.Tensor]:
+    """Examples -> tokens, labels, loss_mask, position_ids [rows, seq_length]: each example's
+    tokens (`bos` when not None, the prompt, then the answer, tokenized apart) from position 0,
+    the answer's tokens the only labels that count, end-of-document padding after the example.
+    `rows` (default: one per example): the rows past the examples are padding alone, with nothing
+    to score."""
+    n = len(examples) if rows is None else rows
+    head = np.array([] if bos is None else [bos], dtype=np.int64)
     tokens = torch.full((n, seq_length), tokenizer.eod, dtype=torch.int64)
     labels = torch.full((n, seq_length), tokenizer.eod, dtype=torch.int64)
     mask = torch.zeros((n, seq_length), dtype=torch.float32)
     for i, ex in enumerate(examples):
         prompt, answer = tokenizer.tokenize_batch([ex.prompt, ex.answer])
-        ids = torch.from_numpy(np.concatenate([prompt, answer]).astype(np.int64))
+        ids = torch.from_numpy(np.concatenate([head, prompt, answer]).astype(np.int64))
         if len(ids) > seq_length + 1 or len(answer) == 0:
             raise ValueError(f"probe example {i} ({ex.task}) has {len(ids)} tokens and {len(answer)} answer tokens "
                              f"for a sequence of {seq_length}")
@@ -88,19 +93,23 @@ def _answer_scores(logits_NV: torch.Tensor, target_N: torch.Tensor, vocab: int):
 
 def _probe_loss(labels_BS: torch.Tensor, mask_BS: torch.Tensor, vocab: int, logits_BSV: torch.Tensor):
     """The last stage's scores of one micro-batch: payload [loss sum, answer tokens, rank sum,
-    exact examples, examples]. Under context parallelism an answer may span ranks: each example's
-    wrong tokens are summed over the group before it counts as exact (every rank then counts the
-    same examples, which the ratio does not mind)."""
+    exact examples, examples]; a row without answer tokens (padding to whole micro-batches) is no
+    example. Under context parallelism an answer may span ranks: each row's wrong and answer
+    tokens are summed over the group before it counts (every rank then counts the same examples,
+    which the ratio does not mind)."""
     answer = mask_BS > 0
     rows = answer.nonzero()
     loss, rank = _answer_scores(logits_BSV[answer], labels_BS[answer], vocab)
     B = labels_BS.shape[0]
-    wrong = torch.zeros(B, dtype=torch.float32, device=labels_BS.device)
-    wrong.index_add_(0, rows[:, 0], (rank > 0).float())
+    # per row: [wrong answer tokens, answer tokens]
+    counts = torch.zeros(2, B, dtype=torch.float32, device=labels_BS.device)
+    counts[0].index_add_(0, rows[:, 0], (rank > 0).float())
+    counts[1] = answer.sum(-1).float()
     if parallel_state.get_context_parallel_world_size() > 1:
-        dist.all_reduce(wrong, group=parallel_state.get_context_parallel_group())
-    payload = torch.stack([loss.sum(), mask_BS.sum(), rank.sum(), (wrong == 0).sum().float(),
-                           torch.tensor(float(B), device=labels_BS.device)]).double()
+        dist.all_reduce(counts, group=parallel_state.get_context_parallel_group())
+    example = counts[1] > 0
+    payload = torch.stack([loss.sum(), mask_BS.sum(), rank.sum(), (example & (counts[0] == 0)).sum().float(),
+                           example.sum().float()]).double()
     # megatron divides the first by the second (a rank's chunk may hold no answer token under CP)
     return loss.sum(), answer.sum().clamp(min=1).to(torch.int), {"probe": payload}
 
@@ -116,15 +125,18 @@ def _probe_step(data_iterator, model, device: torch.device, vocab: int):
 
 class RetrievalProbe:
     """The probe's examples (built at the first evaluation, the same on every rank) and its pass.
-    `files`: the corpus files the haystacks are cut from; `tokenizer`: the run's."""
+    `files`: the corpus files the haystacks are cut from; `tokenizer`: the run's; `bos`: the id
+    the run's training documents start with (data_setup.document_bos), which starts every example."""
 
-    def __init__(self, tasks, samples: int, files, tokenizer, seq_length: int, micro_batch_size: int):
-        self.tasks, self.files, self.tokenizer = list(tasks), files, tokenizer
+    def __init__(self, tasks, samples: int, files, tokenizer, seq_length: int, micro_batch_size: int,
+                 bos: int | None = None):
+        self.tasks, self.files, self.tokenizer, self.bos = list(tasks), files, tokenizer, bos
         self.seq_length, self.micro_batch_size = seq_length, micro_batch_size
         dp = parallel_state.get_data_parallel_world_size()
-        # whole micro-batches on every data-parallel rank
+        # exactly `samples` examples at every layout; padding rows make whole micro-batches on
+        # every data-parallel rank
         per_round = micro_batch_size * dp
-        self.samples = -(-samples // per_round) * per_round
+        self.samples, self.padded = samples, -(-samples // per_round) * per_round
         self._rows: dict[str, dict[str, torch.Tensor]] = {}
 
     def _examples(self, task: str):
@@ -135,20 +147,21 @@ class RetrievalProbe:
         out = []
         for i in range(self.samples):
             depth = (i + 0.5) / self.samples
-            # one token more than the sequence: the inputs are all but the last
-            out.append(example_of_tokens(task, self.seq_length + 1, depth, haystack, self.tokenizer,
+            # one token more than the sequence (the inputs are all but the last), the BOS included
+            length = self.seq_length + 1 - (self.bos is not None)
+            out.append(example_of_tokens(task, length, depth, haystack, self.tokenizer,
                                          lambda: _example_rng(PROBE_SEED, task, self.seq_length, depth, i)))
         return out
 
     def rows(self, task: str) -> dict[str, torch.Tensor]:
         if task not in self._rows:
-            self._rows[task] = probe_rows(self._examples(task), self.tokenizer, self.seq_length)
+            self._rows[task] = probe_rows(self._examples(task), self.tokenizer, self.seq_length, self.padded, self.bos)
         return self._rows[task]
 
     def _batches(self, task: str):
         rows = self.rows(task)
         dp, r = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
-        mine = torch.arange(r, self.samples, dp)
+        mine = torch.arange(r, self.padded, dp)
         for first in range(0, len(mine), self.micro_batch_size):
             pick = mine[first:first + self.micro_batch_size]
             yield {k: v[pick] for k, v in rows.items()}
@@ -159,7 +172,7 @@ class RetrievalProbe:
         from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
         dp = parallel_state.get_data_parallel_world_size()
-        num_microbatches = self.samples // (self.micro_batch_size * dp)
+        num_microbatches = self.padded // (self.micro_batch_size * dp)
         out = {}
         for task in self.tasks:
             with torch.no_grad():

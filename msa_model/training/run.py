@@ -28,11 +28,12 @@ def _retrieval_probe(cfg, tokenizer):
     if not cfg.trainer.probe_tasks:
         return None
     from data.corpus import list_corpus_files
+    from msa_model.training.data_setup import document_bos
     from msa_model.training.retrieval_probe import RetrievalProbe
 
     files = list_corpus_files(cfg.data.source, cfg.data.glob, cfg.data.max_bytes)[1]
     return RetrievalProbe(cfg.trainer.probe_tasks, cfg.trainer.probe_samples, files, tokenizer,
-                          cfg.model.seq_length, cfg.parallel.micro_batch_size)
+                          cfg.model.seq_length, cfg.parallel.micro_batch_size, document_bos(cfg.data, tokenizer))
 
 
 def _build_optimizer(cfg, model_chunks):
