@@ -23,6 +23,8 @@ B = micro-batch, S = sequence, V = vocabulary (this rank's shard under tensor pa
 from __future__ import annotations
 
 import logging
+import os
+import time
 from functools import partial
 
 import numpy as np
@@ -123,6 +125,10 @@ def _probe_step(data_iterator, model, device: torch.device, vocab: int):
     return logits, partial(_probe_loss, labels, batch["loss_mask"].to(device), vocab)
 
 
+def _common_root(files) -> str:
+    return os.path.commonpath([str(f) for f in files]) if files else "-"
+
+
 class RetrievalProbe:
     """The probe's examples (built at the first evaluation, the same on every rank) and its pass.
     `files`: the corpus files the haystacks are cut from; `tokenizer`: the run's; `bos`: the id
@@ -138,6 +144,7 @@ class RetrievalProbe:
         per_round = micro_batch_size * dp
         self.samples, self.padded = samples, -(-samples // per_round) * per_round
         self._rows: dict[str, dict[str, torch.Tensor]] = {}
+        self._rows_said = False
 
     def _examples(self, task: str):
         from data.retrieval import Haystack
@@ -155,7 +162,14 @@ class RetrievalProbe:
 
     def rows(self, task: str) -> dict[str, torch.Tensor]:
         if task not in self._rows:
+            t0 = time.perf_counter()
             self._rows[task] = probe_rows(self._examples(task), self.tokenizer, self.seq_length, self.padded, self.bos)
+            if not self._rows_said:
+                # once: where the haystacks come from (a blend run's data.source may be the default corpus)
+                log.info("retrieval probe: %d examples a task of %d tokens, haystacks from %d files under %s (%s: "
+                         "%.1f s)", self.samples, self.seq_length, len(self.files), _common_root(self.files), task,
+                         time.perf_counter() - t0)
+                self._rows_said = True
         return self._rows[task]
 
     def _batches(self, task: str):
