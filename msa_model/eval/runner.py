@@ -187,22 +187,22 @@ def _needle_selection(captures: list[QuerySelection], needle: int, block_size: i
 def score_example(model, device, ex, tokenizer, msa=None, bos: int | None = None) -> dict:
     """{"correct": bool, "rank": mean rank of the answer tokens, "logprob": their summed log-prob,
     "needle": share of (MSA layer, group) pairs whose blocks for the question's last token hold
-    the needle's value, or None; "needle_chance": that share for random blocks}. Prompt and
-    answer are tokenized apart (with the byte tokenizer, one token a byte), after `bos` when not
-    None (the run's documents started with it: training.data_setup.document_bos). `msa`: the MSA
-    layers' options (model.msa; the needle measured when given)."""
+    the needle's value, or None; "needle_chance": that share for random blocks}. The example is
+    tokenized as training tokenizes a document (`example_ids`: one text, after `bos` when not
+    None, the run's documents having started with it: training.data_setup.document_bos). `msa`:
+    the MSA layers' options (model.msa; the needle measured when given)."""
     from msa_model.model.attention import msa_layers
 
-    prompt, answer = tokenizer.tokenize_batch([ex.prompt, ex.answer])
-    head = [] if bos is None else [bos]
-    ids = np.concatenate([head, prompt, answer]).astype(np.int64)
+    ids, A = example_ids(ex, tokenizer, bos)
     tokens = torch.from_numpy(ids[:-1])[None].to(device)
     targets = torch.from_numpy(ids[1:]).to(device)
-    A, vocab = len(answer), tokenizer.vocab_size
+    vocab = tokenizer.vocab_size
+    head = int(bos is not None)
     # positions in the sequence: the BOS before the prompt moves them by one
     needle = needle_token(ex, tokenizer) if msa is not None else None
-    needle = None if needle is None else needle + len(head)
-    query = len(head) + len(prompt) - 1
+    needle = None if needle is None else needle + head
+    # the question's last token, which predicts the answer's first
+    query = len(ids) - A - 1
     block_size = msa.block_size if msa is not None else None
     layers = [m for m in msa_layers(model) if m.sparse] if needle is not None else []
     for layer in layers:
@@ -237,6 +237,22 @@ def _example_rng(seed: int, task: str, length: int, depth: float, index: int) ->
     # random seeds a str by its sha512, every character counting and the same in every process
     # (not Python's salted str hash)
     return random.Random(f"{seed}|{task}|{length}|{depth:.6f}|{index}")
+
+
+def example_ids(ex, tokenizer, bos: int | None = None) -> tuple[np.ndarray, int]:
+    """(int64 ids of the example as training tokenizes a document: `bos` when not None, then
+    prompt and answer as one text; how many ids at the end are the answer's). The answer's start
+    at the token holding its first byte: where the tokenizer merges the first digit with the
+    prompt's last characters (a BPE's " 5" after vartrack's `== `), that token is the answer's
+    first, as training showed it (the prompt tokenized alone would end in a lone space, a token
+    training never puts before a number). With the byte tokenizer: one id a byte."""
+    text = ex.prompt + ex.answer
+    ids = np.asarray(tokenizer.tokenize(text), dtype=np.int64)
+    first = tokenizer.token_index(text, len(ex.prompt))
+    if first is None or first >= len(ids):
+        raise EvalError(f"{ex.task}: the tokenizer gives no token for the answer's first byte")
+    head = np.array([] if bos is None else [bos], dtype=np.int64)
+    return np.concatenate([head, ids]), len(ids) - first
 
 
 def _tokens(ex, tokenizer) -> int:

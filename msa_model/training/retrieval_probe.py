@@ -13,9 +13,10 @@ needle depths spread evenly over [0, 1]), teacher-forced on the answer's tokens:
     valid/probe/<task>/answer_rank  mean rank of the answer token among the vocabulary (0: argmax)
 
 The examples are the same for every run of a length, tokenizer and corpus (a fixed seed), so two
-runs' curves compare the same questions. Prompt and answer are tokenized apart, after the
-beginning-of-sequence token the run's documents start with (data.add_bos), as
-`python -m msa_model.eval` does; an example is one sequence, padded after its answer.
+runs' curves compare the same questions. Each example is tokenized as training tokenizes a
+document (prompt and answer as one text, after the beginning-of-sequence token the run's
+documents start with, data.add_bos), as `python -m msa_model.eval` does; an example is one
+sequence, padded after its answer.
 
 B = micro-batch, S = sequence, V = vocabulary (this rank's shard under tensor parallelism).
 """
@@ -49,24 +50,26 @@ def probe_key(task: str, metric: str) -> str:
 def probe_rows(examples, tokenizer, seq_length: int, rows: int | None = None,
                bos: int | None = None) -> dict[str, torch.Tensor]:
     """Examples -> tokens, labels, loss_mask, position_ids [rows, seq_length]: each example's
-    tokens (`bos` when not None, the prompt, then the answer, tokenized apart) from position 0,
+    tokens (msa_model.eval.runner.example_ids: `bos` when not None, prompt and answer tokenized
+    as one text, as training tokenizes a document) from position 0,
     the answer's tokens the only labels that count, end-of-document padding after the example.
     `rows` (default: one per example): the rows past the examples are padding alone, with nothing
     to score."""
+    from msa_model.eval.runner import example_ids
+
     n = len(examples) if rows is None else rows
-    head = np.array([] if bos is None else [bos], dtype=np.int64)
     tokens = torch.full((n, seq_length), tokenizer.eod, dtype=torch.int64)
     labels = torch.full((n, seq_length), tokenizer.eod, dtype=torch.int64)
     mask = torch.zeros((n, seq_length), dtype=torch.float32)
     for i, ex in enumerate(examples):
-        prompt, answer = tokenizer.tokenize_batch([ex.prompt, ex.answer])
-        ids = torch.from_numpy(np.concatenate([head, prompt, answer]).astype(np.int64))
-        if len(ids) > seq_length + 1 or len(answer) == 0:
-            raise ValueError(f"probe example {i} ({ex.task}) has {len(ids)} tokens and {len(answer)} answer tokens "
+        ids, answer = example_ids(ex, tokenizer, bos)
+        ids = torch.from_numpy(ids)
+        if len(ids) > seq_length + 1 or answer == 0:
+            raise ValueError(f"probe example {i} ({ex.task}) has {len(ids)} tokens and {answer} answer tokens "
                              f"for a sequence of {seq_length}")
         L = len(ids) - 1
         tokens[i, :L], labels[i, :L] = ids[:-1], ids[1:]
-        mask[i, L - len(answer):L] = 1.0
+        mask[i, L - answer:L] = 1.0
     position_ids = torch.arange(seq_length)[None].expand(n, seq_length).contiguous()
     return {"tokens": tokens, "labels": labels, "loss_mask": mask, "position_ids": position_ids}
 
