@@ -301,9 +301,9 @@ def plot(summary: dict, study, path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     if probe_ax is not None:
-        probe_ax.axhline(math.log(10), color="gray", lw=0.6, ls="--")
+        probe_ax.axhline(math.log(10), color="gray", lw=0.6, ls="--", label="a random digit (ln 10)")
         probe_ax.set_xlabel("tokens (M)")
-        probe_ax.set_ylabel("retrieval probe: answer loss, nats a token (dashed: a random digit)")
+        probe_ax.set_ylabel("retrieval probe: answer loss (nats a token)")
         probe_ax.grid(alpha=0.3)
         probe_ax.legend(fontsize=8)
     fig.savefig(path, dpi=110, bbox_inches="tight")
