@@ -171,3 +171,25 @@ def test_an_interval_spanning_the_switch_reports_the_sparse_steps_keys():
         logger.on_step_end(trainer, {"lm_loss": 1.0, "step_tokens": 8, "keys_per_query": k})
     r = logger.last_record
     assert (r["keys_per_query"], "phase_steps" in r, _phase_text(r)) == (122.0, False, "sparse")
+
+
+def test_a_dense_step_after_the_warmup_is_costed_as_the_warmup_costs_a_step():
+    """trainer.indexer_dense_interval runs one step in N as a warmup step (dense attention and the
+    dense KL, no block selection): its FLOPs are the warmup's, not a sparse step's at the dense
+    step's keys per query (which adds a selection it does not run)."""
+    phases = ["dense-step", "sparse", "sparse", "sparse"]
+    costs = []
+
+    def flops_per_token(keys_per_query, sparse):
+        costs.append((keys_per_query, sparse))
+        return 1e12
+
+    trainer = SimpleNamespace(state=TrainState(), device=torch.device("cpu"))
+    logger = MetricsLogger([], log_interval=4, max_steps=8, flops_per_token=flops_per_token,
+                           phase=lambda: phases[trainer.state.step - 1])
+    logger.on_train_start(trainer)
+    for k in (256.5, 120.0, 124.0, 122.0):
+        trainer.state.step += 1
+        logger.on_step_end(trainer, {"lm_loss": 1.0, "step_tokens": 8, "keys_per_query": k})
+    assert sorted(costs, key=str) == [(122.0, True), (256.5, False)]
+    assert logger.last_record["phase_steps"] == {"dense-step": 1, "sparse": 3}

@@ -35,9 +35,10 @@ def activation_elements_per_token(m) -> dict[str, int]:
         di, k = m.msa.index_head_dim, m.msa.topk
         # what the MSA core keeps beyond dense's q, k, v, o, lse (counted in bf16 elements): the
         # index queries and keys after norm and RoPE, the int32 block ids and the int32 entries
-        # of their inverse index [G, K], the student's fp32 lse [G] (saved-tensor accounting of
-        # the late-teacher core; bench/HISTORY.md, 2026-12-05: 1,168 B a token and layer for
-        # `small`, 1,808 for the proxy)
+        # of their inverse index [G, K], the student's fp32 lse [G]: 1,168 B a token and layer
+        # for `small`, 1,808 for the proxy. The late-teacher core saves all but the inverse index
+        # for its backward (tests/test_late_teacher.py counts those saved bytes: 912 B for small);
+        # the inverse index it keeps on the autograd context (ctx.chunks)
         attention += g * di + di + 2 * g * k + 2 * g * k + 2 * g
     dense_mlp = h + 3 * m.ffn_hidden_size + h
     moe = 0

@@ -182,8 +182,10 @@ class MetricsLogger(Callback):
         if phase in keys:
             scalars["keys_per_query"] = keys[phase]
         if self.flops_per_token is not None:
-            # every step of a log interval has the same tokens: a step-weighted mean
-            flops = sum(c[0] * self.flops_per_token(keys.get(p), p != "warmup") for p, c in phases.items())
+            # every step of a log interval has the same tokens: a step-weighted mean. A dense step
+            # after the warmup runs as a warmup step does (dense attention and the dense KL, no
+            # block selection), so only "sparse" steps are costed as sparse
+            flops = sum(c[0] * self.flops_per_token(keys.get(p), p == "sparse") for p, c in phases.items())
             scalars["tflops_per_gpu"] = flops / self._interval_steps * scalars["tokens_per_s"] / self.world_size / 1e12
         self._sums, self._counts, self._interval_tokens, self._interval_steps = {}, {}, 0, 0
         self._phases = {}
