@@ -222,6 +222,24 @@ def test_retrieval_arms_probe_their_tasks_while_they_train(tmp_path, capsys):
     assert "--probe-every 3: 0 (off) or a positive multiple of the log interval (2)" in capsys.readouterr().err
 
 
+def test_a_run_signed_with_evaluation_settings_goes_on(tmp_path):
+    """A run directory whose driver.json signed keys that are unsigned now (an earlier call's
+    --override trainer.eval_interval=...) is taken as the same run; another training setting is
+    still refused."""
+    import json
+
+    qe = _module()
+    study = qe.Study(qe.parse([*TINY, "--seeds", "1", "--arms", "dense", "--work", str(tmp_path)]))
+    run = study.runs["dense-s0"]
+    run.dir.mkdir(parents=True)
+    signed = study.signature(run.overrides) + ["trainer.eval_interval=10", "trainer.eval_iters=2"]
+    (run.dir / "driver.json").write_text(json.dumps({"settings": signed}))
+    study.check_settings(run)
+    (run.dir / "driver.json").write_text(json.dumps({"settings": signed + ["optim.weight_decay=0.5"]}))
+    with pytest.raises(qe.InputError, match="optim.weight_decay=0.5"):
+        study.check_settings(run)
+
+
 def test_the_report_sets_the_probes_of_each_arm_side_by_side(tmp_path):
     """The latest probe of each run: per arm the mean over seeds, paired with the reference's probe
     at the same step and seed, in the report's table and its plot's second panel."""

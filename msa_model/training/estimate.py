@@ -38,7 +38,8 @@ def activation_elements_per_token(m) -> dict[str, int]:
         # of their inverse index [G, K], the student's fp32 lse [G]: 1,168 B a token and layer
         # for `small`, 1,808 for the proxy. The late-teacher core saves all but the inverse index
         # for its backward (tests/test_late_teacher.py counts those saved bytes: 912 B for small);
-        # the inverse index it keeps on the autograd context (ctx.chunks)
+        # the inverse index it keeps on the autograd context (ctx.chunks). Against measured peaks:
+        # bench/HISTORY.md, 2026-12-05, "What an MSA layer keeps beyond a dense one"
         attention += g * di + di + 2 * g * k + 2 * g * k + 2 * g
     dense_mlp = h + 3 * m.ffn_hidden_size + h
     moe = 0
