@@ -12,7 +12,7 @@ import statistics
 import tarfile
 from pathlib import Path
 
-from msa_model.training.metrics_file import read_metrics
+from msa_model.training.metrics_file import PROBE_METRICS, probe_scores, read_metrics
 
 
 def _mean(values):
@@ -47,11 +47,11 @@ def run_summary(study, run) -> dict:
            "previous_block_oracle": sparse[-1].get("msa/previous_block_oracle") if sparse else None,
            "tokens_per_s": statistics.median([r["tokens_per_s"] for r in recs[1:]]) if len(recs) > 1 else None,
            "peak_mem_gib": max((r["peak_mem_gib"] for r in recs if "peak_mem_gib" in r), default=None)}
-    probed = [r for r in recs if any(k.startswith(PROBE) for k in r)]
+    probed = [r for r in recs if probe_scores(r)]
     if probed:
         # the latest probe, finished or not: its step says when
         last_probe = probed[-1]
-        out["probe"] = {"step": last_probe["step"], "tasks": _probe_scores(last_probe)}
+        out["probe"] = {"step": last_probe["step"], "tasks": probe_scores(last_probe)}
     if (run.dir / "parent.json").is_file():
         out["parent_retrained"] = json.loads((run.dir / "parent.json").read_text())["retrained"]
     res = study.eval_dir(run) / "results.json"
@@ -65,20 +65,6 @@ def run_summary(study, run) -> dict:
                        "examples": e["samples"] * len(e["depths"]) * len(e["tasks"]),
                        "start_excess": by_offset.get("start_excess"),
                        "start_excess_se": by_offset.get("start_excess_se"), **needle}
-    return out
-
-
-PROBE = "valid/probe/"
-PROBE_METRICS = ("exact", "answer_loss", "answer_rank")
-
-
-def _probe_scores(record: dict) -> dict:
-    """{task: {metric: value}} of a metrics record's retrieval probe (trainer.probe_tasks)."""
-    out: dict[str, dict] = {}
-    for key, value in record.items():
-        if key.startswith(PROBE):
-            task, metric = key[len(PROBE):].rsplit("/", 1)
-            out.setdefault(task, {})[metric] = value
     return out
 
 
@@ -289,8 +275,8 @@ def plot(summary: dict, study, path: Path) -> None:
                     color=colors[i % len(colors)], label=name if j == 0 else None)
             if probe_ax is not None:
                 # the probe's answer loss, averaged over its tasks
-                points = [((r["tokens"] + shift) / 1e6, _mean([v["answer_loss"] for v in _probe_scores(r).values()]))
-                          for r in recs if any(k.startswith(PROBE) for k in r)]
+                points = [((r["tokens"] + shift) / 1e6, _mean([v["answer_loss"] for v in probe_scores(r).values()]))
+                          for r in recs if probe_scores(r)]
                 if points:
                     probe_ax.plot(*zip(*points), lw=0.8, marker=".", color=colors[i % len(colors)],
                                   label=name if j == 0 else None)

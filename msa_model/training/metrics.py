@@ -18,13 +18,12 @@ from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
 from msa_model.model.attention import KEYS_METRIC, KL_METRIC
 from msa_model.training.callbacks import Callback
+from msa_model.training.metrics_file import probe_scores
 
 log = logging.getLogger(__name__)
 
 # the prefix of the validation's metrics (trainer.evaluate)
 VALID = "valid/"
-# the retrieval probe's (msa_model/training/retrieval_probe.py): valid/probe/<task>/<metric>
-PROBE = f"{VALID}probe/"
 # per-layer values megatron's MoE metrics tracker collects during forward; name -> our metric
 LAYER_METRICS = {KL_METRIC: "kl_loss", "load_balancing_loss": "moe_aux_loss", KEYS_METRIC: "keys_per_query"}
 
@@ -276,11 +275,11 @@ class ConsoleLine(MetricsSink):
             # validation runs in the run's phase: top-k after a dense step of trainer.indexer_dense_interval
             log.info("validation at step %d | lm %.4f | kl %s | %s", r["step"], r[f"{VALID}lm_loss"],
                      _fmt(r.get(f"{VALID}kl_loss"), ".4f"), "sparse" if r["phase"] == "dense-step" else r["phase"])
-        tasks = [k[len(PROBE):-len("/exact")] for k in r if k.startswith(PROBE) and k.endswith("/exact")]
-        if tasks:
+        probe = probe_scores(r)
+        if probe:
             log.info("retrieval probe at step %d | %s", r["step"], " | ".join(
-                f"{t} exact {r[f'{PROBE}{t}/exact']:.3f} answer loss {r[f'{PROBE}{t}/answer_loss']:.3f} "
-                f"rank {r[f'{PROBE}{t}/answer_rank']:.2f}" for t in tasks))
+                f"{t} exact {v['exact']:.3f} answer loss {v['answer_loss']:.3f} rank {v['answer_rank']:.2f}"
+                for t, v in probe.items()))
 
     def close(self) -> None:
         if self.bar is not None:

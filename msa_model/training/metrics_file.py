@@ -6,6 +6,20 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+# the retrieval probe's scalars (msa_model/training/retrieval_probe.py): PROBE_PREFIX<task>/<metric>
+PROBE_PREFIX = "valid/probe/"
+PROBE_METRICS = ("exact", "answer_loss", "answer_rank")
+
+
+def probe_scores(record: dict) -> dict[str, dict[str, float]]:
+    """{task: {metric: value}} of a record's retrieval probe; {} when it holds none."""
+    out: dict[str, dict[str, float]] = {}
+    for key, value in record.items():
+        if key.startswith(PROBE_PREFIX):
+            task, metric = key[len(PROBE_PREFIX):].rsplit("/", 1)
+            out.setdefault(task, {})[metric] = value
+    return out
+
 
 def read_metrics(run_dir: Path) -> list[dict]:
     """The records of <run_dir>/metrics.jsonl, one per step in step order.

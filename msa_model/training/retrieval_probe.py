@@ -35,16 +35,16 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from msa_model.parallel.context_parallel import slice_batch_for_cp
+from msa_model.training.metrics_file import PROBE_PREFIX
 
 log = logging.getLogger(__name__)
 
-METRICS = ("exact", "answer_loss", "answer_rank")
 # the probe's examples are named by this seed, whatever the run's seeds
 PROBE_SEED = 20261205
 
 
 def probe_key(task: str, metric: str) -> str:
-    return f"valid/probe/{task}/{metric}"
+    return f"{PROBE_PREFIX}{task}/{metric}"
 
 
 def probe_rows(examples, tokenizer, seq_length: int, rows: int | None = None,
