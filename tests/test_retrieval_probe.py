@@ -254,12 +254,25 @@ def test_a_blend_run_probes_without_a_validation_split_from_a_corpus_that_exists
       "trainer.indexer_warmup_tokens=0", "data.split=[100,0,0]"],
      "trainer.probe_tasks needs model.seq_length >= 256 (the shortest retrieval example of every task"),
 ])
-def test_bad_probe_settings_are_one_line(tmp_path, overrides, message):
+def test_bad_probe_settings_are_refused(overrides, message):
+    from hydra import compose, initialize_config_dir
+
+    from msa_model.config import ConfigError, config_problems, register_configs, validate
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
+        cfg = compose("train", overrides=["model=tiny", "logging.log_interval=2", *overrides])
+    with pytest.raises(ConfigError) as refused:
+        validate(cfg, 1)
+    assert any(message in line for line in config_problems(refused.value)), config_problems(refused.value)
+
+
+def test_a_bad_probe_setting_is_one_line_before_anything_is_written(tmp_path):
     cmd = [sys.executable, str(REPO / "train.py"), "model=tiny", "logging.log_interval=2", f"run_dir={tmp_path / 'r'}",
-           *overrides]
+           "trainer.probe_tasks=[needle]", "trainer.eval_interval=2"]
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode != 0
-    assert message in out.stdout + out.stderr
+    assert "trainer.probe_tasks: unknown ['needle']" in out.stdout + out.stderr
     assert "Traceback" not in out.stdout + out.stderr
     assert not (tmp_path / "r").exists()
 
