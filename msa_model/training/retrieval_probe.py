@@ -147,7 +147,6 @@ class RetrievalProbe:
         per_round = micro_batch_size * dp
         self.samples, self.padded = samples, -(-samples // per_round) * per_round
         self._rows: dict[str, dict[str, torch.Tensor]] = {}
-        self._rows_said = False
 
     def _examples(self, task: str):
         from data.retrieval import Haystack
@@ -165,14 +164,13 @@ class RetrievalProbe:
 
     def rows(self, task: str) -> dict[str, torch.Tensor]:
         if task not in self._rows:
-            t0 = time.perf_counter()
+            first, t0 = not self._rows, time.perf_counter()
             self._rows[task] = probe_rows(self._examples(task), self.tokenizer, self.seq_length, self.padded, self.bos)
-            if not self._rows_said:
+            if first:
                 # once: where the haystacks come from (a blend run's data.source may be the default corpus)
                 log.info("retrieval probe: %d examples a task of %d tokens, haystacks from %d files under %s (%s: "
                          "%.1f s)", self.samples, self.seq_length, len(self.files), _common_root(self.files), task,
                          time.perf_counter() - t0)
-                self._rows_said = True
         return self._rows[task]
 
     def _batches(self, task: str):
