@@ -308,10 +308,10 @@ def test_cpt_continues_a_converted_dense_run(tmp_path, data_cache, monkeypatch):
     cpt = tmp_path / "cpt"
     monkeypatch.setenv("BATCH_LOG", str(tmp_path / "cpt-batches.jsonl"))
     # the dense run's schedule (the optim defaults with TINY_TEST's warmup), from its step 3
-    proc = run_train(cpt, "recipe=cpt", f"init_from={converted}", "trainer.max_steps=3",
-                     "trainer.indexer_warmup_tokens=2048", "init_from_data_position=true",
-                     "optim.schedule_start_step=3", "optim.decay_steps=6", "optim.lr=3e-3", "optim.min_lr=3e-4",
-                     "optim.index_clip_grad=1.0", data_cache=data_cache, script="tests/batch_record_main.py")
+    cpt_args = ["recipe=cpt", f"init_from={converted}", "trainer.indexer_warmup_tokens=2048",
+                "init_from_data_position=true", "optim.schedule_start_step=3", "optim.decay_steps=6", "optim.lr=3e-3",
+                "optim.min_lr=3e-4", "optim.index_clip_grad=1.0"]
+    proc = run_train(cpt, *cpt_args, "trainer.max_steps=3", data_cache=data_cache, script="tests/batch_record_main.py")
     rows, dense_rows = metrics(cpt), metrics(dense)
     assert sorted(rows) == [1, 2, 3]
     assert [rows[s]["phase"] for s in (1, 2, 3)] == ["warmup", "warmup", "sparse"]
@@ -332,6 +332,13 @@ def test_cpt_continues_a_converted_dense_run(tmp_path, data_cache, monkeypatch):
         trainer = dist_checkpointing.load_common_state_dict(str(cpt / "checkpoints" / "step_00000003"))["trainer"]
     assert (trainer["step"], trainer["consumed_samples"], trainer["start_samples"]) == (3, 24, 12)
     assert "indexer warmup: 2,048 tokens: init_from's index branch is untrained" in proc.stdout + proc.stderr
+    # resumed past the warmup, the run's first lines say where it ended, not init_from's history
+    proc = run_train(cpt, *cpt_args, "trainer.max_steps=4", data_cache=data_cache)
+    said = [line for line in (proc.stdout + proc.stderr).splitlines() if "indexer warmup" in line]
+    assert said[0].endswith("indexer warmup: 2,048 tokens, done after step 2: the run resumes past it at step 3 "
+                            "(3,072 tokens)"), said
+    assert not any("untrained" in line for line in said), said
+    assert metrics(cpt)[4]["phase"] == "sparse"
 
     # the CPT run trained its index branch (its checkpoint says so): a CPT from it starts sparse,
     # the recipe's warmup skipped, without a word on the command line

@@ -40,19 +40,25 @@ def index_branch_trained(path: str | Path) -> bool | None:
     return index_branch_history(path)[0]
 
 
-def index_branch_history(path: str | Path) -> tuple[bool | None, str]:
-    """(`index_branch_trained`, what the checkpoint says of its index branch, for the log)."""
-    step = _step_dir(path)
-    if step is None:
-        return None, "of unknown history"
+def _common_state(step: Path) -> dict | None:
+    """The common state of the step directory `step`, or None when it cannot be read here (the
+    load that follows reports it with its cause)."""
     try:
         from megatron.core import dist_checkpointing
 
         with warnings.catch_warnings():
             # a read before (or without) a process group: nothing for the user
             warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-            common = dist_checkpointing.load_common_state_dict(str(step))
-    except Exception:  # unreadable here: init_from's own load reports it with its cause
+            return dist_checkpointing.load_common_state_dict(str(step))
+    except Exception:
+        return None
+
+
+def index_branch_history(path: str | Path) -> tuple[bool | None, str]:
+    """(`index_branch_trained`, what the checkpoint says of its index branch, for the log)."""
+    step = _step_dir(path)
+    common = _common_state(step) if step is not None else None
+    if common is None:
         return None, "of unknown history"
     model = common.get("model_config") or {}
     if model and model.get("attention") == "dense":
@@ -107,3 +113,19 @@ def plan_indexer_warmup(cfg, warmup_given: bool) -> str | None:
     t.indexer_warmup_tokens = 0
     return (f"indexer warmup: none, sparse attention from the first step: init_from's index branch is trained "
             f"(the recipe's {recipe_tokens:,} warmup tokens skipped; set {WARMUP_KEY} to warm up anyway)")
+
+
+def resumed_warmup_note(note: str | None, step_dir: Path | None, warmup_tokens: int) -> str | None:
+    """`plan_indexer_warmup`'s line for a run that resumes from the step directory `step_dir`
+    (None: a new run, the line as it is). Once that checkpoint is past the warmup, init_from's
+    history no longer describes the index branch: the line says where the warmup ended instead."""
+    if note is None or step_dir is None or warmup_tokens <= 0:
+        return note
+    common = _common_state(step_dir) or {}
+    trainer = common.get("trainer") or {}
+    if trainer.get("tokens", -1) < warmup_tokens:
+        return note
+    switched = ((common.get("callbacks") or {}).get("indexer_warmup") or {}).get("switched_at_step")
+    after = f" after step {switched}" if switched is not None else ""
+    return (f"indexer warmup: {warmup_tokens:,} tokens, done{after}: the run resumes past it at step "
+            f"{trainer['step']} ({trainer['tokens']:,} tokens)")

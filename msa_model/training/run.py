@@ -239,7 +239,8 @@ def _name_loaded_step(named: Path | None, loaded: Path | None):
 def run(cfg: DictConfig, notes: list[str] | tuple[str, ...] = ()) -> None:
     """`notes`: lines about how the config was made (e.g. the model taken from a checkpoint), logged
     once the checkpoint a resume loads is chosen."""
-    from msa_model.training.index_history import WARMUP_KEY, given_on_command_line, plan_indexer_warmup
+    from msa_model.training.index_history import (WARMUP_KEY, given_on_command_line, plan_indexer_warmup,
+                                                  resumed_warmup_note)
 
     OmegaConf.resolve(cfg)
     rank, world_size, _ = launch_env()
@@ -350,6 +351,8 @@ def run(cfg: DictConfig, notes: list[str] | tuple[str, ...] = ()) -> None:
                      " ".join(f"{k}={v}" for k, v in parallel_layout(cfg.parallel, world_size).items()),
                      document_mask_line(cfg))
             log.info("tokenizer %s (%s)", describe_identity(tokenizer.identity), tokenizer_source)
+            # a resume past the warmup: where it ended, not init_from's index branch before it
+            warmup_note = resumed_warmup_note(warmup_note, latest, cfg.trainer.indexer_warmup_tokens)
             if warmup_note:
                 log.info("%s", warmup_note)
             for line in determinism:
