@@ -120,8 +120,10 @@ def _flat_blend_problem(entries, key: str) -> str | None:
     if len(entries) % 2 == 0 and all(_is_number(w) and isinstance(p, str) for w, p in zip(entries[::2], entries[1::2])):
         pairs = ",".join(f"[{w},{p}]" for w, p in zip(entries[::2], entries[1::2]))
         return f"{key}: weights and prefixes in one list (Megatron-LM's --data-path order); give pairs: {key}=[{pairs}]"
+    # numbers only: perhaps prefixes such as 2024, which Hydra reads as numbers unless quoted
+    quote = "" if names else f"; quote a prefix that reads as a number: [{','.join(repr(str(e)) for e in entries)}]"
     return (f"{key}: {len(numbers)} weight(s) {numbers} among {len(names)} prefix(es) {names}: give one "
-            f"[weight, prefix] pair per dataset, {key}=[[weight,prefix],...] (or prefixes alone, weight 1)")
+            f"[weight, prefix] pair per dataset, {key}=[[weight,prefix],...] (or prefixes alone, weight 1){quote}")
 
 
 def parse_blend(entries, key: str) -> tuple[list[str], list[float], list[str]]:
@@ -136,9 +138,11 @@ def parse_blend(entries, key: str) -> tuple[list[str], list[float], list[str]]:
         elif isinstance(entry, Sequence) and len(entry) == 2:
             weight, prefix = entry
             if _is_number(prefix):
-                # [[0.7,0.3],[a,b]]: weights and prefixes given as two lists
+                # [[0.7,0.3],[a,b]]: weights and prefixes given as two lists; or a prefix such as
+                # 2024, which Hydra reads as a number unless quoted
                 problems.append(f"{key}[{i}]: {list(entry)!r} has no prefix ({prefix} is a number); "
-                                f"give one [weight, prefix] pair per dataset: {key}=[[weight,prefix],...]")
+                                f"give one [weight, prefix] pair per dataset: {key}=[[weight,prefix],...], "
+                                f"and quote a prefix that reads as a number: [{weight},'{prefix}']")
                 continue
         else:
             problems.append(f"{key}[{i}]: {entry!r} is not [weight, prefix] or a prefix "

@@ -165,7 +165,15 @@ def test_blend_entries_and_tokenizers_are_checked_together(tmp_path, bpe):
         "dataset: data.blend=[[weight,prefix],...]"]
     assert parse_blend([[1, "a"], [0.3, 0.2]], "data.blend")[2] == [
         "data.blend[1]: [0.3, 0.2] has no prefix (0.2 is a number); give one [weight, prefix] pair per dataset: "
-        "data.blend=[[weight,prefix],...]"]
+        "data.blend=[[weight,prefix],...], and quote a prefix that reads as a number: [0.3,'0.2']"]
+    # a dataset named 2024: Hydra reads data.blend=[[1,2024]] (or [2024]) as a number
+    assert parse_blend([2024], "data.blend")[2] == [
+        "data.blend: 1 weight(s) [2024] among 0 prefix(es) []: give one [weight, prefix] pair per dataset, "
+        "data.blend=[[weight,prefix],...] (or prefixes alone, weight 1); quote a prefix that reads as a number: "
+        "['2024']"]
+    assert parse_blend([[1, 2024]], "data.blend")[2] == [
+        "data.blend[0]: [1, 2024] has no prefix (2024 is a number); give one [weight, prefix] pair per dataset: "
+        "data.blend=[[weight,prefix],...], and quote a prefix that reads as a number: [1,'2024']"]
 
     cfg = SimpleNamespace(blend=[[1, str(x)], [1, str(y)]], valid_blend=None, verify_cache=False,
                           tokenizer_mismatch="refuse")
