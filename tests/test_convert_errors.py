@@ -210,12 +210,14 @@ def test_a_missing_checkpoint_is_named_as_missing(command, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["verify_missing_checkpoint", "verify_missing_hf", "msa_to_hf_of_a_hf_model",
-                                  "msa_to_hf_of_a_run_dir", "hf_to_msa_of_our_checkpoint"])
+                                  "msa_to_hf_of_a_run_dir", "hf_to_msa_of_our_checkpoint", "hf_config_is_a_file"])
 def test_a_source_of_the_wrong_kind_is_named_as_what_it_is(case, llama, tmp_path):
     """A mistyped path or a directory of another kind (a Hugging Face model where one of ours goes,
-    a run directory, the arguments of verify swapped) says what it is and what to give, where it
-    said "pass --model-config", "pass --family" or only "no config.json"."""
+    a run directory, the arguments of verify swapped, a config.json where its directory goes) says
+    what it is and what to give, where it said "pass --model-config", "pass --family", only "no
+    config.json" or "no such directory"."""
     from msa_model.convert.commands import msa_to_hf
+    from msa_model.convert.deepspeed_io import deepspeed_to_msa
     from msa_model.convert.verify import verify
 
     run = tmp_path / "run"
@@ -234,6 +236,10 @@ def test_a_source_of_the_wrong_kind_is_named_as_what_it_is(case, llama, tmp_path
         "hf_to_msa_of_our_checkpoint": (lambda: hf_to_msa(str(run / "checkpoints"), str(out)),
                                         "expected a Hugging Face checkpoint directory (it is a checkpoint of this "
                                         "repository; `msa-to-hf` exports one)"),
+        # deepspeed-to-msa --hf-config given the config.json itself (it said "no such directory")
+        "hf_config_is_a_file": (lambda: deepspeed_to_msa(str(nothing), str(out), hf_config=str(llama / "config.json")),
+                                f"{llama / 'config.json'}: a file; expected a directory holding config.json (a Hugging "
+                                f"Face checkpoint directory): give {llama}"),
     }[case]
     with pytest.raises(ConversionError, match=re.escape(message)):
         call()

@@ -27,6 +27,10 @@ class ConversionError(ValueError):
 def read_config(src: str | Path) -> dict:
     """The parsed config.json of a Hugging Face checkpoint directory."""
     path = Path(src) / CONFIG_FILE
+    if Path(src).is_file():
+        hint = f": give {Path(src).parent}" if Path(src).name == CONFIG_FILE else ""
+        raise ConversionError(f"{src}: a file; expected a directory holding {CONFIG_FILE} (a Hugging Face "
+                              f"checkpoint directory){hint}")
     if not Path(src).is_dir():
         raise ConversionError(f"{src}: no such directory (a Hugging Face checkpoint directory)")
     if not path.is_file():
