@@ -61,16 +61,18 @@ class Example:
 
 class Haystack:
     """Corpus text to cut haystacks from: up to `pool_bytes` of the files under the corpus, read
-    in a seeded order (so a large corpus is not read whole)."""
+    in a seeded order (so a large corpus is not read whole). `read`: a file's text (default its
+    bytes; the evaluation's reads the documents of .jsonl records, data.corpus.file_documents)."""
 
-    def __init__(self, files: list[Path], pool_bytes: int, seed: int):
+    def __init__(self, files: list[Path], pool_bytes: int, seed: int,
+                 read: Callable[[Path], bytes] = Path.read_bytes):
         order = list(files)
         random.Random(seed).shuffle(order)
         parts, total = [], 0
         for path in order:
             if total >= pool_bytes:
                 break
-            data = path.read_bytes()
+            data = read(path)
             parts.append(data)
             total += len(data)
         self.text = b"\n".join(parts)

@@ -47,7 +47,7 @@ def test_counts_below_one_are_refused_by_the_parser(tmp_path, option, capsys):
 
 
 @pytest.mark.parametrize("case", ["out_is_a_file", "no_cuda", "no_tasks", "no_depths", "empty_corpus",
-                                  "corpus_is_a_file", "short_heldout"])
+                                  "corpus_is_a_file", "jsonl_without_text", "short_heldout"])
 def test_inputs_it_cannot_use_are_refused_before_the_model_and_the_output(tmp_path, case, capsys, monkeypatch):
     run, corpus = _run(tmp_path)
     out = tmp_path / "eval"
@@ -74,12 +74,52 @@ def test_inputs_it_cannot_use_are_refused_before_the_model_and_the_output(tmp_pa
     elif case == "corpus_is_a_file":
         args += ["--corpus", corpus / "m0.py"]
         message = f"--corpus {corpus / 'm0.py'}: a file, not a directory of text files"
+    elif case == "jsonl_without_text":
+        records = tmp_path / "records"
+        records.mkdir()
+        (records / "a.jsonl").write_text('{"content": "x = 1"}\n{"content": "y = 2"}\n')
+        args += ["--corpus", records, "--glob", "*.jsonl"]
+        message = (f"--corpus {records}: {records / 'a.jsonl'}: no documents (2 no field); each record's 'text' "
+                   "string is read")
     else:
         args += ["--loss-length", "1000000"]
         message = "is shorter than one 1000000-token sequence (--loss-length)"
     assert _main(run, "--out", out, *args) == 2
     assert message in capsys.readouterr().err.strip().splitlines()[-1]
     assert out.is_file() if case == "out_is_a_file" else not out.exists()
+
+
+def test_a_jsonl_corpus_is_read_as_data_prepare_reads_it(tmp_path, monkeypatch):
+    """--corpus DIR of .jsonl files: the haystacks and the held-out documents are the records'
+    text, as `python -m data.prepare` reads it; they were the JSON lines, syntax and all."""
+    from data import retrieval
+    from msa_model.eval import runner
+    from msa_model.training import manifest
+
+    # a run on prepared datasets: --corpus is read whole (a run on a file directory keeps its data.glob)
+    run, _ = placeholder_run(tmp_path, blend=[str(tmp_path / "web")])
+    corpus = tmp_path / "records"
+    corpus.mkdir()
+    rng = random.Random(1)
+    texts = ["\n".join(f"y{j} = {rng.randrange(1000)}  # record {i}" for j in range(100)) for i in range(6)]
+    (corpus / "a.jsonl").write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in enumerate(texts)))
+    seen = {}
+
+    class Haystack(retrieval.Haystack):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            seen["haystack"] = self.text
+
+    def stop(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(retrieval, "Haystack", Haystack)
+    monkeypatch.setattr(runner, "heldout_stream", lambda docs, *args, **kwargs: seen.setdefault("heldout", docs))
+    monkeypatch.setattr(manifest, "verify_checkpoint", lambda *args, **kwargs: None)  # a placeholder checkpoint
+    monkeypatch.setattr(runner, "build_model", stop)
+    assert _main(run, "--out", tmp_path / "eval", "--corpus", corpus, "--lengths", "256") == 130
+    assert seen["haystack"] == "\n".join(texts).encode()
+    assert seen["heldout"] == [t.encode() for t in texts]
 
 
 class _Model(torch.nn.Module):

@@ -48,7 +48,8 @@ def main(argv=None) -> int:
                    help="MSA models: top-k selection (sparse) or the warmup's dense attention")
     p.add_argument("--loss-sequences", type=_count, default=8, help="held-out sequences for the loss by position")
     p.add_argument("--loss-length", type=_count, default=None, help="their length (default: the longest of --lengths)")
-    p.add_argument("--corpus", default=None, help="haystack/held-out source directory (default: the run's data.source)")
+    p.add_argument("--corpus", default=None, help="haystack/held-out source directory, its .jsonl files read as "
+                                                  "data.prepare reads them (default: the run's data.source)")
     p.add_argument("--glob", default=None, help="the corpus's text files (default: the run's data.glob for a run on a "
                                                 "file-directory corpus, else every file)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")

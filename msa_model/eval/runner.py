@@ -470,8 +470,9 @@ def check_corpus(source: str, glob: str, max_bytes: int, option: str) -> list[Pa
 
 def _heldout_docs(cfg, corpus: str | None, glob: str, need_bytes: int) -> tuple[list[bytes], str]:
     """Documents the run did not train on: the corpus files past `data.max_bytes` (the corpus is
-    taken in sorted order); the training files, said so, when there are none."""
-    from data.corpus import corpus_root, list_corpus_files
+    taken in sorted order); the training files, said so, when there are none. A .jsonl file's
+    documents are its records' (data.corpus.file_documents)."""
+    from data.corpus import corpus_root, file_documents, list_corpus_files
 
     source = corpus or cfg.data.source
     _, train_files = list_corpus_files(source, glob, cfg.data.max_bytes)
@@ -490,8 +491,9 @@ def _heldout_docs(cfg, corpus: str | None, glob: str, need_bytes: int) -> tuple[
     for path in files:
         if total >= need_bytes:
             break
-        docs.append(path.read_bytes())
-        total += len(docs[-1]) + 1
+        for doc in file_documents(path):
+            docs.append(doc)
+            total += len(doc) + 1
     return docs, kind
 
 
@@ -515,6 +517,7 @@ def untrained_index(step_dir: Path) -> str | None:
 
 
 def run_eval(args) -> dict:
+    from data.corpus import file_documents
     from data.retrieval import MIN_LENGTH, TASKS, Haystack
     from msa_model.model.attention import msa_layers, set_msa_phase
     from msa_model.eval.report import write_report
@@ -567,12 +570,14 @@ def run_eval(args) -> dict:
     # hashed again at the load)
     verify_checkpoint(step_dir, "checkpoint", error=EvalError)
     pool_bytes = max(4_000_000, 4 * max(lengths))
+    loss_length = args.loss_length or max(lengths)
     try:
-        haystack = Haystack(files, pool_bytes=pool_bytes, seed=args.seed)
+        # .jsonl files as `python -m data.prepare` reads them: the records' text, not their JSON
+        haystack = Haystack(files, pool_bytes=pool_bytes, seed=args.seed,
+                            read=lambda path: b"\n".join(file_documents(path)))
+        docs, kind = _heldout_docs(cfg, args.corpus, glob, (args.loss_sequences + 1) * loss_length)
     except ValueError as e:
         raise EvalError(f"{'--corpus' if args.corpus else 'data.source'} {source}: {e}") from None
-    loss_length = args.loss_length or max(lengths)
-    docs, kind = _heldout_docs(cfg, args.corpus, glob, (args.loss_sequences + 1) * loss_length)
     heldout = heldout_stream(docs, tokenizer, loss_length, bos)
 
     # only now, with the inputs checked: a refused evaluation leaves no output directory behind
