@@ -8,6 +8,7 @@ one applies; the held-out loss masks packed documents as the run did."""
 from __future__ import annotations
 
 import json
+import logging
 import random
 
 import numpy as np
@@ -143,7 +144,7 @@ def test_an_interrupted_retrieval_keeps_its_cells_and_the_next_call_goes_on(tmp_
     one uninterrupted call gives; other settings start afresh."""
     from data.retrieval import Haystack
     from data.tokenizer import ByteTokenizer
-    from msa_model.eval.runner import Progress, retrieval_results
+    from msa_model.eval.runner import EXAMPLE_VERSION, Progress, retrieval_results
 
     _, corpus = _run(tmp_path)
     haystack = Haystack(sorted(corpus.glob("*.py")), pool_bytes=1 << 20, seed=0)
@@ -152,7 +153,8 @@ def test_an_interrupted_retrieval_keeps_its_cells_and_the_next_call_goes_on(tmp_
     with pytest.raises(KeyboardInterrupt):
         retrieval_results(_Model(stop_at=3), "cpu", haystack, *grid, progress=Progress(tmp_path, settings))
     saved = json.loads((tmp_path / Progress.FILE).read_text())
-    assert saved["settings"] == settings and sorted(saved["cells"]) == ["passkey/256", "passkey/384"]
+    assert saved["settings"] == {**settings, "example_version": EXAMPLE_VERSION}
+    assert sorted(saved["cells"]) == ["passkey/256", "passkey/384"]
 
     model = _Model()
     resumed = retrieval_results(model, "cpu", haystack, *grid, progress=Progress(tmp_path, settings))
@@ -161,6 +163,25 @@ def test_an_interrupted_retrieval_keeps_its_cells_and_the_next_call_goes_on(tmp_
     fresh = _Model()
     retrieval_results(fresh, "cpu", haystack, *grid, progress=Progress(tmp_path, {**settings, "samples": 2}))
     assert fresh.calls == 4
+
+
+def test_cells_scored_on_examples_made_another_way_are_not_reused(tmp_path, monkeypatch, caplog):
+    """partial.json's settings did not say how the examples were made: cells scored before a change
+    of their construction (a tokenization, a haystack read another way) were taken for the new
+    ones'. A partial.json from before the version, or of another one, starts afresh, said in a line."""
+    from msa_model.eval import runner
+
+    settings, cell = {"checkpoint": "x", "samples": 1}, {"accuracy": 1.0}
+    path = tmp_path / runner.Progress.FILE
+    path.write_text(json.dumps({"settings": settings, "cells": {"passkey/256": cell}}))
+    with caplog.at_level(logging.INFO, logger="msa_model.eval"):
+        assert runner.Progress(tmp_path, settings).get("passkey", 256) is None
+    assert caplog.messages == [f"{path} holds cells scored with other settings (differing: example_version); "
+                               "they are not reused"]
+    runner.Progress(tmp_path, settings).put("passkey", 256, cell)
+    assert runner.Progress(tmp_path, settings).get("passkey", 256) == cell
+    monkeypatch.setattr(runner, "EXAMPLE_VERSION", runner.EXAMPLE_VERSION + 1)
+    assert runner.Progress(tmp_path, settings).get("passkey", 256) is None
 
 
 def test_an_interrupted_main_says_what_it_kept(tmp_path, monkeypatch, capsys):

@@ -233,6 +233,13 @@ def default_lengths(context: int) -> list[int]:
     return lengths
 
 
+# how examples are made from their settings (data/retrieval.py's haystacks, needles and fitting,
+# example_ids' tokenization, the corpus files' reading): raised with a change that makes other
+# examples of the same settings, so that partial.json's cells scored on the earlier ones are not
+# reused (a partial.json recording none is from before version 1)
+EXAMPLE_VERSION = 1
+
+
 def _example_rng(seed: int, task: str, length: int, depth: float, index: int) -> random.Random:
     # random seeds a str by its sha512, every character counting and the same in every process
     # (not Python's salted str hash)
@@ -279,19 +286,27 @@ class Progress:
     """The retrieval cells (task x length) an evaluation has scored, in OUT/partial.json after each
     one: a Ctrl-C or a kill (a quality study's budget ending) loses the cell in progress only, and
     the same command on the same checkpoint with the same options goes on from the others
-    (`settings` differing: it starts afresh). The file goes once results.json is written."""
+    (`settings`, with EXAMPLE_VERSION, differing: it starts afresh, and says so). The file goes
+    once results.json is written."""
 
     FILE = "partial.json"
 
     def __init__(self, out: Path, settings: dict):
-        self.path, self.settings, self.cells = Path(out) / self.FILE, settings, {}
+        self.path, self.cells = Path(out) / self.FILE, {}
+        self.settings = {**settings, "example_version": EXAMPLE_VERSION}
         if self.path.is_file():
             try:
                 saved = json.loads(self.path.read_text())
             except json.JSONDecodeError:
                 saved = {}
-            if saved.get("settings") == settings:
+            old = saved.get("settings") if isinstance(saved, dict) else None
+            if old == self.settings:
                 self.cells = saved["cells"]
+            else:
+                old = old if isinstance(old, dict) else {}
+                differ = sorted(k for k in {**old, **self.settings} if old.get(k) != self.settings.get(k))
+                log.info("%s holds cells scored with other settings (differing: %s); they are not reused",
+                         self.path, ", ".join(differ))
 
     def get(self, task: str, length: int) -> dict | None:
         return self.cells.get(f"{task}/{length}")
