@@ -9,6 +9,7 @@ and names the offending fields.
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 
 from dataclasses import dataclass, field
@@ -298,9 +299,11 @@ class DataConfig:
 class OptimConfig:
     lr: float = 3e-3
     min_lr: float = 3e-4
+    # the schedule's steps (warmup_steps, decay_steps, schedule_start_step) are steps of the run's
+    # first tokens a step: a resume at another batch keeps their length in tokens (resume_tokens.py)
     warmup_steps: int = 8
     decay_style: str = "cosine"  # cosine | linear | constant
-    decay_steps: Optional[int] = None  # None: trainer.max_steps
+    decay_steps: Optional[int] = None  # None: trainer.max_steps (the run's last step)
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -474,10 +477,20 @@ def msa_layers_of(m) -> list[bool]:
 def steps_for_tokens(tokens: float, *, _root_) -> int:
     """`${steps_for_tokens:3e12}` in a recipe: the steps that train this many tokens at the run's
     own batch (parallel.global_batch_size x model.seq_length), rounded down, so a layout with
-    another batch (the 128K one's 8M tokens a step) keeps the recipe's token budget."""
+    another batch (the 128K one's 8M tokens a step) keeps the recipe's token budget. A run resumed
+    at another batch than its checkpoint's counts from the tokens it trained (token_budget)."""
     step_tokens = _root_.parallel.global_batch_size * _root_.model.seq_length
     # a batch of no tokens is the batch's own error (validate names it), not a division here
     return int(tokens // step_tokens) if step_tokens > 0 else 1
+
+
+def token_budget(trainer_cfg) -> Optional[int]:
+    """X of `trainer.max_steps: ${steps_for_tokens:X}`, read before the config is resolved (a
+    resume at another batch counts its steps from the tokens trained: resume_tokens.py); None
+    where max_steps is a number."""
+    raw = OmegaConf.to_container(trainer_cfg, resolve=False)["max_steps"]
+    found = re.fullmatch(r"\$\{steps_for_tokens:\s*([^}]+?)\s*\}", str(raw))
+    return int(float(found.group(1))) if found else None
 
 
 def register_configs() -> None:

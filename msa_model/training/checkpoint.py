@@ -47,7 +47,7 @@ from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
 from msa_model.platform.compat import load_optimizer_state
-from msa_model.training.callbacks import Callback
+from msa_model.training.callbacks import Callback, TrainState
 from msa_model.training.manifest import (DamagedCheckpointError, check_manifest, describe, verify_checkpoint,
                                          warn_unverified, write_manifest)
 from msa_model.training.checkpoint_checks import (CHECKPOINT_FAILURES, CheckpointError, align_lr_groups,
@@ -441,6 +441,21 @@ def load_model_weights(model_chunks, path: str | Path, model_config: dict | None
         raise unreadable("init_from", path, e) from e
     log.info("initialised model weights from %s%s", path,
              f" ({fresh} index-branch tensors absent, kept fresh)" if fresh else "")
+
+
+def saved_progress(step_dir: str | Path, step_tokens: int) -> tuple[TrainState, int | None]:
+    """(the counters a training checkpoint saved, its run's model.seq_length), read before
+    anything is built: a resume at other tokens a step sets its max_steps and lr schedule from
+    them (resume_tokens.py). `step_tokens` (this run's) stands in where an older checkpoint at
+    step 0 records none."""
+    try:
+        with _quiet_load():
+            common = dist_checkpointing.load_common_state_dict(str(step_dir))
+    except CHECKPOINT_FAILURES as e:
+        raise unreadable("resume:", step_dir, e) from e
+    state = TrainState(step_tokens=step_tokens, schedule_step_tokens=step_tokens)
+    state.load_state_dict(common["trainer"])
+    return state, (common.get("model_config") or {}).get("seq_length")
 
 
 def recorded_data_position(step_dir: str | Path) -> dict | None:

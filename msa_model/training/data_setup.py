@@ -185,14 +185,15 @@ def validation_samples(trainer_cfg, global_batch_size: int, step: int = 0, consu
     return max((t.max_steps // t.eval_interval + 1) * per_evaluation, consumed + remaining * per_evaluation)
 
 
-def build_data(cfg, tokenizer, start_samples=lambda: 0, valid_position=lambda: (0, 0)):
+def build_data(cfg, tokenizer, train_position=lambda: (0, 0, 0), valid_position=lambda: (0, 0)):
     """(train, valid or None): this data-parallel rank's micro-batch streams (data.datasets.TrainData),
     the datasets built at their first use. valid exists when trainer.eval_interval > 0 and the data
-    has a validation stream (has_validation_data). The train
-    stream starts at `start_samples()` (init_from_data_position; read when the datasets are built),
-    so its dataset holds that many samples more than the run's max_steps global batches;
-    `valid_position()` is (the step, the validation samples read), read then too (after a resumed
-    checkpoint has set them): see validation_samples."""
+    has a validation stream (has_validation_data). `train_position()` is (the sample the stream
+    starts at, the step, the samples read; read when the datasets are built, after a resumed
+    checkpoint has set them): the train stream starts at its first (init_from_data_position), so
+    its dataset holds that many samples more than the run's max_steps global batches, or more where
+    a resume changed the batch (those read plus the steps left); `valid_position()` is (the step,
+    the validation samples read), read then too: see validation_samples."""
     from data.datasets import TrainData, build_datasets
     from msa_model.training.distributed import data_parallel_info
 
@@ -203,7 +204,9 @@ def build_data(cfg, tokenizer, start_samples=lambda: 0, valid_position=lambda: (
 
     def dataset(index: int):
         if not datasets:
-            train_samples = start_samples() + t.max_steps * p.global_batch_size
+            start, step, consumed = train_position()
+            train_samples = max(start + t.max_steps * p.global_batch_size,
+                                consumed + (t.max_steps - step) * p.global_batch_size)
             valid_samples = validation_samples(t, p.global_batch_size, *valid_position()) if validating else 0
             datasets["all"] = build_datasets(cfg.data, tokenizer, cfg.model.seq_length, train_samples, valid_samples)
         return datasets["all"][index]

@@ -40,7 +40,9 @@ def task_overrides() -> list[str]:
         from hydra.core.hydra_config import HydraConfig
 
         if HydraConfig.initialized():
-            return list(HydraConfig.get().overrides.task)
+            # as given: iterating the config would resolve an interpolation inside an override
+            # (`trainer.max_steps=${steps_for_tokens:X}` would come back as the first composition's number)
+            return OmegaConf.to_container(HydraConfig.get().overrides.task, resolve=False)
     except (ImportError, ValueError):
         pass
     return []

@@ -36,7 +36,8 @@ def _retrieval_probe(cfg, tokenizer):
                           cfg.model.seq_length, cfg.parallel.micro_batch_size, document_bos(cfg.data, tokenizer))
 
 
-def _build_optimizer(cfg, model_chunks):
+def _build_optimizer(cfg, model_chunks, decay_steps):
+    """`decay_steps`: the lr decay's length where optim.decay_steps is None (resume_tokens.py)."""
     import torch
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -63,13 +64,13 @@ def _build_optimizer(cfg, model_chunks):
 
         # the index branch's gradient norm apart from the rest; optionally clipped on its own
         optimizer = GroupNormOptimizer(optimizer, o.clip_grad, o.index_clip_grad)
-    max_steps = cfg.trainer.max_steps
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=o.warmup_steps,
-        lr_decay_steps=o.decay_steps or max_steps, lr_decay_style=o.decay_style,
-        start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=max_steps, wd_incr_style="constant",
+        lr_decay_steps=o.decay_steps or decay_steps, lr_decay_style=o.decay_style,
+        start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=cfg.trainer.max_steps, wd_incr_style="constant",
         # on resume the config's schedule wins (a relaunch may train longer or lower the lr); only
-        # the step count comes from the checkpoint
+        # the step count comes from the checkpoint. Its steps are of the run's first tokens a step
+        # (resume_tokens.py)
         use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True,
     )
     return optimizer, scheduler
@@ -239,9 +240,12 @@ def _name_loaded_step(named: Path | None, loaded: Path | None):
 def run(cfg: DictConfig, notes: list[str] | tuple[str, ...] = ()) -> None:
     """`notes`: lines about how the config was made (e.g. the model taken from a checkpoint), logged
     once the checkpoint a resume loads is chosen."""
+    from msa_model.config import token_budget
     from msa_model.training.index_history import (WARMUP_KEY, given_on_command_line, plan_indexer_warmup,
                                                   resumed_warmup_note)
 
+    # the tokens of `${steps_for_tokens:X}`, before resolving turns it into steps
+    budget = token_budget(cfg.trainer)
     OmegaConf.resolve(cfg)
     rank, world_size, _ = launch_env()
     # init_from's index branch may make the warmup unnecessary (before the config is checked and
@@ -283,6 +287,7 @@ def run(cfg: DictConfig, notes: list[str] | tuple[str, ...] = ()) -> None:
     from msa_model.training.indexer_warmup import IndexerWarmup
     from msa_model.training.metrics import MetricsLogger
     from msa_model.training.preemption import StopSignal, plan_requeue, requeue_slurm_job
+    from msa_model.training.resume_tokens import change_line, convert_positions, resumed_max_steps, schedule_decay_steps
     from msa_model.training.trainer import OutOfMemory, Trainer
 
     # first, so that a stop during start-up (which can take minutes at scale) is not lost
@@ -336,6 +341,12 @@ def run(cfg: DictConfig, notes: list[str] | tuple[str, ...] = ()) -> None:
         # checked against its manifest before the run's records are rewritten or anything is
         # built: a damaged checkpoint stops here, leaving config.yaml and launch.sh as they were
         latest = ckpt.resume_checkpoint(ckpt_root, fallback=cfg.resume == "fallback") if latest is not None else None
+        # a resume at other tokens a step than its checkpoint's goes on by tokens (resume_tokens.py):
+        # its max_steps is set before the run's records and everything that reads it
+        step_tokens = cfg.parallel.global_batch_size * cfg.model.seq_length
+        saved, saved_seq = ckpt.saved_progress(latest, step_tokens) if latest is not None else (None, None)
+        if saved is not None and budget is not None:
+            cfg.trainer.max_steps = resumed_max_steps(saved, step_tokens, budget)
         if env.is_main:
             from msa_model.training.data_setup import checkpoint_tokenizer, document_mask_line
 
@@ -357,8 +368,13 @@ def run(cfg: DictConfig, notes: list[str] | tuple[str, ...] = ()) -> None:
                 log.info("%s", warmup_note)
             for line in determinism:
                 log.info("%s", line)
+            changed = None if saved is None else change_line(saved, saved_seq, cfg.parallel.global_batch_size,
+                                                             cfg.model.seq_length, cfg.trainer.max_steps, budget)
+            if changed:
+                log.info("%s", changed)
         model_chunks = _build_model(cfg, env, tokenizer)
-        optimizer, scheduler = _build_optimizer(cfg, model_chunks)
+        optimizer, scheduler = _build_optimizer(cfg, model_chunks,
+                                                schedule_decay_steps(cfg.trainer.max_steps, step_tokens, saved))
         model_chunks[0].config.grad_scale_func = optimizer.scale_loss
 
         # the callbacks run in this order at every hook: the module timer first (its step end is
@@ -392,15 +408,18 @@ def run(cfg: DictConfig, notes: list[str] | tuple[str, ...] = ()) -> None:
                                        cfg.trainer.max_steps, flops_per_token=_flops_counter(cfg, tokenizer),
                                        world_size=world_size, phase=(lambda: warmup.phase) if warmup else None)
         callbacks.append(metrics_logger)
-        # the train dataset ends start_samples (read at its first use, after any checkpoint is
-        # loaded) + max_steps global batches after the start of the stream
-        train_data, valid_data = build_data(cfg, tokenizer, lambda: trainer.state.start_samples,
+        # the train dataset holds start_samples + max_steps global batches (read at its first use,
+        # after any checkpoint is loaded), or the samples read + the steps left where more
+        train_data, valid_data = build_data(cfg, tokenizer, lambda: (trainer.state.start_samples, trainer.state.step,
+                                                                     trainer.state.consumed_samples),
                                             lambda: (trainer.state.step, trainer.state.consumed_valid_samples))
         trainer = Trainer(cfg.trainer, cfg.parallel, cfg.model, model_chunks=model_chunks, optimizer=optimizer,
                           scheduler=scheduler, data=train_data, valid_data=valid_data, callbacks=callbacks,
                           device=env.device, stop_signal=stop_signal, probe=_retrieval_probe(cfg, tokenizer))
         if latest is not None:
             ckpt.load_checkpoint(trainer, latest, verify=False, model_config=model_config)
+            if saved_seq and saved_seq != cfg.model.seq_length:
+                convert_positions(trainer.state, saved_seq, cfg.model.seq_length)
         else:
             _start_fresh(cfg, trainer, model_chunks, optimizer, scheduler, model_config)
         if trainer.state.step >= cfg.trainer.max_steps:

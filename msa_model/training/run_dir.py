@@ -87,7 +87,8 @@ def _hydra_multirun_overrides() -> list[str] | None:
         from hydra.types import RunMode
 
         if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
-            return list(HydraConfig.get().overrides.task)
+            # as given, interpolations unresolved (inputs.task_overrides)
+            return OmegaConf.to_container(HydraConfig.get().overrides.task, resolve=False)
     except (ImportError, ValueError):
         pass
     return None

@@ -96,7 +96,9 @@ class Trainer:
         self.micro_batch_size, self.global_batch_size = parallel_cfg.micro_batch_size, parallel_cfg.global_batch_size
         self.seq_length, self.num_layers = model_cfg.seq_length, model_cfg.num_layers
         self.device, self.stop_signal = device, stop_signal
-        self.state = TrainState()
+        step_tokens = self.global_batch_size * self.seq_length
+        # a checkpoint's counters replace these (resume_tokens.py: a resume at another batch)
+        self.state = TrainState(step_tokens=step_tokens, schedule_step_tokens=step_tokens)
         self.stage = "start"  # what the step is doing, for error messages
         # the stop signal every rank agreed on, once one arrived (e.g. "SIGUSR1")
         self.stop_reason: str | None = None
@@ -131,7 +133,7 @@ class Trainer:
         )
         self.stage = "gradient reduction and optimizer step"
         _, grad_norm, _ = self.optimizer.step()
-        self.scheduler.step(increment=1)
+        self.scheduler.step(increment=self._schedule_increment())
         metrics = reduce_step_metrics(losses_reduced, self.num_microbatches, self.num_layers,
                                       parallel_state.get_pipeline_model_parallel_world_size(), self.device)
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
@@ -140,6 +142,12 @@ class Trainer:
         for group, norm in (getattr(self.optimizer, "grad_norms_by_group", None) or {}).items():
             metrics[f"grad_norm_{group}"] = float(norm)
         return metrics
+
+    def _schedule_increment(self) -> int | float:
+        """The lr schedule's steps a step makes: its tokens over those of a schedule step (1 unless
+        a resume changed the tokens a step, msa_model/training/resume_tokens.py)."""
+        step_tokens = self.global_batch_size * self.seq_length
+        return 1 if step_tokens == self.state.schedule_step_tokens else step_tokens / self.state.schedule_step_tokens
 
     def evaluate(self) -> dict:
         """The held-out losses of the next `eval_iters` global batches of the validation stream, in
@@ -205,7 +213,7 @@ class Trainer:
         # the dataset is built here, before the callbacks start their clocks
         self.batches()
         self._call("on_train_start")
-        step_tokens = self.global_batch_size * self.seq_length
+        step_tokens = self.state.step_tokens = self.global_batch_size * self.seq_length
         # a relaunch of a job that stopped at stop_at_step must not run one step more; a stop
         # signal that came during start-up ends the job before its first step
         self.state.stop_requested = self._should_stop()

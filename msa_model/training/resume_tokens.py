@@ -1,0 +1,65 @@
+"""A resume whose tokens a step (parallel.global_batch_size x model.seq_length) differ from its
+checkpoint's, e.g. a 109B run moved from the 8K layout (4M tokens a step) to the 128K one (8M),
+continues by tokens:
+
+- `trainer.max_steps: ${steps_for_tokens:X}` counts from the tokens already trained:
+  step + (X - tokens) // tokens a step, rounded down as the resolver rounds (with the checkpoint's
+  tokens a step this is the resolver's own number); an integer trainer.max_steps is kept as given;
+- the lr schedule counts steps of its run's first tokens a step (TrainState.schedule_step_tokens,
+  saved in every checkpoint): a step advances it by its tokens over those (Trainer), so
+  optim.warmup_steps, decay_steps and schedule_start_step keep their length in tokens, the lr of
+  the first resumed step is the one the old run had next, and decay_steps=None ends the decay at
+  the run's last step;
+- the data positions, counted in samples, are converted by tokens when model.seq_length changed.
+One line at the start says what changed."""
+
+from __future__ import annotations
+
+from msa_model.training.callbacks import TrainState
+
+
+def resumed_max_steps(saved: TrainState, step_tokens: int, budget: int) -> int:
+    """trainer.max_steps of `${steps_for_tokens:budget}` for a run resumed from `saved`'s counters
+    at `step_tokens` tokens a step: the steps done and those that train the tokens left."""
+    return saved.step + max(0, budget - saved.tokens) // step_tokens
+
+
+def schedule_decay_steps(max_steps: int, step_tokens: int, saved: TrainState | None) -> int | float:
+    """optim.decay_steps=None: the lr schedule's position after the run's last step, in its steps
+    (of `saved.schedule_step_tokens`): trainer.max_steps itself for a fresh run and for a run
+    that kept its tokens a step. A fraction where the tokens do not divide."""
+    if saved is None:
+        return max_steps
+    tokens = saved.tokens + (max_steps - saved.step) * step_tokens
+    whole, rest = divmod(tokens, saved.schedule_step_tokens)
+    return whole if rest == 0 else tokens / saved.schedule_step_tokens
+
+
+def convert_positions(state: TrainState, seq_from: int, seq_to: int) -> None:
+    """Data positions in samples of `seq_from` tokens -> the same tokens in samples of `seq_to`
+    (rounded down): the stream of another sample length is another order of the same documents,
+    so the position keeps the share of it read, not the samples."""
+    for name in ("consumed_samples", "consumed_valid_samples", "start_samples"):
+        setattr(state, name, getattr(state, name) * seq_from // seq_to)
+
+
+def change_line(saved: TrainState, saved_seq: int | None, global_batch_size: int, seq_length: int,
+                max_steps: int, budget: int | None) -> str | None:
+    """The line a resume at other tokens a step than its checkpoint's logs (None: the same)."""
+    step_tokens = global_batch_size * seq_length
+    if saved.step_tokens == step_tokens:
+        return None
+    before = f"{saved.step_tokens:,}"
+    if saved_seq and saved.step_tokens % saved_seq == 0:
+        before += f" ({saved.step_tokens // saved_seq} x {saved_seq:,})"
+    steps = (f"trainer.max_steps={max_steps:,} from ${{steps_for_tokens:{budget:g}}} counted from the trained tokens"
+             if budget is not None else f"trainer.max_steps={max_steps:,} as given")
+    left = max(0, max_steps - saved.step)
+    line = (f"resume: {step_tokens:,} tokens a step ({global_batch_size} x {seq_length:,}), the checkpoint's "
+            f"{before}; {saved.tokens:,} tokens trained in {saved.step:,} steps; {steps}: {left:,} steps, "
+            f"{left * step_tokens:,} tokens left; the lr schedule goes on by tokens (its steps are of "
+            f"{saved.schedule_step_tokens:,} tokens)")
+    if saved_seq and saved_seq != seq_length:
+        line += (f"; data position {saved.consumed_samples:,} samples of {saved_seq:,} tokens = "
+                 f"{saved.consumed_samples * saved_seq // seq_length:,} of {seq_length:,}")
+    return line

@@ -1,0 +1,111 @@
+"""A resume at other tokens a step than its checkpoint's goes on by tokens: trainer.max_steps of
+${steps_for_tokens:X} counts from the tokens trained, the lr schedule keeps its position in tokens
+(msa_model/training/resume_tokens.py)."""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from skeleton_helpers import metrics, run_train
+
+# 8 x 256 tokens a step, the budget 4 such steps; no checkpoint but the ones asked for
+BUDGET = 4 * 8 * 256
+COMMON = (f"trainer.max_steps=${{steps_for_tokens:{BUDGET}}}", "checkpoint.interval=0", "optim.warmup_steps=1",
+          "trainer.indexer_warmup_tokens=0")
+
+
+def _state(**counters):
+    from msa_model.training.callbacks import TrainState
+
+    return TrainState(**counters)
+
+
+def test_max_steps_counts_the_tokens_left_at_the_new_batch():
+    from msa_model.training.resume_tokens import resumed_max_steps
+
+    # the 109B recipe: 200,000 steps of 4M tokens, resumed at 8M
+    saved = _state(step=200_000, tokens=200_000 * 2**22, step_tokens=2**22, schedule_step_tokens=2**22)
+    max_steps = resumed_max_steps(saved, 2**23, int(3e12))
+    assert max_steps == 200_000 + (int(3e12) - 200_000 * 2**22) // 2**23
+    assert int(3e12) - 2**23 < saved.tokens + (max_steps - saved.step) * 2**23 <= int(3e12)
+    # at the checkpoint's batch: the resolver's own number; a budget already spent: nothing left
+    assert resumed_max_steps(saved, 2**22, int(3e12)) == int(3e12) // 2**22
+    assert resumed_max_steps(saved, 2**23, 10**9) == 200_000
+
+
+def test_decay_ends_at_the_last_step_in_the_schedules_own_steps():
+    from msa_model.training.resume_tokens import schedule_decay_steps
+
+    # fresh, or resumed at the batch its schedule counts: max_steps as before
+    assert schedule_decay_steps(80, 1024, None) == 80
+    assert schedule_decay_steps(80, 1024, _state(step=30, tokens=30 * 1024, step_tokens=1024,
+                                                 schedule_step_tokens=1024)) == 80
+    # 10 steps of 2048 then 12 of 1024: 32,768 tokens, 16 schedule steps of 2048
+    assert schedule_decay_steps(22, 1024, _state(step=10, tokens=10 * 2048, step_tokens=2048,
+                                                 schedule_step_tokens=2048)) == 16
+    # tokens that do not divide: a fraction, not a rounded end
+    assert schedule_decay_steps(21, 1024, _state(step=10, tokens=10 * 2048, step_tokens=2048,
+                                                 schedule_step_tokens=2048)) == 15.5
+
+
+def test_older_checkpoints_give_their_tokens_a_step_from_their_counters():
+    state = _state(step_tokens=512, schedule_step_tokens=512)
+    state.load_state_dict({"step": 5, "consumed_samples": 40, "tokens": 5 * 2048})
+    assert (state.step_tokens, state.schedule_step_tokens) == (2048, 2048)
+    # saved at step 0: this run's
+    state = _state(step_tokens=512, schedule_step_tokens=512)
+    state.load_state_dict({"step": 0, "consumed_samples": 0, "tokens": 0})
+    assert (state.step_tokens, state.schedule_step_tokens) == (512, 512)
+
+
+def test_data_positions_follow_the_tokens_across_sequence_lengths():
+    from msa_model.training.resume_tokens import convert_positions
+
+    state = _state(consumed_samples=512 * 3, consumed_valid_samples=64, start_samples=512)
+    convert_positions(state, 8192, 131072)
+    assert (state.consumed_samples, state.consumed_valid_samples, state.start_samples) == (96, 4, 32)
+
+
+@pytest.mark.parametrize("raw, budget", [("${steps_for_tokens:3e12}", 3 * 10**12), ("${steps_for_tokens: 8192}", 8192),
+                                         (80, None)])
+def test_token_budget_is_read_before_resolving(raw, budget):
+    from msa_model.config import token_budget
+
+    assert token_budget(OmegaConf.create({"max_steps": raw})) == budget
+
+
+def test_the_line_names_both_batches_and_what_is_left():
+    from msa_model.training.resume_tokens import change_line
+
+    saved = _state(step=3, tokens=3 * 2048, consumed_samples=24, step_tokens=2048, schedule_step_tokens=2048)
+    assert change_line(saved, 256, 8, 256, 99, None) is None
+    line = change_line(saved, 256, 2, 512, 8, 8192)
+    assert "1,024 tokens a step (2 x 512), the checkpoint's 2,048 (8 x 256)" in line
+    assert "trainer.max_steps=8 from ${steps_for_tokens:8192}" in line and "5 steps, 5,120 tokens left" in line
+    assert "data position 24 samples of 256 tokens = 12 of 512" in line
+
+
+def test_a_resume_at_half_the_batch_trains_the_budget_on_the_old_runs_schedule(tmp_path, data_cache):
+    """4 steps of 8 x 256 straight; the same run stopped after its first step and resumed at 4 x 256
+    a step in two jobs: 7 steps, the same tokens, and at every whole schedule position the
+    uninterrupted run's lr."""
+    straight = tmp_path / "straight"
+    run_train(straight, *COMMON, "parallel.global_batch_size=8", data_cache=data_cache)
+    split = tmp_path / "split"
+    run_train(split, *COMMON, "parallel.global_batch_size=8", "trainer.stop_at_step=1", data_cache=data_cache)
+    proc = run_train(split, *COMMON, "parallel.global_batch_size=4", "trainer.stop_at_step=4", data_cache=data_cache)
+    # a second resume at the same batch keeps the first's schedule and max_steps
+    run_train(split, *COMMON, "parallel.global_batch_size=4", data_cache=data_cache)
+
+    a, b = metrics(straight), metrics(split)
+    assert sorted(a) == [1, 2, 3, 4] and sorted(b) == list(range(1, 8))
+    assert a[4]["tokens"] == b[7]["tokens"] == BUDGET
+    # a step of 4 x 256 is half a schedule step: split step n ends at schedule position (n + 1) / 2
+    for n in (1, 3, 5, 7):
+        assert b[n]["lr"] == pytest.approx(a[(n + 1) // 2]["lr"], rel=1e-12), n
+    assert a[1]["lr"] > b[2]["lr"] > a[2]["lr"] > b[4]["lr"] > a[3]["lr"]
+    assert OmegaConf.load(split / "config.yaml").trainer.max_steps == 7
+    # the first resume said what changed
+    out = proc.stdout + proc.stderr
+    assert "1,024 tokens a step (4 x 256), the checkpoint's 2,048 (8 x 256)" in out, out[-3000:]
