@@ -36,8 +36,9 @@ def _retrieval_probe(cfg, tokenizer):
                           cfg.model.seq_length, cfg.parallel.micro_batch_size, document_bos(cfg.data, tokenizer))
 
 
-def _build_optimizer(cfg, model_chunks, decay_steps):
-    """`decay_steps`: the lr decay's length where optim.decay_steps is None (resume_tokens.py)."""
+def _build_optimizer(cfg, model_chunks, decay_steps=None):
+    """`decay_steps`: the lr decay's length where optim.decay_steps is None (None: trainer.max_steps;
+    a resume at another batch passes its own, resume_tokens.py)."""
     import torch
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -66,7 +67,7 @@ def _build_optimizer(cfg, model_chunks, decay_steps):
         optimizer = GroupNormOptimizer(optimizer, o.clip_grad, o.index_clip_grad)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=o.warmup_steps,
-        lr_decay_steps=o.decay_steps or decay_steps, lr_decay_style=o.decay_style,
+        lr_decay_steps=o.decay_steps or decay_steps or cfg.trainer.max_steps, lr_decay_style=o.decay_style,
         start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=cfg.trainer.max_steps, wd_incr_style="constant",
         # on resume the config's schedule wins (a relaunch may train longer or lower the lr); only
         # the step count comes from the checkpoint. Its steps are of the run's first tokens a step
