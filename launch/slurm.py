@@ -222,9 +222,10 @@ def prepare(overrides: list[str], env: dict[str, str] | None = None,
     (run_dir, script, cfg). Writes nothing."""
     from omegaconf import OmegaConf
 
-    from msa_model.config import validate
+    from msa_model.config import token_budget, validate
     from msa_model.training.index_history import WARMUP_KEY, plan_indexer_warmup
     from msa_model.training.inputs import override_for
+    from msa_model.training.resume_tokens import planned_max_steps
 
     cfg = composed(overrides)
     run_dir = Path(str(cfg.run_dir))
@@ -232,7 +233,12 @@ def prepare(overrides: list[str], env: dict[str, str] | None = None,
         run_dir = (Path.cwd() / run_dir).resolve()
     args = job_overrides(overrides, run_dir)
     cfg = composed(args)
+    budget = token_budget(cfg.trainer)
     OmegaConf.resolve(cfg)
+    # a resume at other tokens a step than its checkpoint's goes on by tokens, as the job will
+    planned = planned_max_steps(cfg, budget)
+    if planned is not None:
+        cfg.trainer.max_steps = planned
     # init_from's trained index branch skips the recipe's warmup, as train.py decides it
     plan_indexer_warmup(cfg, override_for(WARMUP_KEY, args) is not None)
     validate(cfg, world_size(cfg.launch), gpu=bool(cfg.launch.gpus_per_node))

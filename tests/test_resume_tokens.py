@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from skeleton_helpers import metrics, run_train
+from skeleton_helpers import TINY_TEST, metrics, run_train
 
 # 8 x 256 tokens a step, the budget 4 such steps; no checkpoint but the ones asked for
 BUDGET = 4 * 8 * 256
@@ -109,3 +109,20 @@ def test_a_resume_at_half_the_batch_trains_the_budget_on_the_old_runs_schedule(t
     # the first resume said what changed
     out = proc.stdout + proc.stderr
     assert "1,024 tokens a step (4 x 256), the checkpoint's 2,048 (8 x 256)" in out, out[-3000:]
+
+
+def test_stop_at_step_is_checked_against_the_steps_the_resume_goes_to(tmp_path, data_cache):
+    """4 steps of 4 x 256, resumed at 8 x 256 a step: ${steps_for_tokens} of the new batch alone
+    is 4 steps, the run goes to 6. trainer.stop_at_step=5 was refused against the 4, by train.py
+    and by launch.slurm (whose config.yaml the job then rewrote)."""
+    from launch.slurm import prepare
+
+    run = tmp_path / "run"
+    run_train(run, *COMMON, "parallel.global_batch_size=4", "trainer.stop_at_step=4", data_cache=data_cache)
+    larger = (*COMMON, "parallel.global_batch_size=8", "trainer.stop_at_step=5")
+    cfg = prepare([*TINY_TEST, f"run_dir={run}", f"data.cache_dir={data_cache}", *larger])[2]
+    assert (cfg.trainer.max_steps, cfg.trainer.stop_at_step) == (6, 5)
+    proc = run_train(run, *larger, data_cache=data_cache, check=False)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert sorted(metrics(run)) == [1, 2, 3, 4, 5]
+    assert OmegaConf.load(run / "config.yaml").trainer.max_steps == 6

@@ -4,7 +4,9 @@ continues by tokens:
 
 - `trainer.max_steps: ${steps_for_tokens:X}` counts from the tokens already trained:
   step + (X - tokens) // tokens a step, rounded down as the resolver rounds (with the checkpoint's
-  tokens a step this is the resolver's own number); an integer trainer.max_steps is kept as given;
+  tokens a step this is the resolver's own number), set before the config is checked
+  (trainer.stop_at_step must be below it) by train.py and launch.slurm alike; an integer
+  trainer.max_steps is kept as given;
 - the lr schedule counts steps of its run's first tokens a step (TrainState.schedule_step_tokens,
   saved in every checkpoint): a step advances it by its tokens over those (Trainer), so
   optim.warmup_steps, decay_steps and schedule_start_step keep their length in tokens, the lr of
@@ -15,6 +17,8 @@ One line at the start says what changed."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from msa_model.training.callbacks import TrainState
 
 
@@ -22,6 +26,31 @@ def resumed_max_steps(saved: TrainState, step_tokens: int, budget: int) -> int:
     """trainer.max_steps of `${steps_for_tokens:budget}` for a run resumed from `saved`'s counters
     at `step_tokens` tokens a step: the steps done and those that train the tokens left."""
     return saved.step + max(0, budget - saved.tokens) // step_tokens
+
+
+def planned_max_steps(cfg, budget: int | None) -> int | None:
+    """resumed_max_steps for the checkpoint `latest` names in `cfg`'s checkpoint directory, read
+    before the config is checked and written: trainer.stop_at_step is checked against the steps
+    this run goes to, and `python -m launch.slurm` writes the config.yaml the job writes. None
+    where max_steps is a number (`budget` None), nothing is resumed, or the checkpoint's counters
+    cannot be read (the resume names that checkpoint, or falls back to an older one and counts
+    from its counters)."""
+    step_tokens = cfg.parallel.global_batch_size * cfg.model.seq_length
+    # a batch of no tokens is the config's error (validate names it)
+    if budget is None or cfg.resume == "never" or step_tokens <= 0:
+        return None
+    from msa_model.training.checkpoint import saved_progress
+    from msa_model.training.checkpoint_checks import CheckpointError
+    from msa_model.training.data_setup import step_dir_of
+
+    step_dir = step_dir_of(cfg.checkpoint.dir or Path(cfg.run_dir) / "checkpoints")
+    if step_dir is None:
+        return None
+    try:
+        saved, _ = saved_progress(step_dir, step_tokens)
+    except CheckpointError:
+        return None
+    return resumed_max_steps(saved, step_tokens, budget)
 
 
 def schedule_decay_steps(max_steps: int, step_tokens: int, saved: TrainState | None) -> int | float:

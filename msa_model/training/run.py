@@ -269,6 +269,13 @@ def run(cfg: DictConfig, notes: list[str] | tuple[str, ...] = ()) -> None:
                              *input_warnings]), flush=True)
         return
     started = time.monotonic()
+    from msa_model.training.resume_tokens import planned_max_steps
+
+    # a resume at other tokens a step than its checkpoint's: trainer.stop_at_step is checked against
+    # the steps it goes to (set again below from the checkpoint the resume loads)
+    planned = planned_max_steps(cfg, budget)
+    if planned is not None:
+        cfg.trainer.max_steps = planned
     # before anything is written (run directory, data cache, lock): every problem at once
     problems = check_configuration(cfg, world_size)
     # the tokenizer against the model, the checkpoints and the prepared datasets (a wrong one would
