@@ -59,6 +59,23 @@ def test_older_checkpoints_give_their_tokens_a_step_from_their_counters():
     assert (state.step_tokens, state.schedule_step_tokens) == (512, 512)
 
 
+def test_the_warmup_switch_at_the_checkpoint_is_recorded_after_a_smaller_batch():
+    """The checkpoint of the last warmup step (its 3rd of 400 tokens began at 800 < 1,000), resumed at
+    100 tokens a step: the switch is due at the resumed job's start and recorded there (it was judged
+    by the new step's tokens, 1,200 - 100 >= 1,000, and never recorded)."""
+    from types import SimpleNamespace
+
+    from msa_model.config import MSAConfig
+    from msa_model.training.indexer_warmup import IndexerWarmup
+
+    state = _state(step=3, tokens=1200, step_tokens=400, schedule_step_tokens=400)
+    trainer = SimpleNamespace(state=state, model_chunks=[], global_batch_size=1, seq_length=100)
+    warmup = IndexerWarmup(1000, MSAConfig())
+    warmup.on_step_start(trainer)
+    assert warmup.phase == "sparse"
+    assert (warmup.switched_at_step, warmup.switched_at_tokens) == (3, 1200)
+
+
 def test_data_positions_follow_the_tokens_across_sequence_lengths():
     from msa_model.training.resume_tokens import convert_positions
 

@@ -60,9 +60,10 @@ class IndexerWarmup(Callback):
         if not switched:
             return
         # the switch is due now when the step before this one still began in warmup: in a running
-        # job, and in one resumed from the checkpoint taken on the last warmup step
-        step_tokens = trainer.global_batch_size * trainer.seq_length
-        due_now = self.warmup_tokens > 0 and tokens - step_tokens < self.warmup_tokens
+        # job, and in one resumed from the checkpoint taken on the last warmup step, whose steps
+        # may have had other tokens than this job's (the checkpoint's counters say, until the
+        # trainer's first step)
+        due_now = self.warmup_tokens > 0 and tokens - trainer.state.step_tokens < self.warmup_tokens
         if self.switched_at_step is None and due_now:
             self.switched_at_step, self.switched_at_tokens = trainer.state.step, tokens
             c = self.msa_cfg

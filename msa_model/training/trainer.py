@@ -213,6 +213,8 @@ class Trainer:
         # the dataset is built here, before the callbacks start their clocks
         self.batches()
         self._call("on_train_start")
+        # after on_train_start: until here a resumed state's step_tokens are its checkpoint's steps'
+        # (the indexer warmup reads them)
         step_tokens = self.state.step_tokens = self.global_batch_size * self.seq_length
         # a relaunch of a job that stopped at stop_at_step must not run one step more; a stop
         # signal that came during start-up ends the job before its first step
