@@ -41,6 +41,12 @@ from .shared_build import BuildLock, build_megatron_datasets, discard, wait_for_
 
 log = logging.getLogger(__name__)
 
+# data.retrieval_share's documents, a dataset of their own beside the corpus's tokens.*
+RETRIEVAL_FILES = ("retrieval.bin", "retrieval.idx")
+# windows of them made at least: the blend's weights set their share, and every split of data.split
+# down to 1% gets some (megatron never ends a split without documents)
+MIN_RETRIEVAL_WINDOWS = 200
+
 
 def _cache_key(tokenizer_name: str, root: Path, files: list[Path], extra: str = "") -> str:
     h = hashlib.sha256(tokenizer_name.encode() + extra.encode())
@@ -78,8 +84,9 @@ def prepare_tokens(data_cfg, tokenizer=None, build: bool = True, seq_length: int
     extra += f"bos={bos}" if bos is not None else ""
     out_dir = Path(data_cfg.cache_dir) / f"{tag}-{_cache_key(name, root, files, extra)}"
     prefix = str(out_dir / "tokens")
+    required = ("tokens.bin", "tokens.idx", *(RETRIEVAL_FILES if share > 0 else ()))
     if out_dir.exists():
-        found = problem(out_dir, full=data_cfg.verify_cache, required=("tokens.bin", "tokens.idx"))
+        found = problem(out_dir, full=data_cfg.verify_cache, required=required)
         if found is None:
             return prefix
         if not build:
@@ -89,7 +96,7 @@ def prepare_tokens(data_cfg, tokenizer=None, build: bool = True, seq_length: int
                              "on a file system every node sees")
     with BuildLock(out_dir, f"data cache {out_dir}", data_cfg.cache_wait_s):
         # another job may have built (or rebuilt) it while this one waited for the lock
-        found = problem(out_dir, full=data_cfg.verify_cache, required=("tokens.bin", "tokens.idx")) \
+        found = problem(out_dir, full=data_cfg.verify_cache, required=required) \
             if out_dir.exists() else None
         if found is not None:
             log.warning("data cache %s: %s; rebuilding it", out_dir, found)
@@ -109,12 +116,13 @@ def _retrieval_tasks(data_cfg) -> tuple[str, ...]:
 def _mixture_key(data_cfg, share: float, seq_length: int | None, bytes_are_tokens: bool = True) -> str:
     """What the synthetic documents depend on, for the cache key. The mixture counts only when there
     is one, so plain corpora keep their caches; chosen tasks count with the generator's source (a
-    change to a task's documents builds a new cache), the default ones not, so the mixtures made
-    before the tasks could be chosen keep theirs. Documents sized in another tokenizer's tokens
-    (once they were sized in bytes with every tokenizer) are marked so."""
+    change to a task's documents builds a new cache), the default ones not. Documents sized in another
+    tokenizer's tokens (once they were sized in bytes with every tokenizer) are marked so, and so are
+    documents in a dataset of whole windows (once they were appended to the corpus's)."""
     if share <= 0:
         return ""
     key = f"retrieval={share},{seq_length},{data_cfg.seed}" + ("" if bytes_are_tokens else ",lengths=tokens")
+    key += ",windows"
     tasks = _retrieval_tasks(data_cfg)
     if tasks != DEFAULT_TASKS:
         source = hashlib.sha256(Path(retrieval.__file__).read_bytes()).hexdigest()[:16]
@@ -137,20 +145,10 @@ def _tokenize(out_dir: Path, tokenizer, root: Path, files: list[Path], data_cfg,
             ids = np.concatenate([head, doc, [tokenizer.eod]]).astype(np.int32)
             builder.add_document(ids, [ids.size])
             n_tokens += ids.size
-    n_synthetic = 0
-    if share > 0:
-        # GPTDataset shuffles documents, so appending them after the corpus mixes them in
-        haystack = Haystack(files, pool_bytes=64 * seq_length + 4_000_000, seed=data_cfg.seed)
-        target = int(n_tokens * share / (1.0 - share))
-        # lengths and the share in the model's tokens (bytes are the byte tokenizer's tokens)
-        count = None if tokenizer.name == "byte-v1" else (lambda doc: len(tokenizer.tokenize(doc)))
-        for doc in training_documents(haystack, target, seq_length, seed=data_cfg.seed + 1,
-                                      tasks=_retrieval_tasks(data_cfg), count=count):
-            ids = np.concatenate([head, tokenizer.tokenize(doc), [tokenizer.eod]]).astype(np.int32)
-            builder.add_document(ids, [ids.size])
-            n_synthetic += ids.size
     builder.finalize(str(tmp / "tokens.idx"))
-    record(tmp, ["tokens.bin", "tokens.idx"])
+    target = max(int(n_tokens * share / (1.0 - share)), MIN_RETRIEVAL_WINDOWS * seq_length)
+    n_synthetic = _write_retrieval(tmp, tokenizer, files, data_cfg, seq_length, head, target) if share > 0 else 0
+    record(tmp, ["tokens.bin", "tokens.idx", *(RETRIEVAL_FILES if share > 0 else ())])
     try:
         os.rename(tmp, out_dir)
     except OSError:
@@ -158,7 +156,49 @@ def _tokenize(out_dir: Path, tokenizer, root: Path, files: list[Path], data_cfg,
         shutil.rmtree(tmp, ignore_errors=True)
     log.info("tokenized %d files (%.1f MB) from %s into %s: %d tokens%s", len(files),
              sum(p.stat().st_size for p in files) / 1e6, root, out_dir, n_tokens + n_synthetic,
-             f" ({n_synthetic} in synthetic retrieval documents)" if n_synthetic else "")
+             f" ({n_synthetic} in windows of synthetic retrieval documents)" if n_synthetic else "")
+
+
+def _write_retrieval(out: Path, tokenizer, files: list[Path], data_cfg, seq_length: int, head: list[int],
+                     target: int) -> int:
+    """Synthetic retrieval documents of about `target` tokens into out/retrieval.{bin,idx}, whole
+    documents packed into entries of exactly `seq_length` tokens (the rest end-of-document tokens);
+    returns their tokens. megatron cuts samples of `seq_length` tokens at a stride of `seq_length`,
+    so every sample of this dataset is one entry: a question and its needles share their window.
+    Appended to the corpus's documents instead, a third of kvrecall's questions or more lost their
+    needle to the window before (bench/retrieval_answerable.py)."""
+    haystack = Haystack(files, pool_bytes=64 * seq_length + 4_000_000, seed=data_cfg.seed)
+    # lengths and the share in the model's tokens (bytes are the byte tokenizer's tokens)
+    count = None if tokenizer.name == "byte-v1" else (lambda doc: len(tokenizer.tokenize(doc)))
+    builder = IndexedDatasetBuilder(str(out / "retrieval.bin"), dtype=np.int32)
+    entry: list[int] = []
+    n_entries = 0
+
+    def flush():
+        nonlocal entry, n_entries
+        ids = np.full(seq_length, tokenizer.eod, dtype=np.int32)
+        ids[:len(entry)] = entry
+        builder.add_document(ids, [seq_length])
+        entry, n_entries = [], n_entries + 1
+
+    # a document, its BOS and its end-of-document token fit an entry
+    for doc in training_documents(haystack, target, seq_length - len(head) - 1, seed=data_cfg.seed + 1,
+                                  tasks=_retrieval_tasks(data_cfg), count=count):
+        ids = [*head, *tokenizer.tokenize(doc), tokenizer.eod]
+        if len(entry) + len(ids) > seq_length:
+            flush()
+        entry += ids
+    if entry:
+        flush()
+    builder.finalize(str(out / "retrieval.idx"))
+    return n_entries * seq_length
+
+
+def retrieval_prefix(prefix: str) -> str | None:
+    """The retrieval documents' dataset beside the corpus's `prefix` (data.retrieval_share > 0),
+    else None."""
+    path = Path(prefix).parent / "retrieval"
+    return str(path) if path.with_suffix(".idx").exists() else None
 
 
 def build_datasets(data_cfg, tokenizer, seq_length: int, train_samples: int, valid_samples: int = 0):
@@ -188,7 +228,10 @@ def build_datasets(data_cfg, tokenizer, seq_length: int, train_samples: int, val
         wait_for_rank_0(data_cfg.cache_wait_s)
         if rank != 0:
             prefix = prepare_tokens(data_cfg, tokenizer, build=False, seq_length=seq_length)
-        train_blend = ([prefix], None)
+        synthetic = retrieval_prefix(prefix)
+        # the retrieval documents are their share of the samples (each a whole window)
+        share = getattr(data_cfg, "retrieval_share", 0.0)
+        train_blend = ([prefix], None) if synthetic is None else ([prefix, synthetic], [1.0 - share, share])
         index_dir = Path(prefix).parent / "index"
         if data_cfg.valid_blend:
             index_dir = index_dir / contents_key(parse_blend(data_cfg.valid_blend, "data.valid_blend")[0])

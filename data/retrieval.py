@@ -217,7 +217,8 @@ def training_documents(haystack: Haystack, target: int, max_length: int, seed: i
     tokenizer's tokens, each document exactly its drawn length."""
     rng = random.Random(seed)
     made = 0
-    low = max(256, max_length // 8)
+    # at most max_length: a context of 256 tokens leaves its documents a token or two less
+    low = min(max(256, max_length // 8), max_length)
     while made < target:
         task = rng.choice(tasks)
         length, depth = rng.randint(low, max(low, max_length)), rng.random()

@@ -307,9 +307,26 @@ def test_every_field_of_an_evaluation_example_draws_another_one(tmp_path):
         assert _example_rng(0, task, 700, 0.5, 3).random() == _example_rng(0, task, 700, 0.5, 3).random()
 
 
+# the documents of a dataset of retrieval windows (each entry documents ending in the
+# end-of-document token, then end-of-document tokens up to the window's length)
+SPLIT_ENTRIES = (
+    "import numpy as np\n"
+    "def split_entries(prefix, eod):\n"
+    "    docs = []\n"
+    "    ds = IndexedDataset(prefix)\n"
+    "    for entry in (ds[i] for i in range(len(ds))):\n"
+    "        start = 0\n"
+    "        for end in np.flatnonzero(entry == eod):\n"
+    "            if end > start:\n"
+    "                docs.append(np.array(entry[start:end]))  # a copy: the entry is a view of the file\n"
+    "            start = end + 1\n"
+    "    return docs\n"
+)
+
+
 def test_retrieval_share_puts_synthetic_documents_in_the_token_file(tmp_path):
-    """The share of synthetic documents, of the tasks data.retrieval_tasks names; the default
-    tasks keep the cache key they had before the tasks could be chosen."""
+    """The share of synthetic documents, of the tasks data.retrieval_tasks names, in a dataset of
+    their own whose every entry is one window of whole documents."""
     root, _ = _haystack(tmp_path)
     script = (
         "import sys, numpy as np\n"
@@ -317,8 +334,9 @@ def test_retrieval_share_puts_synthetic_documents_in_the_token_file(tmp_path):
         "from omegaconf import OmegaConf\n"
         "from msa_model.config import DataConfig\n"
         "from data.corpus import list_corpus_files\n"
-        "from data.datasets import _cache_key, prepare_tokens\n"
+        "from data.datasets import _cache_key, prepare_tokens, retrieval_prefix\n"
         "from megatron.core.datasets.indexed_dataset import IndexedDataset\n"
+        + SPLIT_ENTRIES +
         "out = []\n"
         "for share, tasks in ((0.0, None), (0.3, None), (0.3, ['kvrecall'])):\n"
         "    cfg = OmegaConf.structured(DataConfig(source=sys.argv[1], glob='*.py', cache_dir=sys.argv[2],"
@@ -327,8 +345,13 @@ def test_retrieval_share_puts_synthetic_documents_in_the_token_file(tmp_path):
         "    prefix = prepare_tokens(cfg, seq_length=512)\n"
         "    ds = IndexedDataset(prefix)\n"
         "    docs = [bytes(np.asarray(ds[i][:-1], dtype=np.uint8)) for i in range(len(ds))]\n"
+        "    windows = set()\n"
+        "    if retrieval_prefix(prefix):\n"
+        "        docs += [bytes(np.asarray(d, dtype=np.uint8)) for d in split_entries(retrieval_prefix(prefix), ds[0][-1])]\n"
+        "        rds = IndexedDataset(retrieval_prefix(prefix))\n"
+        "        windows = set(np.array(rds.sequence_lengths).tolist())\n"
         "    questions = [d.count(b'assert ') for d in docs]\n"
-        "    out.append((len(docs), sum(map(len, docs)), questions, Path(prefix).parent.name))\n"
+        "    out.append((len(docs), sum(map(len, docs)), questions, Path(prefix).parent.name, windows))\n"
         "root, files = list_corpus_files(sys.argv[1], '*.py', cfg.max_bytes)\n"
         "old_key = _cache_key('byte-v1', root, files, f'retrieval=0.3,512,{cfg.seed}')\n"
         "out.append(Path(sys.argv[1]).name + '-' + old_key)\n"
@@ -337,15 +360,20 @@ def test_retrieval_share_puts_synthetic_documents_in_the_token_file(tmp_path):
     proc = subprocess.run([sys.executable, "-c", script, str(root), str(tmp_path / "cache")], cwd=REPO, env=_env(),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (n0, tok0, q0, _), (n1, tok1, q1, dir1), (n2, tok2, q2, dir2), old_dir1 = eval(proc.stdout.strip().splitlines()[-1])
-    assert n0 == 3 and q0 == [0, 0, 0]
+    (n0, tok0, q0, _, w0), (n1, tok1, q1, dir1, w1), (n2, tok2, q2, dir2, w2), old_dir1 = \
+        eval(proc.stdout.strip().splitlines()[-1])
+    assert n0 == 3 and q0 == [0, 0, 0] and w0 == set()
+    # the synthetic documents in a dataset of whole windows, each entry exactly the context
+    assert w1 == w2 == {512}
     assert q1[:3] == [0, 0, 0] and q1[3:] == [1] * (n1 - 3) and n1 > 3
-    assert (tok1 - tok0) / tok1 == pytest.approx(0.3, abs=0.05)
+    # at least the share's tokens (the blend's weights make the share of the samples: the needle test below)
+    assert tok1 - tok0 >= 0.3 / 0.7 * tok0
     # kvrecall documents of 256-512 bytes, each asking for all its needles
     assert q2[:3] == [0, 0, 0] and n2 > 3 and all(_kv_count(256) <= q <= _kv_count(512) for q in q2[3:])
     assert len(set(q2[3:])) > 1
-    assert (tok2 - tok0) / tok2 == pytest.approx(0.3, abs=0.05)
-    assert dir1 == old_dir1 and dir2 != dir1
+    assert tok2 - tok0 >= 0.3 / 0.7 * tok0
+    # a cache of the documents appended to the corpus's (before they had a dataset of windows) is not reused
+    assert dir1 != old_dir1 and dir2 != dir1
 
 
 def test_retrieval_share_counts_a_bpe_tokenizers_tokens(tmp_path):
@@ -361,9 +389,10 @@ def test_retrieval_share_counts_a_bpe_tokenizers_tokens(tmp_path):
         "from omegaconf import OmegaConf\n"
         "from msa_model.config import DataConfig\n"
         "from data.corpus import list_corpus_files\n"
-        "from data.datasets import _cache_key, prepare_tokens\n"
+        "from data.datasets import _cache_key, prepare_tokens, retrieval_prefix\n"
         "from data.tokenizer import build_tokenizer\n"
         "from megatron.core.datasets.indexed_dataset import IndexedDataset\n"
+        + SPLIT_ENTRIES +
         "cfg = OmegaConf.structured(DataConfig(source=sys.argv[1], glob='*.py', cache_dir=sys.argv[2],"
         " retrieval_share=0.3, tokenizer=sys.argv[3]))\n"
         "prefix = prepare_tokens(cfg, seq_length=512)\n"
@@ -371,7 +400,8 @@ def test_retrieval_share_counts_a_bpe_tokenizers_tokens(tmp_path):
         "tokenizer = build_tokenizer(sys.argv[3])\n"
         "root, files = list_corpus_files(sys.argv[1], '*.py', cfg.max_bytes)\n"
         "byte_sized = _cache_key(tokenizer.identity['sha256'], root, files, f'retrieval=0.3,512,{cfg.seed}')\n"
-        "print([len(ds[i]) for i in range(len(ds))], Path(prefix).parent.name == Path(sys.argv[1]).name + '-' + byte_sized)\n"
+        "synthetic = [len(d) + 1 for d in split_entries(retrieval_prefix(prefix), tokenizer.eod)]\n"
+        "print([len(ds[i]) for i in range(len(ds))] + synthetic, Path(prefix).parent.name == Path(sys.argv[1]).name + '-' + byte_sized)\n"
     )
     proc = subprocess.run([sys.executable, "-c", script, str(root), str(tmp_path / "cache"), str(tok)], cwd=REPO,
                           env=_env(), capture_output=True, text=True, timeout=600)
@@ -379,10 +409,42 @@ def test_retrieval_share_counts_a_bpe_tokenizers_tokens(tmp_path):
     lengths, old_key = proc.stdout.strip().splitlines()[-1].rsplit(" ", 1)
     lengths = eval(lengths)
     corpus, synthetic = lengths[:3], lengths[3:]
-    assert sum(synthetic) / sum(lengths) == pytest.approx(0.3, abs=0.03)
-    # each document and its end-of-document token within the sequence, the longest near it
-    assert all(0.98 * 256 <= n <= 513 for n in synthetic) and max(synthetic) > 480, synthetic
+    assert sum(synthetic) >= 0.3 / 0.7 * sum(corpus)
+    # each document and its end-of-document token within a window, the longest near it
+    assert all(0.98 * 256 <= n <= 512 for n in synthetic) and max(synthetic) > 480, synthetic
     assert old_key == "False"
+
+
+def test_every_retrieval_question_has_its_needle_in_its_training_window(tmp_path):
+    """The training samples of a kvrecall mixture: half of them retrieval documents, and every
+    question's needle in the question's window. Appended to the corpus's documents, 55% of the
+    questions had theirs at 512 tokens: a window boundary cut the rest from their needles."""
+    root, _ = _haystack(tmp_path)
+    script = (
+        "import re, sys, numpy as np\n"
+        "from omegaconf import OmegaConf\n"
+        "from msa_model.config import DataConfig\n"
+        "from data.datasets import build_datasets\n"
+        "from data.tokenizer import BYTE, build_tokenizer\n"
+        "cfg = OmegaConf.structured(DataConfig(source=sys.argv[1], glob='*.py', cache_dir=sys.argv[2],"
+        " retrieval_share=0.5, retrieval_tasks=['kvrecall']))\n"
+        "train, _ = build_datasets(cfg, build_tokenizer(BYTE, cfg.eod_token), 512, 120)\n"
+        "held = found = asked = 0\n"
+        "for i in range(120):\n"
+        "    t = train[i]['tokens'].numpy()\n"
+        "    text = bytes(np.where(t < 256, t, 10).astype(np.uint8))\n"
+        "    questions = list(re.finditer(rb'assert (KEY_\\w+) == \"', text))\n"
+        "    held += bool(questions)\n"
+        "    asked += len(questions)\n"
+        "    found += sum(m.group(1) + b' = \"' in text[:m.start()] for m in questions)\n"
+        "print(held, asked, found)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script, str(root), str(tmp_path / "cache")], cwd=REPO, env=_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    held, asked, found = map(int, proc.stdout.strip().splitlines()[-1].split())
+    assert 40 <= held <= 80 and asked > 100
+    assert found == asked
 
 
 @pytest.fixture(scope="module")
