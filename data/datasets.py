@@ -146,8 +146,10 @@ def _tokenize(out_dir: Path, tokenizer, root: Path, files: list[Path], data_cfg,
             builder.add_document(ids, [ids.size])
             n_tokens += ids.size
     builder.finalize(str(tmp / "tokens.idx"))
-    target = max(int(n_tokens * share / (1.0 - share)), MIN_RETRIEVAL_WINDOWS * seq_length)
-    n_synthetic = _write_retrieval(tmp, tokenizer, files, data_cfg, seq_length, head, target) if share > 0 else 0
+    n_synthetic = 0
+    if share > 0:
+        target = max(int(n_tokens * share / (1.0 - share)), MIN_RETRIEVAL_WINDOWS * seq_length)
+        n_synthetic = _write_retrieval(tmp, tokenizer, files, data_cfg, seq_length, head, target)
     record(tmp, ["tokens.bin", "tokens.idx", *(RETRIEVAL_FILES if share > 0 else ())])
     try:
         os.rename(tmp, out_dir)
