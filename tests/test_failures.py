@@ -125,6 +125,27 @@ def test_a_bad_input_only_rank_1_sees_reaches_the_log_once(tmp_path, data_cache)
     log = (run_dir / "train.log").read_text().splitlines()
     assert error in log[-2] and log[-1].endswith(stop), log[-3:]
     assert "failed (exitcode: 2)" in out  # torchrun's own report: the job failed as its rank 1 did
+    # and its summary, the job's last lines, ends with the error (from rank 1, or from rank 0's stop)
+    last = proc.stderr.strip().splitlines()[-2]
+    said = (f"[rank 1 on {host}] data cache {node_local}/stdlib-",
+            f"{stop}: data cache {node_local}/stdlib-")
+    assert any(s in last for s in said), proc.stderr[-3000:]
+
+
+def test_torchrun_ends_with_the_configuration_error(tmp_path):
+    """A two-rank torchrun job whose configuration is wrong only for its layout (a global batch of 6
+    is no multiple of micro batch 2 x dp 2): after torchrun's own traceback, its summary of the
+    failed ranks ends with the error, not with a link to torchrun's documentation."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           f"--master-port={free_port()}", "train.py", "parallel.micro_batch_size=2",
+           "parallel.global_batch_size=6", f"run_dir={tmp_path / 'run'}"]
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
+    problem = "parallel.global_batch_size (6) must be a multiple of parallel.micro_batch_size * dp (2 * 2)"
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode != 0 and "error: invalid configuration:" in lines, proc.stderr[-3000:]
+    assert "ChildFailedError" in proc.stderr, proc.stderr[-3000:]
+    assert any(problem in line for line in lines[-3:]), lines[-12:]
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_port_in_use_is_said_by_the_rank_that_meets_it(tmp_path, data_cache):

@@ -15,6 +15,13 @@ directory's log is open.
 
 Before the process group exists (a single process, or an error of the configuration, the same on
 every rank) rank 0 alone says the error, as a plain `error: <message>`.
+
+Under torchrun, whose report of a failed job (its own traceback, then a summary of the failed
+ranks) comes after everything the ranks said, each rank also writes the error it stops for into
+the error file torchrun gives it (TORCHELASTIC_ERROR_FILE): the summary, the job's last lines,
+then ends with the error, whichever rank torchrun takes for the first to fail, instead of
+"To enable traceback see ...". A rank stopping for another's failure writes its stop line with
+that error.
 """
 
 from __future__ import annotations
@@ -139,6 +146,22 @@ def _to_run_log(*lines: str) -> None:
                 handler.handle(logging.LogRecord(__name__, logging.ERROR, __file__, 0, line, None, None))
 
 
+def _tell_launcher(message: str) -> None:
+    """`message` into this rank's torchrun error file, in the format torchrun reads (its summary
+    shows "py_callstack" under `traceback :`); nothing outside torchrun. Written before the error is
+    printed: torchrun stops the other ranks as soon as one of them exits."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    report = {"message": {"message": message, "extraInfo": {"py_callstack": message,
+                                                            "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(report, f)
+    except OSError:
+        pass  # torchrun's summary says "To enable traceback see ..." as before
+
+
 def _hold_signals() -> None:
     """A rank saying why it stops is not cut short by its launcher's SIGTERM (torchrun and srun
     send it when a rank exits; the trainer's own handlers are gone by now). It exits within
@@ -163,6 +186,7 @@ def _stop_for(channel: _Channel, first: dict) -> NoReturn:
     """Another rank failed first: one line, then exit with its code."""
     with _reporting:
         line = f"[rank {channel.rank} on {channel.host}] stopping: rank {first['rank']} on {first['host']} failed"
+        _tell_launcher(f"{line}: {first['message']}")
         print(line, file=sys.stderr, flush=True)
         if channel.rank == 0:
             _to_run_log(f"error: [rank {first['rank']} on {first['host']}] {first['message']}", line)
@@ -184,9 +208,11 @@ def fail(message: str, code: int, every_rank: bool = False, this_rank: bool = Fa
         _hold_signals()
     rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
     if channel is None and this_rank:
+        _tell_launcher(f"[rank {rank} on {host()}] {message}")
         print(f"error: [rank {rank} on {host()}] {message}", file=sys.stderr, flush=True)
         sys.exit(code)
     if channel is None or every_rank:
+        _tell_launcher(message)
         if rank == 0:
             print(f"error: {message}", file=sys.stderr, flush=True)
         if channel is None:
@@ -199,6 +225,7 @@ def fail(message: str, code: int, every_rank: bool = False, this_rank: bool = Fa
             first = None
         if first is not None and first["rank"] != channel.rank:
             _stop_for(channel, first)
+        _tell_launcher(f"[rank {channel.rank} on {channel.host}] {message}")
         line = f"error: [rank {channel.rank} on {channel.host}] {message}"
         print(line, file=sys.stderr, flush=True)
         _to_run_log(line)
@@ -240,6 +267,7 @@ def crash(exc: BaseException) -> NoReturn:
             what = what or type(exc).__name__
             line = (f"[rank {channel.rank} on {channel.host}] stopping: lost another rank of the job, which stopped "
                     f"without a message (killed, out of memory, or its node failed?): {what}")
+            _tell_launcher(line)
             print(line, file=sys.stderr, flush=True)
             _to_run_log(line)
             _exit(1)
