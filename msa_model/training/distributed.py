@@ -18,6 +18,7 @@ import math
 import os
 import random
 import re
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,6 +60,29 @@ def pick_device(preference: str, local_rank: int) -> torch.device:
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
+
+
+def cuda_connections(parallel_cfg, device_preference: str, env: MutableMapping[str, str] | None = None) -> list[str]:
+    """CUDA_DEVICE_MAX_CONNECTIONS=1 in `env` (os.environ) for tensor parallelism that may run on
+    GPUs (parallel.tp > 1, trainer.device auto or cuda), unless the variable is set already.
+    megatron's tensor-parallel linear layers start their all-gather, reduce-scatter (sequence
+    parallel) or all-reduce without waiting and count on one hardware queue per device to run it
+    before the GEMM that should overlap it; with several queues the GEMM may go first. CUDA reads
+    the variable once, when it starts: to be called before. Harmless on CPU. Returns the lines
+    that say what was set, or that a value of the user's differs, for the log of a CUDA run."""
+    env = os.environ if env is None else env
+    if parallel_cfg.tp <= 1 or device_preference == "cpu":
+        return []
+    value = env.get("CUDA_DEVICE_MAX_CONNECTIONS")
+    if not value:
+        env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+        return [f"CUDA_DEVICE_MAX_CONNECTIONS=1 (parallel.tp={parallel_cfg.tp}): tensor-parallel communication "
+                "is queued ahead of the computation it overlaps, as megatron expects"]
+    if value != "1":
+        return [f"warning: CUDA_DEVICE_MAX_CONNECTIONS={value} from the environment; with parallel.tp="
+                f"{parallel_cfg.tp} megatron expects 1 (its tensor-parallel communication may not overlap "
+                "the computation); unset it to let the trainer set 1"]
+    return []
 
 
 class ProcessGroupError(RuntimeError):

@@ -291,7 +291,7 @@ def run(cfg: DictConfig, notes: list[str] | tuple[str, ...] = ()) -> None:
     from msa_model.training import checkpoint as ckpt
     from msa_model.training import failures
     from msa_model.training.data_setup import build_data
-    from msa_model.training.distributed import init_distributed, shutdown
+    from msa_model.training.distributed import cuda_connections, init_distributed, shutdown
     from msa_model.training.indexer_warmup import IndexerWarmup
     from msa_model.training.metrics import MetricsLogger
     from msa_model.training.preemption import StopSignal, plan_requeue, requeue_slurm_job
@@ -330,6 +330,8 @@ def run(cfg: DictConfig, notes: list[str] | tuple[str, ...] = ()) -> None:
 
         # before CUDA, cuBLAS and NCCL start: they read their settings once
         determinism = deterministic_mode()
+    # before CUDA starts, like the above
+    connections = cuda_connections(cfg.parallel, cfg.trainer.device)
     env = init_distributed(cfg.parallel, cfg.trainer.device, cfg.trainer.seed)
     failures.watch(env.rank, world_size)
     requeue, lock, failed = False, None, False
@@ -376,6 +378,9 @@ def run(cfg: DictConfig, notes: list[str] | tuple[str, ...] = ()) -> None:
                 log.info("%s", warmup_note)
             for line in determinism:
                 log.info("%s", line)
+            if env.device.type == "cuda":  # (on CPU the variable is set but means nothing)
+                for line in connections:
+                    log.info("%s", line)
             changed = None if saved is None else change_line(saved, saved_seq, cfg.parallel.global_batch_size,
                                                              cfg.model.seq_length, cfg.trainer.max_steps, budget)
             if changed:
