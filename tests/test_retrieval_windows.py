@@ -1,0 +1,80 @@
+"""The windows of synthetic retrieval documents (data.retrieval_share): the filler after a window's
+last document takes no loss while every document token and end-of-document token does, with the
+byte tokenizer and a BPE one, and the per-document attention of data.document_mask accepts them."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from data.corpus import list_corpus_files
+from data.datasets import _cache_key, build_datasets, build_train_iterator, prepare_tokens
+from data.tokenizer import BYTE, build_tokenizer
+from msa_model.config import DataConfig
+from msa_model.ops.common import check_doc_start
+
+# documents of 256 tokens at least (data/retrieval.py): shorter windows hold one and no filler
+SEQ = 512
+
+
+def write_corpus(root):
+    """Three Python files of 400 short lines: the haystack of the retrieval documents."""
+    root.mkdir()
+    rng = random.Random(0)
+    for i in range(3):
+        (root / f"m{i}.py").write_text("\n".join(f"x{j} = {rng.randrange(1000)}  # line {j}" for j in range(400)))
+    return root
+
+
+def last_document_end(tokens: torch.Tensor, eod: int) -> int:
+    """The position of the window's last document's end-of-document token: the last one right after
+    a token of text (the filler after it may be end-of-document tokens, or hold the eod id)."""
+    ends = [j for j in torch.nonzero(tokens == eod).flatten().tolist() if j > 0 and tokens[j - 1] != eod]
+    return ends[-1]
+
+
+@pytest.mark.parametrize("kind", ["byte", "bpe"])
+def test_the_padding_of_retrieval_windows_takes_no_loss(tmp_path, kind):
+    spec = BYTE
+    if kind == "bpe":
+        from tokenizer_fixtures import make_bpe_tokenizer
+
+        spec = str(make_bpe_tokenizer(tmp_path / "tok", vocab_size=600, files=20))
+    tokenizer = build_tokenizer(spec)
+    cfg = OmegaConf.structured(DataConfig(source=str(write_corpus(tmp_path / "corpus")), glob="*.py",
+                                          cache_dir=str(tmp_path / "cache"), retrieval_share=0.5, tokenizer=spec))
+    train, _ = build_datasets(cfg, tokenizer, SEQ, 64)
+    windows = padded = 0
+    for i in range(len(train)):
+        item = train[i]
+        if item["dataset_id"] != 1:  # the corpus's samples
+            continue
+        windows += 1
+        mask = item["loss_mask"]
+        last = last_document_end(item["tokens"], tokenizer.eod)
+        # every token of the documents is predicted, each one's end-of-document token too
+        assert mask[:last].eq(1).all(), (i, last, mask[:last])
+        # nothing after the last one: the filler (the entry's last position predicts the next
+        # window's first token)
+        assert mask[last:SEQ - 1].eq(0).all(), (i, last, mask[last:])
+        padded += last < SEQ - 2
+    assert windows >= 16 and padded >= windows // 2, (windows, padded)
+
+    # packed documents: the filler is a document of its own (or, where the model's id 0 is the
+    # end-of-document token, one-token documents), which the attention layers accept
+    batches = build_train_iterator(train, 0, 8, 0, 1, document_mask=True)
+    for _ in range(len(train) // 8):
+        batch = next(batches)
+        check_doc_start(batch["doc_start"], 8, SEQ)
+
+    # a cache of windows filled with end-of-document tokens (the key they had) is not reused
+    root, files = list_corpus_files(cfg.source, cfg.glob, cfg.max_bytes)
+    name = tokenizer.name if kind == "byte" else tokenizer.identity["sha256"]
+    lengths = "" if kind == "byte" else ",lengths=tokens"
+    filled = f"corpus-{_cache_key(name, root, files, f'retrieval=0.5,{SEQ},{cfg.seed}{lengths},windows')}"
+    built = Path(prepare_tokens(cfg, tokenizer, build=False, seq_length=SEQ)).parent
+    assert (Path(cfg.cache_dir) / filled) != built and not (Path(cfg.cache_dir) / filled).exists()
