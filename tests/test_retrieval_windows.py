@@ -24,7 +24,8 @@ from msa_model.config import DataConfig
 from msa_model.ops.common import check_doc_start
 from skeleton_helpers import REPO, _env, free_port
 
-# documents of 256 tokens at least (data/retrieval.py): shorter windows hold one and no filler
+# retrieval documents are 256 tokens or longer (data/retrieval.py): a 256-token window is one
+# document, with no filler
 SEQ = 512
 
 
