@@ -33,6 +33,8 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
+from msa_model.platform.compat import fresh_loss_masks
+
 from .cache_check import DataCacheError, problem, record
 from .corpus import list_corpus_files
 from . import retrieval
@@ -118,11 +120,12 @@ def _mixture_key(data_cfg, share: float, seq_length: int | None, bytes_are_token
     is one, so plain corpora keep their caches; chosen tasks count with the generator's source (a
     change to a task's documents builds a new cache), the default ones not. Documents sized in another
     tokenizer's tokens (once they were sized in bytes with every tokenizer) are marked so, and so are
-    documents in a dataset of whole windows (once they were appended to the corpus's)."""
+    documents in a dataset of whole windows (once they were appended to the corpus's), and windows
+    filled with the pad id (once with end-of-document tokens, which took loss)."""
     if share <= 0:
         return ""
     key = f"retrieval={share},{seq_length},{data_cfg.seed}" + ("" if bytes_are_tokens else ",lengths=tokens")
-    key += ",windows"
+    key += ",windows,pad"
     tasks = _retrieval_tasks(data_cfg)
     if tasks != DEFAULT_TASKS:
         source = hashlib.sha256(Path(retrieval.__file__).read_bytes()).hexdigest()[:16]
@@ -164,21 +167,28 @@ def _tokenize(out_dir: Path, tokenizer, root: Path, files: list[Path], data_cfg,
 def _write_retrieval(out: Path, tokenizer, files: list[Path], data_cfg, seq_length: int, head: list[int],
                      target: int) -> int:
     """Synthetic retrieval documents of about `target` tokens into out/retrieval.{bin,idx}, whole
-    documents packed into entries of exactly `seq_length` tokens (the rest end-of-document tokens);
-    returns their tokens. megatron cuts samples of `seq_length` tokens at a stride of `seq_length`,
-    so every sample of this dataset is one entry: a question and its needles share their window.
-    Appended to the corpus's documents instead, a third of kvrecall's questions or more lost their
-    needle to the window before (bench/retrieval_answerable.py)."""
+    documents packed into entries of exactly `seq_length` tokens, each document followed by its
+    end-of-document token and the rest of the entry the tokenizer's pad id; returns their tokens.
+    megatron cuts samples of `seq_length` tokens at a stride of `seq_length`, so every sample of
+    this dataset is one entry: a question and its needles share their window. Appended to the
+    corpus's documents instead, a third of kvrecall's questions or more lost their needle to the
+    window before (bench/retrieval_answerable.py).
+
+    GPTDataset takes no loss where the label is the pad id and feeds the model id 0 in its place:
+    filled with end-of-document tokens instead, the entries taught the model to repeat them (unless
+    data.eod_mask_loss), a trivial target in the lm loss of every retrieval mixture."""
     haystack = Haystack(files, pool_bytes=64 * seq_length + 4_000_000, seed=data_cfg.seed)
     # lengths and the share in the model's tokens (bytes are the byte tokenizer's tokens)
     count = None if tokenizer.name == "byte-v1" else (lambda doc: len(tokenizer.tokenize(doc)))
+    # megatron's own pad sentinel (-1, data/tokenizer.py PAD): int32 holds it, and no text is it
+    pad = tokenizer.pad
     builder = IndexedDatasetBuilder(str(out / "retrieval.bin"), dtype=np.int32)
     entry: list[int] = []
     n_entries = 0
 
     def flush():
         nonlocal entry, n_entries
-        ids = np.full(seq_length, tokenizer.eod, dtype=np.int32)
+        ids = np.full(seq_length, pad, dtype=np.int32)
         ids[:len(entry)] = entry
         builder.add_document(ids, [seq_length])
         entry, n_entries = [], n_entries + 1
@@ -260,6 +270,8 @@ def build_datasets(data_cfg, tokenizer, seq_length: int, train_samples: int, val
         _check_split_documents(train_blend[0], config.split_matrix, data_cfg.split, seq_length)
     builder = BlendedMegatronDatasetBuilder(GPTDataset, [train_samples, valid_samples, 0], lambda: True, config)
     train, valid, _ = build_megatron_datasets(builder, data_cfg.verify_cache, data_cfg.cache_wait_s)
+    for dataset in (train, valid):
+        fresh_loss_masks(dataset)
     if rank == 0:
         for line in repeat_lines(train, "training") + repeat_lines(valid, "validation"):
             log.info("%s", line)

@@ -41,6 +41,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model", "chat_template.jinja")
 # files that make a directory loadable on their own (the rest only accompany one of these)
 _LOADABLE = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
+# the pad id of both tokenizers: megatron's sentinel (megatron.core.datasets.megatron_dataset's
+# _PAD_TOKEN_ID), no token of any vocabulary. GPTDataset takes no loss where a label is the
+# tokenizer's pad and gives the model id 0 in its place (the retrieval windows' filler)
+PAD = -1
 
 
 class TokenizerError(ValueError):
@@ -94,8 +98,7 @@ class ByteTokenizer(MegatronTokenizerBase):
 
     @property
     def pad(self) -> int:
-        # no pad token: megatron then pads with its own sentinel (-1) and masks it out of the loss
-        return -1
+        return PAD
 
     @property
     def identity(self) -> dict:
@@ -178,8 +181,8 @@ class HFTokenizer(MegatronTokenizerBase):
 
     @property
     def pad(self) -> int:
-        # megatron pads with its own sentinel (-1) and masks it out of the loss, as for bytes
-        return -1
+        # the Hugging Face pad token, if any, may be a real token of the text: the sentinel instead
+        return PAD
 
     @property
     def identity(self) -> dict:

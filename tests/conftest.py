@@ -45,7 +45,7 @@ FILE_SECONDS = {
     "test_data_prepare.py": 17, "test_train_skeleton.py": 16, "test_train_dp.py": 15, "test_convert_errors.py": 14,
     "test_run_dir_lock.py": 12, "test_checkpoint_manifest.py": 11,
     # measured alone (one process), not yet in a `make test` of its own
-    "test_retrieval_probe.py": 46,
+    "test_retrieval_probe.py": 46, "test_retrieval_windows.py": 13,
 }
 
 

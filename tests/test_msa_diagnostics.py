@@ -308,7 +308,7 @@ def test_every_field_of_an_evaluation_example_draws_another_one(tmp_path):
 
 
 # the documents of a dataset of retrieval windows (each entry documents ending in the
-# end-of-document token, then end-of-document tokens up to the window's length)
+# end-of-document token, then the pad id up to the window's length)
 SPLIT_ENTRIES = (
     "import numpy as np\n"
     "def split_entries(prefix, eod):\n"

@@ -8,6 +8,7 @@ Each entry is something a public API does not offer; each was checked with the v
 | `torch.ops.aten._scaled_dot_product_cudnn_attention` and `_scaled_dot_product_flash_attention` (their output tuples: o, then the logsumexp) | the dense warmup's causal attention with the lse the KL needs (public SDPA returns no lse) | `causal_attention_with_lse` below |
 | megatron optimizer `_set_main_param_and_optimizer_states` | loading a torch-Adam optimizer state: megatron 0.19's reshardable loader asks for a `step` it never passes along | `load_optimizer_state` below |
 | megatron's Apex-free fallbacks `local_multi_tensor_l2_norm` / `local_multi_tensor_scale`, as the module globals of `megatron.core.optimizer.clip_grads` and `.optimizer` | the optimizer's gradient norm, clipping and parameter copies as torch foreach ops, without a device synchronisation per parameter | `use_foreach_multi_tensor_ops` below |
+| megatron `GPTDataset.masks_and_position_ids_are_cacheable` | a loss mask of its own for every sample: megatron 0.19 zeroes its cached one in place where the first sample's labels are padding | `fresh_loss_masks` below |
 | `torch.cuda.*` stand-ins, `megatron.core.tensor_parallel.random._get_cuda_rng_state` / `_set_cuda_rng_state`, `megatron.core.transformer.moe.token_dispatcher.maybe_move_tensor_to_cpu` | megatron-core on CPU (gloo) | `msa_model/platform/cpu_shim.py` (its table says why each one) |
 """
 
@@ -135,3 +136,14 @@ def use_foreach_multi_tensor_ops() -> bool:
             setattr(module, name, ours)
             replaced = True
     return replaced
+
+
+def fresh_loss_masks(dataset) -> None:
+    """Have `dataset` (a megatron GPTDataset, a BlendedDataset of them, or None) compute each
+    sample's loss mask and position ids (a tensor of ones and a range: cheap) instead of reusing
+    the first sample's. megatron 0.19 caches the first sample's mask when it depends on the length
+    only, then zeroes that very tensor where the first sample's labels are the pad id: every later
+    sample of the dataset takes no loss at the first one's padded positions (the retrieval
+    windows' filler, data/datasets.py)."""
+    for part in getattr(dataset, "datasets", [dataset] if dataset is not None else []):
+        part.masks_and_position_ids_are_cacheable = False
