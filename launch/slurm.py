@@ -233,7 +233,7 @@ def prepare(overrides: list[str], env: dict[str, str] | None = None,
         run_dir = (Path.cwd() / run_dir).resolve()
     args = job_overrides(overrides, run_dir)
     cfg = composed(args)
-    budget = token_budget(cfg.trainer)
+    budget = token_budget(cfg)
     OmegaConf.resolve(cfg)
     # a resume at other tokens a step than its checkpoint's goes on by tokens, as the job will
     planned = planned_max_steps(cfg, budget)

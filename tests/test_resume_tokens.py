@@ -84,12 +84,28 @@ def test_data_positions_follow_the_tokens_across_sequence_lengths():
     assert (state.consumed_samples, state.consumed_valid_samples, state.start_samples) == (96, 4, 32)
 
 
-@pytest.mark.parametrize("raw, budget", [("${steps_for_tokens:3e12}", 3 * 10**12), ("${steps_for_tokens: 8192}", 8192),
-                                         (80, None)])
+@pytest.mark.parametrize("raw, budget", [
+    ("${steps_for_tokens:3e12}", 3 * 10**12), ("${steps_for_tokens: 8192}", 8192), (80, None),
+    # through another key, the tokens an interpolation, or another key holding the resolver
+    ("${optim.decay_steps}", 4096), ("${steps_for_tokens:${data.tokens}}", 4 * 10**11),
+    ("${oc.select:optim.decay_steps}", 4096), ("${optim.warmup_steps}", None)])
 def test_token_budget_is_read_before_resolving(raw, budget):
     from msa_model.config import token_budget
 
-    assert token_budget(OmegaConf.create({"max_steps": raw})) == budget
+    cfg = OmegaConf.create({"trainer": {"max_steps": raw}, "data": {"tokens": 4e11},
+                            "optim": {"decay_steps": "${steps_for_tokens:4096}", "warmup_steps": 8}})
+    assert token_budget(cfg) == budget
+
+
+@pytest.mark.parametrize("raw", ["${steps_for_tokens:4096}0", "${steps_for_tokens:${steps_for_tokens:4096}}",
+                                 "${steps_for_tokens:'4096'}", "${optim.decay_steps}"])
+def test_a_budget_whose_tokens_cannot_be_read_is_refused(raw):
+    """A value made from the resolver's but not equal to it would be counted at the new batch alone."""
+    from msa_model.config import ConfigError, token_budget
+
+    cfg = OmegaConf.create({"trainer": {"max_steps": raw}, "optim": {"decay_steps": "${steps_for_tokens:4096}1"}})
+    with pytest.raises(ConfigError, match=r"trainer\.max_steps=.* uses \$\{steps_for_tokens:\.\.\.\}"):
+        token_budget(cfg)
 
 
 def test_the_line_names_both_batches_and_what_is_left():

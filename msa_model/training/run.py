@@ -246,7 +246,7 @@ def run(cfg: DictConfig, notes: list[str] | tuple[str, ...] = ()) -> None:
                                                   resumed_warmup_note)
 
     # the tokens of `${steps_for_tokens:X}`, before resolving turns it into steps
-    budget = token_budget(cfg.trainer)
+    budget = token_budget(cfg)
     OmegaConf.resolve(cfg)
     rank, world_size, _ = launch_env()
     # init_from's index branch may make the warmup unnecessary (before the config is checked and
