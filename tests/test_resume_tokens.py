@@ -159,3 +159,64 @@ def test_stop_at_step_is_checked_against_the_steps_the_resume_goes_to(tmp_path, 
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert sorted(metrics(run)) == [1, 2, 3, 4, 5]
     assert OmegaConf.load(run / "config.yaml").trainer.max_steps == 6
+
+
+def test_the_dry_run_of_a_resume_at_another_batch_shows_the_steps_it_goes_to(tmp_path, data_cache):
+    """1 step of 8 x 256, then a dry run at 4 x 256: it prints the max_steps the run then writes
+    (the tokens left counted from the checkpoint's, not ${steps_for_tokens} of the new batch alone)
+    and the line the run starts with."""
+    from msa_model.training.resume_tokens import resumed_max_steps
+
+    run = tmp_path / "run"
+    run_train(run, *COMMON, "parallel.global_batch_size=8", "trainer.stop_at_step=1", data_cache=data_cache)
+    planned = resumed_max_steps(_state(step=1, tokens=8 * 256), 4 * 256, BUDGET)
+    assert planned != BUDGET // (4 * 256)
+    dry = run_train(run, *COMMON, "parallel.global_batch_size=4", "dry_run=true", data_cache=data_cache).stdout
+    assert f"(x {planned} steps = {planned * 4 * 256:,} tokens)" in dry, dry[-3000:]
+    assert "1,024 tokens a step (4 x 256), the checkpoint's 2,048 (8 x 256)" in dry
+    run_train(run, *COMMON, "parallel.global_batch_size=4", data_cache=data_cache)
+    assert OmegaConf.load(run / "config.yaml").trainer.max_steps == planned == max(metrics(run))
+
+
+def test_the_fewest_steps_the_schedule_problem_names_end_the_decay_after_the_warmup():
+    from msa_model.training.resume_tokens import schedule_decay_steps, schedule_problem
+
+    # 10 steps of 2,048 tokens, resumed at 128 a step: 20 steps end the schedule at its 10.25th
+    saved = _state(step=10, tokens=10 * 2048, step_tokens=2048, schedule_step_tokens=2048)
+    cfg = OmegaConf.create({"optim": {"decay_steps": None, "warmup_steps": 12},
+                            "trainer": {"max_steps": 20}, "parallel": {"global_batch_size": 1}, "model": {"seq_length": 128}})
+    problem = schedule_problem(cfg, saved)
+    least = int(problem.split("raise trainer.max_steps to at least ")[1].split(",")[0])
+    assert schedule_decay_steps(least, 128, saved) > 12 >= schedule_decay_steps(least - 1, 128, saved)
+    assert "${steps_for_tokens:40960}" in problem
+    cfg.trainer.max_steps = least
+    assert schedule_problem(cfg, saved) is None
+    # an explicit decay length is the config's (validate checks it against the warmup); a fresh run's
+    # decay is max_steps itself
+    cfg.trainer.max_steps, cfg.optim.decay_steps = 20, 30
+    assert schedule_problem(cfg, saved) is None
+    cfg.optim.decay_steps = None
+    assert schedule_problem(cfg, None) is None
+
+
+def test_an_integer_max_steps_resumed_at_a_quarter_of_the_batch_is_refused_before_it_starts(tmp_path, data_cache):
+    """4 steps of 8 x 256 with a warmup of 3, stopped at 2 and resumed at 2 x 256: max_steps=4 ends
+    the decay at schedule step 2.5, within the warmup. Refused naming the values, by the run (not
+    megatron's assertion in the optimizer's set-up), by launch.slurm, and shown by the dry run."""
+    from launch.slurm import prepare
+    from msa_model.config import ConfigError
+
+    run = tmp_path / "run"
+    fixed = ("trainer.max_steps=4", "optim.warmup_steps=3", "checkpoint.interval=0", "trainer.indexer_warmup_tokens=0")
+    run_train(run, *fixed, "parallel.global_batch_size=8", "trainer.stop_at_step=2", data_cache=data_cache)
+    smaller = (*fixed, "parallel.global_batch_size=2", "parallel.micro_batch_size=1")
+    proc = run_train(run, *smaller, data_cache=data_cache, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "AssertionError" not in out, out[-3000:]
+    assert ("the lr decay would end within the warmup: trainer.max_steps=4 at 512 tokens a step, resumed from "
+            "step 2 (4,096 tokens), ends the lr schedule at its step 2.5") in out, out[-3000:]
+    assert sorted(metrics(run)) == [1, 2]
+    dry = run_train(run, *smaller, "dry_run=true", data_cache=data_cache).stdout
+    assert "warning: the lr decay would end within the warmup" in dry, dry[-3000:]
+    with pytest.raises(ConfigError, match="the lr decay would end within the warmup"):
+        prepare([*TINY_TEST, f"run_dir={run}", f"data.cache_dir={data_cache}", *smaller])
