@@ -449,7 +449,8 @@ class TrainConfig:
     init_from_partial: bool = False
     # continue the data stream where the init_from checkpoint's run stopped: the first step reads
     # the sample after the last one that run trained on (its consumed samples; a dense-to-msa
-    # conversion carries its source's). The run's own step and token counts start at 0
+    # conversion carries its source's), as many tokens in where that run's model.seq_length was
+    # another (resume_tokens.py). The run's own step and token counts start at 0
     init_from_data_position: bool = False
     # the recipe continues another model (CPT): refuse to start from random weights
     requires_init_from: bool = False

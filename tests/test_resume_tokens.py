@@ -220,3 +220,21 @@ def test_an_integer_max_steps_resumed_at_a_quarter_of_the_batch_is_refused_befor
     assert "warning: the lr decay would end within the warmup" in dry, dry[-3000:]
     with pytest.raises(ConfigError, match="the lr decay would end within the warmup"):
         prepare([*TINY_TEST, f"run_dir={run}", f"data.cache_dir={data_cache}", *smaller])
+
+
+def test_init_from_data_position_continues_a_run_of_another_seq_length_at_its_tokens(tmp_path, data_cache):
+    """2 steps of 4 x 256 read 8 samples; a run of 128-token samples from that checkpoint with
+    init_from_data_position starts as many tokens in: at sample 16, and says so."""
+    from msa_model.training.checkpoint import saved_progress
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    run_train(first, "trainer.max_steps=2", "trainer.indexer_warmup_tokens=0", data_cache=data_cache)
+    proc = run_train(second, f"init_from={first / 'checkpoints'}", "init_from_data_position=true", "model.seq_length=128",
+                     "trainer.max_steps=1", "trainer.indexer_warmup_tokens=0", "optim.warmup_steps=0",
+                     data_cache=data_cache)
+    start = 2 * 4 * 256 // 128
+    out = proc.stdout + proc.stderr
+    assert f"the data stream continues at sample {start} of 128 tokens" in out, out[-3000:]
+    assert "at sample 8 of 256" in out
+    saved, seq = saved_progress(second / "checkpoints" / "step_00000001", 4 * 128)
+    assert (seq, saved.start_samples, saved.consumed_samples) == (128, start, start + 4)

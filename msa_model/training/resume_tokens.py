@@ -12,7 +12,8 @@ continues by tokens:
   optim.warmup_steps, decay_steps and schedule_start_step keep their length in tokens, the lr of
   the first resumed step is the one the old run had next, and decay_steps=None ends the decay at
   the run's last step;
-- the data positions, counted in samples, are converted by tokens when model.seq_length changed;
+- the data positions, counted in samples, are converted by tokens when model.seq_length changed,
+  and so is the position init_from_data_position continues from a run of another seq_length;
 - an integer trainer.max_steps whose decay (optim.decay_steps=None) would then end within the
   warmup is refused before anything starts (megatron's scheduler would stop at it).
 One line at the start says what changed; the dry run prints it with the max_steps the run goes to."""
@@ -80,6 +81,21 @@ def convert_positions(state: TrainState, seq_from: int, seq_to: int) -> None:
     so the position keeps the share of it read, not the samples."""
     for name in ("consumed_samples", "consumed_valid_samples", "start_samples"):
         setattr(state, name, getattr(state, name) * seq_from // seq_to)
+
+
+def continue_data_position(state: TrainState, position: dict, step_dir: Path, seq_length: int) -> str:
+    """init_from_data_position: start `state`'s data stream at `position` (the recorded_data_position
+    of the init_from checkpoint at `step_dir`), converted by tokens as a resume's (convert_positions)
+    where its run read samples of another length; the line the run logs about it."""
+    state.start_samples = state.consumed_samples = position["consumed_samples"]
+    line = "init_from_data_position: the data stream continues at sample {}, where the run of {} stopped (its step {})"
+    seq_from = position.get("seq_length") or seq_length
+    if seq_from == seq_length:
+        return line.format(f"{state.consumed_samples:,}", step_dir, position.get("step"))
+    convert_positions(state, seq_from, seq_length)
+    return (line.format(f"{state.consumed_samples:,} of {seq_length:,} tokens", step_dir, position.get("step"))
+            + f" at sample {position['consumed_samples']:,} of {seq_from:,}: as many tokens into the stream (samples "
+            "of another model.seq_length are another order of the same documents)")
 
 
 def schedule_problem(cfg, saved: TrainState | None) -> str | None:

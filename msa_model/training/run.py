@@ -157,10 +157,10 @@ def _start_fresh(cfg, trainer, model_chunks, optimizer, scheduler, model_config)
         # or the first step would put the fresh initialisation back
         optimizer.reload_model_params()
         if cfg.init_from_data_position:
-            position, step_dir = ckpt.init_data_position(cfg.init_from, cfg.model.seq_length)
-            trainer.state.start_samples = trainer.state.consumed_samples = position["consumed_samples"]
-            log.info("init_from_data_position: the data stream continues at sample %s, where the run of %s "
-                     "stopped (its step %s)", f"{position['consumed_samples']:,}", step_dir, position.get("step"))
+            from msa_model.training.resume_tokens import continue_data_position
+
+            position, step_dir = ckpt.init_data_position(cfg.init_from)
+            log.info("%s", continue_data_position(trainer.state, position, step_dir, cfg.model.seq_length))
     if cfg.optim.schedule_start_step:
         scheduler.step(increment=cfg.optim.schedule_start_step)
         log.info("lr schedule starts at its step %d (optim.schedule_start_step): lr %.3g", cfg.optim.schedule_start_step,
