@@ -183,8 +183,8 @@ def test_the_fewest_steps_the_schedule_problem_names_end_the_decay_after_the_war
 
     # 10 steps of 2,048 tokens, resumed at 128 a step: 20 steps end the schedule at its 10.25th
     saved = _state(step=10, tokens=10 * 2048, step_tokens=2048, schedule_step_tokens=2048)
-    cfg = OmegaConf.create({"optim": {"decay_steps": None, "warmup_steps": 12},
-                            "trainer": {"max_steps": 20}, "parallel": {"global_batch_size": 1}, "model": {"seq_length": 128}})
+    cfg = OmegaConf.create({"optim": {"decay_steps": None, "warmup_steps": 12}, "trainer": {"max_steps": 20},
+                            "parallel": {"global_batch_size": 1}, "model": {"seq_length": 128}})
     problem = schedule_problem(cfg, saved)
     least = int(problem.split("raise trainer.max_steps to at least ")[1].split(",")[0])
     assert schedule_decay_steps(least, 128, saved) > 12 >= schedule_decay_steps(least - 1, 128, saved)
@@ -229,9 +229,9 @@ def test_init_from_data_position_continues_a_run_of_another_seq_length_at_its_to
 
     first, second = tmp_path / "first", tmp_path / "second"
     run_train(first, "trainer.max_steps=2", "trainer.indexer_warmup_tokens=0", data_cache=data_cache)
-    proc = run_train(second, f"init_from={first / 'checkpoints'}", "init_from_data_position=true", "model.seq_length=128",
-                     "trainer.max_steps=1", "trainer.indexer_warmup_tokens=0", "optim.warmup_steps=0",
-                     data_cache=data_cache)
+    proc = run_train(second, f"init_from={first / 'checkpoints'}", "init_from_data_position=true",
+                     "model.seq_length=128", "trainer.max_steps=1", "trainer.indexer_warmup_tokens=0",
+                     "optim.warmup_steps=0", data_cache=data_cache)
     start = 2 * 4 * 256 // 128
     out = proc.stdout + proc.stderr
     assert f"the data stream continues at sample {start} of 128 tokens" in out, out[-3000:]

@@ -297,8 +297,8 @@ def run(cfg: DictConfig, notes: list[str] | tuple[str, ...] = ()) -> None:
     from msa_model.training.indexer_warmup import IndexerWarmup
     from msa_model.training.metrics import MetricsLogger
     from msa_model.training.preemption import StopSignal, plan_requeue, requeue_slurm_job
-    from msa_model.training.resume_tokens import (change_line, convert_positions, resumed_max_steps, schedule_decay_steps,
-                                                  schedule_problem)
+    from msa_model.training.resume_tokens import (change_line, convert_positions, resumed_max_steps,
+                                                  schedule_decay_steps, schedule_problem)
     from msa_model.training.trainer import OutOfMemory, Trainer
 
     # first, so that a stop during start-up (which can take minutes at scale) is not lost
