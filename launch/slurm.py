@@ -222,10 +222,10 @@ def prepare(overrides: list[str], env: dict[str, str] | None = None,
     (run_dir, script, cfg). Writes nothing."""
     from omegaconf import OmegaConf
 
-    from msa_model.config import token_budget, validate
+    from msa_model.config import ConfigError, token_budget, validate
     from msa_model.training.index_history import WARMUP_KEY, plan_indexer_warmup
     from msa_model.training.inputs import override_for
-    from msa_model.training.resume_tokens import planned_max_steps
+    from msa_model.training.resume_tokens import checkpoint_counters, planned_max_steps, schedule_problem
 
     cfg = composed(overrides)
     run_dir = Path(str(cfg.run_dir))
@@ -233,7 +233,7 @@ def prepare(overrides: list[str], env: dict[str, str] | None = None,
         run_dir = (Path.cwd() / run_dir).resolve()
     args = job_overrides(overrides, run_dir)
     cfg = composed(args)
-    budget = token_budget(cfg.trainer)
+    budget = token_budget(cfg)
     OmegaConf.resolve(cfg)
     # a resume at other tokens a step than its checkpoint's goes on by tokens, as the job will
     planned = planned_max_steps(cfg, budget)
@@ -242,6 +242,11 @@ def prepare(overrides: list[str], env: dict[str, str] | None = None,
     # init_from's trained index branch skips the recipe's warmup, as train.py decides it
     plan_indexer_warmup(cfg, override_for(WARMUP_KEY, args) is not None)
     validate(cfg, world_size(cfg.launch), gpu=bool(cfg.launch.gpus_per_node))
+    # the job would stop at it once it starts, after its wait in the queue
+    counters = checkpoint_counters(cfg)
+    problem = schedule_problem(cfg, counters[0] if counters else None)
+    if problem:
+        raise ConfigError(problem)
     return run_dir, render(cfg.launch, args, run_dir, env, sbatch_args), cfg
 
 

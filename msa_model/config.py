@@ -9,7 +9,6 @@ and names the offending fields.
 from __future__ import annotations
 
 import dataclasses
-import re
 import typing
 
 from dataclasses import dataclass, field
@@ -17,6 +16,7 @@ from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from data.retrieval import DEFAULT_TASKS as DEFAULT_RETRIEVAL_TASKS
 # the ops own their geometry: PRODUCTION_* (MiniMax's block size and top-k, the ops' defaults; the
@@ -449,7 +449,8 @@ class TrainConfig:
     init_from_partial: bool = False
     # continue the data stream where the init_from checkpoint's run stopped: the first step reads
     # the sample after the last one that run trained on (its consumed samples; a dense-to-msa
-    # conversion carries its source's). The run's own step and token counts start at 0
+    # conversion carries its source's), as many tokens in where that run's model.seq_length was
+    # another (resume_tokens.py). The run's own step and token counts start at 0
     init_from_data_position: bool = False
     # the recipe continues another model (CPT): refuse to start from random weights
     requires_init_from: bool = False
@@ -484,13 +485,37 @@ def steps_for_tokens(tokens: float, *, _root_) -> int:
     return int(tokens // step_tokens) if step_tokens > 0 else 1
 
 
-def token_budget(trainer_cfg) -> Optional[int]:
+def token_budget(cfg) -> Optional[int]:
     """X of `trainer.max_steps: ${steps_for_tokens:X}`, read before the config is resolved (a
     resume at another batch counts its steps from the tokens trained: resume_tokens.py); None
-    where max_steps is a number."""
-    raw = OmegaConf.to_container(trainer_cfg, resolve=False)["max_steps"]
-    found = re.fullmatch(r"\$\{steps_for_tokens:\s*([^}]+?)\s*\}", str(raw))
-    return int(float(found.group(1))) if found else None
+    where max_steps does not use the resolver. `cfg`: the whole config (max_steps may refer to
+    other keys). max_steps is resolved with the resolver recording its argument: any form whose
+    value is the resolver's own (through other keys, X an interpolation) gives its X; one that
+    changes it or calls it twice is a ConfigError, since its steps could not be counted by tokens."""
+    container = OmegaConf.to_container(cfg, resolve=False)
+    raw = container["trainer"]["max_steps"]
+    # resolved in a plain copy: the probe's marker is no integer
+    plain = OmegaConf.create(container)
+    calls = []
+    marker = "\0steps_for_tokens"
+    OmegaConf.register_new_resolver("steps_for_tokens", lambda tokens: calls.append(tokens) or marker, replace=True)
+    try:
+        value = OmegaConf.select(plain, "trainer.max_steps", throw_on_resolution_failure=True)
+    except OmegaConfBaseException:
+        # an interpolation that cannot resolve: resolving the config says what is wrong with it
+        return None
+    finally:
+        OmegaConf.register_new_resolver("steps_for_tokens", steps_for_tokens, replace=True)
+    if not calls:
+        return None
+    tokens = calls[0]
+    if len(calls) > 1 or value != marker or isinstance(tokens, bool) or not isinstance(tokens, (int, float)):
+        raise ConfigError(
+            f"trainer.max_steps={raw} uses ${{steps_for_tokens:...}} in a form whose tokens cannot be read, so a "
+            "resume at another batch would train the steps of the new batch instead of the tokens left: write "
+            "${steps_for_tokens:X} itself (X a number, or an interpolation of one), an interpolation of a key "
+            "that holds exactly that, or an integer number of steps")
+    return int(tokens)
 
 
 def register_configs() -> None:

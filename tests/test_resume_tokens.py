@@ -84,12 +84,28 @@ def test_data_positions_follow_the_tokens_across_sequence_lengths():
     assert (state.consumed_samples, state.consumed_valid_samples, state.start_samples) == (96, 4, 32)
 
 
-@pytest.mark.parametrize("raw, budget", [("${steps_for_tokens:3e12}", 3 * 10**12), ("${steps_for_tokens: 8192}", 8192),
-                                         (80, None)])
+@pytest.mark.parametrize("raw, budget", [
+    ("${steps_for_tokens:3e12}", 3 * 10**12), ("${steps_for_tokens: 8192}", 8192), (80, None),
+    # through another key, the tokens an interpolation, or another key holding the resolver
+    ("${optim.decay_steps}", 4096), ("${steps_for_tokens:${data.tokens}}", 4 * 10**11),
+    ("${oc.select:optim.decay_steps}", 4096), ("${optim.warmup_steps}", None)])
 def test_token_budget_is_read_before_resolving(raw, budget):
     from msa_model.config import token_budget
 
-    assert token_budget(OmegaConf.create({"max_steps": raw})) == budget
+    cfg = OmegaConf.create({"trainer": {"max_steps": raw}, "data": {"tokens": 4e11},
+                            "optim": {"decay_steps": "${steps_for_tokens:4096}", "warmup_steps": 8}})
+    assert token_budget(cfg) == budget
+
+
+@pytest.mark.parametrize("raw", ["${steps_for_tokens:4096}0", "${steps_for_tokens:${steps_for_tokens:4096}}",
+                                 "${steps_for_tokens:'4096'}", "${optim.decay_steps}"])
+def test_a_budget_whose_tokens_cannot_be_read_is_refused(raw):
+    """A value made from the resolver's but not equal to it would be counted at the new batch alone."""
+    from msa_model.config import ConfigError, token_budget
+
+    cfg = OmegaConf.create({"trainer": {"max_steps": raw}, "optim": {"decay_steps": "${steps_for_tokens:4096}1"}})
+    with pytest.raises(ConfigError, match=r"trainer\.max_steps=.* uses \$\{steps_for_tokens:\.\.\.\}"):
+        token_budget(cfg)
 
 
 def test_the_line_names_both_batches_and_what_is_left():
@@ -143,3 +159,82 @@ def test_stop_at_step_is_checked_against_the_steps_the_resume_goes_to(tmp_path, 
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert sorted(metrics(run)) == [1, 2, 3, 4, 5]
     assert OmegaConf.load(run / "config.yaml").trainer.max_steps == 6
+
+
+def test_the_dry_run_of_a_resume_at_another_batch_shows_the_steps_it_goes_to(tmp_path, data_cache):
+    """1 step of 8 x 256, then a dry run at 4 x 256: it prints the max_steps the run then writes
+    (the tokens left counted from the checkpoint's, not ${steps_for_tokens} of the new batch alone)
+    and the line the run starts with."""
+    from msa_model.training.resume_tokens import resumed_max_steps
+
+    run = tmp_path / "run"
+    run_train(run, *COMMON, "parallel.global_batch_size=8", "trainer.stop_at_step=1", data_cache=data_cache)
+    planned = resumed_max_steps(_state(step=1, tokens=8 * 256), 4 * 256, BUDGET)
+    assert planned != BUDGET // (4 * 256)
+    dry = run_train(run, *COMMON, "parallel.global_batch_size=4", "dry_run=true", data_cache=data_cache).stdout
+    assert f"(x {planned} steps = {planned * 4 * 256:,} tokens)" in dry, dry[-3000:]
+    assert "1,024 tokens a step (4 x 256), the checkpoint's 2,048 (8 x 256)" in dry
+    run_train(run, *COMMON, "parallel.global_batch_size=4", data_cache=data_cache)
+    assert OmegaConf.load(run / "config.yaml").trainer.max_steps == planned == max(metrics(run))
+
+
+def test_the_fewest_steps_the_schedule_problem_names_end_the_decay_after_the_warmup():
+    from msa_model.training.resume_tokens import schedule_decay_steps, schedule_problem
+
+    # 10 steps of 2,048 tokens, resumed at 128 a step: 20 steps end the schedule at its 10.25th
+    saved = _state(step=10, tokens=10 * 2048, step_tokens=2048, schedule_step_tokens=2048)
+    cfg = OmegaConf.create({"optim": {"decay_steps": None, "warmup_steps": 12}, "trainer": {"max_steps": 20},
+                            "parallel": {"global_batch_size": 1}, "model": {"seq_length": 128}})
+    problem = schedule_problem(cfg, saved)
+    least = int(problem.split("raise trainer.max_steps to at least ")[1].split(",")[0])
+    assert schedule_decay_steps(least, 128, saved) > 12 >= schedule_decay_steps(least - 1, 128, saved)
+    assert "${steps_for_tokens:40960}" in problem
+    cfg.trainer.max_steps = least
+    assert schedule_problem(cfg, saved) is None
+    # an explicit decay length is the config's (validate checks it against the warmup); a fresh run's
+    # decay is max_steps itself
+    cfg.trainer.max_steps, cfg.optim.decay_steps = 20, 30
+    assert schedule_problem(cfg, saved) is None
+    cfg.optim.decay_steps = None
+    assert schedule_problem(cfg, None) is None
+
+
+def test_an_integer_max_steps_resumed_at_a_quarter_of_the_batch_is_refused_before_it_starts(tmp_path, data_cache):
+    """4 steps of 8 x 256 with a warmup of 3, stopped at 2 and resumed at 2 x 256: max_steps=4 ends
+    the decay at schedule step 2.5, within the warmup. Refused naming the values, by the run (not
+    megatron's assertion in the optimizer's set-up), by launch.slurm, and shown by the dry run."""
+    from launch.slurm import prepare
+    from msa_model.config import ConfigError
+
+    run = tmp_path / "run"
+    fixed = ("trainer.max_steps=4", "optim.warmup_steps=3", "checkpoint.interval=0", "trainer.indexer_warmup_tokens=0")
+    run_train(run, *fixed, "parallel.global_batch_size=8", "trainer.stop_at_step=2", data_cache=data_cache)
+    smaller = (*fixed, "parallel.global_batch_size=2", "parallel.micro_batch_size=1")
+    proc = run_train(run, *smaller, data_cache=data_cache, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "AssertionError" not in out, out[-3000:]
+    assert ("the lr decay would end within the warmup: trainer.max_steps=4 at 512 tokens a step, resumed from "
+            "step 2 (4,096 tokens), ends the lr schedule at its step 2.5") in out, out[-3000:]
+    assert sorted(metrics(run)) == [1, 2]
+    dry = run_train(run, *smaller, "dry_run=true", data_cache=data_cache).stdout
+    assert "warning: the lr decay would end within the warmup" in dry, dry[-3000:]
+    with pytest.raises(ConfigError, match="the lr decay would end within the warmup"):
+        prepare([*TINY_TEST, f"run_dir={run}", f"data.cache_dir={data_cache}", *smaller])
+
+
+def test_init_from_data_position_continues_a_run_of_another_seq_length_at_its_tokens(tmp_path, data_cache):
+    """2 steps of 4 x 256 read 8 samples; a run of 128-token samples from that checkpoint with
+    init_from_data_position starts as many tokens in: at sample 16, and says so."""
+    from msa_model.training.checkpoint import saved_progress
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    run_train(first, "trainer.max_steps=2", "trainer.indexer_warmup_tokens=0", data_cache=data_cache)
+    proc = run_train(second, f"init_from={first / 'checkpoints'}", "init_from_data_position=true",
+                     "model.seq_length=128", "trainer.max_steps=1", "trainer.indexer_warmup_tokens=0",
+                     "optim.warmup_steps=0", data_cache=data_cache)
+    start = 2 * 4 * 256 // 128
+    out = proc.stdout + proc.stderr
+    assert f"the data stream continues at sample {start} of 128 tokens" in out, out[-3000:]
+    assert "at sample 8 of 256" in out
+    saved, seq = saved_progress(second / "checkpoints" / "step_00000001", 4 * 128)
+    assert (seq, saved.start_samples, saved.consumed_samples) == (128, start, start + 4)

@@ -472,10 +472,9 @@ def recorded_data_position(step_dir: str | Path) -> dict | None:
     return (common.get("conversion") or {}).get("data_position")
 
 
-def init_data_position(path: str | Path, seq_length: int) -> tuple[dict, Path]:
+def init_data_position(path: str | Path) -> tuple[dict, Path]:
     """init_from_data_position: (the init_from checkpoint's recorded_data_position, its step
-    directory). Raises CheckpointError when it records none or its run read samples of another
-    length than `seq_length`."""
+    directory). Raises CheckpointError when it records none."""
     path = Path(path)
     step_dir = latest_checkpoint(path) if (path / LATEST).is_file() else path
     try:
@@ -487,10 +486,6 @@ def init_data_position(path: str | Path, seq_length: int) -> tuple[dict, Path]:
             f"init_from_data_position: {step_dir} records no data position (it is neither a training checkpoint "
             "nor a dense-to-msa conversion of one); leave init_from_data_position off to start the data stream "
             "at its beginning")
-    if position.get("seq_length") not in (None, seq_length):
-        raise CheckpointError(
-            f"init_from_data_position: {step_dir}'s run read samples of {position['seq_length']} tokens, this run "
-            f"reads {seq_length} (model.seq_length): a data position counts samples of one length")
     return position, step_dir
 
 

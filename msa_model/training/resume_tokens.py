@@ -12,8 +12,11 @@ continues by tokens:
   optim.warmup_steps, decay_steps and schedule_start_step keep their length in tokens, the lr of
   the first resumed step is the one the old run had next, and decay_steps=None ends the decay at
   the run's last step;
-- the data positions, counted in samples, are converted by tokens when model.seq_length changed.
-One line at the start says what changed."""
+- the data positions, counted in samples, are converted by tokens when model.seq_length changed,
+  and so is the position init_from_data_position continues from a run of another seq_length;
+- an integer trainer.max_steps whose decay (optim.decay_steps=None) would then end within the
+  warmup is refused before anything starts (megatron's scheduler would stop at it).
+One line at the start says what changed; the dry run prints it with the max_steps the run goes to."""
 
 from __future__ import annotations
 
@@ -28,16 +31,14 @@ def resumed_max_steps(saved: TrainState, step_tokens: int, budget: int) -> int:
     return saved.step + max(0, budget - saved.tokens) // step_tokens
 
 
-def planned_max_steps(cfg, budget: int | None) -> int | None:
-    """resumed_max_steps for the checkpoint `latest` names in `cfg`'s checkpoint directory, read
-    before the config is checked and written: trainer.stop_at_step is checked against the steps
-    this run goes to, and `python -m launch.slurm` writes the config.yaml the job writes. None
-    where max_steps is a number (`budget` None), nothing is resumed, or the checkpoint's counters
-    cannot be read (the resume names that checkpoint, or falls back to an older one and counts
-    from its counters)."""
+def checkpoint_counters(cfg) -> tuple[TrainState, int | None] | None:
+    """(the counters, its run's model.seq_length) of the checkpoint `latest` names in `cfg`'s
+    checkpoint directory, read before the config is checked and written. None where nothing is
+    resumed or the checkpoint's counters cannot be read (the resume names that checkpoint, or falls
+    back to an older one and counts from its counters)."""
     step_tokens = cfg.parallel.global_batch_size * cfg.model.seq_length
     # a batch of no tokens is the config's error (validate names it)
-    if budget is None or cfg.resume == "never" or step_tokens <= 0:
+    if cfg.resume == "never" or step_tokens <= 0:
         return None
     from msa_model.training.checkpoint import saved_progress
     from msa_model.training.checkpoint_checks import CheckpointError
@@ -47,10 +48,20 @@ def planned_max_steps(cfg, budget: int | None) -> int | None:
     if step_dir is None:
         return None
     try:
-        saved, _ = saved_progress(step_dir, step_tokens)
+        return saved_progress(step_dir, step_tokens)
     except CheckpointError:
         return None
-    return resumed_max_steps(saved, step_tokens, budget)
+
+
+def planned_max_steps(cfg, budget: int | None) -> int | None:
+    """resumed_max_steps for the checkpoint_counters of `cfg`: trainer.stop_at_step is checked
+    against the steps this run goes to, `python -m launch.slurm` writes the config.yaml the job
+    writes, and the dry run shows them. None where max_steps is a number (`budget` None) or
+    nothing is resumed."""
+    counters = checkpoint_counters(cfg) if budget is not None else None
+    if counters is None:
+        return None
+    return resumed_max_steps(counters[0], cfg.parallel.global_batch_size * cfg.model.seq_length, budget)
 
 
 def schedule_decay_steps(max_steps: int, step_tokens: int, saved: TrainState | None) -> int | float:
@@ -70,6 +81,43 @@ def convert_positions(state: TrainState, seq_from: int, seq_to: int) -> None:
     so the position keeps the share of it read, not the samples."""
     for name in ("consumed_samples", "consumed_valid_samples", "start_samples"):
         setattr(state, name, getattr(state, name) * seq_from // seq_to)
+
+
+def continue_data_position(state: TrainState, position: dict, step_dir: Path, seq_length: int) -> str:
+    """init_from_data_position: start `state`'s data stream at `position` (the recorded_data_position
+    of the init_from checkpoint at `step_dir`), converted by tokens as a resume's (convert_positions)
+    where its run read samples of another length; the line the run logs about it."""
+    state.start_samples = state.consumed_samples = position["consumed_samples"]
+    line = "init_from_data_position: the data stream continues at sample {}, where the run of {} stopped (its step {})"
+    seq_from = position.get("seq_length") or seq_length
+    if seq_from == seq_length:
+        return line.format(f"{state.consumed_samples:,}", step_dir, position.get("step"))
+    convert_positions(state, seq_from, seq_length)
+    return (line.format(f"{state.consumed_samples:,} of {seq_length:,} tokens", step_dir, position.get("step"))
+            + f" at sample {position['consumed_samples']:,} of {seq_from:,}: as many tokens into the stream (samples "
+            "of another model.seq_length are another order of the same documents)")
+
+
+def schedule_problem(cfg, saved: TrainState | None) -> str | None:
+    """An lr decay that would end within the warmup (megatron's scheduler refuses it at start-up):
+    an integer trainer.max_steps resumed at fewer tokens a step than the schedule's ends the decay
+    (optim.decay_steps=None) after fewer schedule steps than max_steps. None where it does not."""
+    o, max_steps = cfg.optim, cfg.trainer.max_steps
+    step_tokens = cfg.parallel.global_batch_size * cfg.model.seq_length
+    if saved is None or o.decay_steps or step_tokens <= 0:
+        return None
+    decay = schedule_decay_steps(max_steps, step_tokens, saved)
+    if decay > o.warmup_steps:
+        return None
+    # the fewest steps whose decay ends after the warmup
+    least = saved.step + (o.warmup_steps * saved.schedule_step_tokens - saved.tokens) // step_tokens + 1
+    return (f"the lr decay would end within the warmup: trainer.max_steps={max_steps:,} at {step_tokens:,} tokens a "
+            f"step, resumed from step {saved.step:,} ({saved.tokens:,} tokens), ends the lr schedule at its step "
+            f"{decay:g} (its steps are of {saved.schedule_step_tokens:,} tokens), within optim.warmup_steps="
+            f"{o.warmup_steps:,}; set trainer.max_steps=${{steps_for_tokens:X}} to train X tokens in all "
+            f"(${{steps_for_tokens:{max_steps * saved.schedule_step_tokens}}} keeps {max_steps:,} steps of "
+            f"{saved.schedule_step_tokens:,} tokens), raise trainer.max_steps to at least {least:,}, or set "
+            f"optim.decay_steps (above {o.warmup_steps:,}, in the schedule's steps)")
 
 
 def change_line(saved: TrainState, saved_seq: int | None, global_batch_size: int, seq_length: int,
@@ -92,3 +140,16 @@ def change_line(saved: TrainState, saved_seq: int | None, global_batch_size: int
         line += (f"; data position {saved.consumed_samples:,} samples of {saved_seq:,} tokens = "
                  f"{saved.consumed_samples * saved_seq // seq_length:,} of {seq_length:,}")
     return line
+
+
+def resume_preview(cfg, budget: int | None) -> list[str]:
+    """The dry run's lines on the resume a run of `cfg` (its max_steps planned) would make: the
+    line it logs at the start, and a schedule it would refuse, as a warning."""
+    counters = checkpoint_counters(cfg)
+    if counters is None:
+        return []
+    saved, saved_seq = counters
+    line = change_line(saved, saved_seq, cfg.parallel.global_batch_size, cfg.model.seq_length,
+                       cfg.trainer.max_steps, budget)
+    problem = schedule_problem(cfg, saved)
+    return [text for text in (line, problem and f"warning: {problem}") if text]

@@ -157,10 +157,10 @@ def _start_fresh(cfg, trainer, model_chunks, optimizer, scheduler, model_config)
         # or the first step would put the fresh initialisation back
         optimizer.reload_model_params()
         if cfg.init_from_data_position:
-            position, step_dir = ckpt.init_data_position(cfg.init_from, cfg.model.seq_length)
-            trainer.state.start_samples = trainer.state.consumed_samples = position["consumed_samples"]
-            log.info("init_from_data_position: the data stream continues at sample %s, where the run of %s "
-                     "stopped (its step %s)", f"{position['consumed_samples']:,}", step_dir, position.get("step"))
+            from msa_model.training.resume_tokens import continue_data_position
+
+            position, step_dir = ckpt.init_data_position(cfg.init_from)
+            log.info("%s", continue_data_position(trainer.state, position, step_dir, cfg.model.seq_length))
     if cfg.optim.schedule_start_step:
         scheduler.step(increment=cfg.optim.schedule_start_step)
         log.info("lr schedule starts at its step %d (optim.schedule_start_step): lr %.3g", cfg.optim.schedule_start_step,
@@ -246,12 +246,20 @@ def run(cfg: DictConfig, notes: list[str] | tuple[str, ...] = ()) -> None:
                                                   resumed_warmup_note)
 
     # the tokens of `${steps_for_tokens:X}`, before resolving turns it into steps
-    budget = token_budget(cfg.trainer)
+    budget = token_budget(cfg)
     OmegaConf.resolve(cfg)
     rank, world_size, _ = launch_env()
     # init_from's index branch may make the warmup unnecessary (before the config is checked and
     # written: what runs is what config.yaml says)
     warmup_note = plan_indexer_warmup(cfg, given_on_command_line(WARMUP_KEY))
+    from msa_model.training.resume_tokens import planned_max_steps
+
+    # a resume at other tokens a step than its checkpoint's: trainer.stop_at_step is checked against
+    # the steps it goes to (set again below from the checkpoint the resume loads), and the dry run
+    # shows them
+    planned = planned_max_steps(cfg, budget)
+    if planned is not None:
+        cfg.trainer.max_steps = planned
     if cfg.dry_run:
         # a dry run checks the layout it will be launched with, not this one process
         layout_world = max(world_size, cfg.launch.nodes * cfg.launch.ranks_per_node)
@@ -259,6 +267,7 @@ def run(cfg: DictConfig, notes: list[str] | tuple[str, ...] = ()) -> None:
         if rank == 0:
             from msa_model.config_checks import missing_init_from, unused_settings
             from msa_model.training.dry_run import dry_run_report
+            from msa_model.training.resume_tokens import resume_preview
 
             # inputs a launch from here would stop at (a dry run may be made away from the data)
             missing = missing_init_from(cfg)
@@ -266,16 +275,9 @@ def run(cfg: DictConfig, notes: list[str] | tuple[str, ...] = ()) -> None:
                               + unused_settings(cfg)]
             report = dry_run_report(cfg, layout_world)
             print("\n".join([*(f"# {n}" for n in notes), report, *([warmup_note] if warmup_note else []),
-                             *input_warnings]), flush=True)
+                             *resume_preview(cfg, budget), *input_warnings]), flush=True)
         return
     started = time.monotonic()
-    from msa_model.training.resume_tokens import planned_max_steps
-
-    # a resume at other tokens a step than its checkpoint's: trainer.stop_at_step is checked against
-    # the steps it goes to (set again below from the checkpoint the resume loads)
-    planned = planned_max_steps(cfg, budget)
-    if planned is not None:
-        cfg.trainer.max_steps = planned
     # before anything is written (run directory, data cache, lock): every problem at once
     problems = check_configuration(cfg, world_size)
     # the tokenizer against the model, the checkpoints and the prepared datasets (a wrong one would
@@ -295,7 +297,8 @@ def run(cfg: DictConfig, notes: list[str] | tuple[str, ...] = ()) -> None:
     from msa_model.training.indexer_warmup import IndexerWarmup
     from msa_model.training.metrics import MetricsLogger
     from msa_model.training.preemption import StopSignal, plan_requeue, requeue_slurm_job
-    from msa_model.training.resume_tokens import change_line, convert_positions, resumed_max_steps, schedule_decay_steps
+    from msa_model.training.resume_tokens import (change_line, convert_positions, resumed_max_steps,
+                                                  schedule_decay_steps, schedule_problem)
     from msa_model.training.trainer import OutOfMemory, Trainer
 
     # first, so that a stop during start-up (which can take minutes at scale) is not lost
@@ -357,6 +360,10 @@ def run(cfg: DictConfig, notes: list[str] | tuple[str, ...] = ()) -> None:
         saved, saved_seq = ckpt.saved_progress(latest, step_tokens) if latest is not None else (None, None)
         if saved is not None and budget is not None:
             cfg.trainer.max_steps = resumed_max_steps(saved, step_tokens, budget)
+        # before the run's records: megatron's scheduler would stop at it deep in the optimizer's set-up
+        problem = schedule_problem(cfg, saved)
+        if problem:
+            raise ConfigError(problem)
         if env.is_main:
             from msa_model.training.data_setup import checkpoint_tokenizer, document_mask_line
 
