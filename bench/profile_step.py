@@ -1,12 +1,14 @@
 """Profile one training step of a real `train.py` run: the kernels that take the device time, and
 how long the host took to issue them.
 
-    PYTHONPATH=. python bench/profile_step.py [--step 3] [--rows 30] [--shapes 40] [--gaps 30] [--trace FILE] -- key=value ...
+    PYTHONPATH=. python bench/profile_step.py [--step 3] [--rows 30] [--shapes 40] [--gaps 30] [--host 25] [--trace FILE] -- key=value ...
 
 Runs train.py with the given overrides in this process; step --step (after compilation and
 warm-up) runs under torch.profiler. Prints the step's wall time, the device time summed over
 kernels, and the top kernels by device time; --shapes N also the N ops of most device time per input shape (which
-tensors the elementwise work runs on); --trace writes a Chrome trace.
+tensors the elementwise work runs on); --gaps N where the device waited for the host; --host N
+per host thread (forward, autograd's backward) the N outermost ops of most host time and the time
+between them; --trace writes a Chrome trace.
 """
 
 from __future__ import annotations
@@ -64,6 +66,46 @@ def idle_gaps(events, top: int, min_us: float = 10.0) -> None:
     sys.stdout.flush()
 
 
+def host_summary(events, min_wait_us: float = 1000.0) -> list[dict]:
+    """Where each host thread's time went in a profiled step, busiest thread first (the forward's
+    and autograd's backward thread): its span, the ops open at the outermost level with their
+    total time and count, the short gaps between them (Python outside any op) and the long ones
+    (at least `min_wait_us`: the thread waiting, e.g. the forward's for the backward)."""
+    from torch.autograd import DeviceType
+
+    by_thread = defaultdict(list)
+    for e in events:
+        if e.device_type == DeviceType.CPU and not _annotation(e):
+            by_thread[e.thread].append((e.time_range.start, e.time_range.end, e.name))
+    out = []
+    for thread, ops in by_thread.items():
+        ops.sort(key=lambda op: (op[0], -op[1]))
+        totals, gaps, waits, end = defaultdict(lambda: [0.0, 0]), 0.0, 0.0, None
+        for start, stop, name in ops:
+            if end is not None and start < end:
+                continue  # inside an outer op
+            if end is not None:
+                gap = start - end
+                waits, gaps = (waits + gap, gaps) if gap >= min_wait_us else (waits, gaps + gap)
+            totals[name][0] += stop - start
+            totals[name][1] += 1
+            end = stop
+        out.append({"thread": thread, "span_us": end - ops[0][0], "gaps_us": gaps, "waits_us": waits,
+                    "ops": sorted(((us, n, name) for name, (us, n) in totals.items()), reverse=True)})
+    return sorted(out, key=lambda t: -sum(us for us, _, _ in t["ops"]))
+
+
+def print_host(events, top: int) -> None:
+    for t in host_summary(events)[:2]:
+        busy = sum(us for us, _, _ in t["ops"])
+        print(f"host thread {t['thread']}: span {t['span_us'] / 1e3:.1f} ms = outermost ops {busy / 1e3:.1f} + "
+              f"between them {t['gaps_us'] / 1e3:.1f} + waits of 1 ms or more {t['waits_us'] / 1e3:.1f}; "
+              f"its outermost ops by host time (ms, calls):")
+        for us, n, name in t["ops"][:top]:
+            print(f"  {us / 1e3:8.2f} {n:6d}  {name.replace('autograd::engine::evaluate_function: ', 'backward: ')[:90]}")
+    sys.stdout.flush()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--step", type=int, default=3)
@@ -71,6 +113,7 @@ def main() -> None:
     ap.add_argument("--trace", default=None)
     ap.add_argument("--shapes", type=int, default=0, help="also print this many ops grouped by input shapes")
     ap.add_argument("--gaps", type=int, default=0, help="also print where the device waited for the host")
+    ap.add_argument("--host", type=int, default=0, help="also print this many outermost host ops a thread by host time")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
 
@@ -102,6 +145,8 @@ def main() -> None:
                 max_shapes_column_width=90), flush=True)
         if a.gaps:
             idle_gaps(prof.events(), a.gaps)
+        if a.host:
+            print_host(prof.events(), a.host)
         if a.trace:
             prof.export_chrome_trace(a.trace)
         return out
