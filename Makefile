@@ -29,7 +29,11 @@ train: $(STAMP)
 # order tests/conftest.py sorts them (longest first). TEST_WORKERS=0 runs the suite in one process
 TEST_WORKERS ?= 2
 
+# the tests start some hundreds of Python processes that import the project's modules: compiled
+# once here, they are not compiled again in each (where PYTHONDONTWRITEBYTECODE keeps Python from
+# caching them itself, which saves about 0.4 s of CPU a process)
 test: $(STAMP)
+	@$(PY) -m compileall -q -j 0 msa_model data launch bench scripts train.py > /dev/null
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 clean:
