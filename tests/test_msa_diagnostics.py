@@ -307,6 +307,14 @@ def test_every_field_of_an_evaluation_example_draws_another_one(tmp_path):
         assert _example_rng(0, task, 700, 0.5, 3).random() == _example_rng(0, task, 700, 0.5, 3).random()
 
 
+def _last_line(script: str, *args) -> str:
+    """The last line `script` prints, run as `python -c script ARGS...` in a fresh process."""
+    proc = subprocess.run([sys.executable, "-c", script, *map(str, args)], cwd=REPO, env=_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.strip().splitlines()[-1]
+
+
 # the documents of a dataset of retrieval windows (each entry documents ending in the
 # end-of-document token, then the pad id up to the window's length)
 SPLIT_ENTRIES = (
@@ -357,11 +365,8 @@ def test_retrieval_share_puts_synthetic_documents_in_the_token_file(tmp_path):
         "out.append(Path(sys.argv[1]).name + '-' + old_key)\n"
         "print(out)\n"
     )
-    proc = subprocess.run([sys.executable, "-c", script, str(root), str(tmp_path / "cache")], cwd=REPO, env=_env(),
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
     (n0, tok0, q0, _, w0), (n1, tok1, q1, dir1, w1), (n2, tok2, q2, dir2, w2), old_dir1 = \
-        eval(proc.stdout.strip().splitlines()[-1])
+        eval(_last_line(script, root, tmp_path / "cache"))
     assert n0 == 3 and q0 == [0, 0, 0] and w0 == set()
     # the synthetic documents in a dataset of whole windows, each entry exactly the context
     assert w1 == w2 == {512}
@@ -403,10 +408,7 @@ def test_retrieval_share_counts_a_bpe_tokenizers_tokens(tmp_path):
         "synthetic = [len(d) + 1 for d in split_entries(retrieval_prefix(prefix), tokenizer.eod)]\n"
         "print([len(ds[i]) for i in range(len(ds))] + synthetic, Path(prefix).parent.name == Path(sys.argv[1]).name + '-' + byte_sized)\n"
     )
-    proc = subprocess.run([sys.executable, "-c", script, str(root), str(tmp_path / "cache"), str(tok)], cwd=REPO,
-                          env=_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lengths, old_key = proc.stdout.strip().splitlines()[-1].rsplit(" ", 1)
+    lengths, old_key = _last_line(script, root, tmp_path / "cache", tok).rsplit(" ", 1)
     lengths = eval(lengths)
     corpus, synthetic = lengths[:3], lengths[3:]
     assert sum(synthetic) >= 0.3 / 0.7 * sum(corpus)
@@ -439,10 +441,7 @@ def test_every_retrieval_question_has_its_needle_in_its_training_window(tmp_path
         "    found += sum(m.group(1) + b' = \"' in text[:m.start()] for m in questions)\n"
         "print(held, asked, found)\n"
     )
-    proc = subprocess.run([sys.executable, "-c", script, str(root), str(tmp_path / "cache")], cwd=REPO, env=_env(),
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    held, asked, found = map(int, proc.stdout.strip().splitlines()[-1].split())
+    held, asked, found = map(int, _last_line(script, root, tmp_path / "cache").split())
     assert 40 <= held <= 80 and asked > 100
     assert found == asked
 
