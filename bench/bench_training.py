@@ -46,8 +46,12 @@ VARIANTS = {  # name -> recipe overrides
     # it from the attention's backward: msa_model/ops/msa_attention/late_teacher.py)
     "pt_kl_forward": ["recipe=pt", "trainer.indexer_warmup_tokens=0", "model.msa.kl_teacher=forward"],
     "warmup": ["recipe=pt"],  # every step inside the indexer warmup (set per job below)
-    # the sparse phase with each layer's core replayed as a CUDA graph
-    "pt_graph": ["recipe=pt", "trainer.indexer_warmup_tokens=0", "model.msa.cuda_graph=true"],
+    # the sparse phase with each layer's sparse core replayed as a CUDA graph
+    "pt_graph": ["recipe=pt", "trainer.indexer_warmup_tokens=0", "model.msa.cuda_graph=true",
+                 "model.msa.cuda_graph_scope=core"],
+    # ... and with each layer's whole attention block (projections, index branch, core) as one graph
+    "pt_graph_block": ["recipe=pt", "trainer.indexer_warmup_tokens=0", "model.msa.cuda_graph=true",
+                       "model.msa.cuda_graph_scope=attention"],
 }
 
 

@@ -39,6 +39,9 @@ def config_problems(error: ConfigError) -> list[str]:
 
 
 
+# what a layer's CUDA graph holds (model.msa.cuda_graph_scope)
+GRAPH_SCOPES = ("attention", "core")
+
 # (block size, top-k) from the production geometry down, tried in this order by sparse_geometry:
 # fewer blocks first (down to 8), then smaller blocks (down to 16 tokens, the Triton kernels' least),
 # then fewer again
@@ -155,6 +158,10 @@ class MSAConfig:
     # a replay runs the work of its capture: no context parallelism, pipeline parallelism or
     # recompute; packed documents get a graph per size of their block table (docs/msa.md, "CUDA graphs")
     cuda_graph: bool = False
+    # what each graph holds: attention (the whole attention block: q/k/v and index projections,
+    # their norms and RoPE, the core and the output projection, with their weights' gradients;
+    # needs parallel.tp=1, no communication in a graph) | core (selection, attention, KL)
+    cuda_graph_scope: str = "attention"
     # the Triton kernels' launch settings, per op and field (KernelTuningConfig); unset: defaults
     tuning: KernelTuningConfig = field(default_factory=KernelTuningConfig)
 

@@ -10,7 +10,8 @@ import signal
 from typing import Optional
 
 from data.retrieval import MIN_LENGTH as RETRIEVAL_MIN_LENGTH, TASKS as RETRIEVAL_TASKS
-from msa_model.config import ConfigError, fitting_geometry_hint, moe_layers, msa_layers_of, tuning_overrides
+from msa_model.config import (GRAPH_SCOPES, ConfigError, fitting_geometry_hint, moe_layers, msa_layers_of,
+                              tuning_overrides)
 from msa_model.ops.common import block_size_problem, keys_per_query
 # the ops own their options' values: KL_TEACHERS (where the indexer KL's teacher is computed),
 # INDEX_PRECISIONS (select_blocks' products)
@@ -73,6 +74,8 @@ def _check_kernel_shapes(errors: list[str], cfg, gpu: Optional[bool]) -> None:
 def _check_cuda_graph(errors: list[str], cfg, gpu: Optional[bool]) -> None:
     """model.msa.cuda_graph: where a captured core replays the same work on the same buffers."""
     m, p = cfg.model, cfg.parallel
+    _check(errors, m.msa.cuda_graph_scope in GRAPH_SCOPES,
+           f"model.msa.cuda_graph_scope must be one of {', '.join(GRAPH_SCOPES)} (got {m.msa.cuda_graph_scope!r})")
     if not m.msa.cuda_graph:
         return
     on_gpu = _on_gpu(cfg, gpu)
@@ -85,6 +88,10 @@ def _check_cuda_graph(errors: list[str], cfg, gpu: Optional[bool]) -> None:
                    "their backwards, and a layer's graph keeps one)"),
         (p.cp > 1, f"parallel.cp=1 (got {p.cp}: the core runs per query chunk against gathered keys)"),
     ]
+    if m.msa.cuda_graph_scope == "attention":
+        unsupported.append((p.tp > 1, f"parallel.tp=1 with model.msa.cuda_graph_scope=attention, the default "
+                                      f"(got {p.tp}: the block's projections communicate across tensor-parallel "
+                                      "ranks; model.msa.cuda_graph_scope=core graphs the sparse core alone)"))
     for bad, need in unsupported:
         _check(errors, not bad, f"model.msa.cuda_graph=true needs {need}")
 

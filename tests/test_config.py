@@ -250,6 +250,16 @@ def test_cuda_graph_names_each_setting_it_cannot_replay():
     cpu = _compose("recipe=pt", "model=tiny", "model.msa.cuda_graph=true")
     with pytest.raises(ConfigError, match="model.msa.cuda_graph=true needs a GPU"):
         validate(cpu, world_size=1, gpu=False)
+    # the whole block in a graph: its projections must not communicate
+    block = ("recipe=pt", "model=small", "model.msa.cuda_graph=true")  # the default scope: the whole block
+    validate(_compose(*block, "parallel.tp=1"), world_size=2, gpu=True)
+    with pytest.raises(ConfigError, match="model.msa.cuda_graph=true needs parallel.tp=1 with "
+                                          "model.msa.cuda_graph_scope=attention"):
+        validate(_compose(*block, "parallel.tp=2", "parallel.sequence_parallel=true"), world_size=2, gpu=True)
+    validate(_compose("recipe=pt", "model=small", "model.msa.cuda_graph=true", "model.msa.cuda_graph_scope=core",
+                      "parallel.tp=2", "parallel.sequence_parallel=true"), world_size=2, gpu=True)
+    with pytest.raises(ConfigError, match="model.msa.cuda_graph_scope must be one of attention, core"):
+        validate(_compose("recipe=pt", "model=small", "model.msa.cuda_graph_scope=layer"), world_size=1, gpu=True)
 
 
 @pytest.mark.parametrize("override, message", [

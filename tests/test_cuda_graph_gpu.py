@@ -1,5 +1,6 @@
-"""model.msa.cuda_graph on a GPU: the MSA layers' sparse core replayed as CUDA graphs gives the
-eager model's loss, gradients and logged indexer KL, step after step on new inputs and new
+"""model.msa.cuda_graph on a GPU: the MSA layers' sparse core, or their whole attention block
+(model.msa.cuda_graph_scope=attention, with its weights' gradients), replayed as CUDA graphs gives
+the eager model's loss, gradients and logged indexer KL, step after step on new inputs and new
 weights (and new packings of documents, of two table sizes), with a validation forward between
 steps, and leaves validation (no graph) and the indexer warmup eager. Skipped without CUDA."""
 
@@ -11,7 +12,7 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
 
-def _model(cuda_graph: bool, teacher_bytes: int | None = None):
+def _model(cuda_graph: bool, teacher_bytes: int | None = None, scope: str = "core", di: int = 64):
     from omegaconf import OmegaConf
 
     from msa_model.config import ModelConfig, ParallelConfig
@@ -21,8 +22,8 @@ def _model(cuda_graph: bool, teacher_bytes: int | None = None):
     m = OmegaConf.structured(ModelConfig(num_layers=3, hidden_size=256, ffn_hidden_size=512, num_attention_heads=8,
                                          num_query_groups=2, head_dim=64, seq_length=2048, num_experts=4,
                                          moe_ffn_hidden_size=256, first_dense_layers=1, params_dtype="bf16"))
-    m.msa.block_size, m.msa.topk, m.msa.index_head_dim = 64, 4, 64
-    m.msa.cuda_graph = cuda_graph
+    m.msa.block_size, m.msa.topk, m.msa.index_head_dim = 64, 4, di
+    m.msa.cuda_graph, m.msa.cuda_graph_scope = cuda_graph, scope
     # the late teacher's rows over this budget: the KL's call runs as query chunks
     m.msa.tuning.indexer_kl.teacher_bytes = teacher_bytes
     torch.manual_seed(0)
@@ -66,12 +67,16 @@ def _doc_starts(step: int, longest: int = 900) -> torch.Tensor:
 
 
 # documents-chunked: the late teacher's call as query chunks (1 MiB of the 4 MiB of rows a call)
-@pytest.mark.parametrize("docs,teacher_bytes", [(False, None), (True, None), (True, 1 << 20)],
-                         ids=["rows", "documents", "documents-chunked"])
-def test_graphed_core_steps_equal_the_eager_model(megatron_one_gpu, docs, teacher_bytes):
+# block-*: the whole attention block in the graph; block-index-rope: Di 32 against D 64, the index
+# branch's RoPE table an input of its own
+@pytest.mark.parametrize("docs,teacher_bytes,scope,di", [
+    (False, None, "core", 64), (True, None, "core", 64), (True, 1 << 20, "core", 64),
+    (False, None, "attention", 64), (True, None, "attention", 64), (False, None, "attention", 32)],
+    ids=["rows", "documents", "documents-chunked", "block-rows", "block-documents", "block-index-rope"])
+def test_graphed_core_steps_equal_the_eager_model(megatron_one_gpu, docs, teacher_bytes, scope, di):
     from msa_model.model.attention import msa_layers
 
-    eager, graphed = _model(False, teacher_bytes), _model(True, teacher_bytes)
+    eager, graphed = _model(False, teacher_bytes, di=di), _model(True, teacher_bytes, scope, di)
     graphed.load_state_dict(eager.state_dict())
     gen = torch.Generator(device="cuda").manual_seed(1)
     for step in range(4):

@@ -5,12 +5,13 @@ tests/test_cuda_graph_gpu.py's."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from msa_model.model.attention import MSAOptions, MSASelfAttention, msa_settings
 
 
-def _fake_make_graphed_callables(body, samples, pool=None):
+def _fake_make_graphed_callables(body, samples, pool=None, **options):
     """Runs `body` once on the samples (the capture); a replay returns o from its q (so q's
     gradient, and its hooks, come with the backward) and the capture's KL and keys."""
     POOLS.append(pool)
@@ -31,6 +32,7 @@ def _layer(monkeypatch):
     layer = MSASelfAttention.__new__(MSASelfAttention)
     torch.nn.Module.__init__(layer)
     layer.settings, layer._graphs, layer._late_kl = msa_settings(MSAOptions(), None), {}, False
+    layer._graph_pool = None
     layer.recorded = []
 
     def core(q, k, v, iq, ik, doc_start=None, record_late_kl=True):
@@ -71,3 +73,79 @@ def test_a_layers_graphs_share_one_memory_pool(monkeypatch):
     first._graphed_core(*_inputs())  # a replay: no capture
     second._graphed_core(*_inputs())
     assert len(POOLS) == 3 and POOLS[0] is POOLS[1] is not None and POOLS[2] is not POOLS[0]
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    from msa_model.config import ParallelConfig
+    from msa_model.training.distributed import init_distributed, shutdown
+
+    init_distributed(ParallelConfig(), "cpu", 1234)
+    yield
+    shutdown()
+
+
+def _tiny_model(scope: str, di: int):
+    from omegaconf import OmegaConf
+
+    from msa_model.config import ModelConfig, ParallelConfig
+    from msa_model.model.attention import set_msa_phase
+    from msa_model.model.gpt import build_model
+
+    cfg = OmegaConf.structured(ModelConfig(
+        num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=2, head_dim=16,
+        seq_length=128, num_experts=2, moe_ffn_hidden_size=32, first_dense_layers=1, params_dtype="fp32"))
+    cfg.msa.block_size, cfg.msa.topk, cfg.msa.index_head_dim = 16, 2, di
+    cfg.msa.cuda_graph, cfg.msa.cuda_graph_scope = True, scope
+    torch.manual_seed(0)
+    model = build_model(cfg, ParallelConfig(), vocab_size=256, on_cpu=True)
+    model.train()
+    set_msa_phase(model, True)
+    return model
+
+
+# Di 16 = D: the index branch rotates with q's table; Di 8: with a table of its own, a graph input
+@pytest.mark.parametrize("di", [16, 8])
+def test_the_graphed_block_computes_the_eager_block(one_rank, monkeypatch, di):
+    """model.msa.cuda_graph_scope=attention: what a layer's graph captures (the block's body, fed
+    the layer's input and RoPE tables) gives the eager layer's loss, every weight's gradient (the
+    index branch's and the projections' among them) and KL, with one capture a layer. The capture
+    here is the body itself, run eagerly (a CUDA graph's numbers: tests/test_cuda_graph_gpu.py)."""
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    from msa_model.model.attention import KL_METRIC, msa_layers
+
+    captured = []
+
+    def capture(body, samples, pool=None, **options):
+        captured.append(body.func.__name__)
+        # the weights come in as inputs: the capture must not reach the parameters themselves
+        names = body.args[1]
+        assert len(names) > 0 and all(s.is_leaf and s.requires_grad for s in samples[-len(names):])
+        return body
+
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", object)
+    monkeypatch.setattr(MSASelfAttention, "_graphable",
+                        lambda self, x, doc: self.options.msa.cuda_graph and self.sparse and torch.is_grad_enabled())
+    eager, graphed = _tiny_model("core", di), _tiny_model("attention", di)
+    for layer in msa_layers(eager):
+        layer.options.msa.cuda_graph = False
+    graphed.load_state_dict(eager.state_dict())
+    tokens = torch.randint(0, 256, (2, 128), generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(128).expand(2, -1)
+    results = []
+    for model in (eager, graphed):
+        get_moe_metrics_tracker().clear()
+        model.zero_grad(set_to_none=True)
+        loss = model(tokens, positions, None, labels=tokens).float().mean()
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results.append((float(loss.detach()), grads, get_moe_metrics_tracker().metrics[KL_METRIC].values.clone()))
+    (loss_e, grads_e, kl_e), (loss_g, grads_g, kl_g) = results
+    assert captured == ["_block_body"] * len(msa_layers(graphed))
+    assert loss_g == pytest.approx(loss_e, rel=1e-6)
+    assert grads_g.keys() == grads_e.keys() and any(".index_q_proj." in n for n in grads_g)
+    for name, g in grads_e.items():
+        assert torch.allclose(grads_g[name], g, rtol=1e-4, atol=1e-6), name
+    assert torch.allclose(kl_g, kl_e, rtol=1e-5) and bool((kl_g > 0).any())

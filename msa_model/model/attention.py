@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -310,16 +311,22 @@ class MSASelfAttention(CausalSelfAttention):
     def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None, **megatron_inputs):
         """hidden_states [S, B, hidden] (already normed by the layer) -> ([S, B, hidden], bias)."""
         doc_start = self._document_starts(hidden_states, attention_mask, megatron_inputs)
-        # main branch: q/k/v with their norms and RoPE
-        q, k, v, q_freqs = self._attention_inputs(hidden_states, rotary_pos_emb)
-        # index branch: iq per group, ik shared, from the detached hidden state
-        iq, ik = self._index_inputs(hidden_states, q_freqs, q.shape[1])
-        # top-k selection (dense in warmup), attention and the indexer KL
-        if self._graphable(q, doc_start):
-            o_BSHD, kl, keys = self._graphed_core(q, k, v, iq, ik, doc_start)
+        graphed = self._graphable(hidden_states, doc_start)
+        if graphed and self.options.msa.cuda_graph_scope == "attention":
+            output, kl, keys = self._graphed_block(hidden_states, rotary_pos_emb, doc_start)
+            # megatron's RowParallelLinear hands its bias back unadded where skip_bias_add is set
+            bias = self.linear_proj.bias if getattr(self.linear_proj, "skip_bias_add", False) else None
         else:
-            o_BSHD, kl, keys = self._recomputed(self._core, q, k, v, iq, ik, doc_start)
-        output, bias = self._project(o_BSHD)
+            # main branch: q/k/v with their norms and RoPE
+            q, k, v, q_freqs = self._attention_inputs(hidden_states, rotary_pos_emb)
+            # index branch: iq per group, ik shared, from the detached hidden state
+            iq, ik = self._index_inputs(hidden_states, q_freqs, q.shape[1])
+            # top-k selection (dense in warmup), attention and the indexer KL
+            if graphed:
+                o_BSHD, kl, keys = self._graphed_core(q, k, v, iq, ik, doc_start)
+            else:
+                o_BSHD, kl, keys = self._recomputed(self._core, q, k, v, iq, ik, doc_start)
+            output, bias = self._project(o_BSHD)
         if not torch.is_grad_enabled():
             # no graph to attach the KL to: the trainer's validation records it; the first pass of a
             # layer that megatron's full recompute reruns in backward does not (it records then, once)
@@ -332,18 +339,26 @@ class MSASelfAttention(CausalSelfAttention):
             output = attach_kl(output, kl, self.options.msa.kl_coeff, self.pg_collection.cp)
         return output, bias
 
-    def _index_inputs(self, hidden_states, q_freqs, S: int):
-        """(iq [B, S, G_local, Di] of this rank's S tokens, ik [B, S_all, Di] of the whole sequence)."""
+    def _index_freqs(self, q_freqs, S: int):
+        """The index branch's RoPE table for this rank's S tokens: the main q's, or its own."""
+        if self.index_rotary is None or q_freqs is None:
+            return q_freqs
         cp_group = self.pg_collection.cp
-        index_freqs = q_freqs
-        if self.index_rotary is not None and q_freqs is not None:
-            index_freqs = self.index_rotary(S * cp_group.size(), cp_group=cp_group)
+        return self.index_rotary(S * cp_group.size(), cp_group=cp_group)
+
+    def _index_inputs(self, hidden_states, q_freqs, S: int, index_freqs=None):
+        """(iq [B, S, G_local, Di] of this rank's S tokens, ik [B, S_all, Di] of the whole sequence).
+        `index_freqs`: the branch's RoPE table when the caller made it (else from q_freqs)."""
+        cp_group = self.pg_collection.cp
+        if index_freqs is None:
+            index_freqs = self._index_freqs(q_freqs, S)
         if torch.is_grad_enabled() and self.config.recompute_granularity != "full":
             # cheap to rebuild (projections to G*Di + Di features, norms, RoPE): keep only its
             # outputs, which the KL needs anyway, not the intermediates. Under full recompute this
-            # forward already is the layer's rerun inside its backward: a third pass would gain nothing
+            # forward already is the layer's rerun inside its backward: a third pass would gain nothing.
+            # The branch draws no random numbers: no RNG state to keep (nor to read inside a graph)
             iq_SBGI, ik_SBI = torch.utils.checkpoint.checkpoint(self._index_branch, hidden_states, index_freqs,
-                                                                use_reentrant=False)
+                                                                use_reentrant=False, preserve_rng_state=False)
         else:
             iq_SBGI, ik_SBI = self._index_branch(hidden_states, index_freqs)
         ik = gather_sequence(ik_SBI, cp_group).transpose(0, 1).contiguous()
@@ -364,13 +379,14 @@ class MSASelfAttention(CausalSelfAttention):
         ik_SB1I = self._rope(ik_SB1I, index_freqs)
         return scale_for_tp_mean(iq_SBGI, self.pg_collection.tp), ik_SB1I.squeeze(2)
 
-    def _graphable(self, q, doc_start) -> bool:
-        """Whether this forward replays the core's CUDA graph (model.msa.cuda_graph): training
-        steps of the sparse phase; validation, the indexer warmup and a diagnostics capture run
-        it eagerly. The configurations it needs are checked with the config (msa_model.config)."""
+    def _graphable(self, x, doc_start) -> bool:
+        """Whether this forward replays a CUDA graph (model.msa.cuda_graph, of the core or of the
+        whole block: model.msa.cuda_graph_scope): training steps of the sparse phase; validation,
+        the indexer warmup and a diagnostics capture run eagerly. The configurations it needs are
+        checked with the config (msa_model.config_checks)."""
         return (self.options.msa.cuda_graph and self.sparse and self.training and torch.is_grad_enabled()
                 and (doc_start is None or host_copy(doc_start) is not None)
-                and self.diagnostics_capture is None and q.is_cuda)
+                and self.diagnostics_capture is None and x.is_cuda)
 
     def _graphed_core(self, q, k, v, iq, ik, doc_start=None):
         """`_core` replayed as a CUDA graph, captured (forward and backward) at the first call of
@@ -382,8 +398,29 @@ class MSASelfAttention(CausalSelfAttention):
         Packed documents (starts with their host copy): the documents' block table is a shape of
         the core, so a graph serves the micro-batches whose table fits its size, a power of two
         (the rows' extra entries are empty); one graph per size met, all in one memory pool."""
-        inputs = (q, k, v, iq, ik) + ((doc_start,) if doc_start is not None else ())
-        key = tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in inputs)
+        return self._replay(lambda: self._graph_body, (q, k, v, iq, ik), doc_start)
+
+    def _graphed_block(self, hidden_states, rotary_pos_emb, doc_start=None):
+        """The whole attention block (model.msa.cuda_graph_scope=attention) replayed as a CUDA
+        graph: (output [S, B, hidden] before any skipped bias, KL, keys per query). The graph
+        also returns its weights' gradients, which reach them as an eager backward's would
+        (megatron's gradient hooks run on them). The RoPE tables are inputs, copied in."""
+        q_freqs, k_freqs = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb, None)
+        # the index branch's own table, where it has one (else it rotates with q's)
+        index_freqs = self._index_freqs(q_freqs, hidden_states.shape[0]) if self.index_rotary is not None else None
+        freqs = (q_freqs, k_freqs, index_freqs)
+        present = tuple(t is not None for t in freqs)
+        names, weights = zip(*[(n, p) for n, p in self.named_parameters() if p.requires_grad])
+        return self._replay(lambda: functools.partial(self._block_body, present, names),
+                            (hidden_states,) + tuple(t for t in freqs if t is not None) + weights, doc_start,
+                            tag=("block", present, names))
+
+    def _replay(self, make_body, inputs: tuple, doc_start=None, tag=()):
+        """make_body()(*inputs, doc_start) -> (out, KL, keys) replayed as a CUDA graph captured
+        (forward and backward) at the first call of these shapes (see `_graphed_core`). A body made
+        per capture: make_graphed_callables puts a module's graph in place of its forward."""
+        inputs = inputs + ((doc_start,) if doc_start is not None else ())
+        key = tag + tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in inputs)
         table = 0
         if doc_start is not None:
             table = max(16, 1 << (table_size(doc_start, self.settings.block_size) - 1).bit_length())
@@ -393,23 +430,44 @@ class MSASelfAttention(CausalSelfAttention):
             samples = tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in inputs)
             if doc_start is not None:
                 reserve_table(samples[-1], self.settings.block_size, table)
-            if not self._graphs:
+            if self._graph_pool is None:
                 # one memory pool for the layer's graphs: they never run interleaved (a forward's
                 # backward comes before the layer's next forward), so a graph for another table
                 # size reuses its predecessors' working memory instead of holding its own
                 self._graph_pool = torch.cuda.graph_pool_handle()
-            graphed = torch.cuda.make_graphed_callables(self._graph_body, samples, pool=self._graph_pool)
+            # a weight the capture's step leaves unused (none in the sparse phase) gets no gradient
+            graphed = torch.cuda.make_graphed_callables(make_body(), samples, pool=self._graph_pool,
+                                                        allow_unused_input=True)
             # whether the captured KL is filled in by the backward, as the capture's core decided:
             # a replay runs no core, and an eager forward in between (validation) decides anew
             entry = self._graphs[key] = (graphed, self._late_kl)
         graphed, self._late_kl = entry
-        o, kl, keys = graphed(*inputs)
-        if self._late_kl and q.requires_grad:
-            q.register_hook(lambda grad: self._record_kl(kl))
-        return o, kl, keys
+        out, kl, keys = graphed(*inputs)
+        if self._late_kl and inputs[0].requires_grad:
+            inputs[0].register_hook(lambda grad: self._record_kl(kl))
+        return out, kl, keys
 
     def _graph_body(self, q, k, v, iq, ik, doc_start=None):
         return self._core(q, k, v, iq, ik, doc_start, record_late_kl=False)
+
+    def _block_body(self, present: tuple, names: tuple, hidden_states, *rest):
+        """The attention block's training forward from its input, the RoPE tables `present` and the
+        weights `names` in that order (then the document starts, if any): (output, KL, keys).
+        The weights are inputs, not the layer's parameters: the capture differentiates its own
+        copies, whose gradients the replay hands to the parameters, and never runs an autograd
+        node of theirs (megatron's data-parallel wrapper keeps those, made on the default stream,
+        which a capture's stream must not wait for)."""
+        it = iter(rest)
+        q_freqs, k_freqs, index_freqs = (next(it) if p else None for p in present)
+        weights = {name: next(it) for name in names}
+        doc_start = next(it, None)
+        rotary = (q_freqs, k_freqs) if k_freqs is not None else q_freqs
+        with _parameters_replaced(self, weights):
+            q, k, v, q_freqs = self._attention_inputs(hidden_states, rotary)
+            iq, ik = self._index_inputs(hidden_states, q_freqs, q.shape[1], index_freqs)
+            o_BSHD, kl, keys = self._core(q, k, v, iq, ik, doc_start, record_late_kl=False)
+            output, _ = self._project(o_BSHD)
+        return output, kl, keys
 
     def _record_kl(self, kl):
         """Add a KL filled in by the backward to the layer's metric (the eager core's chunks each
@@ -466,6 +524,22 @@ class MSASelfAttention(CausalSelfAttention):
         if self.diagnostics_capture is not None:
             self.diagnostics_capture.seal()
         return o, kl, keys
+
+
+@contextlib.contextmanager
+def _parameters_replaced(module: torch.nn.Module, tensors: dict):
+    """Within: `module`'s parameters of these (dotted) names read as the given tensors."""
+    saved = []
+    try:
+        for name, tensor in tensors.items():
+            owner_name, _, leaf = name.rpartition(".")
+            owner = module.get_submodule(owner_name)
+            saved.append((owner, leaf, owner._parameters[leaf]))
+            owner._parameters[leaf] = tensor
+        yield
+    finally:
+        for owner, leaf, param in reversed(saved):
+            owner._parameters[leaf] = param
 
 
 def msa_settings(options: MSAOptions, scale: float | None) -> MSASettings:
