@@ -18,7 +18,9 @@ data = []
 for f in files:
     data += list(open(f, "rb").read()) + [256]
 data = torch.tensor(data, device=dev)
-T, B, D, H, L = 256, 16, 256, 4, 4
+# T, D, L, LR from the environment (the short-string runs: T=64 D=128 L=2)
+T, B, D, H, L = int(os.environ.get("T", 256)), 16, int(os.environ.get("D", 256)), 4, int(os.environ.get("L", 4))
+LR = float(os.environ.get("LR", 3e-3))
 class Blk(torch.nn.Module):
     def __init__(s):
         super().__init__()
@@ -38,7 +40,7 @@ class Blk(torch.nn.Module):
 emb = torch.nn.Embedding(257, D); blocks = torch.nn.ModuleList(Blk() for _ in range(L)); head = torch.nn.Linear(D, 257, bias=False); nf = torch.nn.LayerNorm(D)
 for m in (emb, blocks, head, nf): m.to(dev)
 params = list(emb.parameters()) + list(blocks.parameters()) + list(head.parameters()) + list(nf.parameters())
-opt = torch.optim.AdamW(params, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+opt = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95), weight_decay=0.1)
 hd = D // H
 inv = 1.0 / (10000 ** (torch.arange(0, hd, 2) / hd))
 ang = torch.arange(T)[:, None] * inv[None]
@@ -46,7 +48,7 @@ ang = ang.to(dev)
 cos, sin = ang.cos()[None, :, None], ang.sin()[None, :, None]
 steps = int(sys.argv[1])
 for step in range(1, steps + 1):
-    lr = 3e-3 * min(1, step / 20)
+    lr = LR * min(1, step / 20)
     for g in opt.param_groups: g["lr"] = lr
     idx = torch.randint(0, len(data) - T - 1, (B,)).tolist()
     x = torch.stack([data[i:i + T] for i in idx]); y = torch.stack([data[i + 1:i + T + 1] for i in idx])
