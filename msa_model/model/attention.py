@@ -398,7 +398,7 @@ class MSASelfAttention(CausalSelfAttention):
         Packed documents (starts with their host copy): the documents' block table is a shape of
         the core, so a graph serves the micro-batches whose table fits its size, a power of two
         (the rows' extra entries are empty); one graph per size met, all in one memory pool."""
-        return self._replay(lambda: self._graph_body, (q, k, v, iq, ik), doc_start)
+        return self._replay(self._graph_body, (q, k, v, iq, ik), doc_start)
 
     def _graphed_block(self, hidden_states, rotary_pos_emb, doc_start=None):
         """The whole attention block (model.msa.cuda_graph_scope=attention) replayed as a CUDA
@@ -411,14 +411,13 @@ class MSASelfAttention(CausalSelfAttention):
         freqs = (q_freqs, k_freqs, index_freqs)
         present = tuple(t is not None for t in freqs)
         names, weights = zip(*[(n, p) for n, p in self.named_parameters() if p.requires_grad])
-        return self._replay(lambda: functools.partial(self._block_body, present, names),
+        return self._replay(functools.partial(self._block_body, present, names),
                             (hidden_states,) + tuple(t for t in freqs if t is not None) + weights, doc_start,
                             tag=("block", present, names))
 
-    def _replay(self, make_body, inputs: tuple, doc_start=None, tag=()):
-        """make_body()(*inputs, doc_start) -> (out, KL, keys) replayed as a CUDA graph captured
-        (forward and backward) at the first call of these shapes (see `_graphed_core`). A body made
-        per capture: make_graphed_callables puts a module's graph in place of its forward."""
+    def _replay(self, body, inputs: tuple, doc_start=None, tag=()):
+        """body(*inputs, doc_start) -> (out, KL, keys) replayed as a CUDA graph captured (forward
+        and backward) at the first call of these shapes and `tag` (see `_graphed_core`)."""
         inputs = inputs + ((doc_start,) if doc_start is not None else ())
         key = tag + tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in inputs)
         table = 0
@@ -436,7 +435,7 @@ class MSASelfAttention(CausalSelfAttention):
                 # size reuses its predecessors' working memory instead of holding its own
                 self._graph_pool = torch.cuda.graph_pool_handle()
             # a weight the capture's step leaves unused (none in the sparse phase) gets no gradient
-            graphed = torch.cuda.make_graphed_callables(make_body(), samples, pool=self._graph_pool,
+            graphed = torch.cuda.make_graphed_callables(body, samples, pool=self._graph_pool,
                                                         allow_unused_input=True)
             # whether the captured KL is filled in by the backward, as the capture's core decided:
             # a replay runs no core, and an eager forward in between (validation) decides anew
