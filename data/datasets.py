@@ -126,6 +126,8 @@ def _mixture_key(data_cfg, share: float, seq_length: int | None, bytes_are_token
         return ""
     key = f"retrieval={share},{seq_length},{data_cfg.seed}" + ("" if bytes_are_tokens else ",lengths=tokens")
     key += ",windows,pad"
+    if getattr(data_cfg, "retrieval_min_length", 0):
+        key += f",min_length={data_cfg.retrieval_min_length}"
     tasks = _retrieval_tasks(data_cfg)
     if tasks != DEFAULT_TASKS:
         source = hashlib.sha256(Path(retrieval.__file__).read_bytes()).hexdigest()[:16]
@@ -195,7 +197,8 @@ def _write_retrieval(out: Path, tokenizer, files: list[Path], data_cfg, seq_leng
 
     # a document, its BOS and its end-of-document token fit an entry
     for doc in training_documents(haystack, target, seq_length - len(head) - 1, seed=data_cfg.seed + 1,
-                                  tasks=_retrieval_tasks(data_cfg), count=count):
+                                  tasks=_retrieval_tasks(data_cfg), count=count,
+                                  min_length=getattr(data_cfg, "retrieval_min_length", 0)):
         ids = [*head, *tokenizer.tokenize(doc), tokenizer.eod]
         if len(entry) + len(ids) > seq_length:
             flush()

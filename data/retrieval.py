@@ -207,10 +207,13 @@ def fit_example(task: str, length: int, depth: float, haystack: Haystack, draw: 
 
 
 def training_documents(haystack: Haystack, target: int, max_length: int, seed: int,
-                       tasks: tuple[str, ...] = DEFAULT_TASKS, count: Optional[Callable[[bytes], int]] = None):
+                       tasks: tuple[str, ...] = DEFAULT_TASKS, count: Optional[Callable[[bytes], int]] = None,
+                       min_length: int = 0):
     """Yield synthetic retrieval documents (bytes: prompt + answer) until `target` tokens are made:
-    `tasks` uniform, depths uniform in [0, 1], lengths uniform in [max_length / 8, max_length]
-    tokens; kvrecall documents ask for every needle.
+    `tasks` uniform, depths uniform in [0, 1], lengths uniform in [min_length, max_length] tokens
+    (min_length 0: max(256, max_length / 8)); kvrecall documents ask for every needle. Short
+    documents put the needle a few dozen tokens before its question, where a small model learns
+    to look it up before it can across a whole context (data.retrieval_min_length).
 
     `count` (a document's length in the model's tokens) sizes documents and target in those tokens,
     each document the longest that fits its drawn length (`fit_example`); None: bytes, the byte
@@ -218,20 +221,24 @@ def training_documents(haystack: Haystack, target: int, max_length: int, seed: i
     rng = random.Random(seed)
     made = 0
     # at most max_length: a context of 256 tokens leaves its documents a token or two less
-    low = min(max(256, max_length // 8), max_length)
+    low = min(min_length or max(256, max_length // 8), max_length)
+    hint = (f"data.retrieval_min_length {min_length} is below what the task needs" if min_length
+            else "data.retrieval_tasks needs a longer model.seq_length")
     while made < target:
         task = rng.choice(tasks)
         length, depth = rng.randint(low, max(low, max_length)), rng.random()
         ask_all = task == "kvrecall"
         if count is None:
-            ex = make_example(task, length, depth, haystack, rng, ask_all=ask_all)
+            try:
+                ex = make_example(task, length, depth, haystack, rng, ask_all=ask_all)
+            except ValueError as e:
+                raise ValueError(f"{e} ({hint})") from None
             n = length
         else:
             found = fit_example(task, length, depth, haystack, lambda: rng, lambda e: count(e.prompt + e.answer),
                                 ask_all=ask_all)
             if found is None:
-                raise ValueError(f"{task}: no training document of at most {length} tokens (data.retrieval_tasks "
-                                 f"needs a longer model.seq_length)")
+                raise ValueError(f"{task}: no training document of at most {length} tokens ({hint})")
             ex, n = found
         made += n
         yield ex.prompt + ex.answer

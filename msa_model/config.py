@@ -300,6 +300,10 @@ class DataConfig:
     retrieval_share: float = 0.0
     # the tasks those documents draw from, uniformly; kvrecall asks for dozens of needles a document
     retrieval_tasks: List[str] = field(default_factory=lambda: list(DEFAULT_RETRIEVAL_TASKS))
+    # their shortest length in tokens, drawn uniformly up to model.seq_length; 0: max(256,
+    # seq_length / 8). Short documents (e.g. 128) let a small model learn retrieval over short
+    # distances first
+    retrieval_min_length: int = 0
 
 
 @dataclass

@@ -363,6 +363,9 @@ def check_config(cfg, world_size: Optional[int] = None, gpu: Optional[bool] = No
     _check(errors, 0.0 <= cfg.data.retrieval_share < 1.0,
            f"data.retrieval_share must be in [0, 1), got {cfg.data.retrieval_share}")
     _check_data(errors, cfg.data, t, cfg.logging, cfg.dry_run)
+    _check(errors, 0 <= cfg.data.retrieval_min_length <= m.seq_length,
+           f"data.retrieval_min_length must be 0 (the default lengths) or at most model.seq_length "
+           f"({m.seq_length}), got {cfg.data.retrieval_min_length}")
     # found at the first evaluation otherwise, after the run has trained
     _check(errors, not t.probe_tasks or m.seq_length >= RETRIEVAL_MIN_LENGTH,
            f"trainer.probe_tasks needs model.seq_length >= {RETRIEVAL_MIN_LENGTH} (the shortest retrieval example "

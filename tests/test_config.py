@@ -117,6 +117,8 @@ def test_wrong_type_is_an_error():
     (["data.retrieval_tasks=[passkey,kvrecal]"],
      r"data.retrieval_tasks: unknown \['kvrecal'\] \(known: passkey, multikey, vartrack, kvrecall\)"),
     (["data.retrieval_tasks=[]", "data.retrieval_share=0.5"], "data.retrieval_tasks is empty"),
+    (["data.retrieval_min_length=4096"], r"data.retrieval_min_length must be 0 \(the default lengths\) or at most "
+                                        r"model.seq_length \(512\), got 4096"),
     # 4 layers, the first dense: one layer a stage leaves stage 0 without experts
     (["parallel.pp=4", "parallel.ep=2"], "holds no MoE layer"),
 ])

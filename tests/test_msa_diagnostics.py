@@ -180,6 +180,28 @@ def test_training_documents_mix_the_tasks_asked_for(tmp_path):
     assert all((b"PASSKEY" in d) != bool(_kv_lines(d)[1]) for d in mixed)
 
 
+def test_short_training_documents_from_data_retrieval_min_length(tmp_path):
+    """min_length draws lengths from it up to the maximum (the default starts at 256), and a
+    minimum below what a task's needles take is refused naming the setting."""
+    _, hay = _haystack(tmp_path)
+    docs = list(training_documents(hay, 60_000, 512, seed=3, tasks=("passkey", "kvrecall"), min_length=128))
+    lengths = [len(d) for d in docs]
+    assert min(lengths) >= 128 and max(lengths) <= 512 and sum(n < 200 for n in lengths) > len(lengths) // 8
+    assert min(len(d) for d in training_documents(hay, 60_000, 512, seed=3, tasks=("passkey",))) >= 256
+    for d in docs:
+        values, _, questions = _kv_lines(d)
+        assert all(values[k] == a for k, a in questions)
+    with pytest.raises(ValueError, match="data.retrieval_min_length 40 is below what the task needs"):
+        list(training_documents(hay, 60_000, 512, seed=3, tasks=("passkey",), min_length=40))
+    # the setting is part of the tokenized cache's key; unset, the key is the one caches had before it
+    from data.datasets import _mixture_key
+    from msa_model.config import DataConfig
+
+    keys = {n: _mixture_key(DataConfig(retrieval_share=0.5, retrieval_min_length=n), 0.5, 512) for n in (0, 128)}
+    assert keys[0] == "retrieval=0.5,512,1234,windows,pad".replace("1234", str(DataConfig().seed))
+    assert keys[128] == keys[0] + ",min_length=128"
+
+
 def test_training_documents_are_sized_in_the_models_tokens(tmp_path):
     """With a BPE tokenizer the training documents' lengths and their total are the model's tokens:
     each the longest of at most its drawn length (uniform in [max / 8, max] tokens), answerable,

@@ -138,7 +138,7 @@ def relaunch_command(run_dir: str) -> str:
 # value reads other samples than the run it continues would have
 DATA_STREAM_KEYS = ("data.source", "data.glob", "data.max_bytes", "data.blend", "data.split", "data.valid_blend",
                     "data.seed", "data.add_bos", "data.eod_token", "data.retrieval_share", "data.retrieval_tasks",
-                    "model.seq_length")
+                    "data.retrieval_min_length", "model.seq_length")
 
 
 def _flat(node, prefix: str = "") -> dict:
