@@ -225,7 +225,8 @@ def prepare(overrides: list[str], env: dict[str, str] | None = None,
     from msa_model.config import ConfigError, token_budget, validate
     from msa_model.training.index_history import WARMUP_KEY, plan_indexer_warmup
     from msa_model.training.inputs import override_for
-    from msa_model.training.resume_tokens import checkpoint_counters, planned_max_steps, schedule_problem
+    from msa_model.training.resume_tokens import (checkpoint_counters, planned_max_steps, schedule_problem,
+                                                  schedule_steps_by_tokens)
 
     cfg = composed(overrides)
     run_dir = Path(str(cfg.run_dir))
@@ -234,6 +235,7 @@ def prepare(overrides: list[str], env: dict[str, str] | None = None,
     args = job_overrides(overrides, run_dir)
     cfg = composed(args)
     budget = token_budget(cfg)
+    schedule_steps_by_tokens(cfg)
     OmegaConf.resolve(cfg)
     # a resume at other tokens a step than its checkpoint's goes on by tokens, as the job will
     planned = planned_max_steps(cfg, budget)

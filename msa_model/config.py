@@ -503,20 +503,10 @@ def token_budget(cfg) -> Optional[int]:
     other keys). max_steps is resolved with the resolver recording its argument: any form whose
     value is the resolver's own (through other keys, X an interpolation) gives its X; one that
     changes it or calls it twice is a ConfigError, since its steps could not be counted by tokens."""
-    container = OmegaConf.to_container(cfg, resolve=False)
-    raw = container["trainer"]["max_steps"]
-    # resolved in a plain copy: the probe's marker is no integer
-    plain = OmegaConf.create(container)
-    calls = []
+    raw = OmegaConf.to_container(cfg.trainer, resolve=False)["max_steps"]
+    # the probe's marker is no integer: the value is the resolver's own where it is the marker
     marker = "\0steps_for_tokens"
-    OmegaConf.register_new_resolver("steps_for_tokens", lambda tokens: calls.append(tokens) or marker, replace=True)
-    try:
-        value = OmegaConf.select(plain, "trainer.max_steps", throw_on_resolution_failure=True)
-    except OmegaConfBaseException:
-        # an interpolation that cannot resolve: resolving the config says what is wrong with it
-        return None
-    finally:
-        OmegaConf.register_new_resolver("steps_for_tokens", steps_for_tokens, replace=True)
+    calls, value = resolve_with_steps_for_tokens(cfg, "trainer.max_steps", lambda tokens: marker)
     if not calls:
         return None
     tokens = calls[0]
@@ -527,6 +517,23 @@ def token_budget(cfg) -> Optional[int]:
             "${steps_for_tokens:X} itself (X a number, or an interpolation of one), an interpolation of a key "
             "that holds exactly that, or an integer number of steps")
     return int(tokens)
+
+
+def resolve_with_steps_for_tokens(cfg, key: str, steps_of) -> tuple[list, object]:
+    """(the X of every `${steps_for_tokens:X}` that `key` of the unresolved `cfg` uses, directly or
+    through other keys; its value with the resolver giving `steps_of(X)` instead), resolved in a
+    plain copy. ([], None) where it cannot resolve (resolving the config then says why)."""
+    plain = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+    calls = []
+    OmegaConf.register_new_resolver("steps_for_tokens", lambda tokens: calls.append(tokens) or steps_of(tokens),
+                                    replace=True)
+    try:
+        value = OmegaConf.select(plain, key, throw_on_resolution_failure=True)
+    except OmegaConfBaseException:
+        return [], None
+    finally:
+        OmegaConf.register_new_resolver("steps_for_tokens", steps_for_tokens, replace=True)
+    return calls, value
 
 
 def register_configs() -> None:

@@ -144,6 +144,25 @@ def test_a_resume_at_half_the_batch_trains_the_budget_on_the_old_runs_schedule(t
     assert "1,024 tokens a step (4 x 256), the checkpoint's 2,048 (8 x 256)" in out, out[-3000:]
 
 
+def test_a_warmup_given_in_tokens_keeps_its_tokens_at_another_batch(tmp_path, data_cache):
+    """optim.warmup_steps=${steps_for_tokens:X} is 2 steps of 8 x 256; resumed at 4 x 256 a step
+    it stays 2 steps of the schedule (whose steps are the first run's), not 4, so the split run's
+    lr is the straight run's at every whole schedule position, and the run says so."""
+    warmup = "optim.warmup_steps=${steps_for_tokens:4096}"
+    straight = tmp_path / "straight"
+    run_train(straight, *COMMON, warmup, "parallel.global_batch_size=8", data_cache=data_cache)
+    split = tmp_path / "split"
+    run_train(split, *COMMON, warmup, "parallel.global_batch_size=8", "trainer.stop_at_step=1", data_cache=data_cache)
+    proc = run_train(split, *COMMON, warmup, "parallel.global_batch_size=4", data_cache=data_cache)
+    a, b = metrics(straight), metrics(split)
+    assert sorted(b) == list(range(1, 8))
+    for n in (1, 3, 5, 7):
+        assert b[n]["lr"] == pytest.approx(a[(n + 1) // 2]["lr"], rel=1e-12), n
+    assert OmegaConf.load(split / "config.yaml").optim.warmup_steps == 2
+    out = proc.stdout + proc.stderr
+    assert "resume: optim.warmup_steps=2 steps of the lr schedule (2,048 tokens each)" in out, out[-3000:]
+
+
 def test_stop_at_step_is_checked_against_the_steps_the_resume_goes_to(tmp_path, data_cache):
     """4 steps of 4 x 256, resumed at 8 x 256 a step: ${steps_for_tokens} of the new batch alone
     is 4 steps, the run goes to 6. trainer.stop_at_step=5 was refused against the 4, by train.py

@@ -12,6 +12,9 @@ continues by tokens:
   optim.warmup_steps, decay_steps and schedule_start_step keep their length in tokens, the lr of
   the first resumed step is the one the old run had next, and decay_steps=None ends the decay at
   the run's last step;
+- optim.warmup_steps, decay_steps and schedule_start_step written as `${steps_for_tokens:X}` are
+  steps of the schedule, so they are resolved at its tokens a step (X // schedule_step_tokens),
+  not at the resumed run's, and keep their X tokens;
 - the data positions, counted in samples, are converted by tokens when model.seq_length changed,
   and so is the position init_from_data_position continues from a run of another seq_length;
 - an integer trainer.max_steps whose decay (optim.decay_steps=None) would then end within the
@@ -62,6 +65,33 @@ def planned_max_steps(cfg, budget: int | None) -> int | None:
     if counters is None:
         return None
     return resumed_max_steps(counters[0], cfg.parallel.global_batch_size * cfg.model.seq_length, budget)
+
+
+SCHEDULE_KEYS = ("warmup_steps", "decay_steps", "schedule_start_step")
+
+
+def schedule_steps_by_tokens(cfg) -> list[str]:
+    """Before `cfg` is resolved: optim.warmup_steps, decay_steps and schedule_start_step that use
+    `${steps_for_tokens:X}`, resolved in the steps of the lr schedule that a resumed checkpoint's
+    counters name (its run's first tokens a step) where they differ from this run's; the line for
+    each key changed (none for a fresh run or a resume at the same tokens a step)."""
+    from msa_model.config import resolve_with_steps_for_tokens
+
+    counters = checkpoint_counters(cfg)
+    if counters is None:
+        return []
+    schedule_tokens = counters[0].schedule_step_tokens
+    step_tokens = cfg.parallel.global_batch_size * cfg.model.seq_length
+    if schedule_tokens in (0, step_tokens):
+        return []
+    lines = []
+    for key in SCHEDULE_KEYS:
+        calls, value = resolve_with_steps_for_tokens(cfg, f"optim.{key}", lambda x: int(x // schedule_tokens))
+        if calls:
+            setattr(cfg.optim, key, value)
+            lines.append(f"resume: optim.{key}={value:,} steps of the lr schedule ({schedule_tokens:,} tokens each) "
+                         f"from its ${{steps_for_tokens:...}}, not at this run's {step_tokens:,} tokens a step")
+    return lines
 
 
 def schedule_decay_steps(max_steps: int, step_tokens: int, saved: TrainState | None) -> int | float:

@@ -245,15 +245,17 @@ def run(cfg: DictConfig, notes: list[str] | tuple[str, ...] = ()) -> None:
     from msa_model.training.index_history import (WARMUP_KEY, given_on_command_line, plan_indexer_warmup,
                                                   resumed_warmup_note)
 
-    # the tokens of `${steps_for_tokens:X}`, before resolving turns it into steps
+    from msa_model.training.resume_tokens import planned_max_steps, schedule_steps_by_tokens
+
+    # the tokens of `${steps_for_tokens:X}`, before resolving turns it into steps (optim.*'s in the
+    # steps of a resumed lr schedule)
     budget = token_budget(cfg)
+    schedule_lines = schedule_steps_by_tokens(cfg)
     OmegaConf.resolve(cfg)
     rank, world_size, _ = launch_env()
     # init_from's index branch may make the warmup unnecessary (before the config is checked and
     # written: what runs is what config.yaml says)
     warmup_note = plan_indexer_warmup(cfg, given_on_command_line(WARMUP_KEY))
-    from msa_model.training.resume_tokens import planned_max_steps
-
     # a resume at other tokens a step than its checkpoint's: trainer.stop_at_step is checked against
     # the steps it goes to (set again below from the checkpoint the resume loads), and the dry run
     # shows them
@@ -275,7 +277,7 @@ def run(cfg: DictConfig, notes: list[str] | tuple[str, ...] = ()) -> None:
                               + unused_settings(cfg)]
             report = dry_run_report(cfg, layout_world)
             print("\n".join([*(f"# {n}" for n in notes), report, *([warmup_note] if warmup_note else []),
-                             *resume_preview(cfg, budget), *input_warnings]), flush=True)
+                             *resume_preview(cfg, budget), *schedule_lines, *input_warnings]), flush=True)
         return
     started = time.monotonic()
     # before anything is written (run directory, data cache, lock): every problem at once
@@ -390,8 +392,8 @@ def run(cfg: DictConfig, notes: list[str] | tuple[str, ...] = ()) -> None:
                     log.info("%s", line)
             changed = None if saved is None else change_line(saved, saved_seq, cfg.parallel.global_batch_size,
                                                              cfg.model.seq_length, cfg.trainer.max_steps, budget)
-            if changed:
-                log.info("%s", changed)
+            for line in ([changed] if changed else []) + schedule_lines:
+                log.info("%s", line)
         model_chunks = _build_model(cfg, env, tokenizer)
         optimizer, scheduler = _build_optimizer(cfg, model_chunks,
                                                 schedule_decay_steps(cfg.trainer.max_steps, step_tokens, saved))
