@@ -156,6 +156,14 @@ def _plan(task: str, length: int, depth: float, rng: random.Random, ask_all: boo
     return lines, offsets, [(question, answer)]
 
 
+class ShortExample(ValueError):
+    """An example length below what its needles and question take with the least filler (`needed`)."""
+
+    def __init__(self, message: str, needed: int):
+        super().__init__(message)
+        self.needed = needed
+
+
 def make_example(task: str, length: int, depth: float, haystack: Haystack, rng: random.Random,
                  ask_all: bool = False) -> Example:
     """One example of exactly `length` bytes: haystack with needles, then question, then answer.
@@ -171,7 +179,7 @@ def make_example(task: str, length: int, depth: float, haystack: Haystack, rng: 
     fixed = sum(len(x) + 1 for x in lines) + len(answered) + len(question) + len(answer)
     filler = length - fixed
     if filler < 16:
-        raise ValueError(f"{task}: length {length} is too short for its needles ({fixed} bytes)")
+        raise ShortExample(f"{task}: length {length} is too short for its needles ({fixed} bytes)", fixed + 16)
     text = haystack.cut(filler, rng)
     parts, prev = [], 0
     for cut, line in zip(offsets(filler), lines):
@@ -213,7 +221,8 @@ def training_documents(haystack: Haystack, target: int, max_length: int, seed: i
     `tasks` uniform, depths uniform in [0, 1], lengths uniform in [min_length, max_length] tokens
     (min_length 0: max(256, max_length / 8)); kvrecall documents ask for every needle. Short
     documents put the needle a few dozen tokens before its question, where a small model learns
-    to look it up before it can across a whole context (data.retrieval_min_length).
+    to look it up before it can across a whole context (data.retrieval_min_length). A drawn length
+    shorter than the document's needles and question take is raised to what they take.
 
     `count` (a document's length in the model's tokens) sizes documents and target in those tokens,
     each document the longest that fits its drawn length (`fit_example`); None: bytes, the byte
@@ -222,23 +231,30 @@ def training_documents(haystack: Haystack, target: int, max_length: int, seed: i
     made = 0
     # at most max_length: a context of 256 tokens leaves its documents a token or two less
     low = min(min_length or max(256, max_length // 8), max_length)
-    hint = (f"data.retrieval_min_length {min_length} is below what the task needs" if min_length
-            else "data.retrieval_tasks needs a longer model.seq_length")
+    hint = "data.retrieval_tasks needs a longer model.seq_length"
     while made < target:
         task = rng.choice(tasks)
         length, depth = rng.randint(low, max(low, max_length)), rng.random()
         ask_all = task == "kvrecall"
         if count is None:
-            try:
-                ex = make_example(task, length, depth, haystack, rng, ask_all=ask_all)
-            except ValueError as e:
-                raise ValueError(f"{e} ({hint})") from None
+            while True:
+                try:
+                    ex = make_example(task, length, depth, haystack, rng, ask_all=ask_all)
+                    break
+                except ShortExample as e:
+                    # each try is longer than the last, so this ends by max_length
+                    if e.needed > max_length:
+                        raise ValueError(f"{e} ({hint})") from None
+                    length = e.needed
             n = length
         else:
-            found = fit_example(task, length, depth, haystack, lambda: rng, lambda e: count(e.prompt + e.answer),
-                                ask_all=ask_all)
-            if found is None:
-                raise ValueError(f"{task}: no training document of at most {length} tokens ({hint})")
+            found = None
+            while found is None:
+                found = fit_example(task, length, depth, haystack, lambda: rng,
+                                    lambda e: count(e.prompt + e.answer), ask_all=ask_all)
+                if found is None and length >= max_length:
+                    raise ValueError(f"{task}: no training document of at most {length} tokens ({hint})")
+                length = min(max_length, 2 * length)
             ex, n = found
         made += n
         yield ex.prompt + ex.answer

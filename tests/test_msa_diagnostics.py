@@ -181,8 +181,9 @@ def test_training_documents_mix_the_tasks_asked_for(tmp_path):
 
 
 def test_short_training_documents_from_data_retrieval_min_length(tmp_path):
-    """min_length draws lengths from it up to the maximum (the default starts at 256), and a
-    minimum below what a task's needles take is refused naming the setting."""
+    """min_length draws lengths from it up to the maximum (the default starts at 256); a length
+    below what a document's needles and question take is raised to that, and a context too short
+    for them is refused."""
     _, hay = _haystack(tmp_path)
     docs = list(training_documents(hay, 60_000, 512, seed=3, tasks=("passkey", "kvrecall"), min_length=128))
     lengths = [len(d) for d in docs]
@@ -191,8 +192,13 @@ def test_short_training_documents_from_data_retrieval_min_length(tmp_path):
     for d in docs:
         values, _, questions = _kv_lines(d)
         assert all(values[k] == a for k, a in questions)
-    with pytest.raises(ValueError, match="data.retrieval_min_length 40 is below what the task needs"):
-        list(training_documents(hay, 60_000, 512, seed=3, tasks=("passkey",), min_length=40))
+    # below what a document's needles and question take: raised to that
+    short = list(training_documents(hay, 20_000, 512, seed=3, tasks=("passkey", "kvrecall"), min_length=40))
+    least = {task: min(len(d) for d in short if (b"PASSKEY" in d) == (task == "passkey"))
+             for task in ("passkey", "kvrecall")}
+    assert 60 < least["passkey"] < 100 and 100 < least["kvrecall"] < 200, least
+    with pytest.raises(ValueError, match="too short for its needles .* needs a longer model.seq_length"):
+        list(training_documents(hay, 20_000, 80, seed=3, tasks=("kvrecall",)))
     # the setting is part of the tokenized cache's key; unset, the key is the one caches had before it
     from data.datasets import _mixture_key
     from msa_model.config import DataConfig
