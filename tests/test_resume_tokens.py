@@ -153,14 +153,22 @@ def test_a_warmup_given_in_tokens_keeps_its_tokens_at_another_batch(tmp_path, da
     run_train(straight, *COMMON, warmup, "parallel.global_batch_size=8", data_cache=data_cache)
     split = tmp_path / "split"
     run_train(split, *COMMON, warmup, "parallel.global_batch_size=8", "trainer.stop_at_step=1", data_cache=data_cache)
-    proc = run_train(split, *COMMON, warmup, "parallel.global_batch_size=4", data_cache=data_cache)
+    # launch.slurm and the dry run resolve it as the run will
+    from launch.slurm import prepare
+
+    resumed = (*COMMON, warmup, "parallel.global_batch_size=4")
+    cfg = prepare([*TINY_TEST, f"run_dir={split}", f"data.cache_dir={data_cache}", *resumed])[2]
+    assert (cfg.optim.warmup_steps, cfg.trainer.max_steps) == (2, 7)
+    line = "resume: optim.warmup_steps=2 steps of the lr schedule (2,048 tokens each)"
+    assert line in run_train(split, *resumed, "dry_run=true", data_cache=data_cache).stdout
+    proc = run_train(split, *resumed, data_cache=data_cache)
     a, b = metrics(straight), metrics(split)
     assert sorted(b) == list(range(1, 8))
     for n in (1, 3, 5, 7):
         assert b[n]["lr"] == pytest.approx(a[(n + 1) // 2]["lr"], rel=1e-12), n
     assert OmegaConf.load(split / "config.yaml").optim.warmup_steps == 2
     out = proc.stdout + proc.stderr
-    assert "resume: optim.warmup_steps=2 steps of the lr schedule (2,048 tokens each)" in out, out[-3000:]
+    assert line in out, out[-3000:]
 
 
 def test_stop_at_step_is_checked_against_the_steps_the_resume_goes_to(tmp_path, data_cache):
