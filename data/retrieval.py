@@ -222,7 +222,8 @@ def training_documents(haystack: Haystack, target: int, max_length: int, seed: i
     (min_length 0: max(256, max_length / 8)); kvrecall documents ask for every needle. Short
     documents put the needle a few dozen tokens before its question, where a small model learns
     to look it up before it can across a whole context (data.retrieval_min_length). A drawn length
-    shorter than the document's needles and question take is raised to what they take.
+    shorter than the document's needles and question take is raised to what they take (with
+    `count`, doubled up to max_length until a document fits).
 
     `count` (a document's length in the model's tokens) sizes documents and target in those tokens,
     each document the longest that fits its drawn length (`fit_example`); None: bytes, the byte

@@ -145,6 +145,22 @@ def test_a_changed_config_names_its_keys_and_a_resume_on_another_data_stream_is_
     assert [r.levelname for r in caplog.records] == ["INFO"]
 
 
+def test_a_setting_added_since_the_config_was_written_is_no_change_at_its_default(tmp_path, caplog):
+    """A run directory written before data.retrieval_min_length existed, resumed: the key at its
+    default is no change (and no data-stream warning); set to another value, it is one."""
+    older = {"data": {"blend": None, "retrieval_share": 0.5}, "trainer": {"max_steps": 6}}
+    now = OmegaConf.merge(older, {"data": {"retrieval_min_length": 0}})
+    (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(older)))
+    with caplog.at_level("INFO", logger="msa_model.training.run_dir"):
+        write_run_files(now, tmp_path, resuming=True)
+    assert caplog.records == [] and not (tmp_path / "config.yaml.1").exists()
+    assert "retrieval_min_length: 0" in (tmp_path / "config.yaml").read_text()
+    (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(older)))
+    with caplog.at_level("INFO", logger="msa_model.training.run_dir"):
+        write_run_files(OmegaConf.merge(now, {"data": {"retrieval_min_length": 128}}), tmp_path, resuming=True)
+    assert "the data stream changed since the last launch (data.retrieval_min_length)" in caplog.text
+
+
 def test_the_relaunch_of_a_relative_run_dir_is_not_a_change(tmp_path, monkeypatch, caplog):
     """launch.sh relaunches with the absolute run_dir of a run started with a relative one: the
     same configuration, so nothing is kept aside and no change is logged."""

@@ -160,9 +160,17 @@ def _same_run_dir(key: str, old, new) -> bool:
         Path(old).resolve() == Path(new).resolve()
 
 
+def _schema_defaults() -> dict:
+    """{dotted key: default} of the config schema."""
+    from msa_model.config import TrainConfig
+
+    return _flat(OmegaConf.to_container(OmegaConf.structured(TrainConfig)))
+
+
 def write_config(cfg, run_dir: Path) -> tuple[Path | None, list[str]]:
     """Write the resolved `cfg` as run_dir/config.yaml. An earlier, different one is kept as
-    config.yaml.1, .2, ... (oldest first); one that differs only in how run_dir is spelt is
+    config.yaml.1, .2, ... (oldest first); one that differs only in how run_dir is spelt, or only
+    by keys it lacks that now hold the schema's default (a setting added since it was written), is
     replaced. Returns (the kept file or None, one `key: old -> new` line per changed key)."""
     config = run_dir / "config.yaml"
     text = OmegaConf.to_yaml(cfg, resolve=True)
@@ -170,9 +178,13 @@ def write_config(cfg, run_dir: Path) -> tuple[Path | None, list[str]]:
     if config.exists() and config.read_text() != text:
         before = _flat(OmegaConf.to_container(OmegaConf.create(config.read_text())))
         after = _flat(OmegaConf.to_container(OmegaConf.create(text)))
+        added = after.keys() - before.keys()
+        defaults = _schema_defaults() if added else {}
+        new_default = {key for key in added if key in defaults and defaults[key] == after[key]}
         changes = [f"{key}: {_short(before.get(key))} -> {_short(after.get(key))}"
                    for key in sorted(before.keys() | after.keys())
-                   if before.get(key) != after.get(key) and not _same_run_dir(key, before.get(key), after.get(key))]
+                   if before.get(key) != after.get(key) and key not in new_default
+                   and not _same_run_dir(key, before.get(key), after.get(key))]
     if changes:
         n = 1
         while (run_dir / f"config.yaml.{n}").exists():
