@@ -171,6 +171,26 @@ def test_a_warmup_given_in_tokens_keeps_its_tokens_at_another_batch(tmp_path, da
     assert line in out, out[-3000:]
 
 
+def test_a_fallback_past_unreadable_counters_keeps_the_warmups_tokens(tmp_path, data_cache):
+    """Steps 1 and 2 of 8 x 256 saved, step 2's counters then cut short: resumed at 4 x 256 with
+    resume=fallback, the counters read before the load are none, and the checkpoint loaded (step 1)
+    names the schedule's steps: warmup_steps=${steps_for_tokens:4096} is 2 of them, not 4."""
+    warmup = "optim.warmup_steps=${steps_for_tokens:4096}"
+    run = tmp_path / "run"
+    run_train(run, *COMMON, warmup, "parallel.global_batch_size=8", "checkpoint.interval=1",
+              "trainer.stop_at_step=2", data_cache=data_cache)
+    counters = run / "checkpoints" / "step_00000002" / ".metadata"  # (holds the common state)
+    counters.write_bytes(counters.read_bytes()[:100])
+    proc = run_train(run, *COMMON, warmup, "parallel.global_batch_size=4", "resume=fallback", "trainer.stop_at_step=2",
+                     data_cache=data_cache)
+    out = proc.stdout + proc.stderr
+    # torch's own report of the unreadable file (a traceback) stays out of it: ours names the file once
+    assert "set aside as damaged-step_00000002" in out and "Traceback" not in out, out[-3000:]
+    assert "resume: optim.warmup_steps=2 steps of the lr schedule (2,048 tokens each)" in out, out[-3000:]
+    saved = OmegaConf.load(run / "config.yaml")
+    assert (saved.optim.warmup_steps, saved.trainer.max_steps) == (2, 7)
+
+
 def test_stop_at_step_is_checked_against_the_steps_the_resume_goes_to(tmp_path, data_cache):
     """4 steps of 4 x 256, resumed at 8 x 256 a step: ${steps_for_tokens} of the new batch alone
     is 4 steps, the run goes to 6. trainer.stop_at_step=5 was refused against the 4, by train.py

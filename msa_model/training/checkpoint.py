@@ -27,13 +27,11 @@ format, model-shaped optimizer state, so a checkpoint loads at another TP/PP/EP/
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import queue
 import random
 import shutil
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -52,7 +50,7 @@ from msa_model.training.manifest import (DamagedCheckpointError, check_manifest,
                                          warn_unverified, write_manifest)
 from msa_model.training.checkpoint_checks import (CHECKPOINT_FAILURES, CheckpointError, align_lr_groups,
                                                   check_init_architecture, check_resume_architecture, describe_error,
-                                                  load_matching_weights, unreadable)
+                                                  load_matching_weights, quiet_load, unreadable)
 
 log = logging.getLogger(__name__)
 
@@ -84,18 +82,6 @@ class _DropAsyncDeprecation(logging.Filter):
 
 
 logging.getLogger("megatron.core.dist_checkpointing.strategies.torch").addFilter(_DropAsyncDeprecation())
-
-
-@contextlib.contextmanager
-def _quiet_load():
-    """torch.distributed.checkpoint warns on every load about how megatron calls it (single-process
-    metadata reads, argument order, ShardedTensor); none of it concerns the user."""
-    with warnings.catch_warnings():
-        for message in ("torch.distributed is disabled, unavailable or uninitialized",
-                        "The argument order of load has been changed",
-                        "Please use DTensor instead and we are deprecating ShardedTensor"):
-            warnings.filterwarnings("ignore", message=message)
-        yield
 
 
 def step_dir_name(step: int) -> str:
@@ -325,7 +311,7 @@ def load_checkpoint(trainer, path: str | Path, verify: bool = True, model_config
     if verify:
         verify_checkpoint(path, "resume:")
     try:
-        with _quiet_load():
+        with quiet_load():
             common = dist_checkpointing.load_common_state_dict(str(path))
     except CHECKPOINT_FAILURES as e:
         raise unreadable("resume:", path, e) from e
@@ -345,7 +331,7 @@ def load_checkpoint(trainer, path: str | Path, verify: bool = True, model_config
                     common.get("world_size"), dist.get_world_size())
         state.pop("rng")
     try:
-        with _quiet_load():
+        with quiet_load():
             loaded = dist_checkpointing.load(state, str(path))
     except CHECKPOINT_FAILURES as e:
         raise unreadable("resume:", path, e) from e
@@ -387,14 +373,14 @@ def load_weights(module, step_dir: str | Path, allow_missing_index: bool, what: 
     sharded = module.sharded_state_dict()
     # compare keys before loading: a tensor factory (e.g. fused expert weights) without stored
     # values fails deep inside dist_checkpointing with a message that names no parameter
-    with _quiet_load():
+    with quiet_load():
         stored = set(dist_checkpointing.load_tensors_metadata(str(step_dir)))
     wanted = {v.key for v in nested_values(sharded) if isinstance(v, (ShardedTensor, ShardedTensorFactory))}
     bad = sorted(k for k in wanted - stored if not (allow_missing_index and is_index_branch_key(k)))
     if bad:
         raise error(f"{what} {step_dir}: the checkpoint lacks model parameters {bad[:8]}"
                     f"{f' and {len(bad) - 8} more' if len(bad) > 8 else ''} (is it a checkpoint of this model?)")
-    with _quiet_load():
+    with quiet_load():
         loaded, _, absent = dist_checkpointing.load({"model": sharded}, str(step_dir),
                                                     strict=StrictHandling.RETURN_ALL)
     absent = sorted(absent)
@@ -449,7 +435,7 @@ def saved_progress(step_dir: str | Path, step_tokens: int) -> tuple[TrainState, 
     them (resume_tokens.py). `step_tokens` (this run's) stands in where an older checkpoint at
     step 0 records none."""
     try:
-        with _quiet_load():
+        with quiet_load():
             common = dist_checkpointing.load_common_state_dict(str(step_dir))
     except CHECKPOINT_FAILURES as e:
         raise unreadable("resume:", step_dir, e) from e
@@ -463,7 +449,7 @@ def recorded_data_position(step_dir: str | Path) -> dict | None:
     "seq_length", "step"} from a training checkpoint's counters, or the one a dense-to-msa
     conversion copied from its source; None when the checkpoint records none (a conversion from
     Hugging Face or DeepSpeed)."""
-    with _quiet_load():
+    with quiet_load():
         common = dist_checkpointing.load_common_state_dict(str(step_dir))
     if "trainer" in common:
         return {"consumed_samples": int(common["trainer"]["consumed_samples"]),

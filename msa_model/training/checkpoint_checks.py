@@ -14,10 +14,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import pickle
 import re
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -28,6 +30,34 @@ log = logging.getLogger(__name__)
 # what a failed dist_checkpointing load or save raises (torch's CheckpointException, which
 # collects the ranks' errors, is not an Exception)
 CHECKPOINT_FAILURES = (Exception, CheckpointException)
+
+
+class _DcpLoadNoise(logging.Filter):
+    """torch.distributed.checkpoint logs a failed metadata read with its traceback on the root
+    logger, before raising; the error that follows names the file and the cause once."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "torch/distributed/checkpoint/" not in record.pathname.replace("\\", "/")
+
+
+@contextlib.contextmanager
+def quiet_load():
+    """Around a dist_checkpointing load: without what torch.distributed.checkpoint says on every load
+    about how megatron calls it (single-process metadata reads, argument order, ShardedTensor) and
+    without its tracebacks of a damaged checkpoint, which the caller reports; none of it concerns
+    the user."""
+    noise = _DcpLoadNoise()
+    root = logging.getLogger()
+    root.addFilter(noise)
+    try:
+        with warnings.catch_warnings():
+            for message in ("torch.distributed is disabled, unavailable or uninitialized",
+                            "The argument order of load has been changed",
+                            "Please use DTensor instead and we are deprecating ShardedTensor"):
+                warnings.filterwarnings("ignore", message=message)
+            yield
+    finally:
+        root.removeFilter(noise)
 
 
 class CheckpointError(RuntimeError):

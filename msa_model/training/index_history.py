@@ -14,7 +14,6 @@ one of our MSA runs) needs no dense warmup. A recipe with `trainer.indexer_warmu
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 WARMUP_KEY = "trainer.indexer_warmup_tokens"
@@ -43,14 +42,14 @@ def index_branch_trained(path: str | Path) -> bool | None:
 def _common_state(step: Path) -> dict | None:
     """The common state of the step directory `step`, or None when it cannot be read here (the
     load that follows reports it with its cause)."""
+    from msa_model.training.checkpoint_checks import CHECKPOINT_FAILURES, quiet_load
+
     try:
         from megatron.core import dist_checkpointing
 
-        with warnings.catch_warnings():
-            # a read before (or without) a process group: nothing for the user
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        with quiet_load():
             return dist_checkpointing.load_common_state_dict(str(step))
-    except Exception:
+    except CHECKPOINT_FAILURES:
         return None
 
 

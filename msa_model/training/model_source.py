@@ -14,7 +14,6 @@ checkpoint is then refused before anything is written (msa_model/training/inputs
 from __future__ import annotations
 
 import re
-import warnings
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -32,11 +31,12 @@ def recorded_model_config(step_dir: str | Path) -> dict | None:
     step_dir = Path(step_dir)
     from megatron.core import dist_checkpointing
 
+    from msa_model.training.checkpoint_checks import CHECKPOINT_FAILURES, quiet_load
+
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with quiet_load():
             common = dist_checkpointing.load_common_state_dict(str(step_dir))
-    except Exception:  # noqa: BLE001 - a damaged checkpoint is reported where it is loaded
+    except CHECKPOINT_FAILURES:  # a damaged checkpoint is reported where it is loaded
         common = None
     if isinstance(common, dict) and isinstance(common.get("model_config"), dict):
         return common["model_config"]

@@ -70,27 +70,37 @@ def planned_max_steps(cfg, budget: int | None) -> int | None:
 SCHEDULE_KEYS = ("warmup_steps", "decay_steps", "schedule_start_step")
 
 
-def schedule_steps_by_tokens(cfg) -> list[str]:
+def schedule_steps_by_tokens(cfg, saved: TrainState | None = None, into=None) -> list[str]:
     """Before `cfg` is resolved: optim.warmup_steps, decay_steps and schedule_start_step that use
     `${steps_for_tokens:X}`, resolved in the steps of the lr schedule that a resumed checkpoint's
     counters name (its run's first tokens a step) where they differ from this run's; the line for
-    each key changed (none for a fresh run or a resume at the same tokens a step)."""
+    each key changed (none for a fresh run or a resume at the same tokens a step).
+
+    `saved`: the counters of the checkpoint the resume loads (default: those of the one `latest`
+    names, read here). `into`: the config the values go to (default `cfg`): the resolved config of
+    a run whose resume=fallback loaded an older checkpoint, `cfg` then an unresolved copy; every
+    such key is set there, at this run's tokens a step where the schedule's are the same."""
     from msa_model.config import resolve_with_steps_for_tokens
 
-    counters = checkpoint_counters(cfg)
-    if counters is None:
-        return []
-    schedule_tokens = counters[0].schedule_step_tokens
+    if saved is None:
+        counters = checkpoint_counters(cfg)
+        if counters is None:
+            return []
+        saved = counters[0]
+    schedule_tokens = saved.schedule_step_tokens
     step_tokens = cfg.parallel.global_batch_size * cfg.model.seq_length
     if schedule_tokens in (0, step_tokens):
-        return []
+        if into is None:
+            return []
+        schedule_tokens = step_tokens
     lines = []
     for key in SCHEDULE_KEYS:
         calls, value = resolve_with_steps_for_tokens(cfg, f"optim.{key}", lambda x: int(x // schedule_tokens))
         if calls:
-            setattr(cfg.optim, key, value)
-            lines.append(f"resume: optim.{key}={value:,} steps of the lr schedule ({schedule_tokens:,} tokens each) "
-                         f"from its ${{steps_for_tokens:...}}, not at this run's {step_tokens:,} tokens a step")
+            setattr((cfg if into is None else into).optim, key, value)
+            if schedule_tokens != step_tokens:
+                lines.append(f"resume: optim.{key}={value:,} steps of the lr schedule ({schedule_tokens:,} tokens "
+                             f"each) from its ${{steps_for_tokens:...}}, not at this run's {step_tokens:,} tokens a step")
     return lines
 
 

@@ -250,6 +250,8 @@ def run(cfg: DictConfig, notes: list[str] | tuple[str, ...] = ()) -> None:
     # the tokens of `${steps_for_tokens:X}`, before resolving turns it into steps (optim.*'s in the
     # steps of a resumed lr schedule)
     budget = token_budget(cfg)
+    # (resolved again below from the checkpoint loaded, where resume=fallback takes an older one)
+    unresolved = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
     schedule_lines = schedule_steps_by_tokens(cfg)
     OmegaConf.resolve(cfg)
     rank, world_size, _ = launch_env()
@@ -362,6 +364,10 @@ def run(cfg: DictConfig, notes: list[str] | tuple[str, ...] = ()) -> None:
         saved, saved_seq = ckpt.saved_progress(latest, step_tokens) if latest is not None else (None, None)
         if saved is not None and budget is not None:
             cfg.trainer.max_steps = resumed_max_steps(saved, step_tokens, budget)
+        if saved is not None and latest != named:
+            # resume=fallback loaded an older step than `latest` names, whose counters the lines
+            # above may not have read: the schedule's keys in its steps
+            schedule_lines = schedule_steps_by_tokens(unresolved, saved, into=cfg)
         # before the run's records: megatron's scheduler would stop at it deep in the optimizer's set-up
         problem = schedule_problem(cfg, saved)
         if problem:
