@@ -9,6 +9,7 @@ with `q_offset` (context parallelism) must equal the rows of the whole call; the
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -328,6 +329,31 @@ def test_document_table_size_comes_from_the_host_copy(q_offset):
     assert host_copy(as_int32(wide)) is host_copy(fresh) and as_int32(wide).dtype == torch.int32
 
 
+def _reserved_table_run(starts, teacher, tuning=None):
+    """(block_idx, o, kl, and the five gradients) of the Triton msa_attention on the reserved-table
+    tests' inputs (B = 2 rows of DOCS, GQA 3) with document starts `starts`."""
+    from msa_model.ops import KernelTuning
+
+    bs, topk = 16, 2
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    q, k, v, iq, ik = inputs(seed=8, dtype=dtype, Hq=6, G=2, di=16, device=DEV)
+    w = torch.randn(q.shape, generator=torch.Generator().manual_seed(9)).to(DEV)
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, iq, ik)]
+    out = msa_attention(*leaves, MSASettings(bs, topk, backend="triton", kl_teacher=teacher,
+                                             tuning=tuning or KernelTuning()), doc_start=starts, check_ids=False)
+    assert out.kl_in_backward == (teacher == "backward")
+    grads = torch.autograd.grad((out.o.float() * w).sum() + out.kl, leaves)
+    # the late teacher's KL holds its value after the backward
+    return out.block_idx, out.o.detach(), out.kl.detach().clone(), *grads
+
+
+@functools.cache
+def _needed_table_result(teacher):
+    """`_reserved_table_run` with DOCS' starts as they are (the table they need), the default
+    tuning: what both reserved-table tests compare with, computed once."""
+    return _reserved_table_run(doc_starts(DOCS).to(DEV), teacher)
+
+
 @pytest.mark.parametrize("teacher", ["forward", "backward"])
 def test_a_reserved_document_table_gives_the_same_results(teacher):
     """A CUDA graph's starts keep the table size of their capture (`reserve_table`): a table larger
@@ -335,23 +361,12 @@ def test_a_reserved_document_table_gives_the_same_results(teacher):
     gradients as the table they need."""
     from msa_model.ops.sparse_attention.inverse_index import reserve_table, table_size
 
-    bs, topk = 16, 2
-    dtype = torch.bfloat16 if CUDA else torch.float32
-    q, k, v, iq, ik = inputs(seed=8, dtype=dtype, Hq=6, G=2, di=16, device=DEV)
+    bs = 16
     ds = doc_starts(DOCS).to(DEV)
-    w = torch.randn(q.shape, generator=torch.Generator().manual_seed(9)).to(DEV)
-
-    def run(starts):
-        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, iq, ik)]
-        o, kl, idx, _ = msa_attention(*leaves, MSASettings(bs, topk, backend="triton", kl_teacher=teacher),
-                                      doc_start=starts, check_ids=False)
-        grads = torch.autograd.grad((o.float() * w).sum() + kl, leaves)
-        return idx, o, kl.detach().clone(), *grads  # the late teacher's KL holds its value after the backward
-
-    want = run(ds)
+    want = _needed_table_result(teacher)
     padded = ds.clone()
     reserve_table(padded, bs, table_size(ds, bs) + 37)
-    got = run(padded)
+    got = _reserved_table_run(padded, teacher)
     assert table_size(padded, bs) == table_size(ds, bs) + 37
     assert torch.equal(got[0], want[0])
     for name, x, r in zip(("o", "kl", "dq", "dk", "dv", "d iq", "d ik"), got[1:], want[1:]):
@@ -387,22 +402,11 @@ def test_a_reserved_document_table_reaches_the_query_chunks(monkeypatch):
         return o, lse, state
 
     monkeypatch.setattr(late_teacher.sa_triton, "attention_forward", spy)
-    dtype = torch.bfloat16 if CUDA else torch.float32
-    q, k, v, iq, ik = inputs(seed=8, dtype=dtype, Hq=6, G=2, di=16, device=DEV)
-    w = torch.randn(q.shape, generator=torch.Generator().manual_seed(9)).to(DEV)
+    q = inputs(seed=8, dtype=torch.bfloat16 if CUDA else torch.float32, Hq=6, G=2, di=16, device=DEV)[0]
     one = late_teacher.teacher_bytes(q, 2, topk, bs, queries=1)
-
-    def run(starts, tuning):
-        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, iq, ik)]
-        out = msa_attention(*leaves, MSASettings(bs, topk, backend="triton", kl_teacher="backward", tuning=tuning),
-                            doc_start=starts, check_ids=False)
-        assert out.kl_in_backward
-        grads = torch.autograd.grad((out.o.float() * w).sum() + out.kl, leaves)
-        return out.block_idx, out.o, out.kl.detach().clone(), *grads
-
-    want = run(ds, KernelTuning())
+    want = _needed_table_result("backward")  # one call, the table the starts need
     tables.clear()
-    got = run(padded, KernelTuning(indexer_kl=KLTuning(teacher_bytes=25 * one)))
+    got = _reserved_table_run(padded, "backward", KernelTuning(indexer_kl=KLTuning(teacher_bytes=25 * one)))
     assert tables == [n] * 3, tables
     assert torch.equal(got[0], want[0])
     for name, x, r in zip(("o", "kl", "dq", "dk", "dv", "d iq", "d ik"), got[1:], want[1:]):

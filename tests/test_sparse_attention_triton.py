@@ -142,13 +142,15 @@ def test_dense(B, T, Hq, G, D, dtype):
 
 
 def test_query_chunks():
-    """Partial buffers over budget: queries run in several chunks (here 7 tokens each, the last
-    6), same results."""
-    B, T, Hq, G, K, bs = 2, 90, 4, 2, 4, 16
+    """Partial buffers over budget: queries run in several chunks (here six of 7 tokens each, the
+    last 6, across the 3 blocks' boundaries), same results."""
+    B, T, Hq, G, K, bs = 2, 41, 4, 2, 4, 16
     per_query = B * G * K * (Hq // G) * (16 * 4 + 4)  # fp32 partial o and lse of one query (D = 16)
     tuning = dataclasses.replace(sa_triton.DEFAULT_TUNING, partial_bytes=7 * per_query)
     assert shared.equal_chunks(T, per_query, tuning.partial_bytes) == 7
-    run_case(B, T, Hq, G, 16, bs, K, torch.float32 if DEVICE == "cpu" else torch.bfloat16, tuning=tuning)
+    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    assert shared.index_chunk((B, T, G, K), Hq // G, 16, dtype.itemsize, tuning) < T  # the op's chunks: several
+    run_case(B, T, Hq, G, 16, bs, K, dtype, tuning=tuning)
 
 
 @pytest.mark.parametrize("T, heads, groups, chunks", [
@@ -327,7 +329,8 @@ def test_tile_path_fp32(B, T, Hq, G, D, block_size, K, rows):
 @pytest.mark.parametrize("dtype,tile_backward", [(torch.bfloat16, True), (torch.float16, False)],
                          ids=["tiles-bf16", "hybrid-fp16"])
 def test_tile_path_low_precision(dtype, tile_backward):
-    run_case(2, 63, 4, 2, 32, 32, 4, dtype, tuning=_tiles(4, tile_backward=tile_backward, tile_union_max=1.25))
+    """An odd length (a partial last tile of 2 queries; the second of the 2 blocks partial)."""
+    run_case(2, 47, 4, 2, 32, 32, 4, dtype, tuning=_tiles(4, tile_backward=tile_backward, tile_union_max=1.25))
 
 
 @pytest.mark.parametrize("chunked", [False, True])
@@ -419,10 +422,17 @@ def test_tile_path_reads_whole_blocks_unmasked(rows):
     """Tiles whose queries share earlier blocks read those in the kernel's unmasked loop (blocks
     every query selected, ending before the tile's first query) and the rest masked: both loops
     run here, and the result is the reference's."""
-    B, T, Hq, G, D, bs, K = 2, 150, 4, 2, 16, 32, 5  # 16 keys a step: two per block
+    # 16 keys a step: two per block; 4 blocks, the last one and the last tile partial
+    B, T, Hq, G, D, bs, K = 2, 99, 4, 2, 16, 32, 5
     idx = shared_block_idx(B, T, G, K, bs)
     union = tiles.tile_union(inverse_index.clean_block_idx(idx, bs), rows // 2)
     assert (union.full > 0).float().mean() > 0.5 and (union.full < union.count).any()
+    # the blocks each tile reads unmasked (`tiles._whole_blocks`: every query selected them, they
+    # end before the tile's first query): most tiles have some, some several, every tile masks the rest
+    first = torch.arange(union.count.shape[-1]) * (rows // 2)
+    whole = ((torch.arange(union.blocks.shape[-1]) < union.full[..., None])
+             & (union.blocks * bs + bs - 1 <= first[:, None])).sum(-1)
+    assert (whole > 0).float().mean() > 0.5 and (whole > 1).any() and (whole < union.count).all()
     run_case(B, T, Hq, G, D, bs, K, torch.float32 if DEVICE == "cpu" else torch.bfloat16,
              tuning=_tiles(rows, tile_backward=False, tile_union_max=float(rows)), block_idx=idx)
 
