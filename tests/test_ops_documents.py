@@ -198,10 +198,16 @@ def test_triton_tile_path_with_documents(poisoned):
 
     tuning = dataclasses.replace(DEFAULT_TUNING, tile_rows=8, tile_dkdv_tiles=2, tile_backward=True, tile_min_heads=1,
                                  tile_min_queries=0)
-    _check_attention_with_documents(6, 2, 23, torch.bfloat16 if CUDA else torch.float32, False, tuning)
+    # 8 rows of 3 heads (4 with padding) are tiles of 2 queries: from query 22 on, some tile's two
+    # queries are in two documents
+    q0 = 22
+    starts = doc_starts(DOCS)[:, q0:]
+    pairs = starts[:, :starts.shape[1] // 2 * 2].reshape(starts.shape[0], -1, 2)
+    assert (pairs[..., 0] != pairs[..., 1]).any()
+    _check_attention_with_documents(6, 2, q0, torch.bfloat16 if CUDA else torch.float32, False, tuning)
     # the hybrid forward: the tiles of few blocks on the tile path, the others gathered
     tuning = dataclasses.replace(tuning, tile_backward=False, tile_union_max=1.25)
-    _check_attention_with_documents(6, 2, 23, torch.bfloat16 if CUDA else torch.float32, False, tuning)
+    _check_attention_with_documents(6, 2, q0, torch.bfloat16 if CUDA else torch.float32, False, tuning)
     # sets shared within a document: the tile kernel reads a document's earlier blocks unmasked;
     # with one query a tile (4 rows of 3 heads) also a document's cut last block would qualify by
     # its end, but the kernel loads a whole block's keys from its start
