@@ -1,7 +1,7 @@
 set -x
 # (megatron-core, hydra-core, omegaconf on PYTHONPATH; run from the repository root)
 nvidia-smi --query-gpu=name --format=csv,noheader
-python bench/results/bwd-latency-2026-12-06/prefetch_check.py 2>&1 | grep -v Warn
+python bench/results/bwd-latency-2026-12-06/bit_identity_check.py prefetch 2>&1 | grep -v Warn
 export TUNE_FWD='[{}, {"fwd_prefetch": 1}, {"fwd_prefetch": 2}, {}]'
 export TUNE_BWD='[{}, {"bwd_prefetch": 1}, {"bwd_prefetch": 2}, {}]'
 python bench/bench_sparse_attention.py --parts tune --tune-T 8192 2>&1 | grep "tune"
