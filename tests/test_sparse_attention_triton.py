@@ -295,6 +295,41 @@ def test_empty_support_and_duplicates():
         assert rel(x, r) < tol
 
 
+def test_int64_offsets_give_the_bits_of_int32_offsets():
+    """The gather kernels compute row offsets in int32 where every one fits and in int64 past
+    2**31 elements: both give the same o, lse, dq, dk, dv and KL teacher rows, over two chunks
+    (partial buffers indexed from each chunk's first query) and a batch of two."""
+    from msa_model.ops.sparse_attention import gather
+
+    B, T, Hq, G, D, K, bs = 2, 50, 4, 2, 16, 3, 16
+    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    gen = torch.Generator().manual_seed(3)
+    q, do = (torch.randn(B, T, Hq, D, generator=gen).to(DEVICE, dtype) for _ in range(2))
+    k, v = (torch.randn(B, T, G, D, generator=gen).to(DEVICE, dtype) for _ in range(2))
+    idx = reference.clean_block_idx_reference(random_block_idx(B, T, G, K, bs, gen).to(DEVICE), bs).contiguous()
+    per_query = B * G * K * (Hq // G) * (D * dtype.itemsize + 4)
+    outs = []
+    for narrow in (True, False):
+        tuning = dataclasses.replace(sa_triton.DEFAULT_TUNING, narrow_offsets=narrow, partial_bytes=27 * per_query)
+        o, lse, index = gather.sparse_forward(q, k, v, idx, bs, D ** -0.5, tuning=tuning)
+        assert index.n_chunks == 2
+        teacher = torch.zeros(idx.numel(), bs, dtype=dtype, device=DEVICE)
+        grads = gather.sparse_backward(do, q, k, v, o, lse, idx, bs, D ** -0.5, index=index, tuning=tuning,
+                                       teacher=teacher)
+        outs.append((o, lse, *grads, teacher))
+    assert outs[1][-1].abs().sum() > 0
+    for name, a, b in zip(("o", "lse", "dq", "dk", "dv", "teacher"), *outs):
+        assert torch.equal(a, b), name
+
+
+def test_offsets_narrow_only_while_every_tensor_fits_int32():
+    small, edge, big = (torch.empty(n, device="meta") for n in (10, 2 ** 31 - 1, 2 ** 31))
+    tuning = sa_triton.DEFAULT_TUNING
+    assert shared.narrow_offsets(tuning, small, edge)
+    assert not shared.narrow_offsets(tuning, small, big)
+    assert not shared.narrow_offsets(dataclasses.replace(tuning, narrow_offsets=False), small)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="large shapes need a GPU")
 @pytest.mark.parametrize("H,D,block_size,K,dtype", [
     (16, 128, 128, 16, torch.bfloat16),

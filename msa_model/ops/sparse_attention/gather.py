@@ -35,22 +35,25 @@ import triton.language as tl
 
 from ..triton_utils import E4M3_MAX, INTERPRET, LN2, LOG2E, e4m3_round, interpreting, mm
 from .inverse_index import DocumentBlocks, decode_bucket, schedule
-from .shared import (COMPILED, block_tables, bucket_items, geometry, kv_block, query_chunks, softmax_delta,
-                     sparse_index)
+from .shared import (COMPILED, block_tables, bucket_items, geometry, kv_block, narrow_offsets, query_chunks,
+                     softmax_delta, sparse_index)
 from .tuning import DEFAULT_TUNING, Tuning
 
 
 @triton.jit
 def _tile_rows(ENTRY, start, i0, count, b, T, C, t0, HKV: tl.constexpr, SLOTS: tl.constexpr,
-               H: tl.constexpr, HP: tl.constexpr, QT: tl.constexpr):
+               H: tl.constexpr, HP: tl.constexpr, QT: tl.constexpr, WIDE: tl.constexpr = True):
     """Rows of a tile: entries start+i0 .. start+i0+QT-1, each as HP head rows. Returns each row's
     head, validity, query t and its entry's index in the chunk's partial buffers, the triple id
-    ((b*C + t - t0)*G + g)*K + slot (ENTRY holds ids over all T queries)."""
+    ((b*C + t - t0)*G + g)*K + slot (ENTRY holds ids over all T queries). WIDE: the ids and what
+    is computed from them in int64, else in int32 (`narrow_offsets`)."""
     r = tl.arange(0, QT * HP)
     qi = i0 + r // HP
     hh = r % HP
     row_ok = (qi < count) & (hh < H)
-    trip = tl.load(ENTRY + start + qi, mask=row_ok, other=0).to(tl.int64)
+    trip = tl.load(ENTRY + start + qi, mask=row_ok, other=0)
+    if WIDE:
+        trip = trip.to(tl.int64)
     t = (trip // (SLOTS * HKV)) % T
     part = (b * C + t - t0) * (HKV * SLOTS) + trip % (HKV * SLOTS)
     return hh, row_ok, part, t
@@ -59,9 +62,9 @@ def _tile_rows(ENTRY, start, i0, count, b, T, C, t0, HKV: tl.constexpr, SLOTS: t
 @triton.jit
 def _fwd_tile(Q, PO, PLSE, ENTRY, kt, vt, j, b, g, start, i0, count, T, C, t0, QOFF, qk_scale,
               HQ: tl.constexpr, HKV: tl.constexpr, SLOTS: tl.constexpr, H: tl.constexpr, HP: tl.constexpr,
-              QT: tl.constexpr, D: tl.constexpr, FP8: tl.constexpr):
+              QT: tl.constexpr, D: tl.constexpr, FP8: tl.constexpr, WIDE: tl.constexpr):
     """QT entries of one bucket against its whole key block: one softmax, no rescaling."""
-    hh, row_ok, trip, t = _tile_rows(ENTRY, start, i0, count, b, T, C, t0, HKV, SLOTS, H, HP, QT)
+    hh, row_ok, trip, t = _tile_rows(ENTRY, start, i0, count, b, T, C, t0, HKV, SLOTS, H, HP, QT, WIDE)
     d = tl.arange(0, D)
     row = (b * T + t) * HQ + g * H + hh
     q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
@@ -93,9 +96,10 @@ def sparse_fwd_kernel(Q, K, V, PO, PLSE, ENTRY, ITEM_BUCKET, ITEM_START, ITEM_CO
                       T, TK, C, t0, QOFF, NBLK, qk_scale,
                       HQ: tl.constexpr, HKV: tl.constexpr, SLOTS: tl.constexpr, H: tl.constexpr,
                       HP: tl.constexpr, QT: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, DOCS: tl.constexpr,
-                      FP8: tl.constexpr = False):
+                      FP8: tl.constexpr = False, WIDE: tl.constexpr = True):
     """One work item (a run of tiles of one bucket; the key/value block is loaded once): partial o
-    (normalised, PO [E, H, D]) and lse (PLSE [E, H], natural log) of each entry."""
+    (normalised, PO [E, H, D]) and lse (PLSE [E, H], natural log) of each entry. WIDE: int64
+    offsets (else int32, where `narrow_offsets` says every one fits)."""
     pid = tl.program_id(0)
     bucket = tl.load(ITEM_BUCKET + pid)
     if bucket < 0:
@@ -103,17 +107,19 @@ def sparse_fwd_kernel(Q, K, V, PO, PLSE, ENTRY, ITEM_BUCKET, ITEM_START, ITEM_CO
     start = tl.load(ITEM_START + pid)
     count = tl.load(ITEM_COUNT + pid)
     b, g, j, kt, vt = kv_block(K, V, bucket, TK, NBLK, BSTART, BEND, HKV, BS, D, DOCS)
+    if not WIDE:
+        b = b.to(tl.int32)
     # a for loop is software-pipelined (the next tile's gathered queries load during this one's
     # products); the interpreter takes the while loop (triton_utils)
     if not INTERPRET:
         for i0 in range(0, count, QT):
             _fwd_tile(Q, PO, PLSE, ENTRY, kt, vt, j, b, g, start, i0, count, T, C, t0, QOFF, qk_scale,
-                      HQ, HKV, SLOTS, H, HP, QT, D, FP8)
+                      HQ, HKV, SLOTS, H, HP, QT, D, FP8, WIDE)
     else:
         i0 = count * 0
         while i0 < count:
             _fwd_tile(Q, PO, PLSE, ENTRY, kt, vt, j, b, g, start, i0, count, T, C, t0, QOFF, qk_scale,
-                      HQ, HKV, SLOTS, H, HP, QT, D, FP8)
+                      HQ, HKV, SLOTS, H, HP, QT, D, FP8, WIDE)
             i0 += QT
 
 
@@ -165,7 +171,7 @@ def sparse_fwd_combine_kernel(PO, PLSE, IDX, O, LSE, ROWSEL, T, C, t0,
 def _bwd_tile(Q, DO, LSE, DELTA, DQP, ENTRY, PBAR, kt, vt, dk, dv, j, b, g, start, i0, count, T, C, t0,
               QOFF, qk_scale, sm_scale, HQ: tl.constexpr, HKV: tl.constexpr, SLOTS: tl.constexpr, H: tl.constexpr,
               HP: tl.constexpr, QT: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, TEACHER: tl.constexpr,
-              QTC: tl.constexpr, FP8: tl.constexpr):
+              QTC: tl.constexpr, FP8: tl.constexpr, WIDE: tl.constexpr):
     """QT entries of one bucket: dK/dV accumulate into dk, dv [BS, D]; dQ partials are stored.
     FP8: dV from the fp8 probabilities the forward used (`_fp8_probs`), the rest from P.
 
@@ -181,7 +187,7 @@ def _bwd_tile(Q, DO, LSE, DELTA, DQP, ENTRY, PBAR, kt, vt, dk, dv, j, b, g, star
     (the kernel runs at 255 registers): this way costs about 4 ms on 105 at 128K; its own fp16
     copy 1 ms more; after dV, or with its sums added here by atomics, 9 to 34 ms more
     (measured on an H200)."""
-    hh, row_ok, trip, t = _tile_rows(ENTRY, start, i0, count, b, T, C, t0, HKV, SLOTS, H, HP, QT)
+    hh, row_ok, trip, t = _tile_rows(ENTRY, start, i0, count, b, T, C, t0, HKV, SLOTS, H, HP, QT, WIDE)
     d = tl.arange(0, D)
     row = (b * T + t) * HQ + g * H + hh
     q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
@@ -193,7 +199,7 @@ def _bwd_tile(Q, DO, LSE, DELTA, DQP, ENTRY, PBAR, kt, vt, dk, dv, j, b, g, star
     pt = tl.where(vis, tl.exp2(st - lse2[None, :]), 0.0)
     pt16 = pt.to(do.dtype)
     if TEACHER:
-        _teacher_rows(PBAR, ENTRY, pt16, start, i0, count, H, HP, QT, BS, QTC)
+        _teacher_rows(PBAR, ENTRY, pt16, start, i0, count, H, HP, QT, BS, QTC, WIDE)
     if FP8:
         dv += mm(_fp8_probs(st, vis, lse2).to(do.dtype), do)
     else:
@@ -252,14 +258,16 @@ def sparse_fp8_delta_kernel(Q, K, V, DO, LSE, CORR, ENTRY, ITEM_BUCKET, ITEM_STA
 
 @triton.jit
 def _teacher_rows(PBAR, ENTRY, pt, start, i0, count, H: tl.constexpr, HP: tl.constexpr, QT: tl.constexpr,
-                  BS: tl.constexpr, QTC: tl.constexpr):
+                  BS: tl.constexpr, QTC: tl.constexpr, WIDE: tl.constexpr):
     """Each entry's teacher row, the mean of pt [BS, QT*HP] over its heads, to PBAR [entries, BS]."""
     P_DT = PBAR.dtype.element_ty
     col = tl.arange(0, QTC)
     avg = tl.where(tl.arange(0, QT * HP)[:, None] // HP == col[None, :], 1.0 / H, 0.0).to(pt.dtype)
     pbar = mm(pt, avg)
     col_ok = (col < QT) & (i0 + col < count)
-    e = tl.load(ENTRY + start + i0 + col, mask=col_ok, other=0).to(tl.int64)
+    e = tl.load(ENTRY + start + i0 + col, mask=col_ok, other=0)
+    if WIDE:
+        e = e.to(tl.int64)
     tl.store(PBAR + e[None, :] * BS + tl.arange(0, BS)[:, None], pbar.to(P_DT), mask=col_ok[None, :])
 
 
@@ -268,9 +276,11 @@ def sparse_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQP, DKP, DVP, ENTRY, ITEM_BUCKET
                       BSTART, BEND, PBAR, T, TK, C, t0, QOFF, NBLK, qk_scale, sm_scale,
                       HQ: tl.constexpr, HKV: tl.constexpr, SLOTS: tl.constexpr, H: tl.constexpr,
                       HP: tl.constexpr, QT: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, DOCS: tl.constexpr,
-                      TEACHER: tl.constexpr, QTC: tl.constexpr, FP8: tl.constexpr = False):
+                      TEACHER: tl.constexpr, QTC: tl.constexpr, FP8: tl.constexpr = False,
+                      WIDE: tl.constexpr = True):
     """One work item (a run of tiles of one bucket): dK/dV partials [items, BS, D] (fp32), dQ partials
-    per entry (DQP [E, H, D], input dtype, scaled); with TEACHER also the KL teacher's rows (`_bwd_tile`)."""
+    per entry (DQP [E, H, D], input dtype, scaled); with TEACHER also the KL teacher's rows (`_bwd_tile`).
+    WIDE: int64 offsets (else int32, where `narrow_offsets` says every one fits)."""
     pid = tl.program_id(0)
     bucket = tl.load(ITEM_BUCKET + pid)
     if bucket < 0:
@@ -278,19 +288,21 @@ def sparse_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQP, DKP, DVP, ENTRY, ITEM_BUCKET
     start = tl.load(ITEM_START + pid)
     count = tl.load(ITEM_COUNT + pid)
     b, g, j, kt, vt = kv_block(K, V, bucket, TK, NBLK, BSTART, BEND, HKV, BS, D, DOCS)
+    if not WIDE:
+        b = b.to(tl.int32)
     dk = tl.zeros([BS, D], tl.float32)
     dv = tl.zeros([BS, D], tl.float32)
     if not INTERPRET:  # pipelined; the interpreter takes the while loop
         for i0 in range(0, count, QT):
             dk, dv = _bwd_tile(Q, DO, LSE, DELTA, DQP, ENTRY, PBAR, kt, vt, dk, dv, j, b, g, start, i0, count,
                                T, C, t0, QOFF, qk_scale, sm_scale, HQ, HKV, SLOTS, H, HP, QT, BS, D, TEACHER, QTC,
-                               FP8)
+                               FP8, WIDE)
     else:
         i0 = count * 0
         while i0 < count:
             dk, dv = _bwd_tile(Q, DO, LSE, DELTA, DQP, ENTRY, PBAR, kt, vt, dk, dv, j, b, g, start, i0, count,
                                T, C, t0, QOFF, qk_scale, sm_scale, HQ, HKV, SLOTS, H, HP, QT, BS, D, TEACHER, QTC,
-                               FP8)
+                               FP8, WIDE)
             i0 += QT
     d = tl.arange(0, D)
     out = pid.to(tl.int64) * BS * D + tl.arange(0, BS)[:, None] * D + d[None, :]
@@ -381,11 +393,12 @@ def sparse_forward(q, k, v, idx, block_size, scale, q_offset=0, index=None, tuni
     if po.shape[0] < index.chunk_entries * H or plse.shape[0] < index.chunk_entries * H:
         raise ValueError(f"the partial buffers hold {po.shape[0]} rows; a chunk of the index needs "
                          f"{index.chunk_entries * H}")
+    wide = not narrow_offsets(tuning, q, po, idx)
     for c, t0, t1 in query_chunks(index, T):
         COMPILED["fwd"] = sparse_fwd_kernel[(tb.shape[1],)](
             q, k, v, po, plse, index.entry, tb[c], ts[c], tc[c], bstart, bend, T, TK, t1 - t0, t0, q_offset, N,
             scale * LOG2E.value, HQ=Hq, HKV=G, SLOTS=K, H=H, HP=HP, QT=QT, BS=block_size, D=D, DOCS=DOCS,
-            FP8=fp8, num_warps=tuning.fwd_warps, num_stages=tuning.fwd_stages)
+            FP8=fp8, WIDE=wide, num_warps=tuning.fwd_warps, num_stages=tuning.fwd_stages)
         # at most 64 rows a program (its fp32 accumulator in registers)
         rc = max(1, min(tuning.combine_queries if rows is None else tuning.combine_queries_rows, 64 // HP))
         sparse_fwd_combine_kernel[(B * triton.cdiv(t1 - t0, rc) * G,)](
@@ -437,6 +450,7 @@ def sparse_backward(do, q, k, v, o, lse, idx, block_size, scale, q_offset=0, ind
     # the teacher's product has one column per entry of a tile, at least 16 on a GPU
     qtc = triton.next_power_of_2(QT if interpreting() else max(QT, 16))
     corr = torch.empty(index.chunk_entries * H, dtype=torch.float32, device=q.device) if fp8 else None
+    wide = not narrow_offsets(tuning, q, dqp, idx, pbar)
     for c, t0, t1 in query_chunks(index, T):
         if fp8:
             corr.zero_()
@@ -449,7 +463,7 @@ def sparse_backward(do, q, k, v, o, lse, idx, block_size, scale, q_offset=0, ind
             q, k, v, do, lse, delta, dqp, dkp, dvp, index.entry, ib[c], istart[c], icount[c], bstart, bend,
             pbar, T, TK, t1 - t0, t0, q_offset, N, scale * LOG2E.value, scale,
             HQ=Hq, HKV=G, SLOTS=K, H=H, HP=HP, QT=QT, BS=block_size, D=D, DOCS=DOCS, TEACHER=teacher is not None,
-            QTC=qtc, FP8=fp8, num_warps=tuning.bwd_warps, num_stages=tuning.bwd_stages)
+            QTC=qtc, FP8=fp8, WIDE=wide, num_warps=tuning.bwd_warps, num_stages=tuning.bwd_stages)
         sparse_bwd_reduce_kernel[(runs.shape[1], block_size // rb)](
             dkp, dvp, dk, dv, first[c], runs[c], bstart, bend, TK, N,
             HKV=G, BS=block_size, RB=rb, D=D, DOCS=DOCS, num_warps=4)

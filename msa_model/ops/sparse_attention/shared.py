@@ -90,6 +90,15 @@ def query_chunks(index: InverseIndex, T: int):
     return [(c, c * C, min(T, (c + 1) * C)) for c in range(index.n_chunks)]
 
 
+def narrow_offsets(tuning, *tensors: torch.Tensor) -> bool:
+    """Whether a gather kernel may compute its row offsets in int32: `tuning.narrow_offsets` and
+    every tensor it indexes by entry or query row under 2**31 elements (q and do, the partial
+    buffers, the selection [B, T, G, K], whose flat index is an entry's id, the KL teacher's rows).
+    The tile's address arithmetic in int64 was a quarter of the backward's stall samples at 8K;
+    int32 took fwd+bwd from 8.51 to 7.58 ms there (H100, bench/RESULTS.md)."""
+    return tuning.narrow_offsets and max(t.numel() for t in tensors) < 2 ** 31
+
+
 def block_tables(docs: DocumentBlocks | None, TK: int, block_size: int, dummy: torch.Tensor):
     """(N, block starts, block ends, DOCS) the sparse kernels take: the document block table, or
     the sequence's N blocks (the tables unused)."""

@@ -25,6 +25,8 @@ class Tuning:
     bwd_warps: int = 8
     bwd_stages: int = 1
     bwd_tiles: int = 128
+    # the gather kernels' row offsets in int32 where every one fits (`shared.narrow_offsets`)
+    narrow_offsets: bool = True
     dense_dkdv: tuple = (128, 64, 8, 2)
     # queries a forward combine program merges (a power of two): of the gather path alone, and of
     # the hybrid's gathered tiles, where a program none of whose queries is gathered exits (the
