@@ -33,7 +33,9 @@ def _env(threads: int = 1) -> dict:
 
 
 def run_train(run_dir: Path, *overrides: str, data_cache: Path, script: str = "train.py", nproc: int = 1,
-              check: bool = True, timeout: int = 300) -> subprocess.CompletedProcess:
+              check: bool = True, timeout: int = 300, forked_ranks: bool = False) -> subprocess.CompletedProcess:
+    """train.py (or `script`) on the tiny model; nproc > 1 under torchrun, or with forked_ranks
+    as run_ranks' forked ranks (where forking is on)."""
     args = [*TINY_TEST, f"run_dir={run_dir}", f"data.cache_dir={data_cache}", *overrides]
     if nproc == 1:
         cmd = [sys.executable, script, *args]
@@ -42,6 +44,8 @@ def run_train(run_dir: Path, *overrides: str, data_cache: Path, script: str = "t
                f"--master-port={free_port()}", script, *args]
     if nproc == 1:
         proc = run_python(cmd[1:], timeout=timeout)
+    elif forked_ranks and train_server.enabled():
+        proc = run_ranks([script, *args], nproc, _env(), timeout)
     else:
         proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
@@ -57,6 +61,20 @@ def run_python(argv: list[str], env: dict | None = None, timeout: float = 300) -
     if train_server.enabled():
         return train_server.run(argv, REPO, env, timeout)
     return subprocess.run([sys.executable, *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def run_ranks(argv: list[str], nproc: int, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """`python *argv` as the `nproc` ranks of one job, each forked as run_python's runs are (rank r
+    from server r, tests/train_server.py), the variables torchrun would set given by hand: what a
+    test of the ranks' training (not of torchrun) starts, without a launcher and `nproc` imports
+    of the trainer. The ranks' outputs one after the other; the exit code the first that is not 0."""
+    port = free_port()
+    envs = [{**env, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)} for r in range(nproc)]
+    ranks = train_server.run_together([(argv, e) for e in envs], REPO, timeout=timeout)
+    code = next((p.returncode for p in ranks if p.returncode), 0)
+    return subprocess.CompletedProcess([sys.executable, *argv], code, "".join(p.stdout for p in ranks),
+                                       "".join(p.stderr for p in ranks))
 
 
 def free_port() -> int:

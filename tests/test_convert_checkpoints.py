@@ -19,7 +19,8 @@ import torch
 from msa_model.convert.hf_io import load_all
 
 from convert_fixtures import save_tiny_hf
-from skeleton_helpers import run_python
+import train_server
+from skeleton_helpers import run_python, run_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 GEOMETRY = ["--seq-length", "128", "--block-size", "16", "--topk", "2"]
@@ -40,6 +41,8 @@ def _run(args: list[str], timeout: int = 300, torchrun: int = 0) -> subprocess.C
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if args[0] == "train.py" and not torchrun:
         proc = run_python(args, env, timeout)  # forked from a process that has imported the trainer
+    elif args[0] == "train.py" and train_server.enabled():
+        proc = run_ranks(args, torchrun, env, timeout)  # each rank so forked, the torchrun variables set
     else:
         proc = subprocess.run([*launcher, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]

@@ -24,13 +24,15 @@ STEPS = ("trainer.max_steps=4", "trainer.indexer_warmup_tokens=1024", "checkpoin
 ], ids=["tp2_to_tp1", "pp2_to_pp1", "ep2_to_ep2"])
 def test_resume_at_another_layout(tmp_path, data_cache, saved, loaded, loaded_nproc):
     cache = data_cache
-    run_train(tmp_path / "saved", *STEPS, "checkpoint.interval=2", *saved, data_cache=cache, nproc=2)
+    # the ranks forked (tests/train_server.py) rather than under torchrun: the layouts are the point
+    run_train(tmp_path / "saved", *STEPS, "checkpoint.interval=2", *saved, data_cache=cache, nproc=2,
+              forked_ranks=True)
     ckpt = tmp_path / "saved" / "checkpoints"
     # the run saved after steps 2 and 4: resume from step 2
     assert (ckpt / "step_00000002").is_dir()
     (ckpt / "latest").write_text("step_00000002\n")
     proc = run_train(tmp_path / "loaded", *STEPS, "checkpoint.interval=0", f"checkpoint.dir={ckpt}", *loaded,
-                     data_cache=cache, nproc=loaded_nproc)
+                     data_cache=cache, nproc=loaded_nproc, forked_ranks=True)
     assert "resumed from" in proc.stdout + proc.stderr
     kept, resumed = metrics(tmp_path / "saved"), metrics(tmp_path / "loaded")
     assert sorted(resumed) == [3, 4] and resumed[3]["phase"] == kept[3]["phase"] == "sparse"
