@@ -112,7 +112,7 @@ def run_case(B, T, Hq, G, D, block_size, K, dtype, dense=False, seed=0, tuning=N
     (1, 1, 2, 1, 16, 16, 4),
     (2, 63, 4, 2, 32, 16, 4),
     (1, 200, 4, 1, 16, 32, 3),
-    (2, 100, 8, 2, 16, 16, 5),
+    (2, 50, 8, 2, 16, 16, 5),
     (1, 70, 8, 4, 16, 32, 4),
 ])
 def test_sparse_fp32(B, T, Hq, G, D, block_size, K):
@@ -124,7 +124,7 @@ def test_sparse_fp32(B, T, Hq, G, D, block_size, K):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("B,T,Hq,G,D,block_size,K", [
     (2, 63, 4, 2, 32, 16, 4),
-    (1, 200, 8, 2, 16, 32, 3),
+    (1, 100, 8, 2, 16, 32, 3),
 ])
 def test_sparse_low_precision(B, T, Hq, G, D, block_size, K, dtype):
     run_case(B, T, Hq, G, D, block_size, K, dtype)
@@ -351,7 +351,7 @@ def _tiles(rows, per_item=2, **kw):
 @pytest.mark.parametrize("B,T,Hq,G,D,block_size,K,rows", [
     (1, 1, 2, 1, 16, 16, 4, 2),
     (2, 63, 4, 2, 32, 16, 4, 8),
-    (1, 45, 12, 4, 16, 16, 3, 8),
+    (1, 45, 6, 2, 16, 16, 3, 8),
 ])
 def test_tile_path_fp32(B, T, Hq, G, D, block_size, K, rows):
     """Odd lengths (a partial last tile), H = 3 heads per group (padded rows), -1 slots, repeats
@@ -364,8 +364,9 @@ def test_tile_path_fp32(B, T, Hq, G, D, block_size, K, rows):
 @pytest.mark.parametrize("dtype,tile_backward", [(torch.bfloat16, True), (torch.float16, False)],
                          ids=["tiles-bf16", "hybrid-fp16"])
 def test_tile_path_low_precision(dtype, tile_backward):
-    """An odd length (a partial last tile of 2 queries; the second of the 2 blocks partial)."""
-    run_case(2, 47, 4, 2, 32, 32, 4, dtype, tuning=_tiles(4, tile_backward=tile_backward, tile_union_max=1.25))
+    """An odd length (a partial last tile of 2 queries; the second of the 2 blocks partial); one
+    batch row (the tile kernels' batch offsets, which no dtype changes, are test_tile_path_fp32's)."""
+    run_case(1, 47, 4, 2, 32, 32, 4, dtype, tuning=_tiles(4, tile_backward=tile_backward, tile_union_max=1.25))
 
 
 @pytest.mark.parametrize("chunked", [False, True])
@@ -430,13 +431,15 @@ def test_hybrid_forward_on_two_streams():
 def test_forward_combine_merges_several_queries_a_program(queries):
     """The gather path's combine with several queries a program, over query chunks that are not
     multiples of them, and rows with an empty support (every 7th query selects nothing)."""
-    B, T, Hq, G, D, bs, K = 2, 61, 6, 2, 16, 16, 4  # 3 heads a group: padded rows
+    B, T, Hq, G, D, bs, K = 2, 31, 6, 2, 16, 16, 4  # 3 heads a group: padded rows
     tuning = dataclasses.replace(sa_triton.DEFAULT_TUNING, combine_queries=queries, tile_rows=0,
                                  partial_bytes=13 * B * G * K * 3 * (D * 4 + 4), partial_min_bytes=0)
+    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    chunk = shared.index_chunk((B, T, G, K), 3, D, dtype.itemsize, tuning)  # here 11, 11 and 9 queries
+    assert chunk < T and chunk % queries
     idx = random_block_idx(B, T, G, K, bs, torch.Generator().manual_seed(9))
     idx[:, ::7] = -1
-    run_case(B, T, Hq, G, D, bs, K, torch.float32 if DEVICE == "cpu" else torch.bfloat16, tuning=tuning,
-             block_idx=idx)
+    run_case(B, T, Hq, G, D, bs, K, dtype, tuning=tuning, block_idx=idx)
 
 
 def shared_block_idx(B, T, G, K, block_size):
@@ -457,8 +460,9 @@ def test_tile_path_reads_whole_blocks_unmasked(rows):
     """Tiles whose queries share earlier blocks read those in the kernel's unmasked loop (blocks
     every query selected, ending before the tile's first query) and the rest masked: both loops
     run here, and the result is the reference's."""
-    # 16 keys a step: two per block; 4 blocks, the last one and the last tile partial
-    B, T, Hq, G, D, bs, K = 2, 99, 4, 2, 16, 32, 5
+    # 16 keys a step: two per block; 4 blocks, the last one and the last tile partial (one batch
+    # row: the tile kernels' batch offsets are test_tile_path_fp32's and test_tile_path_low_precision's)
+    B, T, Hq, G, D, bs, K = 1, 99, 4, 2, 16, 32, 5
     idx = shared_block_idx(B, T, G, K, bs)
     union = tiles.tile_union(inverse_index.clean_block_idx(idx, bs), rows // 2)
     assert (union.full > 0).float().mean() > 0.5 and (union.full < union.count).any()
@@ -555,13 +559,16 @@ def test_clean_block_idx_kernel_equals_reference(K):
     """The cleaning kernel equals its torch definition exactly: -1, repeats, future blocks, 64-bit
     ids, a query offset and packed documents (whose blocks count from each document's start)."""
     gen = torch.Generator().manual_seed(K)
-    B, T, G, bs = 2, 45, 2, 8
+    # 92 rows: the kernel's 32 a program in three programs, the last one partial
+    B, T, G, bs = 2, 23, 2, 8
+    assert B * T * G % 32 and B * T * G > 64
     for q_offset in (0, 37):
         n = (q_offset + T) // bs + 3
         idx = torch.randint(-2, n, (B, T, G, K), generator=gen)
         if K > 1:
             idx[..., 1::2] = idx[..., 0::2][..., :K // 2]  # repeats
-        cuts = torch.tensor([[0, 20, 21, 30], [0, 5, 33, 44]]) + q_offset
+        # documents over several blocks, of one token (mid-row and the last) and cut mid-block
+        cuts = torch.tensor([[0, 10, 11, 19], [0, 3, 20, 22]]) + q_offset
         pos = torch.arange(q_offset, q_offset + T)
         doc_start = torch.stack([c[(pos[:, None] >= c[None, :]).sum(1) - 1] for c in cuts]).to(torch.int32)
         for ds in (None, doc_start):
@@ -570,6 +577,9 @@ def test_clean_block_idx_kernel_equals_reference(K):
             want = reference.clean_block_idx_reference(idx, bs, q_offset, ds)
             assert got.dtype == torch.int32 and torch.equal(got.cpu(), want)
             assert (want >= 0).any() and (want < 0).any()
+            if ds is not None:
+                # the documents change the answer: blocks count from each one's start
+                assert not torch.equal(want, reference.clean_block_idx_reference(idx, bs, q_offset))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
