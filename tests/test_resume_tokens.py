@@ -119,18 +119,27 @@ def test_the_line_names_both_batches_and_what_is_left():
     assert "data position 24 samples of 256 tokens = 12 of 512" in line
 
 
-def test_a_resume_at_half_the_batch_trains_the_budget_on_the_old_runs_schedule(tmp_path, data_cache):
-    """4 steps of 8 x 256 straight; the same run stopped after its first step and resumed at 4 x 256
-    a step in two jobs: 7 steps, the same tokens, and at every whole schedule position the
-    uninterrupted run's lr."""
-    straight = tmp_path / "straight"
+@pytest.fixture(scope="module")
+def half_batch(tmp_path_factory, data_cache):
+    """4 steps of 8 x 256 straight; the same run stopped after its first step, a dry run of its
+    resume at 4 x 256 a step, then that resume in two jobs (to step 4, then to the end). The run
+    directories, the dry run's output and the first resume's process."""
+    root = tmp_path_factory.mktemp("half-batch")
+    straight, split = root / "straight", root / "split"
     run_train(straight, *COMMON, "parallel.global_batch_size=8", data_cache=data_cache)
-    split = tmp_path / "split"
     run_train(split, *COMMON, "parallel.global_batch_size=8", "trainer.stop_at_step=1", data_cache=data_cache)
+    dry = run_train(split, *COMMON, "parallel.global_batch_size=4", "dry_run=true", data_cache=data_cache).stdout
     proc = run_train(split, *COMMON, "parallel.global_batch_size=4", "trainer.stop_at_step=4", data_cache=data_cache)
     # a second resume at the same batch keeps the first's schedule and max_steps
     run_train(split, *COMMON, "parallel.global_batch_size=4", data_cache=data_cache)
+    return straight, split, dry, proc
 
+
+def test_a_resume_at_half_the_batch_trains_the_budget_on_the_old_runs_schedule(half_batch):
+    """4 steps of 8 x 256 straight; the same run stopped after its first step and resumed at 4 x 256
+    a step in two jobs: 7 steps, the same tokens, and at every whole schedule position the
+    uninterrupted run's lr."""
+    straight, split, _, proc = half_batch
     a, b = metrics(straight), metrics(split)
     assert sorted(a) == [1, 2, 3, 4] and sorted(b) == list(range(1, 8))
     assert a[4]["tokens"] == b[7]["tokens"] == BUDGET
@@ -208,20 +217,17 @@ def test_stop_at_step_is_checked_against_the_steps_the_resume_goes_to(tmp_path, 
     assert OmegaConf.load(run / "config.yaml").trainer.max_steps == 6
 
 
-def test_the_dry_run_of_a_resume_at_another_batch_shows_the_steps_it_goes_to(tmp_path, data_cache):
+def test_the_dry_run_of_a_resume_at_another_batch_shows_the_steps_it_goes_to(half_batch):
     """1 step of 8 x 256, then a dry run at 4 x 256: it prints the max_steps the run then writes
     (the tokens left counted from the checkpoint's, not ${steps_for_tokens} of the new batch alone)
     and the line the run starts with."""
     from msa_model.training.resume_tokens import resumed_max_steps
 
-    run = tmp_path / "run"
-    run_train(run, *COMMON, "parallel.global_batch_size=8", "trainer.stop_at_step=1", data_cache=data_cache)
+    _, run, dry, _ = half_batch
     planned = resumed_max_steps(_state(step=1, tokens=8 * 256), 4 * 256, BUDGET)
     assert planned != BUDGET // (4 * 256)
-    dry = run_train(run, *COMMON, "parallel.global_batch_size=4", "dry_run=true", data_cache=data_cache).stdout
     assert f"(x {planned} steps = {planned * 4 * 256:,} tokens)" in dry, dry[-3000:]
     assert "1,024 tokens a step (4 x 256), the checkpoint's 2,048 (8 x 256)" in dry
-    run_train(run, *COMMON, "parallel.global_batch_size=4", data_cache=data_cache)
     assert OmegaConf.load(run / "config.yaml").trainer.max_steps == planned == max(metrics(run))
 
 
