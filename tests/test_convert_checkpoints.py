@@ -1,8 +1,9 @@
 """Converted checkpoints in use: dense-to-msa on a trainer checkpoint, CPT from a converted
 Hugging Face model, and loading at other parallel layouts (TP=2 dense and MoE, EP=2) over gloo.
 
-Everything runs the real entry points (train.py, `python -m msa_model.convert`, torchrun) in
-subprocesses, on CPU.
+Everything runs the real entry points (train.py, `python -m msa_model.convert`) in subprocesses,
+on CPU: forked from a process that has imported the trainer (tests/train_server.py), the ranks of
+a 2-process job too, except the verify at TP=2, which runs under torchrun.
 """
 
 from __future__ import annotations
@@ -36,13 +37,16 @@ TINY_DENSE = ["model=tiny", "model.num_layers=2", "model.hidden_size=64", "model
               "model.msa.block_size=16", "model.msa.topk=2", "model.msa.index_head_dim=16"]
 
 
-def _run(args: list[str], timeout: int = 300, torchrun: int = 0) -> subprocess.CompletedProcess:
+def _run(args: list[str], timeout: int = 300, torchrun: int = 0,
+         fork_ranks: bool = False) -> subprocess.CompletedProcess:
+    """`python *args`, or `torchrun` with `torchrun` ranks (fork_ranks: the ranks forked instead,
+    skeleton_helpers.run_ranks; the verify of a TP=1 conversion at TP=2 keeps the real torchrun)."""
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={torchrun}"] if torchrun else [sys.executable]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    if args[0] == "train.py" and not torchrun:
+    if args[0] in ("train.py", "-m") and not torchrun:
         proc = run_python(args, env, timeout)  # forked from a process that has imported the trainer
-    elif args[0] == "train.py" and train_server.enabled():
-        proc = run_ranks(args, torchrun, env, timeout)  # each rank so forked, the torchrun variables set
+    elif fork_ranks and train_server.enabled():
+        proc = run_ranks(args, torchrun, env, timeout)
     else:
         proc = subprocess.run([*launcher, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -162,7 +166,7 @@ def test_tp1_checkpoint_loads_at_tp2(qwen3_converted):
 def test_moe_checkpoint_loads_at_ep2(tmp_path):
     hf = save_tiny_hf("mixtral", tmp_path / "hf")
     _convert("hf-to-msa", str(hf), str(tmp_path / "msa"), *GEOMETRY, "--ep", "2")
-    r = _verify_json(_convert("verify", str(hf), str(tmp_path / "msa"), "--ep", "2", torchrun=2))
+    r = _verify_json(_convert("verify", str(hf), str(tmp_path / "msa"), "--ep", "2", torchrun=2, fork_ranks=True))
     print(f"mixtral EP=2 vs HF: {r}")
     assert r["ep"] == 2 and r["max_abs_diff"] <= 1e-4 and r["mean_kl"] <= 1e-6
 
@@ -171,7 +175,7 @@ def test_moe_checkpoint_loads_at_tp2(tmp_path):
     """MoE at TP=2 runs with sequence parallelism: experts, router and SP norms load from a TP=1 save."""
     hf = save_tiny_hf("qwen3_moe", tmp_path / "hf")
     _convert("hf-to-msa", str(hf), str(tmp_path / "msa"), *GEOMETRY, "--tp", "2")
-    r = _verify_json(_convert("verify", str(hf), str(tmp_path / "msa"), "--tp", "2", torchrun=2))
+    r = _verify_json(_convert("verify", str(hf), str(tmp_path / "msa"), "--tp", "2", torchrun=2, fork_ranks=True))
     print(f"qwen3_moe TP=2 (SP) vs HF: {r}")
     assert r["tp"] == 2 and r["max_abs_diff"] <= 1e-4 and r["mean_kl"] <= 1e-6
 
@@ -186,7 +190,7 @@ def test_converted_checkpoint_loads_at_pp2(tmp_path):
     common = ["train.py", "recipe=cpt", f"hydra.searchpath=[file://{conv}]", "model=llama-tiny", f"init_from={conv}",
               *RUN, "trainer.max_steps=2", "trainer.indexer_warmup_tokens=256", "checkpoint.save_at_end=false"]
     _run([*common, f"run_dir={tmp_path / 'pp1'}"])
-    _run([*common, f"run_dir={tmp_path / 'pp2'}", "parallel.pp=2"], torchrun=2)
+    _run([*common, f"run_dir={tmp_path / 'pp2'}", "parallel.pp=2"], torchrun=2, fork_ranks=True)
     one, two = ([json.loads(line) for line in (tmp_path / r / "metrics.jsonl").read_text().splitlines()]
                 for r in ("pp1", "pp2"))
     assert [r["phase"] for r in one] == [r["phase"] for r in two] == ["warmup", "sparse"]

@@ -3,10 +3,10 @@
 A `python train.py` spends about 4 s of CPU importing torch, megatron-core and the trainer before
 it composes its config, more than the few steps a test trains. A server (started on first use; a
 test process has two, and one per rank of the largest job run_together has started) imports them
-once and then forks a fresh process for each run: the child
-takes the run's environment, working directory and argv, runs the script as `__main__` with its
-stdout and stderr going to files of the caller's, and exits with the script's exit code (atexit
-handlers run, as at any interpreter exit). Each run is still a process of its own, which nothing
+once and then forks a fresh process for each run: the child takes the run's environment,
+working directory and argv, runs the script (or `-m MODULE`, as `python -m` does) as `__main__`
+with its stdout and stderr going to files of the caller's, and exits with the script's exit code
+(atexit handlers run, as at any interpreter exit). Each run is still a process of its own, which nothing
 has touched but those imports; it only does not show what the imports print (tests/test_readme.py,
 tests/test_inputs.py and every torchrun, SLURM or signal test start real processes for that).
 
@@ -94,14 +94,23 @@ def _child(request: dict) -> None:
         import numpy
 
         numpy.random.seed()  # fresh entropy, as at a process's first import of numpy
-        script = os.path.abspath(request["argv"][0])
-        sys.argv = list(request["argv"])
-        sys.path[0] = os.path.dirname(script)
+        argv = list(request["argv"])
+        module = argv[1] if argv[0] == "-m" else None  # `python -m MODULE ARGS...`
+        if module:
+            sys.argv = argv[1:]  # argv[0] becomes the module's file, as under `python -m`
+            sys.path[0] = os.getcwd()
+        else:
+            script = os.path.abspath(argv[0])
+            sys.argv = argv
+            sys.path[0] = os.path.dirname(script)
         import runpy
         import traceback
 
         try:
-            runpy.run_path(script, run_name="__main__")
+            if module:
+                runpy.run_module(module, run_name="__main__", alter_sys=True)
+            else:
+                runpy.run_path(script, run_name="__main__")
             code = 0
         except SystemExit as e:
             code = _exit_code(e.code)
