@@ -20,6 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from convert_fixtures import save_tiny_hf  # noqa: E402
+from skeleton_helpers import run_python  # noqa: E402
 
 # stage 0 saves no partitions: the module's weights are read from its model-states file
 STAGES = (0, 2, 3)
@@ -54,8 +55,7 @@ def converted(tmp_path_factory):
     proc = subprocess.run(train, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     out = root / "results.json"
-    proc = subprocess.run([sys.executable, __file__, str(root), str(out)], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=600)
+    proc = run_python([__file__, str(root), str(out)], env, timeout=600)  # forked (tests/train_server.py)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return root, {int(k): v for k, v in json.loads(out.read_text()).items()}
 
@@ -75,9 +75,8 @@ def test_zero_checkpoint_converts_with_logits_parity(converted, stage):
 def test_not_a_deepspeed_checkpoint(converted, tmp_path):
     """A directory without `latest` (e.g. the step directory itself) is refused, naming it; exit code 2."""
     root, _ = converted
-    proc = subprocess.run([sys.executable, "-m", "msa_model.convert", "deepspeed-to-msa", str(root / "zero2" / "global_step1"),
-                           str(tmp_path / "out"), "--hf-config", str(root / "hf")],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = run_python(["-m", "msa_model.convert", "deepspeed-to-msa", str(root / "zero2" / "global_step1"),
+                       str(tmp_path / "out"), "--hf-config", str(root / "hf")], timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith(
         f"error: {root / 'zero2' / 'global_step1'}: not a DeepSpeed checkpoint directory (no `latest` file)")
@@ -92,14 +91,14 @@ def test_config_found_in_a_trainer_checkpoint(converted, tmp_path):
     root, _ = converted
     ckpt = tmp_path / "checkpoint-1"
     shutil.copytree(root / "zero2", ckpt)
-    command = [sys.executable, "-m", "msa_model.convert", "deepspeed-to-msa", str(ckpt), str(tmp_path / "out"),
+    command = ["-m", "msa_model.convert", "deepspeed-to-msa", str(ckpt), str(tmp_path / "out"),
                "--seq-length", "128", "--block-size", "16", "--topk", "2"]
-    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = run_python(command)
     assert proc.returncode == 2 and not (tmp_path / "out").exists()
     assert proc.stderr.strip().splitlines()[-1] == (f"error: {ckpt}: no config.json beside the ZeRO checkpoint; pass "
                                                     "--hf-config DIR, the directory of the model's Hugging Face config.json")
     shutil.copy(root / "hf" / "config.json", ckpt)
-    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = run_python(command)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads((tmp_path / "out" / "conversion.json").read_text())
     assert record["family"] == "llama" and record["hf_config"] == json.loads((root / "hf" / "config.json").read_text())

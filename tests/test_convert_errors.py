@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,6 +17,7 @@ from msa_model.convert.families import FAMILIES, model_config_from_hf
 from msa_model.convert.hf_io import ConversionError
 
 from convert_fixtures import save_tiny_hf
+from skeleton_helpers import run_python
 
 
 @pytest.fixture
@@ -140,8 +139,7 @@ def test_a_deep_moe_model_maps_every_layer(family):
 
 def test_cli_reports_error_and_exit_code(llama, tmp_path):
     _edit_config(llama, architectures=["GPT2LMHeadModel"])
-    proc = subprocess.run([sys.executable, "-m", "msa_model.convert", "hf-to-msa", str(llama), str(tmp_path / "out")],
-                          capture_output=True, text=True, timeout=120)
+    proc = run_python(["-m", "msa_model.convert", "hf-to-msa", str(llama), str(tmp_path / "out")], timeout=120)
     assert proc.returncode == 2
     assert "error: " in proc.stderr and "unsupported architecture ['GPT2LMHeadModel']" in proc.stderr
     assert not (tmp_path / "out").exists()
@@ -190,8 +188,7 @@ def test_damaged_checkpoint_cli(kind, tmp_path):
     """`error: <file>: <what is wrong>`, exit code 2, no traceback, nothing written."""
     src, bad_file, what = _damage(kind, tmp_path)
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "msa_model.convert", "hf-to-msa", str(src), str(out)],
-                          capture_output=True, text=True, timeout=120)
+    proc = run_python(["-m", "msa_model.convert", "hf-to-msa", str(src), str(out)], timeout=120)
     assert proc.returncode == 2, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert re.match(rf"error: {re.escape(str(bad_file))}: {what}", last), last

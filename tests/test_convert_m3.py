@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -103,7 +102,7 @@ def converted(tmp_path_factory):
     save_tiny_m3(root / "text" / "hf", seed=3)
     save_tiny_m3(root / "vl" / "hf", seed=4, vision=True, **VL)
     out = root / "results.json"
-    proc = subprocess.run([sys.executable, __file__, str(root), str(out)], capture_output=True, text=True, timeout=900)
+    proc = run_python([__file__, str(root), str(out)], timeout=900)  # forked (tests/train_server.py)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return root, json.loads(out.read_text()), proc.stderr
 
@@ -229,10 +228,7 @@ def test_m3_tiny_trains_and_exports(tmp_path, data_cache):
     convert = [sys.executable, "-m", "msa_model.convert"]
     for cmd in (train, [*convert, "msa-to-hf", str(run / "checkpoints"), str(out), "--format", "minimax_m3"],
                 [*convert, "verify", str(out), str(run / "checkpoints"), "--seq-length", "256", "--batches", "1"]):
-        if cmd is train:  # forked from a process that has imported the trainer
-            proc = run_python(cmd[1:], env, 600)
-        else:
-            proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        proc = run_python(cmd[1:], env, 600)  # forked from a process that has imported the trainer
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["phase"] for r in rows] == ["warmup", "sparse"]

@@ -11,7 +11,6 @@ parallel state and the CPU shim stay out of pytest's process.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -78,7 +77,7 @@ def _first_batch_loss(root: Path, fam: str, run_dir: Path) -> float:
 
 
 def _worker(*args: str) -> str:
-    proc = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, timeout=600)
+    proc = run_python([__file__, *args], timeout=600)  # forked (tests/train_server.py)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc.stdout.strip().splitlines()[-1]
 
@@ -136,15 +135,12 @@ def test_eval_scores_a_conversion_with_its_model_and_tokenizer(converted, tmp_pa
     tokenizer, or a path that is no checkpoint, is refused before the output directory exists."""
     import shutil
 
-    from skeleton_helpers import REPO, _env
-
     root, _, _ = converted
     msa = root / "qwen3" / "msa"
     args = ["--lengths", "256", "--depths", "0", "--samples", "1", "--tasks", "passkey", "--loss-sequences", "1"]
 
     def evaluate(path, out):
-        return subprocess.run([sys.executable, "-m", "msa_model.eval", str(path), "--out", str(out), *args], cwd=REPO,
-                              env=_env(), capture_output=True, text=True, timeout=300)
+        return run_python(["-m", "msa_model.eval", str(path), "--out", str(out), *args], timeout=300)
 
     proc = evaluate(msa, tmp_path / "eval")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

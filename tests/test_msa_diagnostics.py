@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from data.retrieval import KV_MAX_PAIRS, KV_MIN_PAIRS, KV_SPACING, TASKS, Haystack, make_example, training_documents
-from skeleton_helpers import REPO, _env, metrics, run_train
+from skeleton_helpers import REPO, _env, metrics, run_python, run_train
 
 B, T, HQ, G, D, DI, BK, TOPK = 2, 45, 4, 2, 8, 8, 8, 2
 
@@ -336,9 +336,9 @@ def test_every_field_of_an_evaluation_example_draws_another_one(tmp_path):
 
 
 def _last_line(script: str, *args) -> str:
-    """The last line `script` prints, run as `python -c script ARGS...` in a fresh process."""
-    proc = subprocess.run([sys.executable, "-c", script, *map(str, args)], cwd=REPO, env=_env(),
-                          capture_output=True, text=True, timeout=600)
+    """The last line `script` prints, run as `python -c script ARGS...` in a fresh process (forked
+    from one that has imported the trainer)."""
+    proc = run_python(["-c", script, *map(str, args)], timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout.strip().splitlines()[-1]
 
@@ -523,9 +523,9 @@ def test_diagnostics_of_packed_documents_match_the_trained_kl(tmp_path, data_cac
 
 def test_eval_runs_on_the_checkpoint_and_writes_results(diag_run, tmp_path):
     out = tmp_path / "eval"
-    cmd = [sys.executable, "-m", "msa_model.eval", str(diag_run), "--out", str(out), "--lengths", "256,384",
+    cmd = ["-m", "msa_model.eval", str(diag_run), "--out", str(out), "--lengths", "256,384",
            "--depths", "0,1", "--samples", "1", "--loss-sequences", "2", "--tasks", ",".join(TASKS)]
-    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    proc = run_python(cmd, timeout=300)  # forked from a process that has imported the trainer
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads((out / "results.json").read_text())
     assert res["attention"] == "msa" and res["phase"] == "sparse" and res["key_budget"] == 64
@@ -549,8 +549,7 @@ def test_eval_runs_on_the_checkpoint_and_writes_results(diag_run, tmp_path):
     for name in ("results.md", "accuracy.png", "loss_by_position.png"):
         assert (out / name).stat().st_size > 0
 
-    bad = subprocess.run([sys.executable, "-m", "msa_model.eval", str(tmp_path), "--out", str(tmp_path / "x")],
-                         cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    bad = run_python(["-m", "msa_model.eval", str(tmp_path), "--out", str(tmp_path / "x")], timeout=300)
     assert bad.returncode == 2 and "is not a checkpoint" in bad.stderr
 
 
@@ -597,8 +596,7 @@ def test_eval_of_a_run_on_prepared_datasets_asks_for_a_corpus(tmp_path):
     the evaluation asks for --corpus instead of calling that corpus held-out, and writes nothing."""
     run, cfg = _blend_run(tmp_path)
     assert cfg.data.source == "stdlib"
-    proc = subprocess.run([sys.executable, "-m", "msa_model.eval", str(run), "--out", str(tmp_path / "eval")],
-                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    proc = run_python(["-m", "msa_model.eval", str(run), "--out", str(tmp_path / "eval")], timeout=300)
     assert proc.returncode == 2 and "trained on prepared datasets (data.blend); give --corpus DIR" in proc.stderr, \
         proc.stdout[-2000:] + proc.stderr[-3000:]
     assert not (tmp_path / "eval").exists()
@@ -623,8 +621,7 @@ def test_eval_reads_every_file_of_a_corpus_given_to_a_blend_run(tmp_path):
     assert corpus_glob(cfg, None, True, None) == corpus_glob(cfg, str(corpus), True, None) == "**/*.py"
 
     def evaluate(*args):
-        return subprocess.run([sys.executable, "-m", "msa_model.eval", str(run), "--out", str(tmp_path / "eval"),
-                               *args], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+        return run_python(["-m", "msa_model.eval", str(run), "--out", str(tmp_path / "eval"), *args], timeout=300)
 
     for args, message in ((["--corpus", str(tmp_path / "nope")], "no such directory"),
                           (["--corpus", str(corpus), "--glob", "*.rst"], "no files match '*.rst'")):

@@ -274,9 +274,8 @@ for checkpoint in sys.argv[1:]:
 
 
 def _losses_of(*checkpoints) -> list[float]:
-    """One process (one start-up) for all of them."""
-    proc = subprocess.run([sys.executable, "-c", LOSS_SCRIPT, *map(str, checkpoints)], cwd=REPO, env=_env(),
-                          capture_output=True, text=True, timeout=300)
+    """One process (one start-up, forked from one that has imported the trainer) for all of them."""
+    proc = run_python(["-c", LOSS_SCRIPT, *map(str, checkpoints)], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = [float(line.split()[1]) for line in proc.stdout.splitlines() if line.startswith("LOSS ")]
     assert len(losses) == len(checkpoints), proc.stdout[-3000:]
@@ -297,8 +296,8 @@ def test_cpt_continues_a_converted_dense_run(tmp_path, data_cache, monkeypatch):
               data_cache=data_cache, script="tests/batch_record_main.py")
     branch = dense / "checkpoints" / "step_00000003"
     converted = tmp_path / "converted"
-    subprocess.run([sys.executable, "-m", "msa_model.convert", "dense-to-msa", str(branch), str(converted)], cwd=REPO,
-                   env=_env(), check=True, capture_output=True, timeout=300)
+    proc = run_python(["-m", "msa_model.convert", "dense-to-msa", str(branch), str(converted)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((converted / "conversion.json").read_text())["data_position"] == \
         {"consumed_samples": 12, "seq_length": 256, "step": 3}
     # dense attention is the warmup phase of MSA: the converted model is the dense model

@@ -4,11 +4,12 @@ A `python train.py` spends about 4 s of CPU importing torch, megatron-core and t
 it composes its config, more than the few steps a test trains. A server (started on first use; a
 test process has two, and one per rank of the largest job run_together has started) imports them
 once and then forks a fresh process for each run: the child takes the run's environment,
-working directory and argv, runs the script (or `-m MODULE`, as `python -m` does) as `__main__`
-with its stdout and stderr going to files of the caller's, and exits with the script's exit code
-(atexit handlers run, as at any interpreter exit). Each run is still a process of its own, which nothing
-has touched but those imports; it only does not show what the imports print (tests/test_readme.py,
-tests/test_inputs.py and every torchrun, SLURM or signal test start real processes for that).
+working directory and argv, runs the script (or `-m MODULE`, or `-c CODE`, as python does) as
+`__main__` with its stdout and stderr going to files of the caller's, and exits with the script's
+exit code (atexit handlers run, as at any interpreter exit). Each run is still a process of its
+own, which nothing has touched but those imports; it only does not show what the imports print
+(tests/test_readme.py, tests/test_inputs.py and every torchrun, SLURM or signal test start real
+processes for that).
 
 What a fresh process would not share with the one before it, forked runs do not share either:
 `random` (reseeded by Python at every fork) and numpy's global generator (reseeded here) start from
@@ -96,9 +97,13 @@ def _child(request: dict) -> None:
         numpy.random.seed()  # fresh entropy, as at a process's first import of numpy
         argv = list(request["argv"])
         module = argv[1] if argv[0] == "-m" else None  # `python -m MODULE ARGS...`
+        code_text = argv[1] if argv[0] == "-c" else None  # `python -c CODE ARGS...`
         if module:
             sys.argv = argv[1:]  # argv[0] becomes the module's file, as under `python -m`
             sys.path[0] = os.getcwd()
+        elif code_text is not None:
+            sys.argv = ["-c", *argv[2:]]
+            sys.path[0] = ""
         else:
             script = os.path.abspath(argv[0])
             sys.argv = argv
@@ -109,6 +114,11 @@ def _child(request: dict) -> None:
         try:
             if module:
                 runpy.run_module(module, run_name="__main__", alter_sys=True)
+            elif code_text is not None:
+                import types
+
+                main = sys.modules["__main__"] = types.ModuleType("__main__")  # this file's stays as it was
+                exec(compile(code_text, "<string>", "exec"), main.__dict__)
             else:
                 runpy.run_path(script, run_name="__main__")
             code = 0
