@@ -8,13 +8,11 @@ run alone, in both MSA phases and in the dense baseline.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import torch
 
 from data.datasets import build_train_iterator, document_starts
-from skeleton_helpers import REPO, TINY_TEST, _env
+from skeleton_helpers import REPO, TINY_TEST, run_python
 
 EOD = 256
 
@@ -56,8 +54,8 @@ def test_iterator_adds_document_starts_only_when_asked():
 
 def test_packed_documents_give_each_document_its_own_losses(tmp_path):
     out = tmp_path / "documents.json"
-    cmd = [sys.executable, str(REPO / "tests" / "documents_main.py"), str(out), *TINY_TEST, f"run_dir={tmp_path}/run"]
-    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+    cmd = [str(REPO / "tests" / "documents_main.py"), str(out), *TINY_TEST, f"run_dir={tmp_path}/run"]
+    proc = run_python(cmd, timeout=600)  # forked from a process that has imported the trainer
     assert proc.returncode == 0, proc.stderr[-4000:]
     diff = json.loads(out.read_text())
     for name in ("msa_warmup", "msa_sparse", "dense"):
