@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
+import os
 import sys
 from pathlib import Path
 
@@ -16,6 +16,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from skeleton_helpers import run_python  # noqa: E402
 from tokenizer_fixtures import make_bpe_tokenizer  # noqa: E402
 
 
@@ -200,12 +201,13 @@ def test_examples_start_as_the_runs_documents_did(one_rank, tmp_path):
 
 def test_a_run_logs_the_probe_without_a_validation_split(tmp_path, data_cache):
     run = tmp_path / "run"
-    cmd = [sys.executable, str(REPO / "train.py"), "model=tiny", "trainer.max_steps=2", "optim.warmup_steps=1",
+    cmd = [str(REPO / "train.py"), "model=tiny", "trainer.max_steps=2", "optim.warmup_steps=1",
            "logging.log_interval=1", "logging.wandb_mode=disabled", "logging.tensorboard=false",
            "logging.progress_bar=false", "checkpoint.interval=0", "data.split=[100,0,0]",
            f"data.cache_dir={data_cache}", "trainer.eval_interval=2", "trainer.probe_tasks=[passkey]",
            "trainer.probe_samples=2", "trainer.indexer_warmup_tokens=0", f"run_dir={run}"]
-    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    # forked from a process that has imported the trainer, in this process's environment (all cores)
+    out = run_python(cmd, dict(os.environ), timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert "valid/probe/passkey/exact" not in records[0]
@@ -268,9 +270,9 @@ def test_bad_probe_settings_are_refused(overrides, message):
 
 
 def test_a_bad_probe_setting_is_one_line_before_anything_is_written(tmp_path):
-    cmd = [sys.executable, str(REPO / "train.py"), "model=tiny", "logging.log_interval=2", f"run_dir={tmp_path / 'r'}",
+    cmd = [str(REPO / "train.py"), "model=tiny", "logging.log_interval=2", f"run_dir={tmp_path / 'r'}",
            "trainer.probe_tasks=[needle]", "trainer.eval_interval=2"]
-    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    out = run_python(cmd, dict(os.environ), timeout=300)
     assert out.returncode != 0
     assert "trainer.probe_tasks: unknown ['needle']" in out.stdout + out.stderr
     assert "Traceback" not in out.stdout + out.stderr
