@@ -31,20 +31,21 @@ os.environ["MSA_DATA_CACHE_DIR"] = _SESSION_CACHE
 
 # seconds each file took in `make test` on 2 cores (2026-12-06, `--durations=0`: 2,037 s of tests in
 # 1,045 s; the first file beside the SLURM campaign gets the smaller share of the cores; files not
-# listed took less than 10 s). A file missing here goes last, so a long one left out makes the
+# listed took less than 10 s; the files whose tests changed since, that time scaled by the change of
+# a one-process run of the file). A file missing here goes last, so a long one left out makes the
 # run's tail. The SLURM campaign (172 s), whose jobs are most of its time, leads
 FILE_SECONDS = {
-    "test_sparse_attention_triton.py": 266, "test_convert_checkpoints.py": 108, "test_multi_gpu_driver.py": 85,
-    "test_parallel.py": 78, "test_ops_documents.py": 77, "test_readme.py": 73, "test_parallel_checkpoint.py": 66,
-    "test_quality_experiment.py": 65, "test_train_resume.py": 65, "test_late_teacher.py": 63, "test_recipes.py": 62,
-    "test_resume_tokens.py": 59, "test_indexer_kl_triton.py": 56, "test_failures.py": 52,
-    "test_select_blocks_triton.py": 47, "test_ops_q_offset.py": 46, "test_inputs.py": 43,
-    "test_msa_diagnostics.py": 40, "test_convert_deepspeed.py": 38, "test_preemption.py": 35,
-    "test_cpt_tokenizer.py": 35, "test_convert_m3.py": 33, "test_retrieval_probe.py": 31, "test_deterministic.py": 30,
-    "test_train_blend.py": 28, "test_msa_gradients.py": 26, "test_convert_hf.py": 23, "test_fp8_probs.py": 21,
-    "test_data_prepare.py": 20, "test_checkpoint_guards.py": 20, "test_convert_errors.py": 18,
-    "test_slurm_launcher.py": 18, "test_kl_temperature.py": 16, "test_train_skeleton.py": 15, "test_train_dp.py": 14,
-    "test_run_dir_lock.py": 12, "test_dense_documents.py": 11,
+    "test_sparse_attention_triton.py": 202, "test_multi_gpu_driver.py": 85, "test_parallel.py": 78,
+    "test_ops_documents.py": 77, "test_readme.py": 73, "test_quality_experiment.py": 65, "test_train_resume.py": 65,
+    "test_convert_checkpoints.py": 61, "test_recipes.py": 58, "test_late_teacher.py": 52, "test_failures.py": 52,
+    "test_select_blocks_triton.py": 47, "test_ops_q_offset.py": 46, "test_inputs.py": 43, "test_resume_tokens.py": 42,
+    "test_parallel_checkpoint.py": 40, "test_indexer_kl_triton.py": 39, "test_preemption.py": 35,
+    "test_convert_deepspeed.py": 31, "test_retrieval_probe.py": 30, "test_deterministic.py": 30,
+    "test_train_blend.py": 28, "test_convert_m3.py": 27, "test_msa_gradients.py": 26, "test_convert_hf.py": 23,
+    "test_msa_diagnostics.py": 21, "test_cpt_tokenizer.py": 21, "test_fp8_probs.py": 21, "test_data_prepare.py": 20,
+    "test_checkpoint_guards.py": 20, "test_slurm_launcher.py": 18, "test_kl_temperature.py": 16,
+    "test_train_skeleton.py": 15, "test_train_dp.py": 14, "test_convert_errors.py": 13, "test_run_dir_lock.py": 12,
+    "test_dense_documents.py": 11,
 }
 
 
