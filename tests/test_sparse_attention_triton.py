@@ -490,12 +490,22 @@ def test_tile_path_default_launch_shapes(D):
         run_case(B, T, Hq, G, D, bs, K, torch.bfloat16, tuning=tuning, block_idx=idx)
 
 
-def test_tile_path_chunks_the_dkdv_partials():
+def test_tile_path_chunks_the_dkdv_partials(monkeypatch):
     """A partial budget of a few work items: the unions' inverse index runs in several chunks."""
     B, T, Hq, G, D, bs, K = 1, 50, 4, 2, 16, 16, 4
     item = 2 * bs * D * 4
     tuning = _tiles(4, per_item=3, partial_bytes=6 * item, partial_min_bytes=0)
+    chunks = []
+    build = tiles.build_inverse_index
+
+    def counted(*args):
+        index = build(*args)
+        chunks.append(index.n_chunks)
+        return index
+
+    monkeypatch.setattr(tiles, "build_inverse_index", counted)
     run_case(B, T, Hq, G, D, bs, K, torch.float32 if DEVICE == "cpu" else torch.bfloat16, tuning=tuning)
+    assert chunks and min(chunks) > 1, chunks
 
 
 @pytest.mark.parametrize("impl", ["reference", "triton"])
