@@ -14,7 +14,8 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -m pip install --disable-pip-version-check --progress-bar off --ignore-requires-python -e ".[deepspeed]" 2>&1 \
 		| grep --line-buffered -E "^(Collecting|Successfully installed|ERROR)" || true
-	@$(PY) -c "import torch, megatron.core, hydra, triton, deepspeed" || { echo "virtualenv install failed"; exit 1; }
+	@$(PY) -c "import torch, megatron.core, hydra, triton, deepspeed" > $(VENV)/import-check.log 2>&1 \
+		|| { cat $(VENV)/import-check.log; echo "virtualenv install failed: an import above failed"; exit 1; }
 	@touch $(STAMP)
 	@echo "$(VENV) is ready; \`source $(VENV)/bin/activate\` puts its python and torchrun on your PATH"
 
