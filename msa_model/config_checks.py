@@ -71,6 +71,10 @@ def _check_kernel_shapes(errors: list[str], cfg, gpu: Optional[bool]) -> None:
     _check(errors, problem is None, f"model.msa.block_size ({msa.block_size}) {problem} {where}")
 
 
+# the longest context at which model.msa.cuda_graph was measured to pay (bench/RESULTS.md, 8K)
+GRAPH_MEASURED_LENGTH = 8192
+
+
 def _check_cuda_graph(errors: list[str], cfg, gpu: Optional[bool]) -> None:
     """model.msa.cuda_graph: where a captured core replays the same work on the same buffers."""
     m, p = cfg.model, cfg.parallel
@@ -203,13 +207,22 @@ def missing_init_from(cfg) -> Optional[str]:
             "`python -m msa_model.convert dense-to-msa` or `hf-to-msa`)")
 
 
-def unused_settings(cfg) -> list[str]:
-    """Settings that do nothing in this configuration, one line each: warnings, not errors (a
-    study's `--override` applies to its dense arm too)."""
+def setting_warnings(cfg) -> list[str]:
+    """Settings that do nothing in this configuration, or cost more than they were measured to give,
+    one line each: warnings, not errors (a study's `--override` applies to its dense arm too, and a
+    larger GPU may hold what a smaller one did not)."""
     lines = []
-    if cfg.logging.msa_diagnostics_interval and not any(msa_layers_of(cfg.model)):
+    m = cfg.model
+    if cfg.logging.msa_diagnostics_interval and not any(msa_layers_of(m)):
         lines.append(f"logging.msa_diagnostics_interval={cfg.logging.msa_diagnostics_interval} logs nothing: the "
                      "model has no MSA layer (model.attention / model.attention_types)")
+    if m.msa.cuda_graph and any(msa_layers_of(m)) and m.seq_length > GRAPH_MEASURED_LENGTH:
+        lines.append(f"model.msa.cuda_graph=true at model.seq_length={m.seq_length}: each MSA layer's graph keeps "
+                     "its own memory pool, as large as the layer's transient memory (the sparse core's partial "
+                     "buffers alone up to model.msa.tuning.sparse_attention.partial_bytes), held between steps; "
+                     "msa_109b_proxy at 32K ran out of memory on an 80 GB GPU with the graphs (53.7 GiB without "
+                     f"them). They were measured to pay at {GRAPH_MEASURED_LENGTH} tokens, where the step waits on "
+                     "the host (bench/RESULTS.md)")
     return lines
 
 

@@ -302,11 +302,27 @@ def test_a_job_of_no_nodes_is_refused_naming_the_key():
 def test_diagnostics_of_a_model_without_msa_layers_are_a_warning():
     """logging.msa_diagnostics_interval on a dense model measured nothing without a word; it is
     said (a warning: a quality study's --override reaches its dense arm too)."""
-    from msa_model.config_checks import unused_settings
+    from msa_model.config_checks import setting_warnings
 
     dense = _compose("recipe=dense", "model=tiny", "logging.msa_diagnostics_interval=20")
     validate(dense, world_size=1)
-    assert unused_settings(dense) == ["logging.msa_diagnostics_interval=20 logs nothing: the model has no MSA "
-                                      "layer (model.attention / model.attention_types)"]
-    assert unused_settings(_compose("recipe=pt", "model=tiny", "logging.msa_diagnostics_interval=20")) == []
-    assert unused_settings(_compose("recipe=dense", "model=tiny")) == []
+    assert setting_warnings(dense) == ["logging.msa_diagnostics_interval=20 logs nothing: the model has no MSA "
+                                       "layer (model.attention / model.attention_types)"]
+    assert setting_warnings(_compose("recipe=pt", "model=tiny", "logging.msa_diagnostics_interval=20")) == []
+    assert setting_warnings(_compose("recipe=dense", "model=tiny")) == []
+
+
+def test_graphs_past_the_measured_length_are_a_warning_naming_their_memory():
+    """model.msa.cuda_graph keeps a memory pool per layer: msa_109b_proxy's graphs ran out of
+    memory at 32K on an 80 GB GPU. Past the length where the graphs were measured to pay, the run
+    says so before it starts (a warning: a larger GPU may hold them); at that length, nothing."""
+    from msa_model.config_checks import GRAPH_MEASURED_LENGTH, setting_warnings
+
+    graphs = ("recipe=pt", "model=tiny", "model.msa.cuda_graph=true")
+    assert setting_warnings(_compose(*graphs, f"model.seq_length={GRAPH_MEASURED_LENGTH}")) == []
+    (line,) = setting_warnings(_compose(*graphs, "model.seq_length=32768"))
+    assert line.startswith("model.msa.cuda_graph=true at model.seq_length=32768: each MSA layer's graph keeps")
+    assert "model.msa.tuning.sparse_attention.partial_bytes" in line
+    assert setting_warnings(_compose("recipe=pt", "model=tiny", "model.seq_length=32768")) == []
+    assert setting_warnings(_compose("recipe=dense", "model=tiny", "model.msa.cuda_graph=true",
+                                     "model.seq_length=32768")) == []

@@ -269,14 +269,14 @@ def run(cfg: DictConfig, notes: list[str] | tuple[str, ...] = ()) -> None:
         layout_world = max(world_size, cfg.launch.nodes * cfg.launch.ranks_per_node)
         validate(cfg, layout_world)
         if rank == 0:
-            from msa_model.config_checks import missing_init_from, unused_settings
+            from msa_model.config_checks import missing_init_from, setting_warnings
             from msa_model.training.dry_run import dry_run_report
             from msa_model.training.resume_tokens import resume_preview
 
             # inputs a launch from here would stop at (a dry run may be made away from the data)
             missing = missing_init_from(cfg)
             input_warnings = [f"warning: {p}" for p in ([missing] if missing else []) + input_problems(cfg)
-                              + unused_settings(cfg)]
+                              + setting_warnings(cfg)]
             report = dry_run_report(cfg, layout_world)
             print("\n".join([*(f"# {n}" for n in notes), report, *([warmup_note] if warmup_note else []),
                              *resume_preview(cfg, budget), *schedule_lines, *input_warnings]), flush=True)
@@ -315,12 +315,12 @@ def run(cfg: DictConfig, notes: list[str] | tuple[str, ...] = ()) -> None:
     if rank == 0:
         from msa_model.platform.quiet import backend_note
 
-        from msa_model.config_checks import unused_settings
+        from msa_model.config_checks import setting_warnings
 
         line = backend_note()
         if line:
             log.info("%s", line)
-        for line in unused_settings(cfg):
+        for line in setting_warnings(cfg):
             log.warning("warning: %s", line)
         warn_untested_versions()
     latest = ckpt.latest_checkpoint(ckpt_root)
