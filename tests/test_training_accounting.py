@@ -68,6 +68,10 @@ def test_out_of_memory_is_recognised_through_nccl_and_named():
     for needed in ("forward and backward", "step 7", "131,072", "model.recompute=selective", "model.recompute=full",
                    "parallel.cp", "model.seq_length"):
         assert needed in text, (needed, text)
+    assert "cuda_graph" not in text
+    # with the graphs on, their pools come first, and the recompute and CP remedies need them off
+    graphed = out_of_memory_message(torch.device("cpu"), "forward and backward", 7, 32768, 1, cuda_graph=True)
+    assert graphed.index("model.msa.cuda_graph=false") < graphed.index("model.recompute=selective")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a real out-of-memory needs a GPU")

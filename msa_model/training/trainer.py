@@ -36,13 +36,18 @@ def is_out_of_memory(error: BaseException) -> bool:
         s in text for s in ("out of memory", "cuda calloc", "cuda malloc", "cublas_status_alloc_failed"))
 
 
-def out_of_memory_message(device: torch.device, stage: str, step: int, seq_length: int, micro_batch_size: int) -> str:
+def out_of_memory_message(device: torch.device, stage: str, step: int, seq_length: int, micro_batch_size: int,
+                          cuda_graph: bool = False) -> str:
+    """`cuda_graph`: the run graphs its MSA layers (model.msa.cuda_graph), whose memory pools come
+    first among the remedies, and which the recompute and CP remedies need off."""
     peak = total = float("nan")
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device) / 2**30
         total = torch.cuda.get_device_properties(device).total_memory / 2**30
+    graphs = ("model.msa.cuda_graph=false (each MSA layer's graphs keep a memory pool of their own, held "
+              "between steps; with it off, also:) " if cuda_graph else "")
     return (f"out of memory on {device} during the {stage} of step {step} (sequence {seq_length:,} tokens, "
-            f"micro-batch {micro_batch_size}): peak {peak:.1f} GiB allocated of {total:.1f} GiB. Remedies: "
+            f"micro-batch {micro_batch_size}): peak {peak:.1f} GiB allocated of {total:.1f} GiB. Remedies: {graphs}"
             "model.recompute=selective (rerun the attention core in backward) or model.recompute=full (rerun "
             "whole layers); parallel.cp=2 or more (context parallelism splits the sequence over GPUs); "
             "a smaller parallel.micro_batch_size or a shorter model.seq_length")
@@ -95,6 +100,7 @@ class Trainer:
         self.eval_interval, self.eval_iters = trainer_cfg.eval_interval, trainer_cfg.eval_iters
         self.micro_batch_size, self.global_batch_size = parallel_cfg.micro_batch_size, parallel_cfg.global_batch_size
         self.seq_length, self.num_layers = model_cfg.seq_length, model_cfg.num_layers
+        self.cuda_graph = bool(model_cfg.msa.cuda_graph)
         self.device, self.stop_signal = device, stop_signal
         step_tokens = self.global_batch_size * self.seq_length
         # a checkpoint's counters replace these (resume_tokens.py: a resume at another batch)
@@ -227,7 +233,7 @@ class Trainer:
                 if not is_out_of_memory(e):
                     raise
                 raise OutOfMemory(out_of_memory_message(self.device, self.stage, self.state.step + 1, self.seq_length,
-                                                        self.micro_batch_size)) from e
+                                                        self.micro_batch_size, self.cuda_graph)) from e
             self.state.step += 1
             self.state.consumed_samples += self.global_batch_size
             self.state.tokens += step_tokens
