@@ -8,7 +8,8 @@ Every job is its own process (`python train.py model=PRESET recipe=... model.seq
 batch 1 unless --micro-tokens, `logging.time_modules=true`), so peak memory and an out-of-memory belong to one run. With
 several --gpus, jobs run side by side, one per GPU. Per job the numbers are medians over the steps
 after the first two (Triton compilation, cuDNN plans): tokens/s, model TFLOP/s per GPU
-(msa_model/training/flops.py), step time split into attention / MLP blocks / rest (module_timer.py), and
+(msa_model/training/flops.py), step time split into attention / MLP blocks / rest (module_timer.py), the
+range of the timed steps' times (the table's step column: median (min-max)), and
 the peak of `max_memory_allocated` over all steps. Writes OUT/training.json and prints a markdown
 table with MSA / dense ratios per length.
 
@@ -73,13 +74,18 @@ def job_args(variant: str, T: int, steps: int, tokens_per_step: int, recompute: 
 
 def step_medians(records: list[dict], keys: tuple[str, ...]) -> dict:
     """The step count, the median of each of `keys` over the steps after the first two (Triton
-    compilation, cuDNN plans; fewer when the run logged fewer) and the peak memory over all steps."""
+    compilation, cuDNN plans; fewer when the run logged fewer), the timed steps' count and step-time
+    range (a masked dense step costs what each batch's documents leave: its median moves with the
+    steps timed) and the peak memory over all steps."""
     out = {"steps": len(records)}
     timed = records[2:] or records[1:] or records
+    out["timed_steps"] = len(timed)
     for key in keys:
         values = [r[key] for r in timed if r.get(key) is not None]
         if values:
             out[key] = statistics.median(values)
+            if key == "step_ms":
+                out["step_ms_range"] = [min(values), max(values)]
     peaks = [r["peak_mem_gib"] for r in records if "peak_mem_gib" in r]
     if peaks:
         out["peak_mem_gib"] = max(peaks)
@@ -138,6 +144,15 @@ def _k(T: int) -> str:
     return f"{T // 1024}K" if T % 1024 == 0 else str(T)
 
 
+def _step_cell(result: dict) -> str:
+    """The median step time, with the timed steps' range where they differ: `863 (798-946)`."""
+    cell = f"{result.get('step_ms', 0):.0f}"
+    lo, hi = result.get("step_ms_range", (None, None))
+    if lo is not None and round(lo) != round(hi):
+        cell += f" ({lo:.0f}-{hi:.0f})"
+    return cell
+
+
 def table(jobs: list[dict]) -> str:
     jobs = [j for j in jobs if "result" in j]
     lines = ["| T | variant | recompute | tok/s | TFLOP/s/GPU | MFU | step ms | attention ms | MLP ms | rest ms | "
@@ -154,7 +169,7 @@ def table(jobs: list[dict]) -> str:
         lines.append(
             f"| {_k(j['T'])} | {j['variant']} | {j['recompute']} | {r['tokens_per_s']:,.0f} | "
             f"{r.get('tflops_per_gpu', 0):.1f} | {r.get('tflops_per_gpu', 0) / PEAK_TFLOPS:.1%} | "
-            f"{r.get('step_ms', 0):.0f} | {r.get('attention_ms', 0):.0f} | {r.get('moe_ms', 0):.0f} | "
+            f"{_step_cell(r)} | {r.get('attention_ms', 0):.0f} | {r.get('moe_ms', 0):.0f} | "
             f"{r.get('rest_ms', 0):.0f} | {r.get('peak_mem_gib', float('nan')):.1f} | {ratio} |")
     return "\n".join(lines)
 
