@@ -611,3 +611,80 @@ def test_tile_path_never_waits_on_the_device(tile_backward):
         o.float().sum().backward()
     assert_no_host_sync(step)
 
+
+
+GLUON = dataclasses.replace(sa_triton.DEFAULT_TUNING, bwd_gluon=True)
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+def test_gluon_backward_compiles_for_hopper():
+    """Gluon does not run in the interpreter, so on the CPU the Gluon backward is compiled for
+    sm_90a (no GPU needed): its loader partition's cp.async gathers, the partitions' register
+    split and the wgmma products are in the PTX."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from msa_model.ops.sparse_attention import gluon_backward
+
+    fn = gluon_backward.gluon_bwd_kernel
+    names = list(inspect.signature(fn.fn).parameters)
+    ptrs = dict(Q="*bf16", K="*bf16", V="*bf16", DO="*bf16", LSE="*fp32", DELTA="*fp32", DQP="*bf16", DKP="*fp32",
+                DVP="*fp32", ENTRY="*i32", ITEM_BUCKET="*i32", ITEM_START="*i32", ITEM_COUNT="*i32", BSTART="*i32",
+                BEND="*i32", PBAR="*bf16")
+    consts = dict(HQ=64, HKV=4, SLOTS=16, H=16, HP=16, QT=4, BS=128, D=128, DOCS=True, TEACHER=True, QTC=16,
+                  STAGES=3, LW=gluon_backward.LOADER_WARPS, LOADER_REGS=gluon_backward.LOADER_REGS)
+    sig = {n: ptrs.get(n) or ("constexpr" if n in consts else "fp32" if n.endswith("scale") else "i32") for n in names}
+    src = GluonASTSource(fn=fn, signature=sig, constexprs={(names.index(n),): v for n, v in consts.items()},
+                         attrs={(names.index(n),): [["tt.divisibility", 16]] for n in ptrs})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 128), options={"num_warps": 8}).asm["ptx"]
+    assert "cp.async.cg.shared.global" in ptx and "cp.async.mbarrier.arrive.noinc" in ptx
+    assert "setmaxnreg.inc" in ptx and "setmaxnreg.dec" in ptx
+    assert "wgmma.mma_async" in ptx
+
+
+def test_gluon_backward_asked_for_where_it_does_not_apply():
+    """bwd_gluon where the Gluon kernel does not apply (here: the CPU, fp32, head dim 16) is the
+    Triton kernel's backward."""
+    run_case(2, 50, 8, 2, 16, 16, 5, torch.float32, tuning=GLUON)
+
+
+@pytest.mark.skipif(not HOPPER, reason="the Gluon backward needs an sm_90 GPU")
+@pytest.mark.parametrize("Hq,G,K,stages", [(32, 2, 8, 3), (24, 2, 8, 2), (64, 4, 16, 3)])
+def test_gluon_backward(Hq, G, K, stages):
+    """Against the reference: random sets with empty slots, repeats and future blocks, an odd
+    length, 16 and 12 heads a group (12: four of each entry's 16 rows are padding)."""
+    run_case(2, 1000, Hq, G, 128, 128, K, torch.bfloat16, tuning=dataclasses.replace(GLUON, bwd_gluon_stages=stages))
+
+
+@pytest.mark.skipif(not HOPPER, reason="the Gluon backward needs an sm_90 GPU")
+@pytest.mark.parametrize("docs,q0,teacher", [(False, 0, True), (True, 0, True), (True, 300, False)])
+def test_gluon_backward_equals_the_triton_kernel(docs, q0, teacher):
+    """The same products in the same order: dq, dk, dv and the KL teacher's rows of the Triton
+    kernel, with packed documents (block tables) and a query slice (q_offset)."""
+    from msa_model.ops.sparse_attention.gather import sparse_backward, sparse_forward
+
+    gen = torch.Generator().manual_seed(3)
+    B, T, Hq, G, D, bs, K = 2, 1100, 32, 2, 128, 128, 8
+    mk = lambda *s: torch.randn(*s, generator=gen).to("cuda", torch.bfloat16)  # noqa: E731
+    q, do = mk(B, T - q0, Hq, D), mk(B, T - q0, Hq, D)
+    k, v = mk(B, T, G, D), mk(B, T, G, D)
+    doc_start = None
+    if docs:
+        pos = torch.arange(T)
+        doc_start = torch.stack([torch.where(pos < 333, 0, torch.where(pos < 340, 333, 340)),
+                                 torch.where(pos < 700, 0, 700)]).to("cuda", torch.int32)[:, q0:]
+    idx = inverse_index.clean_block_idx(random_block_idx(B, T - q0, G, K, bs, gen).cuda(), bs, q0, doc_start)
+    table = None if doc_start is None else inverse_index.document_blocks(doc_start, bs, q0)
+    o, lse, index = sparse_forward(q, k, v, idx, bs, D ** -0.5, q0, docs=table)
+    out = []
+    for tuning in (GLUON, sa_triton.DEFAULT_TUNING):
+        pbar = torch.zeros(idx.numel(), bs, dtype=torch.bfloat16, device="cuda") if teacher else None
+        grads = sparse_backward(do, q, k, v, o, lse, idx, bs, D ** -0.5, q0, index, tuning, table, pbar)
+        out.append((*grads, pbar))
+    for name, x, y in zip(("dq", "dk", "dv", "teacher"), *out):
+        if y is not None:
+            assert not torch.isnan(x).any(), name
+            assert rel(x, y) < 1e-3, (name, rel(x, y))

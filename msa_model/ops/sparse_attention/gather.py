@@ -408,6 +408,16 @@ def sparse_forward(q, k, v, idx, block_size, scale, q_offset=0, index=None, tuni
     return o, lse, index
 
 
+def _gluon_backward(tuning: Tuning, q, block_size: int, rows: int, fp8: bool):
+    """The module of the Gluon backward where `sparse_backward` takes it (`Tuning.bwd_gluon` and
+    `gluon_backward.usable`), else None; Gluon is imported only where it is asked for."""
+    if not tuning.bwd_gluon:
+        return None
+    from . import gluon_backward
+
+    return gluon_backward if gluon_backward.usable(tuning, q, block_size, rows, fp8) else None
+
+
 def sparse_backward(do, q, k, v, o, lse, idx, block_size, scale, q_offset=0, index=None,
                     tuning: Tuning = DEFAULT_TUNING, docs: DocumentBlocks | None = None, teacher=None, out=None,
                     fp8=False):
@@ -451,6 +461,7 @@ def sparse_backward(do, q, k, v, o, lse, idx, block_size, scale, q_offset=0, ind
     qtc = triton.next_power_of_2(QT if interpreting() else max(QT, 16))
     corr = torch.empty(index.chunk_entries * H, dtype=torch.float32, device=q.device) if fp8 else None
     wide = not narrow_offsets(tuning, q, dqp, idx, pbar)
+    gluon = _gluon_backward(tuning, q, block_size, QT * HP, fp8)
     for c, t0, t1 in query_chunks(index, T):
         if fp8:
             corr.zero_()
@@ -459,11 +470,17 @@ def sparse_backward(do, q, k, v, o, lse, idx, block_size, scale, q_offset=0, ind
                 q_offset, N, scale * LOG2E.value, HQ=Hq, HKV=G, SLOTS=K, H=H, HP=HP, QT=QT, BS=block_size, D=D,
                 DOCS=DOCS, num_warps=tuning.bwd_warps, num_stages=1)
             delta[:, t0:t1] += corr[:B * (t1 - t0) * G * K * H].view(B, t1 - t0, G, K, H).sum(3).view(B, t1 - t0, Hq)
-        COMPILED["bwd"] = sparse_bwd_kernel[(ib.shape[1],)](
-            q, k, v, do, lse, delta, dqp, dkp, dvp, index.entry, ib[c], istart[c], icount[c], bstart, bend,
-            pbar, T, TK, t1 - t0, t0, q_offset, N, scale * LOG2E.value, scale,
-            HQ=Hq, HKV=G, SLOTS=K, H=H, HP=HP, QT=QT, BS=block_size, D=D, DOCS=DOCS, TEACHER=teacher is not None,
-            QTC=qtc, FP8=fp8, WIDE=wide, num_warps=tuning.bwd_warps, num_stages=tuning.bwd_stages)
+        args = (q, k, v, do, lse, delta, dqp, dkp, dvp, index.entry, ib[c], istart[c], icount[c], bstart, bend,
+                pbar, T, TK, t1 - t0, t0, q_offset, N, scale * LOG2E.value, scale)
+        shape = dict(HQ=Hq, HKV=G, SLOTS=K, H=H, HP=HP, QT=QT, BS=block_size, D=D, DOCS=DOCS,
+                     TEACHER=teacher is not None, QTC=qtc)
+        if gluon is not None:
+            COMPILED["bwd"] = gluon.gluon_bwd_kernel[(ib.shape[1],)](
+                *args, **shape, STAGES=tuning.bwd_gluon_stages, LW=gluon.LOADER_WARPS, LOADER_REGS=gluon.LOADER_REGS,
+                num_warps=8)
+        else:
+            COMPILED["bwd"] = sparse_bwd_kernel[(ib.shape[1],)](
+                *args, **shape, FP8=fp8, WIDE=wide, num_warps=tuning.bwd_warps, num_stages=tuning.bwd_stages)
         sparse_bwd_reduce_kernel[(runs.shape[1], block_size // rb)](
             dkp, dvp, dk, dv, first[c], runs[c], bstart, bend, TK, N,
             HKV=G, BS=block_size, RB=rb, D=D, DOCS=DOCS, num_warps=4)

@@ -25,6 +25,11 @@ class Tuning:
     bwd_warps: int = 8
     bwd_stages: int = 1
     bwd_tiles: int = 128
+    # the gather backward as a loader/MMA Gluon kernel (gluon_backward.py) where its geometry
+    # allows (bf16, head dim 128, 128-key blocks, 64-row tiles, sm_90), with `bwd_gluon_stages`
+    # tiles in its shared-memory ring; off by default until a training run has measured it
+    bwd_gluon: bool = False
+    bwd_gluon_stages: int = 3
     # the gather kernels' row offsets in int32 where every one fits (`shared.narrow_offsets`)
     narrow_offsets: bool = True
     dense_dkdv: tuple = (128, 64, 8, 2)
