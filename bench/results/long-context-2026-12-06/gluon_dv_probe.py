@@ -14,6 +14,8 @@ Compiled here for sm_90a, the Gluon kernel takes 147.6 KB of shared memory and 2
 with 728 bytes spilled. The PTX arrives once per stage from one consumer thread and from every
 loader thread (`cp.async.mbarrier.arrive.noinc`), matching the barriers' counts.
 """
+import sys
+
 import torch
 import triton
 import triton.language as tl
@@ -132,6 +134,10 @@ def main():
     variants = [("triton", dict(num_warps=8, num_stages=1)), ("triton", dict(num_warps=4, num_stages=1)),
                 ("triton", dict(num_warps=8, num_stages=2)), ("gluon", dict(STAGES=3, num_warps=4)),
                 ("gluon", dict(STAGES=2, num_warps=4))]
+    if len(sys.argv) > 1:  # e.g. gluon:3:4 triton:8:1 (kind:stages-or-warps:...) one process a variant
+        kind, a, b = sys.argv[1].split(":")
+        variants = [(kind, dict(STAGES=int(a), num_warps=int(b)) if kind == "gluon"
+                     else dict(num_warps=int(a), num_stages=int(b)))]
     for kind, kw in variants:
         try:
             out = run(kind, **kw)
