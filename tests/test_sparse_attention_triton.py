@@ -662,8 +662,9 @@ def test_gluon_backward(Hq, G, K, stages):
 @pytest.mark.skipif(not HOPPER, reason="the Gluon backward needs an sm_90 GPU")
 @pytest.mark.parametrize("docs,q0,teacher", [(False, 0, True), (True, 0, True), (True, 300, False)])
 def test_gluon_backward_equals_the_triton_kernel(docs, q0, teacher):
-    """The same products in the same order: dq, dk, dv and the KL teacher's rows of the Triton
-    kernel, with packed documents (block tables) and a query slice (q_offset)."""
+    """dq, dk, dv and the KL teacher's rows of the Triton kernel (equal bits at 8K and 32K in the
+    benchmark; here within 1e-3), with packed documents (block tables) and a query slice
+    (q_offset)."""
     from msa_model.ops.sparse_attention.gather import sparse_backward, sparse_forward
 
     gen = torch.Generator().manual_seed(3)

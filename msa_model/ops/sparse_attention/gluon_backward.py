@@ -2,8 +2,8 @@
 Hopper, taken where `Tuning.bwd_gluon` asks for it and the geometry is the one it is written for
 (`usable`): bf16, D = 128, 128-key blocks, 64 rows a tile (QT queries x HP = 16 head rows), no
 fp8 probabilities, an sm_90 GPU. Same work items, inputs and outputs as `sparse_bwd_kernel`: dK/dV
-partials per work item, dQ partials per entry, the KL teacher's rows; its products are the
-same wgmma products in the same order, so its results equal the Triton kernel's.
+partials per work item, dQ partials per entry, the KL teacher's rows (equal to the Triton
+kernel's bit for bit where measured, at 8K and 32K on an H100).
 
 A program (one work item: a key/value block and a run of its entries) has two partitions:
 - a loader (4 warps): for tile i it waits until stage i % STAGES of a shared-memory ring is free,
