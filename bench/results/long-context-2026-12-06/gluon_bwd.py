@@ -15,7 +15,8 @@ kernel compare in one call.
 `session9/call2.log` is the kernel's run before it moved into the package (its variants are
 stages:loader warps:loader registers; 4 loader warps and 48 registers were kept); the first
 version, whose MMA warps loaded each tile's entry ids, lse and delta themselves (`call1.log`),
-is `session9/gluon_bwd_v1.patch` (applied to the packaged kernel).
+is `session9/gluon_bwd_v1.patch`, applied to the packaged kernel of commit c24cd9d as
+`session9/call1.sh` does.
 """
 import argparse
 import dataclasses

@@ -415,7 +415,7 @@ def _gluon_backward(tuning: Tuning, q, block_size: int, rows: int, fp8: bool):
         return None
     from . import gluon_backward
 
-    return gluon_backward if gluon_backward.usable(tuning, q, block_size, rows, fp8) else None
+    return gluon_backward if gluon_backward.usable(q, block_size, rows, fp8) else None
 
 
 def sparse_backward(do, q, k, v, o, lse, idx, block_size, scale, q_offset=0, index=None,

@@ -30,17 +30,16 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 
 from ..triton_utils import LOG2E, interpreting
-from .tuning import Tuning
 
 # loader warps and their registers (the MMA warps take the rest: 240 each)
 LOADER_WARPS = 4
 LOADER_REGS = 48
 
 
-def usable(tuning: Tuning, q: torch.Tensor, block_size: int, rows: int, fp8: bool) -> bool:
-    """Whether `sparse_backward` takes the Gluon kernel: asked for, and the geometry it is written
-    for (rows: matrix rows a tile, QT x HP)."""
-    return (tuning.bwd_gluon and not fp8 and q.is_cuda and not interpreting() and q.dtype == torch.bfloat16
+def usable(q: torch.Tensor, block_size: int, rows: int, fp8: bool) -> bool:
+    """Whether the call is of the geometry the kernel is written for (rows: matrix rows a tile,
+    QT x HP), on a GPU it runs on."""
+    return (not fp8 and q.is_cuda and not interpreting() and q.dtype == torch.bfloat16
             and q.shape[-1] == 128 and block_size == 128 and rows == 64
             and torch.cuda.get_device_capability(q.device)[0] == 9)
 
@@ -49,14 +48,14 @@ def usable(tuning: Tuning, q: torch.Tensor, block_size: int, rows: int, fp8: boo
 def _tile_rows(ENTRY, start, i0, count, T, SLOTS: gl.constexpr, HKV: gl.constexpr, H: gl.constexpr,
                HP: gl.constexpr, R: gl.constexpr, layout: gl.constexpr):
     """A tile's rows (entries start+i0 .. +QT-1, HP head rows each) in a 1-D `layout`: head,
-    validity, query t and the entry's id over all queries (as in gather.py's `_tile_rows`), int32."""
+    validity and query t (as in gather.py's `_tile_rows`), int32."""
     r = gl.arange(0, R, layout=layout)
     qi = i0 + r // HP
     hh = r % HP
     ok = (qi < count) & (hh < H)
     trip = gl.load(ENTRY + start + qi, mask=ok, other=0)
     t = (trip // (SLOTS * HKV)) % T
-    return hh, ok, t, trip
+    return hh, ok, t
 
 
 @gluon.jit
@@ -79,7 +78,7 @@ def _loader(Q, DO, LSE, DELTA, ENTRY, q_ring, do_ring, trip_ring, lse_ring, delt
         s = i % STAGES
         i0 = i * QT
         mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
-        hh, ok, t, trip = _tile_rows(ENTRY, start, i0, count, T, SLOTS, HKV, H, HP, R, gl.SliceLayout(1, L))
+        hh, ok, t = _tile_rows(ENTRY, start, i0, count, T, SLOTS, HKV, H, HP, R, gl.SliceLayout(1, L))
         row = (b * T + t.to(gl.int64)) * HQ + g * H + hh
         off = row[:, None] * D + d[None, :]
         async_copy.async_copy_global_to_shared(q_ring.index(s), Q + off, mask=ok[:, None])

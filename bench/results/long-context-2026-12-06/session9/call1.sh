@@ -1,9 +1,10 @@
 # call 1 (one H100): the first Gluon gather backward against the Triton kernel at 8K and 32K, then
 # the subset probe (gluon_dv_probe.py); .dev/setup.sh installs the wheels of .whl/ (see .whl/README)
-# and sets PYTHONPATH. The first version is a script of its own, made from the packaged kernel by
-# gluon_bwd_v1.patch (the tree of commit 'gather backward in Gluon', where it applies):
+# and sets PYTHONPATH. The first version is a script of its own, made by gluon_bwd_v1.patch from
+# the packaged kernel as commit c24cd9d has it:
 S=bench/results/long-context-2026-12-06/session9
-patch -s -o $S/gluon_bwd_v1.py msa_model/ops/sparse_attention/gluon_backward.py $S/gluon_bwd_v1.patch
+git show c24cd9d:msa_model/ops/sparse_attention/gluon_backward.py > $S/gluon_backward_c24cd9d.py
+patch -s -o $S/gluon_bwd_v1.py $S/gluon_backward_c24cd9d.py $S/gluon_bwd_v1.patch
 source .dev/setup.sh
 exec > $OUT/call1.log 2>&1
 nvidia-smi --query-gpu=name --format=csv,noheader
