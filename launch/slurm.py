@@ -14,7 +14,8 @@ also what a requeued job does.
 
 Two ways to start the ranks (launch.mode, `--mode`):
 - torchrun (default): one srun task per node runs torchrun, which starts one rank per GPU and
-  meets the other nodes through a c10d rendezvous at the first node of the allocation;
+  meets the other nodes through a c10d rendezvous at the first node of the allocation, whose store
+  the submit script runs in a process of its own (launch/rdzv_store.py);
 - srun: one srun task per rank; the trainer reads its rank from SLURM_PROCID / SLURM_NTASKS.
 """
 
@@ -124,7 +125,7 @@ def _launch_command(launch) -> str:
         '    --nnodes="$SLURM_JOB_NUM_NODES" '
         f"--nproc-per-node={launch.ranks_per_node} \\\n"
         '    --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" '
-        '--rdzv-id="$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}" \\\n'
+        '--rdzv-id="$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}" --rdzv-conf=is_host=false \\\n'
         '    "$TRAIN_PY" "${TRAIN_ARGS[@]}"'
     )
 
@@ -168,6 +169,8 @@ def render(launch, overrides: list[str], run_dir: Path, env: dict[str, str] | No
         "train_py": shlex.quote(str(REPO_ROOT / "train.py")),
         "train_args": " ".join(shlex.quote(o) for o in overrides),
         "launch_command": _launch_command(launch),
+        # torchrun's rendezvous store, started by the script itself (launch/rdzv_store.py says why)
+        "rdzv_store": shlex.quote(str(REPO_ROOT / "launch" / "rdzv_store.py")) if torchrun else "''",
     }
     text = TEMPLATE.read_text()
     missing = set(re.findall(r"{{(\w+)}}", text)) - values.keys()

@@ -62,7 +62,8 @@ def test_dry_run_prints_the_script_and_writes_nothing(tmp_path):
     for line in ("#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8",
                  "#SBATCH --partition=gpu", "#SBATCH --account=proj", "#SBATCH --time=04:00:00",
                  "#SBATCH --signal=USR1@600", "#SBATCH --requeue", "export NCCL_SOCKET_IFNAME=ib0",
-                 "--nproc-per-node=8", "--rdzv-backend=c10d", "export TORCH_NCCL_ASYNC_ERROR_HANDLING"):
+                 "--nproc-per-node=8", "--rdzv-backend=c10d", "--rdzv-conf=is_host=false", "launch/rdzv_store.py",
+                 "export TORCH_NCCL_ASYNC_ERROR_HANDLING"):
         assert line in script, line
     # the job's config records what it asked SLURM for
     assert f"run_dir={run_dir}" in script and "launch.nodes=4 launch.gpus_per_node=8" in script
@@ -146,6 +147,58 @@ def test_launch_sh_of_a_slurm_run_resubmits_its_script(tmp_path, monkeypatch):
     assert cmd.startswith(f"{sys.executable} -m torch.distributed.run --nnodes=2 --nproc-per-node=8 "
                           "--rdzv-backend=c10d --rdzv-endpoint=gpu01:29400 train.py model=small")
     assert cmd.endswith(f"run_dir={tmp_path}")
+
+
+
+def test_rendezvous_store_outlives_stop_signals_and_ends_with_the_script(tmp_path):
+    """launch/rdzv_store.py, as the submit script runs it: it serves torchrun's agents after the
+    trainers' stop signals (TERM, USR1), ends on the script's SIGHUP, and ends by itself when the
+    script is gone (SIGKILL, as at SLURM's KillWait)."""
+    import signal
+    import socket
+    import time
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+
+    def start(parent_script: str, port: int, ready: Path) -> subprocess.Popen:
+        proc = subprocess.Popen(["bash", "-c", parent_script, "bash", sys.executable,
+                                 str(REPO / "launch" / "rdzv_store.py"), str(port), str(ready)],
+                                stdout=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "the store did not start"
+            time.sleep(0.1)
+        return proc
+
+    # the script starts the store and prints its pid; the test plays SLURM's signals
+    port, ready = free_port(), tmp_path / "ready"
+    script = start('"$1" "$2" "$3" "$4" & echo $!; wait $!', port, ready)
+    store_pid = int(script.stdout.readline())
+    client = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+    client.set("k", "v")
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+        os.kill(store_pid, sig)
+    time.sleep(0.5)
+    assert client.get("k") == b"v"
+    os.kill(store_pid, signal.SIGHUP)
+    assert script.wait(timeout=30) == 128 + signal.SIGHUP  # `wait` returns the store's status
+
+    # the script killed: the store follows within a few seconds
+    port, ready = free_port(), tmp_path / "ready2"
+    script = start('"$1" "$2" "$3" "$4" & echo $!; sleep 600', port, ready)
+    store_pid = int(script.stdout.readline())
+    script.kill()
+    script.wait(timeout=10)
+    deadline = time.monotonic() + 15
+    while Path(f"/proc/{store_pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not Path(f"/proc/{store_pid}").exists() or "Z" in Path(f"/proc/{store_pid}/stat").read_text().split()[2]
 
 
 def test_submitit_jobs_take_a_port_below_the_ephemeral_range(monkeypatch):
