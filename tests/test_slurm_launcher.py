@@ -149,7 +149,6 @@ def test_launch_sh_of_a_slurm_run_resubmits_its_script(tmp_path, monkeypatch):
     assert cmd.endswith(f"run_dir={tmp_path}")
 
 
-
 def test_rendezvous_store_outlives_stop_signals_and_ends_with_the_script(tmp_path):
     """launch/rdzv_store.py, as the submit script runs it: it serves torchrun's agents after the
     trainers' stop signals (TERM, USR1), ends on the script's SIGHUP, and ends by itself when the
