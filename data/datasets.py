@@ -36,7 +36,7 @@ from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 from msa_model.platform.compat import fresh_loss_masks
 
 from .cache_check import DataCacheError, problem, record
-from .corpus import list_corpus_files
+from .corpus import JSONL_SUFFIXES, file_documents, list_corpus_files
 from . import retrieval
 from .retrieval import DEFAULT_TASKS, Haystack, training_documents
 from .shared_build import BuildLock, build_megatron_datasets, discard, wait_for_rank_0
@@ -84,6 +84,8 @@ def prepare_tokens(data_cfg, tokenizer=None, build: bool = True, seq_length: int
         raise DataCacheError(f"data.add_bos: the tokenizer {tokenizer.identity['name']} has no beginning-of-sequence token")
     name = tokenizer.name if tokenizer.name == "byte-v1" else tokenizer.identity["sha256"]
     extra += f"bos={bos}" if bos is not None else ""
+    # .jsonl files are read as their records' documents (once as one document of JSON text)
+    extra += ",jsonl=records" if any(is_jsonl(p) for p in files) else ""
     out_dir = Path(data_cfg.cache_dir) / f"{tag}-{_cache_key(name, root, files, extra)}"
     prefix = str(out_dir / "tokens")
     required = ("tokens.bin", "tokens.idx", *(RETRIEVAL_FILES if share > 0 else ()))
@@ -142,28 +144,45 @@ def _tokenize(out_dir: Path, tokenizer, root: Path, files: list[Path], data_cfg,
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
     tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared by every user of the checkout
     builder = IndexedDatasetBuilder(str(tmp / "tokens.bin"), dtype=np.int32)
-    n_tokens = 0
+    n_tokens = n_docs = 0
     head = [] if bos is None else [bos]
-    # files in batches: a Hugging Face tokenizer encodes a batch on every core
-    for first in range(0, len(files), 256):
-        for doc in tokenizer.tokenize_batch([p.read_bytes() for p in files[first:first + 256]]):
-            ids = np.concatenate([head, doc, [tokenizer.eod]]).astype(np.int32)
-            builder.add_document(ids, [ids.size])
-            n_tokens += ids.size
-    builder.finalize(str(tmp / "tokens.idx"))
-    n_synthetic = 0
-    if share > 0:
-        target = max(int(n_tokens * share / (1.0 - share)), MIN_RETRIEVAL_WINDOWS * seq_length)
-        n_synthetic = _write_retrieval(tmp, tokenizer, files, data_cfg, seq_length, head, target)
+    try:
+        # files in batches: a Hugging Face tokenizer encodes a batch on every core
+        for first in range(0, len(files), 256):
+            for doc in tokenizer.tokenize_batch([d for p in files[first:first + 256] for d in _documents(p)]):
+                ids = np.concatenate([head, doc, [tokenizer.eod]]).astype(np.int32)
+                builder.add_document(ids, [ids.size])
+                n_tokens, n_docs = n_tokens + ids.size, n_docs + 1
+        builder.finalize(str(tmp / "tokens.idx"))
+        n_synthetic = 0
+        if share > 0:
+            target = max(int(n_tokens * share / (1.0 - share)), MIN_RETRIEVAL_WINDOWS * seq_length)
+            n_synthetic = _write_retrieval(tmp, tokenizer, files, data_cfg, seq_length, head, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     record(tmp, ["tokens.bin", "tokens.idx", *(RETRIEVAL_FILES if share > 0 else ())])
     try:
         os.rename(tmp, out_dir)
     except OSError:
         # another process finished the same build first; its result is identical
         shutil.rmtree(tmp, ignore_errors=True)
-    log.info("tokenized %d files (%.1f MB) from %s into %s: %d tokens%s", len(files),
-             sum(p.stat().st_size for p in files) / 1e6, root, out_dir, n_tokens + n_synthetic,
+    log.info("tokenized %d files (%.1f MB%s) from %s into %s: %d tokens%s", len(files),
+             sum(p.stat().st_size for p in files) / 1e6, f", {n_docs:,} documents" if n_docs != len(files) else "",
+             root, out_dir, n_tokens + n_synthetic,
              f" ({n_synthetic} in windows of synthetic retrieval documents)" if n_synthetic else "")
+
+
+def is_jsonl(path: Path) -> bool:
+    return path.name.lower().endswith(JSONL_SUFFIXES)
+
+
+def _documents(path: Path) -> list[bytes]:
+    """A corpus file's documents (data.corpus.file_documents: the file, or a .jsonl file's records)."""
+    try:
+        return file_documents(path)
+    except ValueError as e:
+        raise DataCacheError(f"data.source: {e}") from e
 
 
 def _write_retrieval(out: Path, tokenizer, files: list[Path], data_cfg, seq_length: int, head: list[int],
@@ -179,7 +198,8 @@ def _write_retrieval(out: Path, tokenizer, files: list[Path], data_cfg, seq_leng
     GPTDataset takes no loss where the label is the pad id and feeds the model id 0 in its place:
     filled with end-of-document tokens instead, the entries taught the model to repeat them (unless
     data.eod_mask_loss), a trivial target in the lm loss of every retrieval mixture."""
-    haystack = Haystack(files, pool_bytes=64 * seq_length + 4_000_000, seed=data_cfg.seed)
+    haystack = Haystack(files, pool_bytes=64 * seq_length + 4_000_000, seed=data_cfg.seed,
+                        read=lambda path: b"\n".join(_documents(path)))
     # lengths and the share in the model's tokens (bytes are the byte tokenizer's tokens)
     count = None if tokenizer.name == "byte-v1" else (lambda doc: len(tokenizer.tokenize(doc)))
     # megatron's own pad sentinel (-1, data/tokenizer.py PAD): int32 holds it, and no text is it
@@ -314,7 +334,8 @@ def _check_split_documents(prefixes: list[str], split_matrix, split, seq_length:
             lo, hi = int(round(span[0] * n)), int(round(span[1] * n))
             if hi <= lo:
                 raise DataCacheError(f"data.split {list(split)} leaves no {name} document of {prefix} ({n:,} documents); "
-                                     f"give {name} a larger share, or its own datasets (data.valid_blend)")
+                                     f"give {name} a larger share"
+                                     + (", or its own datasets (data.valid_blend)" if name == "validation" else ""))
             tokens = sequences_tokens(prefix, lo, hi)
             if tokens <= seq_length:
                 raise DataCacheError(f"data.split {list(split)}: the {name} documents of {prefix} ({hi - lo:,} of "
@@ -363,22 +384,54 @@ def document_starts(tokens_BS: torch.Tensor, eod: int) -> torch.Tensor:
     return starts.to(torch.int32)
 
 
+def sample_source(dataset, index: int, position: int) -> str:
+    """Where token `position` of sample `index` of `dataset` (a GPTDataset, or a BlendedDataset of
+    them) comes from: the document of its indexed dataset and the token within it."""
+    if hasattr(dataset, "dataset_index"):
+        dataset, index = dataset.datasets[dataset.dataset_index[index]], int(dataset.dataset_sample_index[index])
+    # megatron's sample index: (position in the shuffled document order, token offset) of each
+    # sample's first token; a sample runs on through the following documents
+    order, offset = (int(x) for x in dataset.sample_index[dataset.shuffle_index[index]])
+    lengths = dataset.dataset.sequence_lengths
+    at = offset + position
+    while at >= lengths[dataset.document_index[order]]:
+        at -= int(lengths[dataset.document_index[order]])
+        order += 1
+    return f"token {at:,} of document {int(dataset.document_index[order]):,} of {dataset.dataset_path}"
+
+
+def check_token_ids(batch: dict, indices: list[int], dataset, vocab_size: int) -> None:
+    """Every token of the micro-batch of samples `indices` is an id of the tokenizer: an id past
+    the embedding's rows would stop the run with an index error deep in the model, naming
+    nothing; an id within its padding would train a row no text has. A file damaged in place
+    (the cheap check of the cache samples its bytes) or prepared with another tokenizer."""
+    tokens = torch.cat([batch["tokens"], batch["labels"][:, -1:]], dim=1)
+    bad = (tokens < 0) | (tokens >= vocab_size)
+    if not bool(bad.any()):
+        return
+    row, position = (int(x) for x in bad.nonzero()[0])
+    raise DataCacheError(
+        f"data: token id {int(tokens[row, position]):,} at {sample_source(dataset, indices[row], position)} "
+        f"(sample {indices[row]:,} of the run) is not an id of the tokenizer ({vocab_size:,} ids): the file "
+        "is damaged or was prepared with another tokenizer; prepare it again (a corpus cache: delete its "
+        "directory and it is rebuilt), and data.verify_cache=true hashes every byte before use")
+
+
 def build_train_iterator(dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int,
                          document_mask: bool = False):
     """An iterator of micro-batch dicts (tokens, labels, loss_mask, position_ids, and with
-    `document_mask` doc_start from `document_starts`), [b, s] each."""
+    `document_mask` doc_start from `document_starts`), [b, s] each; every token checked to be an
+    id of the tokenizer (check_token_ids)."""
     sampler = MicroBatchSampler(len(dataset), consumed_samples, micro_batch_size, dp_rank, dp_size)
-    collate = None
-    if document_mask:
-        eod = dataset.config.tokenizer.eod
-
-        def collate(items):
-            batch = torch.utils.data.default_collate(items)
-            batch["doc_start"] = document_starts(batch["tokens"], eod)
-            return batch
-
-    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=0, collate_fn=collate)
-    return iter(loader)
+    # megatron's datasets carry their tokenizer (a plain torch Dataset, as in tests, is taken as it is)
+    tokenizer = getattr(getattr(dataset, "config", None), "tokenizer", None)
+    for indices in sampler:
+        batch = torch.utils.data.default_collate([dataset[i] for i in indices])
+        if tokenizer is not None:
+            check_token_ids(batch, indices, dataset, tokenizer.vocab_size)
+        if document_mask:
+            batch["doc_start"] = document_starts(batch["tokens"], tokenizer.eod)
+        yield batch
 
 
 class TrainData:

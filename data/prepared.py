@@ -284,7 +284,8 @@ def split_problems(data_cfg, evaluating: bool, seq_length: int | None = None) ->
             lo, hi = int(round(a * n)), int(round(b * n))
             if hi <= lo:
                 problems.append(f"data.split {list(data_cfg.split)} leaves no {name} document of {prefix} ({n:,} "
-                                f"documents): give {name} a larger share, or its own datasets (data.valid_blend)")
+                                f"documents): give {name} a larger share"
+                                + (", or its own datasets (data.valid_blend)" if name == "validation" else ""))
             elif seq_length is not None and (tokens := sequences_tokens(prefix, lo, hi)) <= seq_length:
                 problems.append(f"data.split {list(data_cfg.split)}: the {name} documents of {prefix} ({hi - lo:,} of "
                                 f"{n:,}) hold {tokens:,} tokens, fewer than one sample (model.seq_length + 1 = "

@@ -18,11 +18,11 @@ from omegaconf import OmegaConf
 from data.cache_check import MANIFEST, DataCacheError, read_manifest
 from data.datasets import build_datasets, prepare_tokens
 from data.tokenizer import build_tokenizer
+from msa_model.config import DataConfig
 
 
 def build_train_dataset(cfg, seq_length: int, samples: int):
     return build_datasets(cfg, build_tokenizer("byte"), seq_length, samples)[0]
-from msa_model.config import DataConfig
 
 
 @pytest.fixture
@@ -203,3 +203,51 @@ def test_a_dataset_of_split_sentences_is_counted_by_sequences(tmp_path):
         build_datasets(cfg, byte, 64, train_samples=4, valid_samples=2)
     train, valid = build_datasets(cfg, byte, 32, train_samples=4, valid_samples=2)
     assert len(train) >= 4 and len(valid) >= 2
+
+
+def test_the_records_of_jsonl_files_in_the_corpus_are_its_documents(tmp_path):
+    """data.source with .jsonl files beside text files: each record's "text" is a document, as
+    `python -m data.prepare` and the evaluation read them (not the file's JSON as one document);
+    a .jsonl file without one is refused naming it, and its build leaves nothing in the cache."""
+    import json
+
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    root = tmp_path / "corpus"
+    root.mkdir()
+    records = ["first record", "second, with \"quotes\"", "third"]
+    (root / "a.jsonl").write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(records)))
+    (root / "b.txt").write_text("plain text file")
+    cfg = OmegaConf.structured(DataConfig(source=str(root), glob="*", cache_dir=str(tmp_path / "cache")))
+    dataset = IndexedDataset(prepare_tokens(cfg), mmap=True)
+    eod = build_tokenizer("byte").eod
+    docs = [bytes(dataset[i][:-1].tolist()).decode() for i in range(len(dataset))]
+    assert docs == [*records, "plain text file"] and all(dataset[i][-1] == eod for i in range(len(dataset)))
+
+    (root / "c.jsonl").write_text(json.dumps({"content": "no text field"}) + "\n")
+    with pytest.raises(DataCacheError, match=r"data.source: .*c.jsonl: no documents"):
+        prepare_tokens(cfg)
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir() if p.name.startswith(".corpus-")) == []
+
+
+def test_a_split_that_leaves_a_corpus_share_without_files_is_refused_before_tokenizing(tmp_path):
+    """31 files at data.split [99, 1, 0]: validation gets none (megatron cuts the documents by the
+    shares, rounded); said from the file count, before anything is tokenized or written."""
+    from msa_model.training.data_setup import corpus_split_problems
+
+    root = tmp_path / "corpus"
+    root.mkdir()
+    for i in range(31):
+        (root / f"f{i:02}.txt").write_text(f"file {i}\n" * 50)
+    cfg = OmegaConf.structured(DataConfig(source=str(root), glob="*.txt", cache_dir=str(tmp_path / "cache")))
+    (line,) = corpus_split_problems(cfg, evaluating=True)
+    assert line == (f"data.split [99.0, 1.0, 0.0] leaves no validation document of data.source={root} (31 files "
+                    "matching data.glob='*.txt', one document each): give it more files, a larger validation "
+                    "share, or data.valid_blend")
+    assert corpus_split_problems(cfg, evaluating=False) == []
+    cfg.split = [90.0, 10.0, 0.0]
+    assert corpus_split_problems(cfg, evaluating=True) == []
+    # the split the build would have refused after tokenizing
+    cfg.split = [99.0, 1.0, 0.0]
+    with pytest.raises(DataCacheError, match="leaves no validation document"):
+        build_datasets(cfg, build_tokenizer("byte"), 16, train_samples=4, valid_samples=2)

@@ -33,6 +33,7 @@ class _Tokens(torch.utils.data.Dataset):
     class config:  # noqa: N801  the attribute path GPTDataset has
         class tokenizer:  # noqa: N801
             eod = EOD
+            vocab_size = EOD + 1
 
     def __init__(self, rows):
         self.rows = rows

@@ -139,9 +139,11 @@ def test_file_system_checks(tmp_path):
     (corpus / "site-packages" / "a.py").write_text("x = 1\n")  # not part of a corpus
     (corpus / "notes.txt").write_text("text\n")
     assert check_inputs(_compose(f"data.source={corpus}"), []) == [
-        f"data.glob='**/*.py': no file under data.source={corpus} matches it (e.g. data.glob='**/*.txt')"]
+        f"data.glob='**/*.py': no file under data.source={corpus} matches it (e.g. data.glob='**/*.txt', "
+        "or '**/*.jsonl' for the records of .jsonl files)"]
     assert check_inputs(_compose(f"data.source={corpus}", "data.glob=*.txt"), []) == []
-    assert "a file, not a directory" in check_inputs(_compose(f"data.source={corpus / 'notes.txt'}"), [])[0]
+    (line,) = check_inputs(_compose(f"data.source={corpus / 'notes.txt'}"), [])
+    assert "a file, not a directory" in line and f"data.source={corpus} data.glob='notes.txt' reads this one" in line
 
     run = tmp_path / "run"
     (run / "checkpoints" / "step_00000002").mkdir(parents=True)

@@ -95,3 +95,51 @@ def test_the_validation_stream_holds_what_a_relaunch_with_more_steps_reads():
     # a resume of the same schedule builds the uninterrupted run's dataset (same samples, same order)
     assert validation_samples(evaluating(400), 8, step=200, consumed=2 * per) == validation_samples(evaluating(400), 8)
     assert validation_samples(evaluating(120, eval_interval=0), 8, step=80, consumed=per) == 0
+
+
+def test_a_token_outside_the_vocabulary_is_named_before_the_model_sees_it(tmp_path):
+    """A prepared dataset with one token overwritten in place past the tokenizer's ids (the check
+    before the run samples the file's bytes and may miss it): the micro-batch that holds it is
+    refused, naming the id, its document and its token, instead of an index error in the
+    embedding; every micro-batch before it is read as it is."""
+    import numpy as np
+    import pytest
+    from omegaconf import OmegaConf
+
+    from data.cache_check import DataCacheError
+    from data.datasets import build_datasets, build_train_iterator
+    from data.prepared import check_prefix
+    from data.tokenizer import build_tokenizer
+    from msa_model.config import DataConfig
+    from tokenizer_fixtures import write_prepared
+
+    tokenizer = build_tokenizer("byte")
+    rng = np.random.default_rng(0)
+    texts = ["".join(chr(c) for c in rng.integers(97, 123, size=int(rng.integers(20, 90)))) for _ in range(12)]
+    # the cheap check hashes a file of 64 blocks of 4 KiB or fewer whole, and samples the first and
+    # last block: long documents around the short ones, one of which is damaged between the
+    # blocks it samples (as a disk or a copy may)
+    texts = ["x" * 300_000, *texts, "y" * 300_000]
+    prefix = write_prepared(tmp_path / "web", texts, tokenizer)
+    bad_doc, bad_token = 7, 11
+    tokens = np.fromfile(f"{prefix}.bin", dtype=np.int32)
+    at = sum(len(t) + 1 for t in texts[:bad_doc]) + bad_token
+    tokens[at] = 60000
+    tokens.tofile(f"{prefix}.bin")
+    assert check_prefix(prefix) is None
+
+    cfg = OmegaConf.structured(DataConfig)
+    cfg.blend, cfg.cache_dir, cfg.split = [[1.0, str(prefix)]], str(tmp_path / "cache"), [100.0, 0.0, 0.0]
+    # one pass over the tokens, in megatron's shuffled order
+    train, _ = build_datasets(cfg, tokenizer, 512, train_samples=tokens.size // 513)
+    read = 0
+    with pytest.raises(DataCacheError) as refused:
+        for batch in build_train_iterator(train, 0, 2, 0, 1):
+            assert int(batch["tokens"].max()) < tokenizer.vocab_size
+            read += 1
+    message = str(refused.value)
+    assert (f"token id 60,000 at token {bad_token} of document {bad_doc} of {prefix} " in message
+            and "not an id of the tokenizer (257 ids)" in message), message
+    # the refused micro-batch is the first that holds the id
+    sample = int(message.split("(sample ")[1].split(" ")[0])
+    assert sample // 2 == read

@@ -145,11 +145,40 @@ def tokenizer_problems(cfg, resume_dir: Path | None, init_dir: Path | None):
         if cfg.data.tokenizer_mismatch == "allow" and gone is None:
             # refused, a dataset of another tokenizer is named above already
             problems += vocabulary_problems(cfg.data, vocab if vocab is not None else tokenizer.vocab_size)
-    if cfg.data.blend and not problems:
+    if not problems:
         # evaluations of the retrieval probe alone (trainer.probe_tasks) read no validation split
         evaluating = cfg.trainer.eval_interval > 0 and has_validation_data(cfg.data)
-        problems += split_problems(cfg.data, evaluating=evaluating, seq_length=cfg.model.seq_length)
+        problems += (split_problems(cfg.data, evaluating=evaluating, seq_length=cfg.model.seq_length)
+                     if cfg.data.blend else corpus_split_problems(cfg.data, evaluating))
     return tokenizer, source, problems
+
+
+def corpus_split_problems(data_cfg, evaluating: bool) -> list[str]:
+    """A share of data.split that holds no document of the file-directory corpus (data.source),
+    before it is tokenized: a file is one document (a .jsonl file's records are counted once it is
+    read: its tokenization checks them, data.datasets). Training always, validation when the run
+    evaluates on the split."""
+    from data.corpus import list_corpus_files
+    from data.datasets import is_jsonl
+    from data.prepared import split_shares
+
+    shares = split_shares(data_cfg.split)
+    try:
+        _, files = list_corpus_files(data_cfg.source, data_cfg.glob, data_cfg.max_bytes)
+    except FileNotFoundError:
+        return []  # the inputs' check names it
+    if shares is None or any(is_jsonl(f) for f in files):
+        return []
+    n, bounds = len(files), [0.0, shares[0], shares[0] + shares[1]]
+    spans = [("training", 0)] + ([("validation", 1)] if evaluating and not data_cfg.valid_blend else [])
+    problems = []
+    for name, i in spans:
+        if int(round(bounds[i + 1] * n)) <= int(round(bounds[i] * n)):
+            remedy = "a larger validation share, or data.valid_blend" if i else "a larger training share"
+            problems.append(f"data.split {list(data_cfg.split)} leaves no {name} document of data.source="
+                            f"{data_cfg.source} ({n:,} files matching data.glob={data_cfg.glob!r}, one document "
+                            f"each): give it more files, {remedy}")
+    return problems
 
 
 def document_mask_line(cfg) -> str:

@@ -153,15 +153,16 @@ def _corpus_problems(data, probing: bool = False) -> list[str]:
     if not root.exists():
         return [f"{what}: no such directory (a directory whose files matching data.glob form the corpus, or stdlib)"]
     if not root.is_dir():
-        return [f"{what}: a file, not a directory (data.source names the directory, data.glob={data.glob!r} "
-                "picks its files)"]
+        return [f"{what}: a file, not a directory (data.source names the directory, data.glob picks its files: "
+                f"data.source={root.parent} data.glob={root.name!r} reads this one; or prepare it, `python -m "
+                "data.prepare`, and train on data.blend)"]
     from data.corpus import _EXCLUDED_DIRS
 
     for path in root.glob(data.glob):
         if path.is_file() and not _EXCLUDED_DIRS.intersection(path.relative_to(root).parts):
             return []
     return [f"data.glob={data.glob!r}: no file under data.source={data.source} matches it "
-            "(e.g. data.glob='**/*.txt')"]
+            "(e.g. data.glob='**/*.txt', or '**/*.jsonl' for the records of .jsonl files)"]
 
 
 def _directory_problem(key: str, path: str | Path) -> str | None:
