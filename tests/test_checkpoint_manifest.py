@@ -129,5 +129,11 @@ def test_init_from_a_damaged_checkpoint_is_refused_naming_the_file(saved_run, tm
     assert proc.returncode == 2, (proc.stdout + proc.stderr)[-3000:]
     assert f"error: init_from {src / 'step_00000004'} is damaged: __0_0.distcp" in proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
-    # refused before the new run's records: nothing in its directory (made for the lock) is left
-    assert not (tmp_path / "new").exists() or not list((tmp_path / "new").iterdir())
+    # refused before the new run's records: the directory it made for the lock is gone again
+    assert not (tmp_path / "new").exists()
+    # one the user made stays, empty
+    (tmp_path / "made").mkdir()
+    proc = run_train(tmp_path / "made", "trainer.max_steps=2", "trainer.indexer_warmup_tokens=1024",
+                     f"init_from={src}", data_cache=data_cache, check=False)
+    assert proc.returncode == 2 and f"error: init_from {src / 'step_00000004'} is damaged" in proc.stderr
+    assert (tmp_path / "made").is_dir() and not list((tmp_path / "made").iterdir())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -308,6 +309,9 @@ def run(cfg: DictConfig, notes: list[str] | tuple[str, ...] = ()) -> None:
     # first, so that a stop during start-up (which can take minutes at scale) is not lost
     stop_signal = StopSignal(list(cfg.trainer.stop_signals)) if cfg.trainer.stop_signals else None
     run_dir = Path(cfg.run_dir)
+    # a run directory this launch made is removed again where it stops before writing into it
+    # (a damaged init_from): a refused run leaves nothing behind
+    made_run_dir = rank == 0 and not run_dir.exists()
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
     # the console only: train.log is the run's, written once the run dir's lock is ours
@@ -493,6 +497,10 @@ def run(cfg: DictConfig, notes: list[str] | tuple[str, ...] = ()) -> None:
         finally:
             if lock is not None:
                 lock.release()
+            if failed and made_run_dir:
+                # (rmdir: only while empty)
+                with contextlib.suppress(OSError):
+                    run_dir.rmdir()
     # last: every rank must be done with the checkpoint before the job is requeued
     if requeue and not requeue_slurm_job():
         # neither finished nor back in the queue: an exit status of 0 would read as a completed job
