@@ -76,6 +76,35 @@ def test_the_warmup_switch_at_the_checkpoint_is_recorded_after_a_smaller_batch()
     assert (warmup.switched_at_step, warmup.switched_at_tokens) == (3, 1200)
 
 
+def test_a_resume_back_in_a_longer_warmup_announces_and_records_the_new_switch(caplog):
+    """A run that switched to top-k at step 10 (warmup 40,960 tokens), resumed at step 20 with a
+    warmup of 163,840: dense again from step 21, and the switch after step 40 is announced and
+    recorded (not the old step 10's record kept, which silenced it)."""
+    import logging
+    from types import SimpleNamespace
+
+    from msa_model.config import MSAConfig
+    from msa_model.training.indexer_warmup import IndexerWarmup
+
+    state = _state(step=20, tokens=81920, step_tokens=4096, schedule_step_tokens=4096)
+    trainer = SimpleNamespace(state=state, model_chunks=[], global_batch_size=1, seq_length=4096)
+    warmup = IndexerWarmup(163840, MSAConfig())
+    warmup.load_state_dict({"warmup_tokens": 40960, "switched_at_step": 10, "switched_at_tokens": 40960,
+                            "index_trained": True})
+    phases = []
+    with caplog.at_level(logging.INFO, logger="msa_model.training.indexer_warmup"):
+        for _ in range(30):
+            warmup.on_step_start(trainer)
+            phases.append(warmup.phase)
+            state.step, state.tokens = state.step + 1, state.tokens + 4096
+    assert phases == ["warmup"] * 20 + ["sparse"] * 10
+    assert (warmup.switched_at_step, warmup.switched_at_tokens) == (40, 163840)
+    assert [r.getMessage().split(":")[0] for r in caplog.records if "warmup done" in r.getMessage()] == [
+        "indexer warmup done after step 40 (163,840 tokens >= 163,840)"]
+    # the branch stays trained (it was, before the longer warmup)
+    assert warmup.state_dict()["index_trained"] is True
+
+
 def test_data_positions_follow_the_tokens_across_sequence_lengths():
     from msa_model.training.resume_tokens import convert_positions
 

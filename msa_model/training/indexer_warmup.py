@@ -56,6 +56,10 @@ class IndexerWarmup(Callback):
         # the step about to run is number state.step + 1: dense at 1, N + 1, 2N + 1, ...
         self.dense_step = past and self.dense_interval > 0 and trainer.state.step % self.dense_interval == 0
         switched, self.past_warmup = past and not self.past_warmup, past
+        if not past and self.switched_at_step is not None:
+            # resumed with a longer warmup than its checkpoint's run had, and back in it: the switch
+            # recorded was the old warmup's, and the new one is announced and recorded when it comes
+            self.switched_at_step = self.switched_at_tokens = None
         self._set_layers(trainer, past and not self.dense_step)
         if not switched:
             return
