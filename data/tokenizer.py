@@ -236,6 +236,16 @@ def check_tokenizer_dir(path: str | Path) -> str | None:
     return None
 
 
+def _broken_json(directory: Path) -> tuple[Path, str] | None:
+    """The first .json file of a tokenizer directory that does not parse, and why."""
+    for file in sorted(directory.glob("*.json")):
+        try:
+            json.loads(file.read_text(errors="replace"))
+        except ValueError as e:
+            return file, str(e)
+    return None
+
+
 def _load_hf(path: Path):
     from megatron.core.tokenizers.text.libraries.huggingface_tokenizer import HuggingFaceTokenizer
 
@@ -249,9 +259,11 @@ def _load_hf(path: Path):
     try:
         # include_special_tokens=False: no template tokens (documents get EOD/BOS from the pipeline)
         return HuggingFaceTokenizer(str(path), include_special_tokens=False)
-    except (ValueError, OSError, json.JSONDecodeError) as e:
+    except Exception as e:  # noqa: BLE001  the tokenizers library raises a bare Exception on a broken file
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise TokenizerError(f"data.tokenizer: {path} could not be loaded as a Hugging Face tokenizer: {first}") from e
+        broken = _broken_json(path)
+        where = f"{broken[0].name} is not valid JSON ({broken[1]})" if broken else first
+        raise TokenizerError(f"data.tokenizer: {path} could not be loaded as a Hugging Face tokenizer: {where}") from e
     finally:
         transformers.logging.set_verbosity(verbosity)
 

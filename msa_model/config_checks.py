@@ -169,7 +169,9 @@ def _check_data(errors: list[str], d, t, logging_cfg, dry_run: bool = False) -> 
     if t.eval_interval > 0:
         _check(errors, t.eval_interval % logging_cfg.log_interval == 0,
                f"trainer.eval_interval ({t.eval_interval}) must be a multiple of logging.log_interval "
-               f"({logging_cfg.log_interval})")
+               f"({logging_cfg.log_interval}): e.g. trainer.eval_interval="
+               f"{max(1, round(t.eval_interval / logging_cfg.log_interval)) * logging_cfg.log_interval}, "
+               f"or logging.log_interval={math.gcd(t.eval_interval, logging_cfg.log_interval)}")
         _check(errors, t.eval_iters > 0, f"trainer.eval_iters must be positive, got {t.eval_iters}")
         _check(errors, bool(d.valid_blend) or shares is None or shares[1] > 0 or bool(t.probe_tasks),
                f"trainer.eval_interval={t.eval_interval} needs validation data: a data.split with a validation "
@@ -360,7 +362,7 @@ def check_config(cfg, world_size: Optional[int] = None, gpu: Optional[bool] = No
            f"optim.decay_style must be cosine, linear or constant, got {o.decay_style!r}")
     _check(errors, o.warmup_steps < (o.decay_steps or t.max_steps),
            f"optim.warmup_steps ({o.warmup_steps}) must be < optim.decay_steps or trainer.max_steps "
-           f"({o.decay_steps or t.max_steps})")
+           f"({o.decay_steps or t.max_steps}): e.g. optim.warmup_steps={max(0, (o.decay_steps or t.max_steps) // 10)}")
     _check(errors, t.max_steps > 0, f"trainer.max_steps must be positive, got {t.max_steps}")
     _check(errors, t.device in ("auto", "cpu", "cuda"), f"trainer.device must be auto, cpu or cuda, got {t.device!r}")
     missing = missing_init_from(cfg)

@@ -128,6 +128,19 @@ def test_bad_values_fail_early_naming_the_field(overrides, field):
         validate(cfg, world_size=1)
 
 
+def test_an_interval_or_a_warmup_that_does_not_fit_is_told_a_value_that_does():
+    with pytest.raises(ConfigError, match=r"trainer.eval_interval \(5\) must be a multiple of logging.log_interval "
+                                          r"\(10\): e.g. trainer.eval_interval=10, or logging.log_interval=5"):
+        validate(_compose("trainer.eval_interval=5", "logging.log_interval=10", "trainer.max_steps=100"), world_size=1)
+    validate(_compose("trainer.eval_interval=5", "logging.log_interval=5", "trainer.max_steps=100"), world_size=1)
+    with pytest.raises(ConfigError, match=r"optim.warmup_steps \(10\) must be < optim.decay_steps or "
+                                          r"trainer.max_steps \(10\): e.g. optim.warmup_steps=1"):
+        validate(_compose("optim.warmup_steps=10", "trainer.max_steps=10", "trainer.indexer_warmup_tokens=20480"),
+                 world_size=1)
+    validate(_compose("optim.warmup_steps=1", "trainer.max_steps=10", "trainer.indexer_warmup_tokens=20480"),
+             world_size=1)
+
+
 def test_a_short_run_is_told_the_indexer_warmup_that_fits():
     # tiny: 8 x 512 tokens a step; the default warmup (40 steps) outlasts a 10-step run
     with pytest.raises(ConfigError, match=r"trainer.indexer_warmup_tokens=20480 warms up for half the run"):

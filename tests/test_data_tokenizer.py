@@ -78,7 +78,8 @@ def test_bad_tokenizer_directories_are_named(tmp_path, bpe):
     (tmp_path / "byte").mkdir()
     (tmp_path / "byte" / "identity.json").write_text(json.dumps(build_tokenizer("byte").identity))
     cases = {str(tmp_path / "missing"): "does not exist", str(tmp_path / "empty"): "holds no tokenizer files",
-             str(tmp_path / "broken"): "could not be loaded",
+             str(tmp_path / "broken"): "could not be loaded as a Hugging Face tokenizer: tokenizer.json is not valid "
+                                       "JSON \\(Expecting property name",
              str(tmp_path / "byte"): "records the byte tokenizer, which has no files: use `byte`"}
     for spec, why in cases.items():
         with pytest.raises(TokenizerError, match=why) as e:
@@ -86,6 +87,15 @@ def test_bad_tokenizer_directories_are_named(tmp_path, bpe):
         assert spec in str(e.value) and "\n" not in str(e.value)
     with pytest.raises(TokenizerError, match="'<nope>' is not a token"):
         build_tokenizer(str(bpe), "<nope>")
+    # a real tokenizer's file damaged past its start (the tokenizers library's own error names no file)
+    import shutil
+
+    shutil.copytree(bpe, tmp_path / "damaged")
+    text = (tmp_path / "damaged" / "tokenizer.json").read_text()
+    (tmp_path / "damaged" / "tokenizer.json").write_text(text[:500] + "\x01" + text[500:])
+    with pytest.raises(TokenizerError, match=r"damaged could not be loaded as a Hugging Face tokenizer: "
+                                             r"tokenizer.json is not valid JSON \(.* line \d+ column \d+"):
+        build_tokenizer(str(tmp_path / "damaged"))
 
 
 def _dataset(root: Path, tokenizer, name: str = "web", count: int = 4) -> Path:
