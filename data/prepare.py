@@ -58,7 +58,9 @@ class Interrupted(BaseException):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    _refuse_unknown_options(parser, sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
     started = time.perf_counter()
     try:
         with _signals_raise():
@@ -105,6 +107,22 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace an existing PREFIX (at the end of the run)")
     p.add_argument("--describe", metavar="PREFIX", help="write PREFIX.json for a .bin/.idx made elsewhere")
     return p
+
+
+def _refuse_unknown_options(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """A misspelled option is named, with the closest known one, before argparse reports the
+    required option it then lacks (`--tokenizr DIR`: "the following arguments are required: --tokenizer")."""
+    import difflib
+
+    known = [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
+    for arg in argv:
+        if arg == "--":
+            return
+        name = arg.split("=", 1)[0]
+        # argparse takes an unambiguous prefix of an option too
+        if name.startswith("--") and not any(o.startswith(name) for o in known):
+            close = difflib.get_close_matches(name, known, n=1)
+            parser.error(f"unrecognized option {name}" + (f" (did you mean {close[0]}?)" if close else ""))
 
 
 def _cores() -> int:

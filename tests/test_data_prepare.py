@@ -343,3 +343,17 @@ def test_describe_a_dataset_made_elsewhere(tmp_path, tok, tok_dir, texts):
     rc, _, err = run("--describe", other, "--tokenizer", tok_dir)
     assert rc == 2 and f"token id {tok.vocab_size + 3:,}" in err and err.count("\n") == 1
     assert not Path(f"{other}.json").exists()
+
+
+def test_a_misspelled_option_is_named_with_the_closest_one(tmp_path, capsys):
+    """`--tokenizr DIR` (argparse alone says "the following arguments are required: --tokenizer")."""
+    for args, named in ((["a.jsonl", "--tokenizr", "byte", "--output-prefix", "x"],
+                         "unrecognized option --tokenizr (did you mean --tokenizer?)"),
+                        (["a.jsonl", "--tokenizer=byte", "--output-prefx=x"],
+                         "unrecognized option --output-prefx (did you mean --output-prefix?)")):
+        with pytest.raises(SystemExit) as e:
+            prepare.main(args)
+        assert e.value.code == 2 and named in capsys.readouterr().err
+    # an unambiguous prefix stays an option, as argparse takes it
+    rc, _, err = run("--tok", "byte", "--output", tmp_path / "x")
+    assert rc == 2 and "give INPUT... and --output-prefix PREFIX" in err

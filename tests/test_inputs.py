@@ -120,6 +120,8 @@ def test_composition_errors_in_one_line():
         "model=tinny: no model named 'tinny' (available: m3_tiny, msa_109b, msa_109b_proxy, small, tiny)"
     assert _composition_error("parallel.tp=2.5").startswith("parallel.tp=2.5: Value '2.5' of type 'float'")
     assert _composition_error("optim.lr=(").startswith("cannot parse 'optim.lr=('")
+    assert _composition_error("trainer.max_steps") == "trainer.max_steps: an override needs a value, " \
+                                                       "trainer.max_steps=VALUE"
     assert "\n" not in _composition_error("model.msa=3")
 
 

@@ -127,6 +127,8 @@ def composition_error(error: BaseException, overrides: list[str]) -> str:
         match = re.search(r"Error parsing override '(.*)'", text)
         detail = [line for line in text.splitlines()[1:] if line.strip() and not line.startswith("See ")]
         what = match.group(1) if match else "an override"
+        if match and "=" not in what and not what.startswith("~"):
+            return f"{what}: an override needs a value, {what}=VALUE"
         return f"cannot parse {what!r}{': ' + detail[0] if detail else ''} (quote values with special characters)"
     if full_key:
         given = override_for(full_key, overrides) or full_key
