@@ -270,7 +270,7 @@ def test_init_from_without_a_recorded_tokenizer_needs_one_named(tmp_path):
 
     def problems(init_dir, tokenizer=None, mismatch="refuse"):
         data = SimpleNamespace(tokenizer=tokenizer, eod_token=None, add_bos=False, blend=None, valid_blend=None,
-                               tokenizer_mismatch=mismatch)
+                               tokenizer_mismatch=mismatch, source=None)
         cfg = SimpleNamespace(data=data, model=SimpleNamespace(vocab_size=32000), trainer=SimpleNamespace(eval_interval=0))
         return tokenizer_problems(cfg, None, init_dir)[2]
 

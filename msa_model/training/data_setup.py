@@ -162,6 +162,8 @@ def corpus_split_problems(data_cfg, evaluating: bool) -> list[str]:
     from data.datasets import is_jsonl
     from data.prepared import split_shares
 
+    if not data_cfg.source:
+        return []  # (a run without a corpus: the configuration's check names what is missing)
     shares = split_shares(data_cfg.split)
     try:
         _, files = list_corpus_files(data_cfg.source, data_cfg.glob, data_cfg.max_bytes)
