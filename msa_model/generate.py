@@ -11,9 +11,10 @@ phase) unless --phase dense. It stops after --max-new-tokens, at the end-of-docu
 the context's end.
 
 CHECKPOINT is what `python -m msa_model.eval` takes: a run directory, a checkpoint root (with
-`latest`) or a step_* directory, or a conversion's output. The text goes to stdout (--json: one
-object with the prompt's and the new tokens' ids, and the text); a line on stderr says how many
-tokens were made and why it stopped.
+`latest`) or a step_* directory, or a conversion's output. --prompt again gives more prompts, each
+continued on its own by the model loaded once. The text goes to stdout (--json: one object a line,
+the prompt's and the new tokens' ids and the text); a line on stderr for each says how many tokens
+were made and why it stopped.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def generate(model, device, prompt_ids: list[int], max_new: int, context: int, v
     return new, "max_new_tokens"
 
 
-def run(args) -> dict:
+def run(args) -> list[dict]:
     from msa_model.eval.runner import EvalError, build_model, load_config, resolve_checkpoint, untrained_index
     from msa_model.model.attention import set_msa_phase
     from msa_model.training.data_setup import checkpoint_run_tokenizer, document_bos
@@ -77,19 +78,29 @@ def run(args) -> dict:
     from msa_model.training.run_dir import setup_logging
 
     setup_logging(None, True)
+    # stdout is the text's: the log goes to stderr
+    root = logging.getLogger()
+    for console in list(root.handlers):
+        to_stderr = logging.StreamHandler(sys.stderr)
+        to_stderr.setFormatter(console.formatter)
+        to_stderr.filters = list(console.filters)
+        root.removeHandler(console)
+        root.addHandler(to_stderr)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise EvalError("--device cuda: CUDA is not available here (--device auto or cpu)")
     step_dir, config_path = resolve_checkpoint(args.checkpoint)
     cfg = load_config(config_path, step_dir)
     tokenizer = checkpoint_run_tokenizer(cfg, step_dir)
     bos = document_bos(cfg.data, tokenizer)
-    prompt_ids = ([bos] if bos is not None else []) + [int(i) for i in tokenizer.tokenize(args.prompt)]
     context = cfg.model.seq_length
-    if not prompt_ids:
-        raise EvalError("--prompt: empty (the model needs a token to go on from)")
-    if len(prompt_ids) >= context:
-        raise EvalError(f"--prompt: {len(prompt_ids):,} tokens, the model's context is {context:,} "
-                        "(model.seq_length): give a shorter one")
+    prompts = [([bos] if bos is not None else []) + [int(i) for i in tokenizer.tokenize(text)] for text in args.prompt]
+    for n, ids in enumerate(prompts, 1):
+        which = f"--prompt #{n}" if len(prompts) > 1 else "--prompt"
+        if not ids:
+            raise EvalError(f"{which}: empty (the model needs a token to go on from)")
+        if len(ids) >= context:
+            raise EvalError(f"{which}: {len(ids):,} tokens, the model's context is {context:,} "
+                            "(model.seq_length): give a shorter one")
     msa = cfg.model.attention == "msa"
     untrained = untrained_index(step_dir) if msa and args.phase == "sparse" else None
     if untrained:
@@ -99,16 +110,19 @@ def run(args) -> dict:
     try:
         if msa:
             set_msa_phase(model, args.phase == "sparse")
-        started = time.perf_counter()
-        new, stop = generate(model, device, prompt_ids, args.max_new_tokens, context, tokenizer.vocab_size,
-                             tokenizer.eod, args.temperature, args.top_p, args.seed)
-        seconds = time.perf_counter() - started
+        results = []
+        for ids in prompts:
+            started = time.perf_counter()
+            new, stop = generate(model, device, ids, args.max_new_tokens, context, tokenizer.vocab_size,
+                                 tokenizer.eod, args.temperature, args.top_p, args.seed)
+            log.info("%d new tokens in %.1f s (%s, %s attention%s); stopped: %s", len(new),
+                     time.perf_counter() - started, step_dir, cfg.model.attention,
+                     f", {args.phase} phase" if msa else "", stop)
+            results.append({"checkpoint": str(step_dir), "prompt_ids": ids, "ids": new,
+                            "text": tokenizer.detokenize(new), "stopped": stop})
     finally:
         shutdown()
-    text = tokenizer.detokenize(new)
-    log.info("%d new tokens in %.1f s (%s, %s attention%s); stopped: %s", len(new), seconds, step_dir,
-             cfg.model.attention, f", {args.phase} phase" if msa else "", stop)
-    return {"checkpoint": str(step_dir), "prompt_ids": prompt_ids, "ids": new, "text": text, "stopped": stop}
+    return results
 
 
 def _fraction(text: str) -> float:
@@ -137,7 +151,8 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", help="a run dir, a checkpoint root (with `latest`), a step_* directory or a "
                                       "conversion's output")
-    p.add_argument("--prompt", required=True, help="the text to go on from")
+    p.add_argument("--prompt", required=True, action="append",
+                   help="the text to go on from (again for more prompts, each continued on its own)")
     p.add_argument("--max-new-tokens", type=_count, default=64)
     p.add_argument("--temperature", type=_non_negative, default=0.0, help="0: the most likely token (default)")
     p.add_argument("--top-p", type=_fraction, default=1.0, help="sample from the tokens holding this much probability")
@@ -151,14 +166,17 @@ def main(argv=None) -> int:
     from msa_model.eval.runner import EvalError
 
     try:
-        result = run(args)
+        results = run(args)
     except EvalError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    print(json.dumps(result) if args.json else args.prompt + result["text"], flush=True)
+    for prompt, result in zip(args.prompt, results):
+        # --json: one object a line; text: each prompt with its continuation, a blank line between
+        print(json.dumps(result) if args.json else prompt + result["text"] + ("\n" if len(results) > 1 else ""),
+              flush=True)
     return 0
 
 

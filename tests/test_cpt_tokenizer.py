@@ -177,14 +177,12 @@ def test_generate_continues_a_conversion_as_transformers_does(converted):
     from data.tokenizer import build_tokenizer
 
     root, _, _ = converted
-    ours = []
-    for offset in range(95, 99):
-        prompt = stdlib_texts(1, offset=offset)[0][:100]
-        proc = run_python(["-m", "msa_model.generate", str(root / "llama" / "msa"), "--prompt", prompt, "--phase",
-                           "dense", "--max-new-tokens", "12", "--json", "--device", "cpu"], timeout=300)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        ours.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-        assert len(ours[-1]["ids"]) == 12 or ours[-1]["stopped"] == "end of document", ours[-1]
+    prompts = [a for offset in range(95, 99) for a in ("--prompt", stdlib_texts(1, offset=offset)[0][:100])]
+    proc = run_python(["-m", "msa_model.generate", str(root / "llama" / "msa"), *prompts, "--phase", "dense",
+                       "--max-new-tokens", "12", "--json", "--device", "cpu"], timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ours = [json.loads(line) for line in proc.stdout.splitlines()]  # (stdout holds the results alone)
+    assert len(ours) == 4 and all(len(o["ids"]) == 12 or o["stopped"] == "end of document" for o in ours), ours
     # the end of a document, where both stop
     eos = build_tokenizer(str(root / "tokenizer")).eod
     theirs = json.loads(_worker("hf-generate", str(root / "llama" / "hf"), json.dumps([o["prompt_ids"] for o in ours]),
