@@ -646,9 +646,9 @@ def test_gluon_backward_compiles_for_hopper():
 
 
 def test_gluon_backward_asked_for_where_it_does_not_apply():
-    """bwd_gluon where the Gluon kernel does not apply (here: the CPU, fp32, head dim 16) is the
-    Triton kernel's backward."""
-    run_case(2, 50, 8, 2, 16, 16, 5, torch.float32, tuning=GLUON)
+    """bwd_gluon where the Gluon kernel does not apply (head dim 16, 16-key blocks; on the CPU fp32
+    too) is the Triton kernel's backward."""
+    run_case(2, 50, 8, 2, 16, 16, 5, torch.float32 if DEVICE == "cpu" else torch.bfloat16, tuning=GLUON)
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon backward needs an sm_90 GPU")
