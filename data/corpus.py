@@ -41,12 +41,17 @@ def list_corpus_files(source: str, glob: str, max_bytes: int) -> tuple[Path, lis
     return root, files
 
 
+def is_jsonl(path: Path) -> bool:
+    """A .jsonl/.ndjson(.gz) file: its records are its documents (file_documents)."""
+    return path.name.lower().endswith(JSONL_SUFFIXES)
+
+
 def file_documents(path: Path) -> list[bytes]:
     """The documents of one corpus file as the evaluation reads them: the whole file, one document;
     for a .jsonl/.ndjson(.gz) file, each record's JSONL_FIELD string, read as `python -m
     data.prepare` reads it (records without one left out). Raises ValueError naming the file when
     none of its records holds a document."""
-    if not path.name.lower().endswith(JSONL_SUFFIXES):
+    if not is_jsonl(path):
         return [path.read_bytes()]
     if path.stat().st_size == 0:
         return []

@@ -36,7 +36,7 @@ from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 from msa_model.platform.compat import fresh_loss_masks
 
 from .cache_check import DataCacheError, problem, record
-from .corpus import JSONL_SUFFIXES, file_documents, list_corpus_files
+from .corpus import file_documents, is_jsonl, list_corpus_files
 from . import retrieval
 from .retrieval import DEFAULT_TASKS, Haystack, training_documents
 from .shared_build import BuildLock, build_megatron_datasets, discard, wait_for_rank_0
@@ -171,10 +171,6 @@ def _tokenize(out_dir: Path, tokenizer, root: Path, files: list[Path], data_cfg,
              sum(p.stat().st_size for p in files) / 1e6, f", {n_docs:,} documents" if n_docs != len(files) else "",
              root, out_dir, n_tokens + n_synthetic,
              f" ({n_synthetic} in windows of synthetic retrieval documents)" if n_synthetic else "")
-
-
-def is_jsonl(path: Path) -> bool:
-    return path.name.lower().endswith(JSONL_SUFFIXES)
 
 
 def _documents(path: Path) -> list[bytes]:

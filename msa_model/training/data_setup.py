@@ -158,8 +158,7 @@ def corpus_split_problems(data_cfg, evaluating: bool) -> list[str]:
     before it is tokenized: a file is one document (a .jsonl file's records are counted once it is
     read: its tokenization checks them, data.datasets). Training always, validation when the run
     evaluates on the split."""
-    from data.corpus import list_corpus_files
-    from data.datasets import is_jsonl
+    from data.corpus import is_jsonl, list_corpus_files
     from data.prepared import split_shares
 
     if not data_cfg.source:
